@@ -1,0 +1,5 @@
+from __future__ import annotations
+
+from edge_agent.cli import main
+
+main()

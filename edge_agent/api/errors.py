@@ -1,0 +1,71 @@
+"""Renders the exception tree of `edge_agent.errors` in each dialect's error shape.
+
+OpenAI: `{"error": {"message", "type", "param", "code"}}`; Ollama: `{"error": "message"}`.
+The dialect is chosen by path (`/v1/...` is OpenAI). Unknown exceptions become a 500 with
+a generic message: the raw text of an internal error never reaches a client.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from edge_agent.errors import EdgeAgentError, InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+def is_openai_path(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def openai_body(exc: EdgeAgentError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
+                      "code": exc.code}}
+
+
+def ollama_body(exc: EdgeAgentError) -> dict[str, Any]:
+    return {"error": exc.message}
+
+
+def error_response(exc: EdgeAgentError, path: str) -> JSONResponse:
+    body = openai_body(exc) if is_openai_path(path) else ollama_body(exc)
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_edge_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, EdgeAgentError)
+        return error_response(exc, request.url.path)
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        err = EdgeAgentError(str(exc.detail))
+        err.status_code = exc.status_code
+        err.error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err.code = None
+        return error_response(err, request.url.path)
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first["loc"][1:]) or None
+        return error_response(InvalidRequest(str(first["msg"]), param=param), request.url.path)
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(EdgeAgentError("internal server error"), request.url.path)
+
+    app.add_exception_handler(EdgeAgentError, on_edge_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_unexpected)

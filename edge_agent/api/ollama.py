@@ -1,0 +1,437 @@
+"""The Ollama dialect (/api/*): request and response shapes as in Ollama's docs/api.md.
+
+Thin: parse and validate, build a `GenerationRequest`, encode events as NDJSON. Options
+that would change behaviour and are not supported are refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from edge_agent import __version__
+from edge_agent.api.body import read_json, validate
+from edge_agent.api.state import AppParts, Parts
+from edge_agent.engine.catalog import InstalledModel
+from edge_agent.engine.registry import FOREVER, LoadedModel, parse_keep_alive
+from edge_agent.engine.request import (
+    DoneEvent,
+    EmbeddingRequest,
+    ErrorEvent,
+    GenerationRequest,
+    TokenEvent,
+)
+from edge_agent.engine.structured import ANY_JSON_OBJECT
+from edge_agent.errors import InvalidRequest, ServiceUnavailable, UnsupportedParameter
+
+# The Ollama API level these endpoints follow; clients gate features on it.
+OLLAMA_API_VERSION = "0.12.0"
+NDJSON = "application/x-ndjson"
+
+router = APIRouter()
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Options(_Body):
+    num_predict: int | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    typical_p: float | None = Field(None, gt=0, le=1)
+    repeat_penalty: float | None = Field(None, gt=0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    num_ctx: int | None = Field(None, gt=0)
+    # Accepted only at values that change nothing here.
+    num_keep: int | None = None  # no context shifting happens, so nothing to keep
+    penalize_newline: bool | None = None  # Ollama itself ignores it
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    tfs_z: float | None = None
+    numa: bool | None = None
+    low_vram: bool | None = None
+    f16_kv: bool | None = None
+    logits_all: bool | None = None
+    vocab_only: bool | None = None
+    use_mlock: bool | None = None
+    embedding_only: bool | None = None
+    # The operator sets these in config; a request cannot.
+    num_batch: int | None = None
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    num_thread: int | None = None
+    use_mmap: bool | None = None
+
+
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
+             "repeat_last_n", "presence_penalty", "frequency_penalty", "seed")
+_NO_OP = {"mirostat": 0, "tfs_z": 1.0, "numa": False, "low_vram": False, "f16_kv": True,
+          "logits_all": False, "vocab_only": False, "use_mlock": False,
+          "embedding_only": False}
+_OPERATOR = ("num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap")
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+    images: list[str] | None = None
+    thinking: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+
+
+class _GenerateCommon(_Body):
+    model: str
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+    stream: bool = True
+    keep_alive: str | float | None = None
+    think: bool | str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class ChatBody(_GenerateCommon):
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateBody(_GenerateCommon):
+    prompt: str | None = None
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool = False
+    images: list[str] | None = None
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+
+
+class EmbedBody(_Body):
+    model: str
+    input: str | list[str]
+    truncate: bool = True
+    options: Options | None = None
+    keep_alive: str | float | None = None
+    dimensions: int | None = Field(None, gt=0)
+
+
+class EmbeddingsBody(_Body):
+    model: str
+    prompt: str = ""
+    options: Options | None = None
+    keep_alive: str | float | None = None
+
+
+class ModelRef(_Body):
+    model: str | None = None
+    name: str | None = None  # the older spelling
+    verbose: bool | None = None
+
+    @property
+    def ref(self) -> str:
+        if not (self.model or self.name):
+            raise InvalidRequest("missing required parameter: 'model'", param="model")
+        return self.model or self.name or ""
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _iso(ts: float) -> str:
+    if ts == FOREVER:
+        ts = 253402300799.0  # 9999-12-31: Ollama's "never"
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _apply_options(req: GenerationRequest, options: Options | None) -> None:
+    if options is None:
+        return
+    given = options.model_dump(exclude_none=True)
+    for key, value in given.items():
+        if key in _OPERATOR:
+            raise UnsupportedParameter(
+                f"option '{key}' is set by the operator in the configuration, not per request",
+                param=f"options.{key}")
+        if key in _NO_OP and value != _NO_OP[key]:
+            raise UnsupportedParameter(f"option '{key}'={value} is not supported",
+                                       param=f"options.{key}")
+    req.sampling = {k: given[k] for k in _SAMPLING if k in given}
+    if options.num_predict is not None and options.num_predict >= 0:
+        req.max_tokens = options.num_predict
+    if options.stop is not None:
+        req.stop = [options.stop] if isinstance(options.stop, str) else list(options.stop)
+    req.num_ctx = options.num_ctx
+
+
+def _check_common(body: _GenerateCommon, model: str) -> None:
+    if body.think not in (None, False, "", "none"):
+        raise UnsupportedParameter(f'"{model}" does not support thinking', param="think")
+    if body.logprobs:
+        raise UnsupportedParameter("logprobs are not supported", param="logprobs")
+    if body.top_logprobs:
+        raise UnsupportedParameter("top_logprobs are not supported", param="top_logprobs")
+
+
+def _schema(fmt: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return ANY_JSON_OBJECT
+    if isinstance(fmt, dict):
+        return fmt
+    raise InvalidRequest(f"invalid format '{fmt}': use \"json\" or a JSON schema",
+                         param="format")
+
+
+def _stats(done: DoneEvent) -> dict[str, Any]:
+    t, u = done.timings, done.usage
+    return {
+        "done_reason": "stop" if done.reason == "tool_calls" else done.reason,
+        "total_duration": t.total_ns,
+        "load_duration": t.load_ns,
+        "prompt_eval_count": u.prompt_tokens - u.cached_tokens,
+        "prompt_eval_duration": t.prompt_ns,
+        "eval_count": u.completion_tokens,
+        "eval_duration": t.eval_ns,
+    }
+
+
+def _tool_calls(done: DoneEvent) -> list[dict[str, Any]]:
+    return [{"function": {"name": c.name, "arguments": c.arguments}} for c in done.tool_calls]
+
+
+async def _run(parts: AppParts, req: GenerationRequest, keep_alive: object, stream: bool,
+               chat: bool) -> Response:
+    prepared = await parts.service.prepare(req, keep_alive=parse_keep_alive(keep_alive))
+    name = prepared.model.info.name
+
+    def message(text: str, done: DoneEvent | None = None) -> dict[str, Any]:
+        if not chat:
+            return {"response": text}
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if done is not None and done.tool_calls:
+            msg["tool_calls"] = _tool_calls(done)
+        return {"message": msg}
+
+    def final(done: DoneEvent, text: str) -> dict[str, Any]:
+        extra = {} if chat else {"context": list(done.context)}
+        return {"model": name, "created_at": _now(), **message(text, done), "done": True,
+                **_stats(done), **extra}
+
+    if not stream:
+        done = await parts.service.complete(prepared)
+        return JSONResponse(final(done, done.text))
+
+    async def lines() -> AsyncIterator[bytes]:
+        async for event in parts.service.stream(prepared):
+            if isinstance(event, TokenEvent):
+                chunk = {"model": name, "created_at": _now(), **message(event.text),
+                         "done": False}
+            elif isinstance(event, DoneEvent):
+                if event.tool_calls:
+                    calls = {"model": name, "created_at": _now(), **message("", event),
+                             "done": False}
+                    yield (json.dumps(calls, ensure_ascii=False) + "\n").encode()
+                chunk = final(event, "")
+                if chat:
+                    chunk["message"].pop("tool_calls", None)
+            else:
+                assert isinstance(event, ErrorEvent)
+                chunk = {"error": str(event.error)}
+            yield (json.dumps(chunk, ensure_ascii=False) + "\n").encode()
+
+    return StreamingResponse(lines(), media_type=NDJSON)
+
+
+async def _load_only(parts: AppParts, model: str, keep_alive: object, chat: bool) -> Response:
+    """An empty prompt loads (or, with keep_alive 0, unloads) the model, as Ollama does."""
+    seconds = parse_keep_alive(keep_alive)
+    if seconds == 0:
+        parts.store.get(model)
+        await parts.registry.unload(model)
+        reason = "unload"
+    else:
+        loaded, _ = await parts.registry.acquire(model, seconds)
+        await parts.registry.release(loaded)
+        reason = "load"
+    body: dict[str, Any] = {"model": model, "created_at": _now(), "done": True,
+                            "done_reason": reason}
+    body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+    return JSONResponse(body)
+
+
+@router.get("/", response_class=PlainTextResponse)
+@router.head("/", response_class=PlainTextResponse)
+async def root() -> str:
+    return "edge-agent is running"
+
+
+@router.get("/api/version")
+async def version() -> dict[str, str]:
+    return {"version": OLLAMA_API_VERSION, "edge_agent": __version__}
+
+
+@router.post("/api/chat")
+async def chat(request: Request, parts: Parts) -> Response:
+    body = validate(ChatBody, await read_json(request, parts.settings.server.max_body_bytes))
+    _check_common(body, body.model)
+    if not body.messages:
+        return await _load_only(parts, body.model, body.keep_alive, chat=True)
+    messages = []
+    for i, m in enumerate(body.messages):
+        if m.images:
+            raise UnsupportedParameter("images are not supported by this model",
+                                       param=f"messages.{i}.images")
+        msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_name:
+            msg["name"] = m.tool_name
+        messages.append(msg)
+    for i, tool in enumerate(body.tools or []):
+        if not isinstance(tool.get("function"), dict) or not tool["function"].get("name"):
+            raise InvalidRequest("each tool needs function.name", param=f"tools.{i}")
+    req = GenerationRequest(model=body.model, messages=messages, tools=body.tools or [],
+                            json_schema=_schema(body.format))
+    _apply_options(req, body.options)
+    return await _run(parts, req, body.keep_alive, body.stream, chat=True)
+
+
+@router.post("/api/generate")
+async def generate(request: Request, parts: Parts) -> Response:
+    body = validate(GenerateBody, await read_json(request, parts.settings.server.max_body_bytes))
+    _check_common(body, body.model)
+    if body.suffix:
+        raise UnsupportedParameter(f"{body.model} does not support insert", param="suffix")
+    if body.template:
+        raise UnsupportedParameter("per-request templates are not supported; the model's "
+                                   "chat template applies (or use raw)", param="template")
+    if body.images:
+        raise UnsupportedParameter("images are not supported by this model", param="images")
+    if body.width or body.height or body.steps:
+        raise UnsupportedParameter("image generation is not supported", param="width")
+    if not body.prompt and not body.context:
+        return await _load_only(parts, body.model, body.keep_alive, chat=False)
+    req = GenerationRequest(model=body.model, prompt=body.prompt or "", raw=body.raw,
+                            system=body.system, context_tokens=list(body.context or []),
+                            json_schema=_schema(body.format))
+    _apply_options(req, body.options)
+    return await _run(parts, req, body.keep_alive, body.stream, chat=False)
+
+
+@router.post("/api/embed")
+async def embed(request: Request, parts: Parts) -> Response:
+    body = validate(EmbedBody, await read_json(request, parts.settings.server.max_body_bytes))
+    inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else \
+        list(body.input)
+    result = await parts.service.embed(
+        EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate),
+        keep_alive=parse_keep_alive(body.keep_alive))
+    vectors = result.vectors
+    if body.dimensions is not None:
+        vectors = _shorten(vectors, body.dimensions)
+    headers = {"X-Edge-Truncated": str(result.truncated_tokens)} if result.truncated_tokens \
+        else {}
+    return JSONResponse({"model": body.model, "embeddings": vectors,
+                         "total_duration": result.timings.total_ns,
+                         "load_duration": result.timings.load_ns,
+                         "prompt_eval_count": result.prompt_tokens}, headers=headers)
+
+
+def _shorten(vectors: list[list[float]], dims: int) -> list[list[float]]:
+    if vectors and dims > len(vectors[0]):
+        raise InvalidRequest(f"dimensions {dims} exceeds the model's {len(vectors[0])}",
+                             param="dimensions")
+    out = []
+    for v in vectors:
+        head = v[:dims]
+        norm = sum(x * x for x in head) ** 0.5 or 1.0
+        out.append([x / norm for x in head])
+    return out
+
+
+@router.post("/api/embeddings")
+async def embeddings(request: Request, parts: Parts) -> Response:
+    body = validate(EmbeddingsBody,
+                    await read_json(request, parts.settings.server.max_body_bytes))
+    if not body.prompt:
+        parts.store.get(body.model)
+        return JSONResponse({"embedding": []})
+    result = await parts.service.embed(
+        EmbeddingRequest(model=body.model, inputs=[body.prompt]),
+        keep_alive=parse_keep_alive(body.keep_alive))
+    return JSONResponse({"embedding": result.vectors[0]})
+
+
+def _details(m: InstalledModel) -> dict[str, Any]:
+    return {"parent_model": "", "format": "gguf", "family": m.family, "families": [m.family],
+            "parameter_size": m.parameter_size, "quantization_level": m.quantization}
+
+
+@router.get("/api/tags")
+async def tags(parts: Parts) -> dict[str, Any]:
+    return {"models": [
+        {"name": m.name, "model": m.name, "modified_at": _iso(m.installed_at), "size": m.size,
+         "digest": m.digest, "details": _details(m)}
+        for m in parts.store.installed()
+    ]}
+
+
+@router.post("/api/show")
+async def show(request: Request, parts: Parts) -> dict[str, Any]:
+    body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
+    m = parts.store.get(body.ref)
+    params = "\n".join(
+        f"{k} {json.dumps(x)}" for k, v in m.parameters.items()
+        for x in (v if isinstance(v, list) else [v]))
+    info: dict[str, Any] = {"general.architecture": m.architecture,
+                            "general.parameter_count": m.parameter_size}
+    if m.context_length:
+        info[f"{m.architecture}.context_length"] = m.context_length
+    if m.embedding_length:
+        info[f"{m.architecture}.embedding_length"] = m.embedding_length
+    capabilities = ["completion", "embedding"] + (["tools"] if m.chat_template else [])
+    return {"license": m.license, "modelfile": f"# source: {m.origin}\nFROM {m.name}\n",
+            "parameters": params, "template": m.chat_template or "", "details": _details(m),
+            "model_info": info, "capabilities": capabilities,
+            "modified_at": _iso(m.installed_at)}
+
+
+def _ps_row(m: LoadedModel) -> dict[str, Any]:
+    return {"name": m.info.name, "model": m.info.name, "size": m.size, "digest": m.info.digest,
+            "details": _details(m.info), "expires_at": _iso(m.expires_at),
+            "size_vram": m.size_vram, "context_length": m.worker.n_ctx}
+
+
+@router.get("/api/ps")
+async def ps(parts: Parts) -> dict[str, Any]:
+    return {"models": [_ps_row(m) for m in parts.registry.loaded()]}
+
+
+@router.delete("/api/delete")
+async def delete(request: Request, parts: Parts) -> Response:
+    body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
+    name = parts.store.get(body.ref).name
+    if parts.registry.is_loaded(name) and not await parts.registry.unload(name):
+        raise ServiceUnavailable(f"model '{name}' is serving requests; try again",
+                                 retry_after=1.0)
+    parts.store.remove(name)
+    return Response(status_code=200)

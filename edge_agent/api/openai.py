@@ -1,0 +1,430 @@
+"""The OpenAI dialect (/v1/*): chat completions, completions, embeddings, models.
+
+Thin: parse and validate, build a `GenerationRequest`, encode events as SSE. Unknown
+arguments are refused as OpenAI refuses them; known ones that would change behaviour and
+are not supported (n > 1, logprobs, audio …) get 400 naming the parameter.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import struct
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from edge_agent.api.body import read_json, validate
+from edge_agent.api.errors import openai_body
+from edge_agent.api.state import AppParts, Parts
+from edge_agent.engine.catalog import InstalledModel
+from edge_agent.engine.request import (
+    DoneEvent,
+    EmbeddingRequest,
+    ErrorEvent,
+    GenerationRequest,
+    TokenEvent,
+)
+from edge_agent.engine.structured import ANY_JSON_OBJECT
+from edge_agent.errors import EdgeAgentError, InvalidRequest, UnsupportedParameter
+
+router = APIRouter(prefix="/v1")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    name: str
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+
+class _Sampling(_Body):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # llama.cpp extensions, as its server accepts them
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, gt=0)
+
+
+class ChatBody(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    suffix: str | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+class EmbeddingBody(_Body):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, gt=0)
+    user: str | None = None
+
+
+def _unsupported(condition: object, param: str, what: str) -> None:
+    if condition:
+        raise UnsupportedParameter(f"{what} is not supported", param=param)
+
+
+def _common(body: _Sampling, req: GenerationRequest) -> None:
+    _unsupported(body.n != 1, "n", "n > 1")
+    for key in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                "top_k", "min_p", "repeat_penalty"):
+        value = getattr(body, key)
+        if value is not None:
+            req.sampling[key] = value
+    if body.logit_bias:
+        try:
+            bias = tuple((int(k), float(v)) for k, v in body.logit_bias.items())
+        except ValueError as exc:
+            raise InvalidRequest("logit_bias keys must be token ids", param="logit_bias") from exc
+        if any(not -100 <= v <= 100 for _, v in bias):
+            raise InvalidRequest("logit_bias values must be within [-100, 100]",
+                                 param="logit_bias")
+        req.sampling["logit_bias"] = bias
+    if body.stop is not None:
+        req.stop = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+
+
+def _text_content(msg: ChatMessage, i: int) -> str:
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content or ""
+    texts = []
+    for j, part in enumerate(msg.content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise UnsupportedParameter(f"content part of type '{part.get('type')}' is not "
+                                       "supported", param=f"messages.{i}.content.{j}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _chat_request(body: ChatBody) -> GenerationRequest:
+    _unsupported(body.logprobs, "logprobs", "logprobs")
+    _unsupported(body.top_logprobs, "top_logprobs", "top_logprobs")
+    _unsupported(body.store, "store", "store")
+    _unsupported(body.reasoning_effort, "reasoning_effort", "reasoning_effort")
+    _unsupported(body.modalities not in (None, ["text"]), "modalities", "output other than text")
+    _unsupported(body.audio, "audio", "audio output")
+    _unsupported(body.prediction, "prediction", "predicted outputs")
+    _unsupported(body.web_search_options, "web_search_options", "web search")
+    _unsupported(body.functions or body.function_call, "functions",
+                 "the deprecated functions API (use tools)")
+    _unsupported(body.service_tier not in (None, "auto", "default"), "service_tier",
+                 f"service_tier '{body.service_tier}'")
+    messages = []
+    for i, m in enumerate(body.messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": _text_content(m, i)}
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+        messages.append(msg)
+    req = GenerationRequest(model=body.model, messages=messages)
+    _common(body, req)
+    if body.max_tokens is not None and body.max_completion_tokens is not None \
+            and body.max_tokens != body.max_completion_tokens:
+        raise InvalidRequest("max_tokens and max_completion_tokens disagree",
+                             param="max_completion_tokens")
+    req.max_tokens = body.max_completion_tokens or body.max_tokens
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        req.json_schema = ANY_JSON_OBJECT
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidRequest("response_format.json_schema.schema is required",
+                                 param="response_format.json_schema")
+        req.json_schema = fmt.json_schema.schema_
+    if body.tools:
+        for i, tool in enumerate(body.tools):
+            fn = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+                raise InvalidRequest("each tool needs type 'function' and function.name",
+                                     param=f"tools.{i}")
+        req.tools = body.tools
+        req.tool_choice = _tool_choice(body.tool_choice)
+    elif body.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+    return req
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str:
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise InvalidRequest(f"invalid tool_choice '{choice}'", param="tool_choice")
+        return choice
+    name = (choice.get("function") or {}).get("name")
+    if choice.get("type") != "function" or not name:
+        raise InvalidRequest("tool_choice must name a function", param="tool_choice")
+    return str(name)
+
+
+def _usage(done: DoneEvent) -> dict[str, Any]:
+    u = done.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _tool_calls(done: DoneEvent) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments,
+                                                                  ensure_ascii=False)}}
+            for c in done.tool_calls]
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def _fingerprint(parts: AppParts, model: str) -> str:
+    return "fp_" + parts.store.get(model).digest[:12]
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request, parts: Parts) -> Response:
+    body = validate(ChatBody, await read_json(request, parts.settings.server.max_body_bytes))
+    prepared = await parts.service.prepare(_chat_request(body))
+    ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+    head = {"id": ident, "created": created, "model": prepared.model.info.name,
+            "system_fingerprint": "fp_" + prepared.model.info.digest[:12]}
+
+    if not body.stream:
+        done = await parts.service.complete(prepared)
+        message: dict[str, Any] = {"role": "assistant", "content": done.text or None,
+                                   "refusal": None}
+        if done.tool_calls:
+            message["tool_calls"] = _tool_calls(done)
+        else:
+            message["content"] = done.text
+        return JSONResponse({**head, "object": "chat.completion", "choices": [
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": done.reason}],
+            "usage": _usage(done)})
+
+    with_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        obj: dict[str, Any] = {**head, "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if with_usage:
+            obj["usage"] = None
+        return _sse(obj)
+
+    async def events() -> AsyncIterator[bytes]:
+        yield chunk({"role": "assistant", "content": ""})
+        async for event in parts.service.stream(prepared):
+            if isinstance(event, TokenEvent):
+                yield chunk({"content": event.text})
+            elif isinstance(event, DoneEvent):
+                if event.tool_calls:
+                    calls = [{"index": i, **c} for i, c in enumerate(_tool_calls(event))]
+                    yield chunk({"tool_calls": calls})
+                yield chunk({}, event.reason)
+                if with_usage:
+                    yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
+                                "usage": _usage(event)})
+                yield _sse("[DONE]")
+            elif isinstance(event, ErrorEvent):
+                yield _sse(openai_body(_edge(event.error)))
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _edge(exc: Exception) -> EdgeAgentError:
+    return exc if isinstance(exc, EdgeAgentError) else EdgeAgentError("internal server error")
+
+
+@router.post("/completions")
+async def completions(request: Request, parts: Parts) -> Response:
+    body = validate(CompletionBody,
+                    await read_json(request, parts.settings.server.max_body_bytes))
+    _unsupported(body.suffix, "suffix", "suffix (insertion)")
+    _unsupported(body.logprobs, "logprobs", "logprobs")
+    _unsupported(body.best_of not in (None, 1), "best_of", "best_of > 1")
+    prompts: list[str | list[int]]
+    if isinstance(body.prompt, str):
+        prompts = [body.prompt]
+    elif body.prompt and all(isinstance(p, int) for p in body.prompt):
+        prompts = [list(body.prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = list(body.prompt)  # type: ignore[arg-type]
+    if not prompts:
+        raise InvalidRequest("prompt is empty", param="prompt")
+    requests = []
+    for p in prompts:
+        req = GenerationRequest(model=body.model, raw=True, max_tokens=body.max_tokens,
+                                prompt=p if isinstance(p, str) else "",
+                                context_tokens=[] if isinstance(p, str) else p)
+        _common(body, req)
+        requests.append(req)
+    ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+    head = {"id": ident, "created": created, "object": "text_completion",
+            "model": parts.store.get(body.model).name,
+            "system_fingerprint": _fingerprint(parts, body.model)}
+
+    def echo(req: GenerationRequest) -> str:
+        return (req.prompt or "") if body.echo else ""
+
+    if not body.stream:
+        choices, totals = [], [0, 0, 0]
+        for i, req in enumerate(requests):
+            done = await parts.service.complete(await parts.service.prepare(req))
+            choices.append({"index": i, "text": echo(req) + done.text, "logprobs": None,
+                            "finish_reason": done.reason})
+            totals = [totals[0] + done.usage.prompt_tokens,
+                      totals[1] + done.usage.completion_tokens,
+                      totals[2] + done.usage.cached_tokens]
+        return JSONResponse({**head, "choices": choices, "usage": {
+            "prompt_tokens": totals[0], "completion_tokens": totals[1],
+            "total_tokens": totals[0] + totals[1],
+            "prompt_tokens_details": {"cached_tokens": totals[2]}}})
+
+    first = await parts.service.prepare(requests[0])  # refuse before the stream starts
+    with_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(i: int, text: str, finish: str | None = None) -> bytes:
+        obj: dict[str, Any] = {**head, "choices": [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
+        if with_usage:
+            obj["usage"] = None
+        return _sse(obj)
+
+    async def events() -> AsyncIterator[bytes]:
+        prepared = first
+        usage = [0, 0, 0]
+        for i, req in enumerate(requests):
+            if i:
+                prepared = await parts.service.prepare(req)
+            if body.echo and req.prompt:
+                yield chunk(i, req.prompt)
+            async for event in parts.service.stream(prepared):
+                if isinstance(event, TokenEvent):
+                    yield chunk(i, event.text)
+                elif isinstance(event, DoneEvent):
+                    yield chunk(i, "", event.reason)
+                    u = event.usage
+                    usage = [usage[0] + u.prompt_tokens, usage[1] + u.completion_tokens,
+                             usage[2] + u.cached_tokens]
+                elif isinstance(event, ErrorEvent):
+                    yield _sse(openai_body(_edge(event.error)))
+                    return
+        if with_usage:
+            yield _sse({**head, "choices": [], "usage": {
+                "prompt_tokens": usage[0], "completion_tokens": usage[1],
+                "total_tokens": usage[0] + usage[1],
+                "prompt_tokens_details": {"cached_tokens": usage[2]}}})
+        yield _sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@router.post("/embeddings")
+async def embeddings(request: Request, parts: Parts) -> Response:
+    body = validate(EmbeddingBody, await read_json(request, parts.settings.server.max_body_bytes))
+    inputs: list[str | list[int]]
+    if isinstance(body.input, str):
+        inputs = [body.input]
+    elif body.input and all(isinstance(x, int) for x in body.input):
+        inputs = [list(body.input)]  # type: ignore[arg-type]
+    else:
+        inputs = list(body.input)  # type: ignore[arg-type]
+    if not inputs or any(x == "" or x == [] for x in inputs):
+        raise InvalidRequest("input must not be empty", param="input")
+    result = await parts.service.embed(EmbeddingRequest(model=body.model, inputs=inputs))
+    dims = len(result.vectors[0])
+    if body.dimensions is not None and body.dimensions != dims:
+        raise UnsupportedParameter(f"this model gives {dims} dimensions; "
+                                   f"dimensions={body.dimensions} is not supported",
+                                   param="dimensions")
+    data = []
+    for i, vec in enumerate(result.vectors):
+        emb: list[float] | str = vec
+        if body.encoding_format == "base64":
+            emb = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return JSONResponse({"object": "list", "data": data, "model": parts.store.get(body.model).name,
+                         "usage": {"prompt_tokens": result.prompt_tokens,
+                                   "total_tokens": result.prompt_tokens}})
+
+
+def _model_obj(m: InstalledModel) -> dict[str, Any]:
+    return {"id": m.name, "object": "model", "created": int(m.installed_at),
+            "owned_by": "edge-agent"}
+
+
+@router.get("/models")
+async def list_models(parts: Parts) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_obj(m) for m in parts.store.installed()]}
+
+
+@router.get("/models/{model_id:path}")
+async def get_model(model_id: str, parts: Parts) -> dict[str, Any]:
+    return _model_obj(parts.store.get(model_id))

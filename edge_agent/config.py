@@ -1,0 +1,140 @@
+"""Settings: defaults < TOML file < EDGE_AGENT_* environment < command-line flags.
+
+Built once at the entry point (`load_settings`) and passed down; nothing reads the
+environment or the file anywhere else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_CONFIG_FILE = Path("/etc/edge-agent/config.toml")
+
+
+class ConfigError(Exception):
+    """A configuration problem, reported to the operator as one line (exit 2)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Section):
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(11434, ge=0, le=65535, description="TCP port (Ollama's by default).")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="Largest request body accepted; larger gets 413."
+    )
+
+
+class RuntimeSettings(_Section):
+    context_length: int = Field(
+        4096, ge=64, description="Context window per model, capped by the model's own."
+    )
+    threads: int = Field(0, ge=0, description="CPU threads for llama.cpp; 0 picks the cores.")
+    batch_size: int = Field(512, ge=1, description="Prompt tokens decoded per llama.cpp call.")
+    n_gpu_layers: int | Literal["auto"] = Field(
+        "auto",
+        description="Layers to offload: 'auto' offloads all when llama.cpp has a GPU backend.",
+    )
+    embedding_context: int = Field(
+        2048, ge=64, description="Largest input, in tokens, accepted by the embedding context."
+    )
+
+
+class ModelOverride(_Section):
+    """Per-model settings under [models."name:tag"]; unset fields fall back to [runtime]."""
+
+    context_length: int | None = Field(None, ge=64)
+    n_gpu_layers: int | Literal["auto"] | None = None
+    threads: int | None = Field(None, ge=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="EDGE_AGENT_",
+        env_nested_delimiter="__",
+        extra="forbid",
+    )
+
+    state_dir: Path = Field(Path("/var/lib/edge-agent"), description="Ledger, blobs, outbox.")
+    catalog_dir: Path | None = Field(
+        None, description="Folder of catalog TOML files; the packaged catalog when unset."
+    )
+    default_model: str = Field("smollm2:135m", description="Model loaded at start.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    server: ServerSettings = Field(default_factory=ServerSettings)  # type: ignore[arg-type]
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)  # type: ignore[arg-type]
+    models: dict[str, ModelOverride] = Field(default_factory=dict)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml_file = settings_cls.model_config.get("toml_file")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if toml_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+    def model_override(self, name: str) -> ModelOverride:
+        return self.models.get(name) or ModelOverride.model_validate({})
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Turn {'server.port': 1} into {'server': {'port': 1}}, dropping unset (None) flags."""
+    nested: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        if value is None:
+            continue
+        node = nested
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+def load_settings(config_file: Path | None = None, **flags: Any) -> Settings:
+    """Build the settings; raises ConfigError with one line naming the bad key.
+
+    `flags` use dotted keys for nested values (`**{"server.port": 8080}`).
+    """
+    path = config_file
+    if path is None and DEFAULT_CONFIG_FILE.is_file():
+        path = DEFAULT_CONFIG_FILE
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            with path.open("rb") as fh:
+                tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from exc
+    cls: type[Settings] = Settings
+    if path is not None:
+        cls = type(
+            "Settings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": path}}
+        )
+    try:
+        return cls(**_nest(flags))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "(root)"
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"invalid setting {key}{where}: {err['msg']}") from exc

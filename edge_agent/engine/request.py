@@ -1,0 +1,120 @@
+"""The dialect-free request and the events a generation yields.
+
+Both API dialects translate into `GenerationRequest` and out of the `Event`s; everything
+below them (templates, limits, scheduling, llama.cpp) sees only these types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ToolChoice = Literal["auto", "none", "required"] | str  # a str other than those: a function name
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """llama.cpp's sampler settings. Defaults are llama.cpp's; a catalog entry may override."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(cls.__dataclass_fields__)
+
+
+@dataclass
+class GenerationRequest:
+    model: str
+    messages: list[dict[str, Any]] | None = None  # chat: OpenAI-shaped messages
+    prompt: str | None = None  # completion: text to template (raw=False) or to send as is
+    raw: bool = False
+    system: str | None = None  # Ollama /api/generate's system prompt
+    context_tokens: list[int] = field(default_factory=list)  # Ollama's `context`
+    sampling: dict[str, Any] = field(default_factory=dict)  # only what the client set
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    json_schema: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool objects
+    tool_choice: ToolChoice = "auto"
+    num_ctx: int | None = None
+
+
+@dataclass
+class EmbeddingRequest:
+    model: str
+    inputs: list[str | list[int]]
+    truncate: bool = False
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Nanoseconds, as Ollama reports them."""
+
+    queue_ns: int = 0
+    load_ns: int = 0
+    prompt_ns: int = 0
+    eval_ns: int = 0
+    total_ns: int = 0
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    text: str
+
+
+DoneReason = Literal["stop", "length", "tool_calls", "cancelled"]
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    reason: DoneReason
+    usage: Usage
+    timings: Timings
+    text: str = ""  # the whole text, for non-streamed responses
+    tool_calls: tuple[ToolCall, ...] = ()
+    context: tuple[int, ...] = ()  # prompt + completion tokens (Ollama `context`)
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    error: Exception
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    vectors: list[list[float]]
+    prompt_tokens: int
+    truncated_tokens: int
+    timings: Timings

@@ -1,0 +1,323 @@
+"""llama.cpp through llama-cpp-python's low-level API: models, contexts, samplers.
+
+The high-level `Llama` class forces one sequence per context and its own sampling loop;
+the scheduler needs to own contexts and sampler chains itself, so this module wraps the
+C API directly. Everything here is called from the scheduler's worker thread only (a
+llama context is not thread-safe); it never touches asyncio.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as ll
+import numpy as np
+
+from edge_agent.engine.request import SamplingParams
+from edge_agent.errors import EdgeAgentError, InvalidRequest, ModelFileError
+
+log = logging.getLogger("edge_agent.llama")
+
+# ggml's levels (1 DEBUG … 4 ERROR, 5 = continuation); llama.cpp's INFO chatter goes to DEBUG.
+_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+
+
+@ll.llama_log_callback
+def _on_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    message = text.decode("utf-8", errors="replace").rstrip("\n")
+    if message:
+        log.log(_LEVELS.get(level, logging.DEBUG), "%s", message)
+
+
+class _Backend:
+    """llama.cpp's process-wide initialisation, done once. The callback object must live
+    as long as the process, so it is a module constant rather than a local."""
+
+    _lock = threading.Lock()
+    _ready = False
+
+    @classmethod
+    def ensure(cls) -> None:
+        with cls._lock:
+            if not cls._ready:
+                ll.llama_log_set(_on_llama_log, ctypes.c_void_p(0))
+                ll.llama_backend_init()
+                cls._ready = True
+
+
+def gpu_offload_supported() -> bool:
+    return bool(ll.llama_supports_gpu_offload())
+
+
+def system_info() -> str:
+    return ll.llama_print_system_info().decode(errors="replace").strip()
+
+
+def resolve_gpu_layers(setting: int | str) -> int:
+    if setting == "auto":
+        return 999 if gpu_offload_supported() else 0
+    return int(setting)
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+class LlamaModel:
+    """Weights and vocabulary of one GGUF, shared by that model's contexts."""
+
+    def __init__(self, path: Path, *, n_gpu_layers: int) -> None:
+        _Backend.ensure()
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+        if not ptr:
+            raise ModelFileError(f"llama.cpp could not load {path.name}")
+        self.ptr = ptr
+        self.n_gpu_layers = n_gpu_layers
+        self.vocab = ll.llama_model_get_vocab(ptr)
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
+        self.n_ctx_train = int(ll.llama_model_n_ctx_train(ptr))
+        self.n_embd = int(ll.llama_model_n_embd(ptr))
+        self.size = int(ll.llama_model_size(ptr))
+        self.bos = int(ll.llama_vocab_bos(self.vocab))
+        self.eos = int(ll.llama_vocab_eos(self.vocab))
+        self._pieces: dict[int, bytes] = {}
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            buf = (ll.llama_token * capacity)()
+            n = ll.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special,
+                                  parse_special)
+            if n >= 0:
+                tokens = list(buf[:n])
+                break
+            capacity = -n
+        # A template that writes the BOS text itself plus add_special would give two.
+        if len(tokens) >= 2 and tokens[0] == tokens[1] == self.bos:
+            tokens = tokens[1:]
+        return tokens
+
+    def piece(self, token: int) -> bytes:
+        cached = self._pieces.get(token)
+        if cached is None:
+            cached = self._render(token, special=False)
+            self._pieces[token] = cached
+        return cached
+
+    def token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return self._render(token, special=True).decode("utf-8", errors="replace")
+
+    def _render(self, token: int, *, special: bool) -> bytes:
+        size = 32
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = ll.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+
+    def close(self) -> None:
+        if self.ptr:
+            ll.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+def _context_params(n_ctx: int, n_batch: int, n_threads: int) -> ll.llama_context_params:
+    p = ll.llama_context_default_params()
+    p.n_ctx = n_ctx
+    p.n_batch = n_batch
+    p.n_ubatch = min(n_batch, 512)
+    p.n_seq_max = 1
+    p.n_threads = n_threads
+    p.n_threads_batch = n_threads
+    p.swa_full = False  # as llama.cpp's server: sliding-window layers keep only their window
+    return p
+
+
+class _Batch:
+    """One reusable llama_batch for a single sequence."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.raw = ll.llama_batch_init(capacity, 0, 1)
+
+    def fill(self, tokens: Sequence[int], start_pos: int, *, all_logits: bool) -> None:
+        b = self.raw
+        n = len(tokens)
+        b.n_tokens = n
+        for i, tok in enumerate(tokens):
+            b.token[i] = tok
+            b.pos[i] = start_pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1 if all_logits or i == n - 1 else 0
+
+    def close(self) -> None:
+        ll.llama_batch_free(self.raw)
+
+
+class GenerationContext:
+    """A llama context with one sequence whose KV cells persist between requests, so a
+    prompt that starts like the previous one (same system prompt, a growing chat) only
+    evaluates what is new."""
+
+    def __init__(self, model: LlamaModel, *, n_ctx: int, n_batch: int, n_threads: int) -> None:
+        self.model = model
+        ptr = ll.llama_init_from_model(model.ptr, _context_params(n_ctx, n_batch, n_threads))
+        if not ptr:
+            raise EdgeAgentError(f"llama.cpp could not create a context of {n_ctx} tokens")
+        self.ptr = ptr
+        self.mem = ll.llama_get_memory(ptr)
+        self.n_ctx = int(ll.llama_n_ctx(ptr))
+        self.n_batch = n_batch
+        self.tokens: list[int] = []  # what the KV cells hold, position by position
+        self._batch = _Batch(n_batch)
+
+    def prefill(self, prompt: list[int]) -> int:
+        """Make the KV hold `prompt` with logits for its last token; returns reused tokens."""
+        keep = 0
+        limit = min(len(self.tokens), len(prompt) - 1)  # the last token must be evaluated
+        while keep < limit and self.tokens[keep] == prompt[keep]:
+            keep += 1
+        if keep < len(self.tokens):
+            if not ll.llama_memory_seq_rm(self.mem, 0, keep, -1):
+                keep = 0
+            if keep and ll.llama_memory_seq_pos_min(self.mem, 0) > 0:
+                keep = 0  # sliding-window cells of the prefix are gone: start over
+            if keep == 0:
+                ll.llama_memory_clear(self.mem, True)
+            del self.tokens[keep:]
+        self.decode(prompt[keep:])
+        return keep
+
+    def decode(self, tokens: Sequence[int]) -> None:
+        try:
+            for start in range(0, len(tokens), self.n_batch):
+                chunk = tokens[start : start + self.n_batch]
+                self._batch.fill(chunk, len(self.tokens), all_logits=False)
+                rc = ll.llama_decode(self.ptr, self._batch.raw)
+                if rc != 0:
+                    raise EdgeAgentError(f"llama_decode failed with code {rc}")
+                self.tokens.extend(chunk)
+        except BaseException:
+            self.reset()
+            raise
+
+    def reset(self) -> None:
+        ll.llama_memory_clear(self.mem, True)
+        self.tokens.clear()
+
+    def close(self) -> None:
+        if self.ptr:
+            self._batch.close()
+            ll.llama_free(self.ptr)
+            self.ptr = None
+
+
+class EmbeddingContext:
+    """A separate context with mean pooling: a causal model's hidden states averaged over
+    the input, L2-normalised (what Ollama's /api/embed and OpenAI return)."""
+
+    def __init__(self, model: LlamaModel, *, n_ctx: int, n_threads: int) -> None:
+        self.model = model
+        p = _context_params(n_ctx, n_ctx, n_threads)
+        p.n_ubatch = n_ctx  # pooled embeddings need the whole input in one micro-batch
+        p.embeddings = True
+        p.pooling_type = ll.LLAMA_POOLING_TYPE_MEAN
+        ptr = ll.llama_init_from_model(model.ptr, p)
+        if not ptr:
+            raise EdgeAgentError("llama.cpp could not create the embedding context")
+        self.ptr = ptr
+        self.mem = ll.llama_get_memory(ptr)
+        self.n_ctx = int(ll.llama_n_ctx(ptr))
+        self._batch = _Batch(self.n_ctx)
+
+    def embed(self, tokens: list[int]) -> list[float]:
+        if not tokens:
+            raise InvalidRequest("input is empty", param="input")
+        ll.llama_memory_clear(self.mem, True)
+        self._batch.fill(tokens, 0, all_logits=True)
+        rc = ll.llama_decode(self.ptr, self._batch.raw)
+        if rc != 0:
+            raise EdgeAgentError(f"llama_decode failed with code {rc}")
+        ptr = ll.llama_get_embeddings_seq(self.ptr, 0)
+        vec = np.ctypeslib.as_array(ptr, shape=(self.model.n_embd,)).astype(np.float64)
+        norm = float(np.linalg.norm(vec))
+        return (vec / norm if norm > 0 else vec).tolist()
+
+    def close(self) -> None:
+        if self.ptr:
+            self._batch.close()
+            ll.llama_free(self.ptr)
+            self.ptr = None
+
+
+@dataclass
+class Sampler:
+    """A llama.cpp sampler chain for one request: its own seed, penalties and grammar."""
+
+    ptr: ctypes.c_void_p
+
+    @classmethod
+    def build(cls, model: LlamaModel, params: SamplingParams, grammar: str | None) -> Sampler:
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        sampler = cls(chain)
+        try:
+            add = lambda s: ll.llama_sampler_chain_add(chain, s)  # noqa: E731
+            if params.logit_bias:
+                arr = (ll.llama_logit_bias * len(params.logit_bias))()
+                for i, (tok, bias) in enumerate(params.logit_bias):
+                    arr[i] = ll.llama_logit_bias(tok, bias)
+                add(ll.llama_sampler_init_logit_bias(model.n_vocab, len(arr), arr))
+            if grammar is not None:
+                g = ll.llama_sampler_init_grammar(model.vocab, grammar.encode(), b"root")
+                if not g:
+                    raise InvalidRequest("the JSON schema gives a grammar llama.cpp rejects",
+                                         param="format")
+                add(g)
+            if (params.repeat_penalty != 1.0 or params.presence_penalty
+                    or params.frequency_penalty):
+                add(ll.llama_sampler_init_penalties(
+                    model.n_vocab, params.repeat_last_n, params.repeat_penalty,
+                    params.frequency_penalty, params.presence_penalty))
+            if params.temperature <= 0:
+                add(ll.llama_sampler_init_greedy())
+                return sampler
+            if params.top_k > 0:
+                add(ll.llama_sampler_init_top_k(params.top_k))
+            if params.typical_p < 1.0:
+                add(ll.llama_sampler_init_typical(params.typical_p, 1))
+            if params.top_p < 1.0:
+                add(ll.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0.0:
+                add(ll.llama_sampler_init_min_p(params.min_p, 1))
+            add(ll.llama_sampler_init_temp(params.temperature))
+            seed = ll.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
+            add(ll.llama_sampler_init_dist(seed))
+            return sampler
+        except BaseException:
+            sampler.close()
+            raise
+
+    def sample(self, ctx: GenerationContext) -> int:
+        # Samples the last row's logits and already accepts the token into the chain.
+        return int(ll.llama_sampler_sample(self.ptr, ctx.ptr, -1))
+
+    def close(self) -> None:
+        if self.ptr:
+            ll.llama_sampler_free(self.ptr)
+            self.ptr = None  # type: ignore[assignment]

@@ -1,0 +1,217 @@
+"""From a dialect-free request to tokens, limits and a scheduled job, and back as events.
+
+This is the one place where a request becomes a prompt: template, tool instructions,
+grammar, sampling defaults (llama.cpp's < the catalog entry's < the client's) and the
+context check. Nothing here is silent: a prompt that does not fit is refused, never cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from edge_agent.engine.registry import LoadedModel, ModelRegistry
+from edge_agent.engine.request import (
+    DoneEvent,
+    EmbeddingRequest,
+    EmbeddingResult,
+    ErrorEvent,
+    Event,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from edge_agent.engine.scheduler import EmbeddingJob, GenerationJob, thread_emitter
+from edge_agent.engine.structured import (
+    grammar_for_schema,
+    parse_tool_output,
+    tool_call_schema,
+    tool_instructions,
+    with_tool_messages,
+)
+from edge_agent.errors import ContextLengthExceeded, EdgeAgentError, InvalidRequest
+
+
+@dataclass
+class PreparedGeneration:
+    model: LoadedModel
+    job: GenerationJob
+    tool_mode: bool
+    window: int
+
+
+class GenerationService:
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.registry = registry
+
+    async def prepare(
+        self, req: GenerationRequest, *, keep_alive: float | None = None
+    ) -> PreparedGeneration:
+        """Everything that can refuse the request, done before any response starts."""
+        model, load_ns = await self.registry.acquire(req.model, keep_alive)
+        try:
+            return self._prepare(req, model, load_ns)
+        except BaseException:
+            await self.registry.release(model)
+            raise
+
+    def _prepare(self, req: GenerationRequest, model: LoadedModel, load_ns: int
+                 ) -> PreparedGeneration:
+        llama = model.worker.model
+        defaults = {k: v for k, v in model.info.parameters.items()
+                    if k in SamplingParams.field_names()}
+        sampling = SamplingParams(**{**defaults, **req.sampling})
+        stops = [*model.info.parameters.get("stop", []), *req.stop]
+
+        tool_mode = bool(req.tools) and req.tool_choice != "none"
+        schema = tool_call_schema(req.tools, req.tool_choice) if tool_mode else req.json_schema
+        grammar = None
+        if schema is not None:
+            grammar = grammar_for_schema(
+                schema, param="tools" if tool_mode else "format")
+
+        text = self._prompt_text(req, model, tool_mode)
+        tokens = list(req.context_tokens) + llama.tokenize(
+            text, add_special=not req.context_tokens, parse_special=True)
+        if not tokens:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+
+        window = model.worker.n_ctx
+        if req.num_ctx is not None:
+            if req.num_ctx > window:
+                raise InvalidRequest(
+                    f"num_ctx {req.num_ctx} exceeds this model's context of {window} tokens",
+                    param="options.num_ctx")
+            window = req.num_ctx
+        if len(tokens) >= window:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(tokens)} tokens; this model's context window is "
+                f"{window} tokens", param="messages" if req.messages is not None else "prompt")
+        max_tokens = req.max_tokens
+        if max_tokens is None or max_tokens < 0:
+            max_tokens = window - len(tokens)
+        elif len(tokens) + max_tokens > window:
+            raise ContextLengthExceeded(
+                f"this model's context window is {window} tokens, but {len(tokens)} prompt "
+                f"tokens plus {max_tokens} requested output tokens need "
+                f"{len(tokens) + max_tokens}", param="max_tokens")
+        job = GenerationJob(prompt=tokens, params=sampling, grammar=grammar,
+                            max_tokens=max_tokens, stops=stops, emit=_unset_emit,
+                            load_ns=load_ns)
+        return PreparedGeneration(model=model, job=job, tool_mode=tool_mode, window=window)
+
+    def _prompt_text(self, req: GenerationRequest, model: LoadedModel, tool_mode: bool) -> str:
+        if req.messages is None:
+            prompt = req.prompt or ""
+            if req.raw or model.template is None:
+                return prompt
+            messages: list[dict[str, Any]] = []
+            if req.system:
+                messages.append({"role": "system", "content": req.system})
+            messages.append({"role": "user", "content": prompt})
+        else:
+            messages = req.messages
+        if model.template is None:
+            raise InvalidRequest(
+                f"model '{model.info.name}' has no chat template; use a completion endpoint",
+                param="messages")
+        if tool_mode:
+            messages = with_tool_messages(
+                messages, tool_instructions(req.tools, req.tool_choice),
+                keep_tool_role=model.template.knows_tool_role)
+        else:
+            messages = [m for m in messages]
+        return model.template.render(messages)
+
+    async def stream(self, prepared: PreparedGeneration) -> AsyncIterator[Event]:
+        """Runs the job; the events end with exactly one DoneEvent or ErrorEvent.
+
+        Leaving the iteration early (client gone, timeout) cancels the job at its next token.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        job = prepared.job
+        job.emit = thread_emitter(loop, queue)
+        prepared.model.worker.submit(job)
+        try:
+            while True:
+                event = await queue.get()
+                if isinstance(event, TokenEvent):
+                    if not prepared.tool_mode:  # tool answers are JSON until parsed
+                        yield event
+                    continue
+                if isinstance(event, DoneEvent) and prepared.tool_mode:
+                    event = _as_tool_answer(event)
+                    if event.text:
+                        yield TokenEvent(event.text)
+                yield event
+                return
+        finally:
+            job.cancelled.set()
+            await self.registry.release(prepared.model)
+
+    async def complete(self, prepared: PreparedGeneration) -> DoneEvent:
+        async for event in self.stream(prepared):
+            if isinstance(event, DoneEvent):
+                return event
+            if isinstance(event, ErrorEvent):
+                raise _as_edge_error(event.error)
+        raise EdgeAgentError("generation ended without a result")
+
+    async def embed(self, req: EmbeddingRequest, *, keep_alive: float | None = None
+                    ) -> EmbeddingResult:
+        model, load_ns = await self.registry.acquire(req.model, keep_alive)
+        try:
+            llama = model.worker.model
+            limit = model.worker.embed_ctx
+            inputs: list[list[int]] = []
+            truncated = 0
+            for i, item in enumerate(req.inputs):
+                tokens = (llama.tokenize(item, add_special=True, parse_special=False)
+                          if isinstance(item, str) else list(item))
+                if not tokens:
+                    raise InvalidRequest(f"input {i} is empty", param="input")
+                if any(t < 0 or t >= llama.n_vocab for t in tokens):
+                    raise InvalidRequest(f"input {i} has a token id outside the vocabulary",
+                                         param="input")
+                if len(tokens) > limit:
+                    if not req.truncate:
+                        raise ContextLengthExceeded(
+                            f"input {i} is {len(tokens)} tokens; the embedding context is "
+                            f"{limit} tokens", param="input")
+                    truncated += len(tokens) - limit
+                    tokens = tokens[:limit]
+                inputs.append(tokens)
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[EmbeddingResult | Exception] = loop.create_future()
+
+            def done(result: EmbeddingResult | Exception) -> None:
+                loop.call_soon_threadsafe(future.set_result, result)
+
+            model.worker.submit(EmbeddingJob(inputs=inputs, truncated_tokens=truncated,
+                                             done=done))
+            result = await future
+        finally:
+            await self.registry.release(model)
+        if isinstance(result, Exception):
+            raise _as_edge_error(result)
+        return dataclasses.replace(
+            result, timings=dataclasses.replace(result.timings, load_ns=load_ns,
+                                                total_ns=result.timings.total_ns + load_ns))
+
+
+def _as_tool_answer(event: DoneEvent) -> DoneEvent:
+    content, calls = parse_tool_output(event.text)
+    return dataclasses.replace(event, text=content or "", tool_calls=calls,
+                               reason="tool_calls" if calls else event.reason)
+
+
+def _as_edge_error(exc: Exception) -> EdgeAgentError:
+    return exc if isinstance(exc, EdgeAgentError) else EdgeAgentError(str(exc))
+
+
+def _unset_emit(event: Event) -> None:
+    raise RuntimeError("job emitted before it was scheduled")

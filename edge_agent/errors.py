@@ -1,0 +1,95 @@
+"""The one exception tree that every layer raises and both API dialects render.
+
+    EdgeAgentError                       500 internal_error
+    ├── InvalidRequest                   400 invalid_request_error (names the parameter)
+    │   ├── UnsupportedParameter         400 a behaviour-changing parameter not supported here
+    │   └── ContextLengthExceeded        400 context_length_exceeded (states both numbers)
+    ├── Unauthorized                     401
+    ├── Forbidden                        403
+    ├── ModelNotFound                    404 model_not_found
+    ├── PayloadTooLarge                  413
+    ├── RateLimited                      429 (Retry-After)
+    ├── ServiceUnavailable               503 (Retry-After): queue full, model loading
+    ├── RequestTimeout                   504
+    └── ModelFileError                   a model file is missing, corrupt or not GGUF
+            (500 when met while serving; the CLI reports it as a failed check)
+
+The engine and catalog raise these; `edge_agent.api.errors` maps them to each dialect's
+error shape. Nothing below the API layer knows about HTTP beyond the status code.
+"""
+
+from __future__ import annotations
+
+
+class EdgeAgentError(Exception):
+    status_code = 500
+    error_type = "internal_error"
+    code: str | None = None
+
+    def __init__(
+        self, message: str, *, param: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+
+class InvalidRequest(EdgeAgentError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class UnsupportedParameter(InvalidRequest):
+    code = "unsupported_parameter"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class Unauthorized(EdgeAgentError):
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(EdgeAgentError):
+    status_code = 403
+    error_type = "permission_error"
+    code = "model_not_allowed"
+
+
+class ModelNotFound(EdgeAgentError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(EdgeAgentError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimited(EdgeAgentError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class ServiceUnavailable(EdgeAgentError):
+    status_code = 503
+    error_type = "server_error"
+    code = "service_unavailable"
+
+
+class RequestTimeout(EdgeAgentError):
+    status_code = 504
+    error_type = "timeout_error"
+    code = "timeout"
+
+
+class ModelFileError(EdgeAgentError):
+    error_type = "model_file_error"
+    code = "model_file_invalid"
