@@ -240,3 +240,30 @@ def models_rm(ctx: click.Context, config: Path | None, state_dir: Path | None,
     except EdgeAgentError as exc:
         _fail(exc.message)
     click.echo(f"removed {m.name}")
+
+
+@main.command()
+@common_options
+@click.option("--model", help="Model to measure (default: the configured default).")
+@click.option("--requests", type=click.IntRange(1), default=7, show_default=True,
+              help="Requests per peer; medians are reported.")
+@click.option("--max-tokens", type=click.IntRange(2), default=128, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON too.")
+@click.pass_context
+def bench(ctx: click.Context, config: Path | None, state_dir: Path | None, model: str | None,
+          requests: int, max_tokens: int, as_json: bool) -> None:
+    """Measure TTFT, TPOT and tokens/s against llama-cpp-python in process; print ratios."""
+    from edge_agent.bench import run_bench
+    from edge_agent.engine.runtime import default_threads
+
+    settings = _settings(ctx, state_dir=state_dir)
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        result = run_bench(settings.state_dir, model or settings.default_model,
+                           requests=requests, max_tokens=max_tokens,
+                           threads=settings.runtime.threads or default_threads(),
+                           context=settings.runtime.context_length, echo=click.echo)
+    except EdgeAgentError as exc:
+        _fail(exc.message)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))

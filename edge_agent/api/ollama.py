@@ -14,6 +14,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
 
 from edge_agent import __version__
 from edge_agent.api.body import read_json, validate
@@ -258,7 +259,8 @@ async def _run(parts: AppParts, req: GenerationRequest, keep_alive: object, stre
                 chunk = {"error": str(event.error)}
             yield (json.dumps(chunk, ensure_ascii=False) + "\n").encode()
 
-    return StreamingResponse(lines(), media_type=NDJSON)
+    return StreamingResponse(lines(), media_type=NDJSON,
+                             background=BackgroundTask(parts.service.release, prepared))
 
 
 async def _load_only(parts: AppParts, model: str, keep_alive: object, chat: bool) -> Response:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
 
 from edge_agent.api.body import read_json, validate
 from edge_agent.api.errors import openai_body
@@ -295,7 +296,8 @@ async def chat_completions(request: Request, parts: Parts) -> Response:
             elif isinstance(event, ErrorEvent):
                 yield _sse(openai_body(_edge(event.error)))
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             background=BackgroundTask(parts.service.release, prepared))
 
 
 def _edge(exc: Exception) -> EdgeAgentError:
@@ -383,7 +385,8 @@ async def completions(request: Request, parts: Parts) -> Response:
                 "prompt_tokens_details": {"cached_tokens": usage[2]}}})
         yield _sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             background=BackgroundTask(parts.service.release, first))
 
 
 @router.post("/embeddings")

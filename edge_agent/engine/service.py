@@ -41,6 +41,7 @@ class PreparedGeneration:
     job: GenerationJob
     tool_mode: bool
     window: int
+    released: bool = False
 
 
 class GenerationService:
@@ -151,6 +152,14 @@ class GenerationService:
                 return
         finally:
             job.cancelled.set()
+            await self.release(prepared)
+
+    async def release(self, prepared: PreparedGeneration) -> None:
+        """Hand the model back; safe to call twice (a response that never started streaming
+        is released by its background task)."""
+        if not prepared.released:
+            prepared.released = True
+            prepared.job.cancelled.set()
             await self.registry.release(prepared.model)
 
     async def complete(self, prepared: PreparedGeneration) -> DoneEvent:

@@ -24,10 +24,13 @@ class TextStream:
         return self._release()
 
     def finish(self) -> str:
-        """End of generation: flush what was held (an unfinished stop prefix is just text)."""
+        """End of generation: flush what was held (an unfinished stop prefix is just text).
+
+        Bytes of a character the token limit cut in half are dropped, not shown as U+FFFD.
+        """
         if self.stopped:
             return ""
-        self._held += self._decoder.decode(b"", final=True)
+        self._decoder.reset()
         out, self._held = self._held, ""
         return out
 

@@ -1,0 +1,110 @@
+"""Shared fixtures: the real default model in a session state dir, and a live server.
+
+The server is the real app under uvicorn on a free port, in a thread of the test process,
+so tests can drive it with the official clients and still look at its scheduler state.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from edge_agent.app import create_app
+from edge_agent.config import Settings, load_settings
+from edge_agent.engine.catalog import ModelStore
+
+DEFAULT_MODEL = "smollm2:135m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A state dir holding the real default model, pulled once per session."""
+    state = tmp_path_factory.mktemp("model-cache")
+    ModelStore(state).pull(DEFAULT_MODEL)
+    return state
+
+
+def clone_state(src: Path, dest: Path) -> Path:
+    """A fresh state dir sharing the cached blobs by hard link (no 100 MB copies)."""
+    shutil.copytree(src, dest, copy_function=_link_or_copy)
+    return dest
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        Path(dst).hardlink_to(src)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+@dataclass
+class LiveServer:
+    app: FastAPI
+    settings: Settings
+    base_url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def ollama_url(self) -> str:
+        return self.base_url
+
+    @property
+    def openai_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_server(settings: Settings, *, wait_for_model: str | None = DEFAULT_MODEL
+                 ) -> LiveServer:
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
+                            log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.05)
+    live = LiveServer(app, settings, f"http://{settings.server.host}:{settings.server.port}",
+                      server, thread)
+    if wait_for_model:
+        while not any(m["name"] == wait_for_model
+                      for m in httpx.get(f"{live.base_url}/api/ps").json()["models"]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{wait_for_model} did not load")
+            time.sleep(0.1)
+    return live
+
+
+@pytest.fixture(scope="session")
+def live_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[LiveServer]:
+    state = clone_state(model_cache, tmp_path_factory.mktemp("live") / "state")
+    settings = load_settings(None, state_dir=state, **{
+        "server.port": free_port(), "server.max_body_bytes": 256 * 1024,
+        "runtime.context_length": 2048})
+    live = start_server(settings)
+    yield live
+    live.stop()

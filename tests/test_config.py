@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edge_agent.config import ConfigError, load_settings
+
+
+def test_defaults() -> None:
+    s = load_settings(None)
+    assert (s.server.host, s.server.port) == ("127.0.0.1", 11434)
+    assert s.server.max_body_bytes == 8 * 1024 * 1024
+    assert s.default_model == "smollm2:135m"
+
+
+def test_precedence_toml_then_env_then_flags(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('state_dir = "/srv/a"\n[server]\nport = 1000\nhost = "127.0.0.2"\n'
+                   '[runtime]\ncontext_length = 1024\n[models."gemma3:270m"]\nthreads = 1\n')
+    s = load_settings(cfg)
+    assert (s.server.port, s.server.host, str(s.state_dir)) == (1000, "127.0.0.2", "/srv/a")
+    assert s.model_override("gemma3:270m").threads == 1
+    monkeypatch.setenv("EDGE_AGENT_SERVER__PORT", "2000")
+    monkeypatch.setenv("EDGE_AGENT_RUNTIME__CONTEXT_LENGTH", "512")
+    s = load_settings(cfg)
+    assert (s.server.port, s.runtime.context_length, s.server.host) == (2000, 512, "127.0.0.2")
+    s = load_settings(cfg, **{"server.port": 3000, "server.host": None})
+    assert (s.server.port, s.server.host) == (3000, "127.0.0.2")
+
+
+def test_bad_values_name_the_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("[server]\nport = 99999\n")
+    with pytest.raises(ConfigError, match=r"server\.port"):
+        load_settings(cfg)
+    cfg.write_text("[server]\nprot = 1\n")
+    with pytest.raises(ConfigError, match=r"server\.prot"):
+        load_settings(cfg)
+    cfg.write_text("[server\n")
+    with pytest.raises(ConfigError, match="config.toml"):
+        load_settings(cfg)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "missing.toml")
