@@ -38,8 +38,9 @@ def ensure_default_model(store: ModelStore, name: str) -> None:
 def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     store = ModelStore(settings.state_dir, settings.catalog_dir)
     registry = ModelRegistry(settings, store)
-    parts = AppParts(settings=settings, store=store, registry=registry,
-                     service=GenerationService(registry))
+    timeout_ms = settings.runtime.request_timeout_ms
+    service = GenerationService(registry, default_timeout_s=timeout_ms / 1000 or None)
+    parts = AppParts(settings=settings, store=store, registry=registry, service=service)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -39,7 +39,8 @@ class ServerSettings(_Section):
 
 class RuntimeSettings(_Section):
     context_length: int = Field(
-        4096, ge=64, description="Context window per model, capped by the model's own."
+        4096, ge=64,
+        description="Context window of each request (sequence), capped by the model's own.",
     )
     threads: int = Field(0, ge=0, description="CPU threads for llama.cpp; 0 picks the cores.")
     batch_size: int = Field(512, ge=1, description="Prompt tokens decoded per llama.cpp call.")
@@ -50,6 +51,32 @@ class RuntimeSettings(_Section):
     embedding_context: int = Field(
         2048, ge=64, description="Largest input, in tokens, accepted by the embedding context."
     )
+    parallel: int = Field(4, ge=1, le=64, description="Sequences decoded together per model.")
+    max_queue: int = Field(
+        64, ge=0, description="Requests that may wait per model; more get 503 + Retry-After."
+    )
+    prefill_chunk: int = Field(
+        128, ge=0,
+        description="Prompt tokens per step while others decode (0: whole prompt at once).",
+    )
+    aging_s: float = Field(
+        10.0, ge=0, description="A waiting batch-class request goes first after this long."
+    )
+    deterministic: bool = Field(
+        False,
+        description="Batch-invariant decoding (same output batched or alone), at a cost.",
+    )
+    request_timeout_ms: int = Field(
+        0, ge=0, description="Default deadline per request (0: none); clients may ask less."
+    )
+    max_loaded_models: int = Field(2, ge=1, description="Models resident at once.")
+    memory_budget: int = Field(
+        0, ge=0,
+        description="Bytes of RAM/VRAM for weights + KV of all loaded models (0: 80% of RAM).",
+    )
+    load_wait: bool = Field(
+        True, description="Requests wait for a model that is loading (false: 503 at once)."
+    )
 
 
 class ModelOverride(_Section):
@@ -58,6 +85,7 @@ class ModelOverride(_Section):
     context_length: int | None = Field(None, ge=64)
     n_gpu_layers: int | Literal["auto"] | None = None
     threads: int | None = Field(None, ge=0)
+    parallel: int | None = Field(None, ge=1, le=64)
 
 
 class Settings(BaseSettings):

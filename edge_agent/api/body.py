@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from edge_agent.engine.request import GenerationRequest
 from edge_agent.errors import InvalidRequest, PayloadTooLarge
 
 M = TypeVar("M", bound=BaseModel)
@@ -49,3 +50,22 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
         if err["type"] == "missing":
             raise InvalidRequest(f"missing required parameter: '{param}'", param=param) from exc
         raise InvalidRequest(f"invalid value for '{param}': {err['msg']}", param=param) from exc
+
+
+def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | None = None
+                   ) -> None:
+    """Scheduling controls common to both dialects: `X-Priority: interactive|batch` and a
+    deadline from `X-Timeout-Ms` (or the OpenAI body's `timeout_ms`; the smaller wins)."""
+    priority = request.headers.get("x-priority", "interactive").strip().lower()
+    if priority not in ("interactive", "batch"):
+        raise InvalidRequest("X-Priority must be 'interactive' or 'batch'", param="X-Priority")
+    req.priority = priority  # type: ignore[assignment]
+    header = request.headers.get("x-timeout-ms")
+    values = [timeout_ms] if timeout_ms else []
+    if header is not None:
+        if not header.strip().isdigit() or int(header) <= 0:
+            raise InvalidRequest("X-Timeout-Ms must be a positive whole number",
+                                 param="X-Timeout-Ms")
+        values.append(int(header))
+    if values:
+        req.timeout_s = min(values) / 1000

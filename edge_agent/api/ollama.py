@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
 from edge_agent import __version__
-from edge_agent.api.body import read_json, validate
+from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.engine.catalog import InstalledModel
 from edge_agent.engine.registry import FOREVER, LoadedModel, parse_keep_alive
@@ -314,6 +314,7 @@ async def chat(request: Request, parts: Parts) -> Response:
     req = GenerationRequest(model=body.model, messages=messages, tools=body.tools or [],
                             json_schema=_schema(body.format))
     _apply_options(req, body.options)
+    apply_controls(request, req)
     return await _run(parts, req, body.keep_alive, body.stream, chat=True)
 
 
@@ -336,6 +337,7 @@ async def generate(request: Request, parts: Parts) -> Response:
                             system=body.system, context_tokens=list(body.context or []),
                             json_schema=_schema(body.format))
     _apply_options(req, body.options)
+    apply_controls(request, req)
     return await _run(parts, req, body.keep_alive, body.stream, chat=False)
 
 

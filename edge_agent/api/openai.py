@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
-from edge_agent.api.body import read_json, validate
+from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.errors import openai_body
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.engine.catalog import InstalledModel
@@ -84,6 +84,7 @@ class _Sampling(_Body):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repeat_penalty: float | None = Field(None, gt=0)
+    timeout_ms: int | None = Field(None, gt=0)  # deadline for this request
 
 
 class ChatBody(_Sampling):
@@ -253,7 +254,9 @@ def _fingerprint(parts: AppParts, model: str) -> str:
 @router.post("/chat/completions")
 async def chat_completions(request: Request, parts: Parts) -> Response:
     body = validate(ChatBody, await read_json(request, parts.settings.server.max_body_bytes))
-    prepared = await parts.service.prepare(_chat_request(body))
+    req = _chat_request(body)
+    apply_controls(request, req, body.timeout_ms)
+    prepared = await parts.service.prepare(req)
     ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
     head = {"id": ident, "created": created, "model": prepared.model.info.name,
             "system_fingerprint": "fp_" + prepared.model.info.digest[:12]}
@@ -326,6 +329,7 @@ async def completions(request: Request, parts: Parts) -> Response:
                                 prompt=p if isinstance(p, str) else "",
                                 context_tokens=[] if isinstance(p, str) else p)
         _common(body, req)
+        apply_controls(request, req, body.timeout_ms)
         requests.append(req)
     ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
     head = {"id": ident, "created": created, "object": "text_completion",

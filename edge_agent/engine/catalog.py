@@ -148,7 +148,7 @@ class ModelStore:
     def is_installed(self, name: str) -> bool:
         return self._manifest_path(normalize_name(name)).is_file()
 
-    def verify(self, model: InstalledModel, progress: Progress | None = None) -> None:
+    def verify(self, model: InstalledModel, progress: Progress | None = None) -> GGUFInfo:
         """Full check of an installed blob: present, same size, same sha256, valid header."""
         blob = model.blob_path(self.state_dir)
         if not blob.is_file():
@@ -160,7 +160,7 @@ class ModelStore:
         actual = sha256_file(blob, progress)
         if actual != model.digest:
             raise ModelFileError(f"{model.name}: blob digest {actual[:12]} != {model.digest[:12]}")
-        probe(blob)
+        return probe(blob)
 
     def remove(self, name: str) -> InstalledModel:
         model = self.get(name)

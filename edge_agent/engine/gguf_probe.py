@@ -40,6 +40,20 @@ class GGUFInfo:
     parameter_count: int
     tensor_count: int
     has_fim: bool
+    head_count: int | None = None
+    head_count_kv: int | None = None
+    key_length: int | None = None
+    value_length: int | None = None
+
+    def kv_bytes_per_token(self) -> int:
+        """Upper bound of f16 K+V bytes per cached token (sliding-window layers use less)."""
+        if not (self.embedding_length and self.block_count):
+            return 0
+        heads = self.head_count or 1
+        kv_heads = self.head_count_kv or heads
+        k = self.key_length or self.embedding_length // heads
+        v = self.value_length or k
+        return 2 * self.block_count * kv_heads * (k + v)
 
     @property
     def parameter_size(self) -> str:
@@ -137,6 +151,10 @@ def _read(path: Path) -> GGUFInfo:
         parameter_count=params,
         tensor_count=len(reader.tensors),
         has_fim=field("tokenizer.ggml.fim_pre_token_id") is not None,
+        head_count=as_int(f"{arch}.attention.head_count"),
+        head_count_kv=as_int(f"{arch}.attention.head_count_kv"),
+        key_length=as_int(f"{arch}.attention.key_length"),
+        value_length=as_int(f"{arch}.attention.value_length"),
     )
 
 

@@ -1,6 +1,6 @@
 """Loaded models: load on first use, keep for `keep_alive`, unload when it runs out.
 
-Owns every `ModelWorker`. Loading (digest check, header probe, llama.cpp load) runs in a
+Owns every `ModelScheduler`. Loading (digest check, header probe, llama.cpp load) runs in a
 thread so the event loop keeps answering; concurrent requests for a model that is being
 loaded wait for the same load.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -16,9 +17,9 @@ from dataclasses import dataclass, field
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
 from edge_agent.engine.runtime import LlamaModel, default_threads, resolve_gpu_layers
-from edge_agent.engine.scheduler import ModelWorker
+from edge_agent.engine.scheduler import ModelScheduler
 from edge_agent.engine.templates import ChatTemplate
-from edge_agent.errors import InvalidRequest
+from edge_agent.errors import InvalidRequest, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +56,37 @@ def parse_keep_alive(value: object) -> float | None:
 @dataclass
 class LoadedModel:
     info: InstalledModel
-    worker: ModelWorker
+    worker: ModelScheduler
     template: ChatTemplate | None
     loaded_at: float
     keep_alive: float
+    memory: int  # weights + KV cache, bytes
     in_use: int = 0
     expires_at: float = FOREVER
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_used: float = field(default_factory=time.monotonic)
 
     @property
     def size(self) -> int:
-        return self.worker.model.size
+        return self.memory
 
     @property
     def size_vram(self) -> int:
-        return self.size if self.worker.model.n_gpu_layers > 0 else 0
+        return self.memory if self.worker.model.n_gpu_layers > 0 else 0
+
+
+def _total_ram() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 class ModelRegistry:
+    """Loads on demand within `max_loaded_models` and a memory budget, evicting the least
+    recently used idle model to make room; a model serving requests is never evicted."""
+
     def __init__(self, settings: Settings, store: ModelStore) -> None:
         self.settings = settings
         self.store = store
+        rt = settings.runtime
+        self.memory_budget = rt.memory_budget or int(0.8 * _total_ram())
         self._loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
 
@@ -84,6 +95,9 @@ class ModelRegistry:
 
     def is_loaded(self, name: str) -> bool:
         return normalize_name(name) in self._loaded
+
+    def is_loading(self, name: str) -> bool:
+        return normalize_name(name) in self._loading
 
     async def acquire(
         self, name: str, keep_alive: float | None = None
@@ -99,8 +113,12 @@ class ModelRegistry:
                 task = asyncio.create_task(self._load(key))
                 self._loading[key] = task
                 task.add_done_callback(lambda _t: self._loading.pop(key, None))
+            elif not self.settings.runtime.load_wait:
+                raise ServiceUnavailable(f"model '{key}' is loading; retry shortly",
+                                         retry_after=2.0)
             model = await asyncio.shield(task)
         model.in_use += 1
+        model.last_used = time.monotonic()
         if keep_alive is not None:
             model.keep_alive = keep_alive
         model.expires_at = FOREVER
@@ -108,6 +126,7 @@ class ModelRegistry:
 
     async def release(self, model: LoadedModel) -> None:
         model.in_use -= 1
+        model.last_used = time.monotonic()
         if model.in_use > 0:
             return
         if model.keep_alive <= 0:
@@ -141,27 +160,61 @@ class ModelRegistry:
             model = self._loaded.pop(name)
             await asyncio.to_thread(model.worker.close)
 
-    async def _load(self, key: str) -> LoadedModel:
-        info = self.store.get(key)
-        loaded = await asyncio.to_thread(self._load_blocking, info)
-        self._loaded[key] = loaded
-        log.info("loaded %s (context %d, gpu layers %d)", key, loaded.worker.n_ctx,
-                 loaded.worker.model.n_gpu_layers)
-        return loaded
-
-    def _load_blocking(self, info: InstalledModel) -> LoadedModel:
-        self.store.verify(info)  # digest + header, every load: a blob may rot on disk
+    def _plan(self, info: InstalledModel) -> tuple[int, int, int, int, int]:
+        """(gpu layers, threads, parallel, context per sequence, batch) for a model."""
         rt = self.settings.runtime
         override = self.settings.model_override(info.name)
         gpu = resolve_gpu_layers(
-            override.n_gpu_layers if override.n_gpu_layers is not None else rt.n_gpu_layers
-        )
+            override.n_gpu_layers if override.n_gpu_layers is not None else rt.n_gpu_layers)
         threads = override.threads or rt.threads or default_threads()
+        parallel = override.parallel or rt.parallel
+        n_ctx = override.context_length or rt.context_length
+        if info.context_length:
+            n_ctx = min(n_ctx, info.context_length)
+        return gpu, threads, parallel, n_ctx, min(rt.batch_size, n_ctx)
+
+    async def _make_room(self, key: str, need: int) -> None:
+        limit = self.settings.runtime.max_loaded_models
+        while self._loaded and (
+            len(self._loaded) >= limit
+            or sum(m.memory for m in self._loaded.values()) + need > self.memory_budget
+        ):
+            idle = [m for m in self._loaded.values() if m.in_use == 0]
+            if not idle:
+                raise ServiceUnavailable(
+                    f"no room to load '{key}': every loaded model is serving requests",
+                    retry_after=5.0)
+            victim = min(idle, key=lambda m: m.last_used)
+            log.info("evicting %s to make room for %s", victim.info.name, key)
+            await self.unload(victim.info.name)
+        if need > self.memory_budget:
+            raise ServiceUnavailable(
+                f"'{key}' needs {need / 2**20:.0f} MiB, over the memory budget of "
+                f"{self.memory_budget / 2**20:.0f} MiB", retry_after=60.0)
+
+    async def _load(self, key: str) -> LoadedModel:
+        info = self.store.get(key)
+        # Digest + header on every load: a blob may rot on disk after it was installed.
+        gguf = await asyncio.to_thread(self.store.verify, info)
+        _, _, parallel, n_ctx, _ = self._plan(info)
+        need = info.size + gguf.kv_bytes_per_token() * parallel * n_ctx
+        await self._make_room(key, need)
+        loaded = await asyncio.to_thread(self._load_blocking, info, need)
+        self._loaded[key] = loaded
+        log.info("loaded %s (%d x %d context, gpu layers %d, ~%d MiB)", key, parallel,
+                 loaded.worker.n_ctx, loaded.worker.model.n_gpu_layers, need // 2**20)
+        return loaded
+
+    def _load_blocking(self, info: InstalledModel, memory: int) -> LoadedModel:
+        rt = self.settings.runtime
+        gpu, threads, parallel, n_ctx, n_batch = self._plan(info)
         model = LlamaModel(info.blob_path(self.store.state_dir), n_gpu_layers=gpu)
         try:
-            n_ctx = min(override.context_length or rt.context_length, model.n_ctx_train)
-            worker = ModelWorker(model, n_ctx=n_ctx, n_batch=min(rt.batch_size, n_ctx),
-                                 n_threads=threads, embed_ctx=rt.embedding_context)
+            worker = ModelScheduler(
+                model, parallel=parallel, n_ctx_seq=n_ctx, n_batch=n_batch, n_threads=threads,
+                embed_ctx=rt.embedding_context, max_queue=rt.max_queue,
+                prefill_chunk=rt.prefill_chunk, aging_s=rt.aging_s,
+                deterministic=rt.deterministic)
         except BaseException:
             model.close()
             raise
@@ -172,4 +225,4 @@ class ModelRegistry:
         keep = FOREVER if info.name == normalize_name(self.settings.default_model) \
             else DEFAULT_KEEP_ALIVE_S
         return LoadedModel(info=info, worker=worker, template=template, loaded_at=time.time(),
-                           keep_alive=keep)
+                           keep_alive=keep, memory=memory)

@@ -48,6 +48,8 @@ class GenerationRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool objects
     tool_choice: ToolChoice = "auto"
     num_ctx: int | None = None
+    priority: Literal["interactive", "batch"] = "interactive"
+    timeout_s: float | None = None  # deadline from submission; None: the operator's default
 
 
 @dataclass

@@ -1,22 +1,23 @@
-"""One worker thread per loaded model: it alone calls llama.cpp for that model.
+"""Continuous batching: one worker thread per loaded model owns its llama context.
 
-Requests wait in a FIFO and run one at a time on the model's generation context; the
-KV prefix of the previous request is reused when the next prompt starts the same way.
-The event loop never blocks on llama.cpp: jobs hand their events back with
-`loop.call_soon_threadsafe`. A job whose client went away is skipped, or stopped at the
-next token.
+Each step decodes, in one `llama_decode`, the next token of every running sequence plus
+a bounded chunk of prompt tokens for sequences still being prefilled; new jobs take free
+sequences between steps and finished ones leave. Each sequence keeps its KV cells after
+its job, so a later prompt that starts the same way (a system prompt, a growing chat)
+reuses them — from its own sequence, or copied from another. Only this thread calls
+llama.cpp for generation; the event loop only reads the counters in `stats`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from edge_agent.engine.admission import AdmissionQueue, Priority
 from edge_agent.engine.request import (
     DoneEvent,
     DoneReason,
@@ -28,10 +29,18 @@ from edge_agent.engine.request import (
     TokenEvent,
     Usage,
 )
-from edge_agent.engine.runtime import EmbeddingContext, GenerationContext, LlamaModel, Sampler
+from edge_agent.engine.runtime import BatchContext, EmbeddingContext, LlamaModel, Sampler
 from edge_agent.engine.textstream import TextStream
+from edge_agent.errors import EdgeAgentError
 
 log = logging.getLogger(__name__)
+
+# Copying another sequence's cells costs a few ms; below this many shared tokens,
+# recomputing is as cheap.
+MIN_COPY_TOKENS = 32
+# On this class of CPU, llama.cpp's matmuls take one path for 1–7 rows and another from
+# 8 on; deterministic mode keeps every decode under that, and never mixes in prefill.
+DETERMINISTIC_MAX_ROWS = 7
 
 
 @dataclass
@@ -42,9 +51,11 @@ class GenerationJob:
     max_tokens: int
     stops: list[str]
     emit: Callable[[Event], None]
+    priority: Priority = "interactive"
     load_ns: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_ns: int = field(default_factory=time.perf_counter_ns)
+    enqueued_at: float = 0.0
 
 
 @dataclass
@@ -55,153 +66,327 @@ class EmbeddingJob:
     submitted_ns: int = field(default_factory=time.perf_counter_ns)
 
 
-_STOP = object()
+@dataclass
+class SchedulerStats:
+    """Plain counters written by the worker and read by anyone, without locks."""
+
+    parallel: int
+    kv_total: int
+    running: int = 0
+    kv_used: int = 0
+    steps: int = 0
+    last_step_tokens: int = 0
+    last_step_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
 
 
-class ModelWorker:
+class _Slot:
+    """One llama sequence and the job currently using it."""
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.tokens: list[int] = []  # the cells this sequence holds, position by position
+        self.job: GenerationJob | None = None
+        self.pending: list[int] = []  # prompt tokens still to prefill
+        self.next_token: int | None = None  # sampled, decoded in the next step
+        self.row = -1
+        self.span = 0
+        self.sampler: Sampler | None = None
+        self.stream = TextStream([])
+        self.completion: list[int] = []
+        self.parts: list[str] = []
+        self.cached = 0
+        self.t_start = 0
+        self.t_prompt = 0
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if n >= limit or x != y:
+            break
+        n += 1
+    return n
+
+
+class ModelScheduler:
     def __init__(
-        self, model: LlamaModel, *, n_ctx: int, n_batch: int, n_threads: int, embed_ctx: int
+        self,
+        model: LlamaModel,
+        *,
+        parallel: int,
+        n_ctx_seq: int,
+        n_batch: int,
+        n_threads: int,
+        embed_ctx: int,
+        max_queue: int,
+        prefill_chunk: int,
+        aging_s: float,
+        deterministic: bool = False,
     ) -> None:
         self.model = model
-        self.context = GenerationContext(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
-        self._embed_ctx_size = min(embed_ctx, n_ctx)
+        self.ctx = BatchContext(model, n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch,
+                                n_threads=n_threads)
+        self.slots = [_Slot(i) for i in range(parallel)]
+        self.queue: AdmissionQueue[GenerationJob, EmbeddingJob] = AdmissionQueue(
+            max_queue, aging_s)
+        self.prefill_chunk = prefill_chunk
+        self.deterministic = deterministic
+        self.stats = SchedulerStats(parallel=parallel, kv_total=self.ctx.n_ctx_seq * parallel)
+        self._embed_ctx_size = min(embed_ctx, self.ctx.n_ctx_seq)
         self._n_threads = n_threads
         self._embedder: EmbeddingContext | None = None
-        self._jobs: queue.Queue[object] = queue.Queue()
-        self.running = 0  # read by /api/ps and metrics; written only by the worker
-        self._thread = threading.Thread(target=self._loop, name="model-worker", daemon=True)
+        self._step_s = 0.05  # running estimate, for Retry-After
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self._thread.start()
 
+    # -- the event loop's side -------------------------------------------------------------
     @property
     def n_ctx(self) -> int:
-        return self.context.n_ctx
+        """The context window one request gets."""
+        return self.ctx.n_ctx_seq
 
     @property
     def embed_ctx(self) -> int:
         return self._embed_ctx_size
 
     @property
+    def running(self) -> int:
+        return self.stats.running
+
+    @property
     def queued(self) -> int:
-        return self._jobs.qsize()
+        return len(self.queue)
 
     def submit(self, job: GenerationJob | EmbeddingJob) -> None:
-        self._jobs.put(job)
+        if isinstance(job, EmbeddingJob):
+            self.queue.put_side(job)
+            return
+        # A rough wait: the jobs ahead, each ~128 tokens, run `parallel` at a time.
+        waves = (len(self.queue) + 1) / len(self.slots)
+        self.queue.put(job, retry_after=max(1.0, waves * 128 * self._step_s))
 
     def close(self) -> None:
-        self._jobs.put(_STOP)
+        self.queue.close()
         self._thread.join()
         if self._embedder is not None:
             self._embedder.close()
-        self.context.close()
+        self.ctx.close()
         self.model.close()
 
-    # -- the worker thread ----------------------------------------------------------------
+    # -- the worker thread -----------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            self.running = 1
+        while not self.queue.closed:
             try:
-                if isinstance(job, GenerationJob):
-                    self._generate(job)
-                elif isinstance(job, EmbeddingJob):
-                    self._embed(job)
-            finally:
-                self.running = 0
+                self._run_side_work()
+                self._admit()
+                if any(s.job for s in self.slots):
+                    self._step()
+                else:
+                    self.queue.wait()
+            except Exception:  # keep serving; the failed jobs were told
+                log.exception("scheduler step failed")
+        for slot in self.slots:
+            if slot.job is not None:
+                self._finish(slot, "cancelled")
 
-    def _generate(self, job: GenerationJob) -> None:
-        start = time.perf_counter_ns()
-        if job.cancelled.is_set():
-            return
+    def _admit(self) -> None:
+        while True:
+            free = [s for s in self.slots if s.job is None]
+            if not free:
+                return
+            job = self.queue.pop()
+            if job is None:
+                return
+            self._start(free[0], job)
+
+    def _start(self, slot: _Slot, job: GenerationJob) -> None:
+        slot.t_start = time.perf_counter_ns()
+        prompt = job.prompt
+        limit = len(prompt) - 1  # the last prompt token is always evaluated, for its logits
+        reused = 0
+        if not self.deterministic:  # exact repeatability needs identical prefill chunking
+            own = _common_prefix(slot.tokens, prompt, limit)
+            src, best = slot, own
+            for other in self.slots:
+                n = _common_prefix(other.tokens, prompt, limit)
+                if n > best + MIN_COPY_TOKENS:
+                    src, best = other, n
+            if src is not slot:
+                if self.ctx.copy_prefix(src.seq, slot.seq, best):
+                    slot.tokens = prompt[:best]
+                    reused = best
+            elif self.ctx.keep_prefix(slot.seq, own):
+                reused = own
+        if reused == 0:
+            self.ctx.clear(slot.seq)
+        del slot.tokens[reused:]
         try:
-            cached = self.context.prefill(job.prompt)
-            prompt_done = time.perf_counter_ns()
-            reason, text, completion = self._decode_loop(job)
-        except Exception as exc:  # report to the client; the worker keeps serving
-            log.exception("generation failed")
+            slot.sampler = Sampler.build(self.model, job.params, job.grammar)
+        except EdgeAgentError as exc:
             job.emit(ErrorEvent(exc))
             return
-        end = time.perf_counter_ns()
-        job.emit(
-            DoneEvent(
-                reason=reason,
-                usage=Usage(len(job.prompt), cached, len(completion)),
-                timings=Timings(
-                    queue_ns=start - job.submitted_ns,
-                    load_ns=job.load_ns,
-                    prompt_ns=prompt_done - start,
-                    eval_ns=end - prompt_done,
-                    total_ns=end - job.submitted_ns + job.load_ns,
-                ),
-                text=text,
-                context=tuple(job.prompt + completion),
-            )
-        )
+        slot.job = job
+        slot.pending = prompt[reused:]
+        slot.cached = reused
+        slot.next_token = None
+        slot.stream = TextStream(job.stops)
+        slot.completion, slot.parts = [], []
+        self.stats.prompt_tokens += len(slot.pending)
 
-    def _decode_loop(self, job: GenerationJob) -> tuple[DoneReason, str, list[int]]:
-        model, ctx = self.model, self.context
-        stream = TextStream(job.stops)
-        parts: list[str] = []
-        completion: list[int] = []
-        reason: DoneReason = "length"
-        sampler = Sampler.build(model, job.params, job.grammar)
+    def _step(self) -> None:
+        for slot in self.slots:
+            if slot.job is not None and slot.job.cancelled.is_set():
+                self._finish(slot, "cancelled")
+        active = [s for s in self.slots if s.job is not None]
+        if not active:
+            return
+        started = time.perf_counter()
+        decoding = [s for s in active if s.next_token is not None]
+        prefilling = [s for s in active if s.next_token is None]
         try:
-            while len(completion) < job.max_tokens:
-                if job.cancelled.is_set():
-                    reason = "cancelled"
-                    break
-                token = sampler.sample(ctx)
-                if model.is_eog(token):
-                    reason = "stop"
-                    break
-                completion.append(token)
-                text = stream.feed(model.piece(token))
-                if text:
-                    parts.append(text)
-                    job.emit(TokenEvent(text))
-                if stream.stopped:
-                    reason = "stop"
-                    break
-                if len(completion) < job.max_tokens:
-                    ctx.decode([token])
-        finally:
-            sampler.close()
-        tail = stream.finish()
-        if tail:
-            parts.append(tail)
-            job.emit(TokenEvent(tail))
-        return reason, "".join(parts), completion
+            if self.deterministic:
+                for i in range(0, len(decoding), DETERMINISTIC_MAX_ROWS):
+                    self._decode(decoding[i : i + DETERMINISTIC_MAX_ROWS], [], 0)
+                if prefilling:
+                    self._decode([], prefilling[:1], self.ctx.n_batch)
+            else:
+                room = self.ctx.n_batch - len(decoding)
+                budget = room if (self.prefill_chunk <= 0 or not decoding) else \
+                    min(self.prefill_chunk, room)
+                self._decode(decoding, prefilling, budget)
+        except EdgeAgentError as exc:
+            for slot in active:
+                if slot.job is not None:
+                    slot.job.emit(ErrorEvent(exc))
+                    self._release(slot, keep_cells=False)
+        elapsed = time.perf_counter() - started
+        st = self.stats
+        st.steps += 1
+        st.last_step_s = elapsed
+        st.running = sum(1 for s in self.slots if s.job is not None)
+        st.kv_used = sum(len(s.tokens) for s in self.slots)
+        self._step_s = 0.9 * self._step_s + 0.1 * elapsed
+
+    def _decode(self, decoding: list[_Slot], prefilling: list[_Slot], budget: int) -> None:
+        """One llama_decode over the rows of `decoding` and up to `budget` prompt tokens."""
+        batch = self.ctx.batch
+        batch.clear()
+        chosen: list[_Slot] = []
+        # Rows in ascending sequence order: llama.cpp then runs the batch as one pass.
+        for slot in sorted([*decoding, *prefilling], key=lambda s: s.seq):
+            if slot.next_token is not None:
+                slot.row = batch.add(slot.next_token, len(slot.tokens), slot.seq, True)
+                chosen.append(slot)
+            elif budget > 0:
+                take = min(budget, len(slot.pending))
+                slot.span = take
+                slot.row = batch.add_span(slot.pending[:take], len(slot.tokens), slot.seq,
+                                          last_logits=take == len(slot.pending))
+                budget -= take
+                chosen.append(slot)
+        if not chosen:
+            return
+        self.ctx.decode()
+        self.stats.last_step_tokens = batch.n
+        for slot in chosen:
+            if slot.next_token is not None:
+                slot.tokens.append(slot.next_token)
+                slot.next_token = None
+                self._sampled(slot)
+            else:
+                slot.tokens.extend(slot.pending[: slot.span])
+                del slot.pending[: slot.span]
+                if not slot.pending:
+                    slot.t_prompt = time.perf_counter_ns()
+                    self._sampled(slot)
+
+    def _sampled(self, slot: _Slot) -> None:
+        job, sampler = slot.job, slot.sampler
+        assert job is not None and sampler is not None
+        token = sampler.sample(self.ctx, slot.row)
+        if self.model.is_eog(token):
+            self._finish(slot, "stop")
+            return
+        slot.completion.append(token)
+        self.stats.generated_tokens += 1
+        text = slot.stream.feed(self.model.piece(token))
+        if text:
+            slot.parts.append(text)
+            job.emit(TokenEvent(text))
+        if slot.stream.stopped:
+            self._finish(slot, "stop")
+        elif len(slot.completion) >= job.max_tokens:
+            self._finish(slot, "length")
+        else:
+            slot.next_token = token
+
+    def _finish(self, slot: _Slot, reason: DoneReason) -> None:
+        job = slot.job
+        assert job is not None
+        if reason != "cancelled":
+            tail = slot.stream.finish()
+            if tail:
+                slot.parts.append(tail)
+                job.emit(TokenEvent(tail))
+            end = time.perf_counter_ns()
+            prompt_done = slot.t_prompt or end
+            job.emit(DoneEvent(
+                reason=reason,
+                usage=Usage(len(job.prompt), slot.cached, len(slot.completion)),
+                timings=Timings(queue_ns=slot.t_start - job.submitted_ns, load_ns=job.load_ns,
+                                prompt_ns=prompt_done - slot.t_start,
+                                eval_ns=end - prompt_done,
+                                total_ns=end - job.submitted_ns + job.load_ns),
+                text="".join(slot.parts),
+                context=tuple(job.prompt + slot.completion)))
+        # A cancelled job's cells are freed; a finished one's stay for prefix reuse.
+        self._release(slot, keep_cells=reason != "cancelled")
+
+    def _release(self, slot: _Slot, *, keep_cells: bool) -> None:
+        if slot.sampler is not None:
+            slot.sampler.close()
+            slot.sampler = None
+        if not keep_cells or slot.pending:
+            self.ctx.clear(slot.seq)
+            slot.tokens = []
+        slot.job = None
+        slot.pending = []
+        slot.next_token = None
+        self.stats.running = sum(1 for s in self.slots if s.job is not None)
+        self.stats.kv_used = sum(len(s.tokens) for s in self.slots)
+
+    def _run_side_work(self) -> None:
+        while (job := self.queue.pop_side()) is not None:
+            self._embed(job)
 
     def _embed(self, job: EmbeddingJob) -> None:
         start = time.perf_counter_ns()
         try:
             if self._embedder is None:
                 self._embedder = EmbeddingContext(
-                    self.model, n_ctx=self._embed_ctx_size, n_threads=self._n_threads
-                )
+                    self.model, n_ctx=self._embed_ctx_size, n_threads=self._n_threads)
             vectors = [self._embedder.embed(tokens) for tokens in job.inputs]
         except Exception as exc:
             job.done(exc)
             return
         end = time.perf_counter_ns()
-        job.done(
-            EmbeddingResult(
-                vectors=vectors,
-                prompt_tokens=sum(len(t) for t in job.inputs),
-                truncated_tokens=job.truncated_tokens,
-                timings=Timings(queue_ns=start - job.submitted_ns, prompt_ns=end - start,
-                                total_ns=end - job.submitted_ns),
-            )
-        )
+        job.done(EmbeddingResult(
+            vectors=vectors, prompt_tokens=sum(len(t) for t in job.inputs),
+            truncated_tokens=job.truncated_tokens,
+            timings=Timings(queue_ns=start - job.submitted_ns, prompt_ns=end - start,
+                            total_ns=end - job.submitted_ns)))
 
 
-def thread_emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Event]) -> Callable[
-    [Event], None
-]:
+def thread_emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Event]
+                   ) -> Callable[[Event], None]:
     """An `emit` for jobs: hands events from the worker thread to an asyncio queue."""
 
     def emit(event: Event) -> None:
-        loop.call_soon_threadsafe(q.put_nowait, event)
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, event)
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+            pass
 
     return emit

@@ -32,7 +32,12 @@ from edge_agent.engine.structured import (
     tool_instructions,
     with_tool_messages,
 )
-from edge_agent.errors import ContextLengthExceeded, EdgeAgentError, InvalidRequest
+from edge_agent.errors import (
+    ContextLengthExceeded,
+    EdgeAgentError,
+    InvalidRequest,
+    RequestTimeout,
+)
 
 
 @dataclass
@@ -41,26 +46,41 @@ class PreparedGeneration:
     job: GenerationJob
     tool_mode: bool
     window: int
+    events: asyncio.Queue[Event]
+    deadline: float | None  # loop time
     released: bool = False
 
 
 class GenerationService:
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(self, registry: ModelRegistry, *, default_timeout_s: float | None = None
+                 ) -> None:
         self.registry = registry
+        self.default_timeout_s = default_timeout_s
 
     async def prepare(
         self, req: GenerationRequest, *, keep_alive: float | None = None
     ) -> PreparedGeneration:
-        """Everything that can refuse the request, done before any response starts."""
+        """Everything that can refuse the request (400, 404, 503 queue full …), done before
+        any response starts; on success the job is queued."""
+        loop = asyncio.get_running_loop()
+        timeout = req.timeout_s or self.default_timeout_s
+        if req.timeout_s and self.default_timeout_s:
+            timeout = min(req.timeout_s, self.default_timeout_s)  # clients may only ask less
+        deadline = loop.time() + timeout if timeout else None
         model, load_ns = await self.registry.acquire(req.model, keep_alive)
         try:
-            return self._prepare(req, model, load_ns)
+            prepared = self._prepare(req, model, load_ns, deadline)
+            if deadline is not None and loop.time() >= deadline:
+                raise RequestTimeout("the request timed out before it was queued")
+            prepared.job.emit = thread_emitter(loop, prepared.events)
+            model.worker.submit(prepared.job)
+            return prepared
         except BaseException:
             await self.registry.release(model)
             raise
 
-    def _prepare(self, req: GenerationRequest, model: LoadedModel, load_ns: int
-                 ) -> PreparedGeneration:
+    def _prepare(self, req: GenerationRequest, model: LoadedModel, load_ns: int,
+                 deadline: float | None) -> PreparedGeneration:
         llama = model.worker.model
         defaults = {k: v for k, v in model.info.parameters.items()
                     if k in SamplingParams.field_names()}
@@ -101,8 +121,9 @@ class GenerationService:
                 f"{len(tokens) + max_tokens}", param="max_tokens")
         job = GenerationJob(prompt=tokens, params=sampling, grammar=grammar,
                             max_tokens=max_tokens, stops=stops, emit=_unset_emit,
-                            load_ns=load_ns)
-        return PreparedGeneration(model=model, job=job, tool_mode=tool_mode, window=window)
+                            priority=req.priority, load_ns=load_ns)
+        return PreparedGeneration(model=model, job=job, tool_mode=tool_mode, window=window,
+                                  events=asyncio.Queue(), deadline=deadline)
 
     def _prompt_text(self, req: GenerationRequest, model: LoadedModel, tool_mode: bool) -> str:
         if req.messages is None:
@@ -130,16 +151,23 @@ class GenerationService:
     async def stream(self, prepared: PreparedGeneration) -> AsyncIterator[Event]:
         """Runs the job; the events end with exactly one DoneEvent or ErrorEvent.
 
-        Leaving the iteration early (client gone, timeout) cancels the job at its next token.
+        Leaving the iteration early (client gone) cancels the job at its next step; passing
+        the deadline does too, and ends the events with a RequestTimeout error.
         """
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
         job = prepared.job
-        job.emit = thread_emitter(loop, queue)
-        prepared.model.worker.submit(job)
         try:
             while True:
-                event = await queue.get()
+                if prepared.deadline is None:
+                    event = await prepared.events.get()
+                else:
+                    try:
+                        event = await asyncio.wait_for(prepared.events.get(),
+                                                       prepared.deadline - loop.time())
+                    except asyncio.TimeoutError:
+                        job.cancelled.set()
+                        yield ErrorEvent(RequestTimeout("the request passed its deadline"))
+                        return
                 if isinstance(event, TokenEvent):
                     if not prepared.tool_mode:  # tool answers are JSON until parsed
                         yield event
