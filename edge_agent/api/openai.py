@@ -202,6 +202,7 @@ def _chat_request(body: ChatBody) -> GenerationRequest:
             raise InvalidRequest("response_format.json_schema.schema is required",
                                  param="response_format.json_schema")
         req.json_schema = fmt.json_schema.schema_
+        req.schema_param = "response_format.json_schema.schema"
     if body.tools:
         for i, tool in enumerate(body.tools):
             fn = tool.get("function")

@@ -45,6 +45,7 @@ class GenerationRequest:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     json_schema: dict[str, Any] | None = None
+    schema_param: str = "format"  # how the dialect names it, for errors
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool objects
     tool_choice: ToolChoice = "auto"
     num_ctx: int | None = None

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from edge_agent.engine.json_grammar import schema_to_grammar
 from edge_agent.engine.registry import LoadedModel, ModelRegistry
 from edge_agent.engine.request import (
     DoneEvent,
@@ -26,7 +27,6 @@ from edge_agent.engine.request import (
 )
 from edge_agent.engine.scheduler import EmbeddingJob, GenerationJob, thread_emitter
 from edge_agent.engine.structured import (
-    grammar_for_schema,
     parse_tool_output,
     tool_call_schema,
     tool_instructions,
@@ -91,8 +91,8 @@ class GenerationService:
         schema = tool_call_schema(req.tools, req.tool_choice) if tool_mode else req.json_schema
         grammar = None
         if schema is not None:
-            grammar = grammar_for_schema(
-                schema, param="tools" if tool_mode else "format")
+            grammar = schema_to_grammar(
+                schema, param="tools" if tool_mode else req.schema_param)
 
         text = self._prompt_text(req, model, tool_mode)
         tokens = list(req.context_tokens) + llama.tokenize(

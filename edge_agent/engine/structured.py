@@ -19,15 +19,6 @@ from edge_agent.errors import InvalidRequest
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def grammar_for_schema(schema: dict[str, Any], *, param: str) -> str:
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-    try:
-        return json_schema_to_gbnf(json.dumps(schema))
-    except Exception as exc:  # the converter raises bare exceptions for unsupported schemas
-        raise InvalidRequest(f"unsupported JSON schema: {exc}", param=param) from exc
-
-
 def _tool_names(tools: list[dict[str, Any]]) -> list[str]:
     return [t["function"]["name"] for t in tools]
 

@@ -1,0 +1,199 @@
+"""The batching scheduler on the real model, below HTTP."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import llama_cpp as ll
+import numpy as np
+import pytest
+
+from edge_agent.engine.admission import AdmissionQueue
+from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.request import DoneEvent, ErrorEvent, Event, SamplingParams, TokenEvent
+from edge_agent.engine.runtime import BatchContext, LlamaModel
+from edge_agent.engine.scheduler import GenerationJob, ModelScheduler
+from edge_agent.errors import ServiceUnavailable
+from tests.conftest import DEFAULT_MODEL
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_path(model_cache: Path) -> Path:
+    store = ModelStore(model_cache)
+    return store.get(DEFAULT_MODEL).blob_path(model_cache)
+
+
+def _logits(ctx: BatchContext, row: int, n_vocab: int) -> np.ndarray:
+    return np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx.ptr, row), shape=(n_vocab,)).copy()
+
+
+def test_sequences_are_isolated_with_the_batch_shape_fixed(model_path: Path) -> None:
+    """Same batch shape, different neighbours: a sequence's logits are bit-identical."""
+    model = LlamaModel(model_path, n_gpu_layers=0)
+    ctx = BatchContext(model, n_seq=4, n_ctx_seq=256, n_batch=256, n_threads=2)
+    prompt = model.tokenize("The lighthouse keeper climbed the stairs and", add_special=True,
+                            parse_special=False)
+    rng = np.random.default_rng(7)
+
+    def run(neighbours: dict[int, list[int]]) -> np.ndarray:
+        for seq in range(4):
+            ctx.clear(seq)
+        b = ctx.batch
+        b.clear()
+        b.add_span(prompt, 0, 0, last_logits=True)
+        for seq, toks in neighbours.items():
+            b.add_span(toks, 0, seq, last_logits=True)
+        ctx.decode()
+        b.clear()
+        row = b.add(42, len(prompt), 0, True)
+        for seq, toks in neighbours.items():
+            b.add(toks[-1], len(toks), seq, True)
+        ctx.decode()
+        return _logits(ctx, row, model.n_vocab)
+
+    try:
+        first = run({s: rng.integers(0, model.n_vocab, 20).tolist() for s in (1, 2, 3)})
+        second = run({s: rng.integers(0, model.n_vocab, 20).tolist() for s in (1, 2, 3)})
+        assert np.array_equal(first, second)
+    finally:
+        ctx.close()
+        model.close()
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.events: queue.Queue[Event] = queue.Queue()
+
+    def emit(self, event: Event) -> None:
+        self.events.put(event)
+
+    def result(self, timeout: float = 60) -> DoneEvent:
+        while True:
+            event = self.events.get(timeout=timeout)
+            if isinstance(event, DoneEvent):
+                return event
+            if isinstance(event, ErrorEvent):
+                raise event.error
+
+
+@pytest.fixture
+def make_scheduler(model_path: Path) -> Iterator[Callable[..., ModelScheduler]]:
+    made: list[ModelScheduler] = []
+
+    def make(**overrides: object) -> ModelScheduler:
+        options: dict[str, object] = {"parallel": 4, "max_queue": 8, "prefill_chunk": 64,
+                                      "deterministic": False, **overrides}
+        sched = ModelScheduler(LlamaModel(model_path, n_gpu_layers=0), n_ctx_seq=512,
+                               n_batch=256, n_threads=2, embed_ctx=256, aging_s=10.0,
+                               **options)  # type: ignore[arg-type]
+        made.append(sched)
+        return sched
+
+    yield make
+    for sched in made:
+        sched.close()
+
+
+@pytest.fixture
+def scheduler(make_scheduler: Callable[..., ModelScheduler]) -> ModelScheduler:
+    return make_scheduler()
+
+
+def _job(sched: ModelScheduler, text: str, *, max_tokens: int = 24, temperature: float = 0.0,
+         **kw: object) -> tuple[GenerationJob, _Collector]:
+    out = _Collector()
+    tokens = sched.model.tokenize(text, add_special=True, parse_special=False)
+    job = GenerationJob(prompt=tokens, params=SamplingParams(temperature=temperature),
+                        grammar=None, max_tokens=max_tokens, stops=[], emit=out.emit,
+                        **kw)  # type: ignore[arg-type]
+    return job, out
+
+
+PROMPTS = ["The capital of France is", "Once upon a time, a fox",
+           "def fibonacci(n):", "The three primary colours are"]
+
+
+def test_deterministic_mode_gives_the_same_text_batched_or_alone(
+        make_scheduler: Callable[..., ModelScheduler]) -> None:
+    scheduler = make_scheduler(deterministic=True)
+    solo = []
+    for p in PROMPTS:
+        job, out = _job(scheduler, p)
+        scheduler.submit(job)
+        solo.append(out.result().text)
+    jobs = [_job(scheduler, p) for p in PROMPTS]
+    for job, _ in jobs:
+        scheduler.submit(job)
+    batched = [out.result().text for _, out in jobs]
+    assert batched == solo
+    assert len(set(batched)) == 4  # four different continuations, none leaked into another
+
+
+def test_four_sequences_run_in_one_step_and_cells_are_reused(
+        scheduler: ModelScheduler) -> None:
+    jobs = [_job(scheduler, p, max_tokens=40) for p in PROMPTS]
+    for job, _ in jobs:
+        scheduler.submit(job)
+    results = [out.result() for _, out in jobs]
+    generated = sum(r.usage.completion_tokens for r in results)
+    assert generated == 160  # 4 x 40, greedy, no EOS that early
+    # Decoded together: about one step per token of the longest job, not per token overall.
+    assert scheduler.stats.steps <= 40 + 4
+    # The same prompt again reuses the cells its sequence kept.
+    job, out = _job(scheduler, PROMPTS[0], max_tokens=4)
+    scheduler.submit(job)
+    again = out.result()
+    assert again.usage.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_a_shared_prefix_is_copied_from_another_sequence(scheduler: ModelScheduler) -> None:
+    system = "You are the assistant of a hardware store. " * 12
+    first, out1 = _job(scheduler, system + "Where are the nails?", max_tokens=2)
+    scheduler.submit(first)
+    out1.result()
+    # Occupy the sequence that holds the prefix, so the next job lands elsewhere.
+    blocker, _ = _job(scheduler, system + "Where are the nails?", max_tokens=200)
+    scheduler.submit(blocker)
+    second, out2 = _job(scheduler, system + "Do you sell paint?", max_tokens=2)
+    scheduler.submit(second)
+    r = out2.result()
+    blocker.cancelled.set()
+    assert r.usage.cached_tokens >= len(scheduler.model.tokenize(
+        system, add_special=True, parse_special=False)) - 2
+
+
+def test_cancelled_job_frees_its_sequence_within_a_step(scheduler: ModelScheduler) -> None:
+    job, out = _job(scheduler, "Write a long story.", max_tokens=400, temperature=1.0)
+    scheduler.submit(job)
+    assert isinstance(out.events.get(timeout=30), TokenEvent)
+    job.cancelled.set()
+    steps = scheduler.stats.steps
+    while scheduler.stats.running:
+        assert scheduler.stats.steps <= steps + 2
+    slot = scheduler.slots[0]
+    assert slot.job is None and slot.tokens == []  # cells freed
+    assert scheduler.stats.kv_used == 0
+
+
+def test_queue_bound_and_batch_class_is_not_starved() -> None:
+    q: AdmissionQueue[GenerationJob, object] = AdmissionQueue(max_size=3, aging_s=0.05)
+    mk = lambda prio: GenerationJob(prompt=[1], params=SamplingParams(), grammar=None,  # noqa: E731
+                                    max_tokens=1, stops=[], emit=lambda e: None, priority=prio)
+    batch, i1, i2 = mk("batch"), mk("interactive"), mk("interactive")
+    for j in (batch, i1, i2):
+        q.put(j)
+    with pytest.raises(ServiceUnavailable) as err:
+        q.put(mk("interactive"), retry_after=3)
+    assert err.value.retry_after == 3 and err.value.status_code == 503
+    assert q.pop() is i1  # interactive first …
+    threading.Event().wait(0.06)
+    assert q.pop() is batch  # … until the batch job has waited aging_s
+    assert q.pop() is i2
+    i2.cancelled.set()
+    q.put(i2)
+    assert q.pop() is None  # a cancelled job is dropped, not run

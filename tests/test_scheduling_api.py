@@ -1,0 +1,213 @@
+"""Scheduling seen through the API: concurrency, admission, deadlines, residency."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import ollama
+import openai
+import pytest
+
+from edge_agent.config import load_settings
+from edge_agent.engine.catalog import ModelStore
+from tests.conftest import DEFAULT_MODEL, LiveServer, clone_state, free_port, start_server
+
+pytestmark = pytest.mark.integration
+
+
+def _schema(i: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {
+        f"field_{i}": {"type": "integer", "minimum": i, "maximum": i + 100},
+        "note": {"type": "string", "maxLength": 10 + i}},
+        "required": [f"field_{i}", "note"], "additionalProperties": False}
+
+
+def test_eight_concurrent_requests_each_get_output_valid_for_their_own_constraints(
+        live_server: LiveServer) -> None:
+    oa = openai.OpenAI(base_url=live_server.openai_url, api_key="x", max_retries=0)
+    ol = ollama.Client(host=live_server.ollama_url)
+
+    def schema_job(i: int) -> tuple[str, Any]:
+        r = oa.chat.completions.create(
+            model=DEFAULT_MODEL, max_tokens=150, temperature=0.2 * i, seed=i,
+            messages=[{"role": "user", "content": f"Describe item {i} as JSON."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": f"s{i}", "schema": _schema(i)}})
+        return "schema", (i, r.choices[0].message.content)
+
+    def stop_job(i: int) -> tuple[str, Any]:
+        stream = oa.completions.create(model=DEFAULT_MODEL, prompt="1, 2, 3, 4, 5,",
+                                       max_tokens=40, temperature=0, stop=[str(8 + i)],
+                                       stream=True)
+        return "stop", (i, "".join(c.choices[0].text for c in stream))
+
+    def cjk_job(i: int) -> tuple[str, Any]:
+        chunks = list(ol.generate(model=DEFAULT_MODEL, prompt="日本の首都は東京です。中国の首都は",
+                                  raw=True, stream=True,
+                                  options={"temperature": 0, "num_predict": 30}))
+        return "cjk", "".join(c.response for c in chunks)
+
+    jobs = [lambda: schema_job(0), lambda: schema_job(1), lambda: schema_job(2),
+            lambda: stop_job(0), lambda: stop_job(1), lambda: stop_job(2),
+            lambda: cjk_job(0), lambda: cjk_job(1)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda f: f(), jobs))
+    for kind, value in results:
+        if kind == "schema":
+            i, text = value
+            jsonschema.validate(json.loads(text), _schema(i))
+        elif kind == "stop":
+            i, text = value
+            assert str(8 + i) not in text and str(7 + i) in text
+        else:
+            assert "\ufffd" not in value and any(ord(ch) > 0x2FFF for ch in value)
+    cjk = [v for k, v in results if k == "cjk"]
+    assert cjk[0] == cjk[1]  # greedy, same prompt: same text, whatever ran beside it
+
+
+def test_a_shared_system_prompt_is_reused_and_reported(live_server: LiveServer) -> None:
+    oa = openai.OpenAI(base_url=live_server.openai_url, api_key="x", max_retries=0)
+    system = {"role": "system", "content": "You answer questions about the store. " * 20}
+    first = oa.chat.completions.create(model=DEFAULT_MODEL, max_tokens=2, messages=[
+        system, {"role": "user", "content": "Opening hours?"}])
+    second = oa.chat.completions.create(model=DEFAULT_MODEL, max_tokens=2, messages=[
+        system, {"role": "user", "content": "Where is the bakery?"}])
+    assert first.usage and second.usage and second.usage.prompt_tokens_details
+    cached = second.usage.prompt_tokens_details.cached_tokens or 0
+    assert 100 < cached >= second.usage.prompt_tokens - 12  # all but the new user turn
+    ol = ollama.Client(host=live_server.ollama_url)
+    r = ol.chat(model=DEFAULT_MODEL, options={"num_predict": 2}, messages=[
+        system, {"role": "user", "content": "Is there parking?"}])
+    # Ollama counts only the newly evaluated prompt tokens.
+    assert r.prompt_eval_count is not None and r.prompt_eval_count < 40
+
+
+@pytest.fixture(scope="module")
+def narrow_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[LiveServer]:
+    """One sequence, one waiting place: easy to fill."""
+    state = clone_state(model_cache, tmp_path_factory.mktemp("narrow") / "state")
+    settings = load_settings(None, state_dir=state, **{
+        "server.port": free_port(), "runtime.context_length": 512, "runtime.parallel": 1,
+        "runtime.max_queue": 1, "runtime.max_loaded_models": 1})
+    live = start_server(settings)
+    yield live
+    live.stop()
+
+
+def _long_stream(live: LiveServer, started: threading.Event, stop: threading.Event,
+                 **headers: str) -> None:
+    body = {"model": DEFAULT_MODEL, "stream": True, "max_tokens": 400, "temperature": 1.0,
+            "messages": [{"role": "user", "content": "Write a long story."}]}
+    with httpx.stream("POST", f"{live.openai_url}/chat/completions", json=body, timeout=120,
+                      headers=headers) as r:
+        for _ in r.iter_lines():
+            started.set()
+            if stop.is_set():
+                return
+
+
+def test_full_queue_gives_503_with_retry_after_in_both_dialects(narrow_server: LiveServer
+                                                                ) -> None:
+    started, stop = threading.Event(), threading.Event()
+    runner = threading.Thread(target=_long_stream, args=(narrow_server, started, stop))
+    runner.start()
+    try:
+        assert started.wait(30)
+        waiting = threading.Thread(target=lambda: httpx.post(
+            f"{narrow_server.openai_url}/completions", timeout=120,
+            json={"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 2}))
+        waiting.start()
+        worker = narrow_server.app.state.parts.registry.loaded()[0].worker
+        deadline = time.monotonic() + 10
+        while worker.queued < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = httpx.post(f"{narrow_server.openai_url}/completions", timeout=30,
+                       json={"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["type"] == "server_error" and "queue" in r.json()["error"][
+            "message"]
+        r = httpx.post(f"{narrow_server.base_url}/api/generate", timeout=30,
+                       json={"model": DEFAULT_MODEL, "prompt": "hi", "stream": False})
+        assert r.status_code == 503 and "Retry-After" in r.headers
+        assert set(r.json()) == {"error"}
+    finally:
+        stop.set()
+        runner.join()
+        waiting.join()
+
+
+def test_deadlines_give_504_or_an_error_event(narrow_server: LiveServer) -> None:
+    body = {"model": DEFAULT_MODEL, "max_tokens": 400, "temperature": 1.0, "timeout_ms": 300,
+            "messages": [{"role": "user", "content": "Write a long story."}]}
+    t0 = time.monotonic()
+    r = httpx.post(f"{narrow_server.openai_url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
+    assert time.monotonic() - t0 < 5
+    r = httpx.post(f"{narrow_server.base_url}/api/generate", timeout=60,
+                   headers={"X-Timeout-Ms": "300"},
+                   json={"model": DEFAULT_MODEL, "prompt": "Write a long story.",
+                         "stream": False, "options": {"num_predict": 400}})
+    assert r.status_code == 504 and set(r.json()) == {"error"}
+    with httpx.stream("POST", f"{narrow_server.base_url}/api/chat", timeout=60,
+                      headers={"X-Timeout-Ms": "300"},
+                      json={"model": DEFAULT_MODEL, "options": {"num_predict": 400},
+                            "messages": [{"role": "user", "content": "A long story."}]}) as s:
+        lines = [json.loads(line) for line in s.iter_lines() if line]
+    assert "error" in lines[-1] and "deadline" in lines[-1]["error"]
+    with httpx.stream("POST", f"{narrow_server.openai_url}/chat/completions", timeout=60,
+                      headers={"X-Timeout-Ms": "300"}, json={**body, "stream": True}) as s:
+        data = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert json.loads(data[-1][6:])["error"]["code"] == "timeout"
+    bad = httpx.post(f"{narrow_server.base_url}/api/generate", headers={"X-Timeout-Ms": "soon"},
+                     json={"model": DEFAULT_MODEL, "prompt": "hi"})
+    assert bad.status_code == 400 and "X-Timeout-Ms" in bad.json()["error"]
+    # The sequence was freed: the next request runs at once.
+    worker = narrow_server.app.state.parts.registry.loaded()[0].worker
+    deadline = time.monotonic() + 5
+    while worker.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.running == 0
+
+
+def test_batch_class_completes_while_interactive_load_continues(live_server: LiveServer
+                                                                ) -> None:
+    oa = openai.OpenAI(base_url=live_server.openai_url, api_key="x", max_retries=0)
+    stop = threading.Event()
+
+    def interactive_load() -> int:
+        n = 0
+        while not stop.is_set():
+            oa.completions.create(model=DEFAULT_MODEL, prompt="Hello", max_tokens=16)
+            n += 1
+        return n
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        loaders = [pool.submit(interactive_load) for _ in range(5)]
+        time.sleep(0.5)
+        batch = oa.with_options(default_headers={"X-Priority": "batch"}).completions.create(
+            model=DEFAULT_MODEL, prompt="Summarise: the store opens at nine.", max_tokens=16)
+        stop.set()
+        done = sum(f.result() for f in loaders)
+    assert batch.choices[0].text is not None and batch.usage
+    assert done > 0
+    bad = httpx.post(f"{live_server.openai_url}/completions", headers={"X-Priority": "urgent"},
+                     json={"model": DEFAULT_MODEL, "prompt": "hi"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Priority"
+
+
+def test_least_recently_used_model_is_evicted(narrow_server: LiveServer) -> None:
+    ModelStore(narrow_server.settings.state_dir).pull("gemma3:270m")
+    client = ollama.Client(host=narrow_server.ollama_url)
+    client.generate(model="gemma3:270m", prompt="Hi", options={"num_predict": 2})
+    assert [m.model for m in client.ps().models] == ["gemma3:270m"]
+    client.generate(model=DEFAULT_MODEL, prompt="Hi", options={"num_predict": 2})
+    assert [m.model for m in client.ps().models] == [DEFAULT_MODEL]
