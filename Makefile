@@ -33,7 +33,11 @@ test: check
 unit: $(VENV)/.test-deps
 	$(BIN)/pytest -m "not integration"
 
-bench: $(VENV)/.run-deps
+$(VENV)/.bench-deps: pyproject.toml $(VENV)/.run-deps
+	$(BIN)/pip install --quiet -e '.[default-model,bench]'
+	touch $@
+
+bench: $(VENV)/.bench-deps
 	$(BIN)/edge-agent bench --state-dir $(STATE)
 
 clean:

@@ -245,24 +245,40 @@ def models_rm(ctx: click.Context, config: Path | None, state_dir: Path | None,
 @main.command()
 @common_options
 @click.option("--model", help="Model to measure (default: the configured default).")
+@click.option("--concurrency", default="1,4,8", show_default=True,
+              help="Comma-separated concurrency levels.")
 @click.option("--requests", type=click.IntRange(1), default=7, show_default=True,
-              help="Requests per peer; medians are reported.")
-@click.option("--max-tokens", type=click.IntRange(2), default=128, show_default=True)
+              help="Single-stream requests per peer; medians are reported.")
+@click.option("--max-tokens", type=click.IntRange(2), default=128, show_default=True,
+              help="Tokens per single-stream request.")
+@click.option("--no-peers", is_flag=True, help="Skip llama-cpp-python's server as a peer.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON too.")
 @click.pass_context
 def bench(ctx: click.Context, config: Path | None, state_dir: Path | None, model: str | None,
-          requests: int, max_tokens: int, as_json: bool) -> None:
-    """Measure TTFT, TPOT and tokens/s against llama-cpp-python in process; print ratios."""
-    from edge_agent.bench import run_bench
+          concurrency: str, requests: int, max_tokens: int, no_peers: bool,
+          as_json: bool) -> None:
+    """Measure TTFT, TPOT and tokens/s against peers in one run; print the ratios."""
+    from edge_agent.bench.run import run_bench
     from edge_agent.engine.runtime import default_threads
 
+    try:
+        levels = sorted({int(x) for x in concurrency.split(",") if x.strip()})
+    except ValueError:
+        _fail("--concurrency takes numbers like 1,4,8", EXIT_USAGE)
     settings = _settings(ctx, state_dir=state_dir)
     settings.state_dir.mkdir(parents=True, exist_ok=True)
+    if not no_peers:
+        try:
+            import llama_cpp.server  # noqa: F401
+        except ImportError:
+            _fail("the peer needs llama-cpp-python[server]: pip install -e '.[bench]' "
+                  "(or pass --no-peers)", EXIT_USAGE)
     try:
-        result = run_bench(settings.state_dir, model or settings.default_model,
+        result = run_bench(settings.state_dir, model or settings.default_model, levels=levels,
                            requests=requests, max_tokens=max_tokens,
                            threads=settings.runtime.threads or default_threads(),
-                           context=settings.runtime.context_length, echo=click.echo)
+                           context=settings.runtime.context_length, peers=not no_peers,
+                           echo=click.echo)
     except EdgeAgentError as exc:
         _fail(exc.message)
     if as_json:

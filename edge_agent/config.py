@@ -56,8 +56,13 @@ class RuntimeSettings(_Section):
         64, ge=0, description="Requests that may wait per model; more get 503 + Retry-After."
     )
     prefill_chunk: int = Field(
-        128, ge=0,
-        description="Prompt tokens per step while others decode (0: whole prompt at once).",
+        256, ge=0,
+        description="Most prompt tokens per step while others decode (0: up to batch_size).",
+    )
+    max_step_stall: float = Field(
+        3.5, ge=0,
+        description="A prompt being prefilled may slow others' steps at most this many times "
+        "(0: only prefill_chunk limits it).",
     )
     aging_s: float = Field(
         10.0, ge=0, description="A waiting batch-class request goes first after this long."

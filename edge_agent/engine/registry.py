@@ -213,7 +213,8 @@ class ModelRegistry:
             worker = ModelScheduler(
                 model, parallel=parallel, n_ctx_seq=n_ctx, n_batch=n_batch, n_threads=threads,
                 embed_ctx=rt.embedding_context, max_queue=rt.max_queue,
-                prefill_chunk=rt.prefill_chunk, aging_s=rt.aging_s,
+                prefill_chunk=rt.prefill_chunk, max_step_stall=rt.max_step_stall,
+                aging_s=rt.aging_s,
                 deterministic=rt.deterministic)
         except BaseException:
             model.close()

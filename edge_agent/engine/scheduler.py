@@ -35,9 +35,14 @@ from edge_agent.errors import EdgeAgentError
 
 log = logging.getLogger(__name__)
 
-# Copying another sequence's cells costs a few ms; below this many shared tokens,
-# recomputing is as cheap.
-MIN_COPY_TOKENS = 32
+# Copying another sequence's cells costs about a millisecond per few hundred cells;
+# below this many shared tokens, recomputing is as cheap.
+MIN_COPY_TOKENS = 8
+# However tight the stall budget, a prompt advances at least this much per step, and a
+# prompt this short goes in whole: a burst of short chats then gets first tokens one
+# prompt per step instead of a few tokens each per step.
+MIN_PREFILL_CHUNK = 8
+SHORT_PROMPT = 48
 # On this class of CPU, llama.cpp's matmuls take one path for 1–7 rows and another from
 # 8 on; deterministic mode keeps every decode under that, and never mixes in prefill.
 DETERMINISTIC_MAX_ROWS = 7
@@ -89,6 +94,7 @@ class _Slot:
         self.tokens: list[int] = []  # the cells this sequence holds, position by position
         self.job: GenerationJob | None = None
         self.pending: list[int] = []  # prompt tokens still to prefill
+        self.prefill_total = 0  # how many the job had to prefill when it started
         self.next_token: int | None = None  # sampled, decoded in the next step
         self.row = -1
         self.span = 0
@@ -123,6 +129,7 @@ class ModelScheduler:
         max_queue: int,
         prefill_chunk: int,
         aging_s: float,
+        max_step_stall: float = 3.5,
         deterministic: bool = False,
     ) -> None:
         self.model = model
@@ -132,6 +139,11 @@ class ModelScheduler:
         self.queue: AdmissionQueue[GenerationJob, EmbeddingJob] = AdmissionQueue(
             max_queue, aging_s)
         self.prefill_chunk = prefill_chunk
+        self.max_step_stall = max_step_stall
+        # Measured costs, for the prefill budget: a decode-only step by row count, and one
+        # prompt token of prefill on top of it.
+        self._decode_s: dict[int, float] = {}
+        self._prefill_token_s = 0.004
         self.deterministic = deterministic
         self.stats = SchedulerStats(parallel=parallel, kv_total=self.ctx.n_ctx_seq * parallel)
         self._embed_ctx_size = min(embed_ctx, self.ctx.n_ctx_seq)
@@ -229,6 +241,7 @@ class ModelScheduler:
             return
         slot.job = job
         slot.pending = prompt[reused:]
+        slot.prefill_total = len(slot.pending)
         slot.cached = reused
         slot.next_token = None
         slot.stream = TextStream(job.stops)
@@ -252,10 +265,10 @@ class ModelScheduler:
                 if prefilling:
                     self._decode([], prefilling[:1], self.ctx.n_batch)
             else:
-                room = self.ctx.n_batch - len(decoding)
-                budget = room if (self.prefill_chunk <= 0 or not decoding) else \
-                    min(self.prefill_chunk, room)
-                self._decode(decoding, prefilling, budget)
+                shortest = min((len(s.pending) for s in prefilling
+                                if s.prefill_total <= SHORT_PROMPT), default=0)
+                self._decode(decoding, prefilling,
+                             self._prefill_budget(len(decoding), shortest))
         except EdgeAgentError as exc:
             for slot in active:
                 if slot.job is not None:
@@ -269,26 +282,49 @@ class ModelScheduler:
         st.kv_used = sum(len(s.tokens) for s in self.slots)
         self._step_s = 0.9 * self._step_s + 0.1 * elapsed
 
+    def _prefill_budget(self, rows: int, shortest: int = 0) -> int:
+        """Prompt tokens this step may carry beside `rows` decoding sequences: as many as
+        keep the step within `max_step_stall` times a plain decode step (so one client's
+        long prompt delays the others by a bounded factor), capped by `prefill_chunk`."""
+        room = self.ctx.n_batch - rows
+        if rows == 0:
+            return room
+        budget = room
+        if self.max_step_stall > 0:
+            plain = self._decode_s.get(rows, 0.01 * rows)
+            allowed = (self.max_step_stall - 1.0) * plain / self._prefill_token_s
+            floor = shortest if 0 < shortest <= SHORT_PROMPT else MIN_PREFILL_CHUNK
+            budget = max(floor, int(allowed))
+        if self.prefill_chunk > 0:
+            budget = min(budget, self.prefill_chunk)
+        return min(budget, room)
+
     def _decode(self, decoding: list[_Slot], prefilling: list[_Slot], budget: int) -> None:
         """One llama_decode over the rows of `decoding` and up to `budget` prompt tokens."""
         batch = self.ctx.batch
         batch.clear()
+        spans: dict[int, int] = {}
+        for slot in sorted(prefilling, key=lambda s: len(s.pending)):  # shortest first
+            if budget <= 0:
+                break
+            spans[slot.seq] = min(budget, len(slot.pending))
+            budget -= spans[slot.seq]
         chosen: list[_Slot] = []
         # Rows in ascending sequence order: llama.cpp then runs the batch as one pass.
         for slot in sorted([*decoding, *prefilling], key=lambda s: s.seq):
             if slot.next_token is not None:
                 slot.row = batch.add(slot.next_token, len(slot.tokens), slot.seq, True)
                 chosen.append(slot)
-            elif budget > 0:
-                take = min(budget, len(slot.pending))
-                slot.span = take
+            elif slot.seq in spans:
+                take = slot.span = spans[slot.seq]
                 slot.row = batch.add_span(slot.pending[:take], len(slot.tokens), slot.seq,
                                           last_logits=take == len(slot.pending))
-                budget -= take
                 chosen.append(slot)
         if not chosen:
             return
+        started = time.perf_counter()
         self.ctx.decode()
+        self._learn(len(decoding), sum(spans.values()), time.perf_counter() - started)
         self.stats.last_step_tokens = batch.n
         for slot in chosen:
             if slot.next_token is not None:
@@ -301,6 +337,15 @@ class ModelScheduler:
                 if not slot.pending:
                     slot.t_prompt = time.perf_counter_ns()
                     self._sampled(slot)
+
+    def _learn(self, rows: int, prompt_tokens: int, elapsed: float) -> None:
+        if prompt_tokens == 0:
+            old = self._decode_s.get(rows, elapsed)
+            self._decode_s[rows] = 0.8 * old + 0.2 * elapsed
+        elif prompt_tokens >= MIN_PREFILL_CHUNK:
+            plain = self._decode_s.get(rows, 0.0) if rows else 0.0
+            per_token = max(elapsed - plain, 0.0) / prompt_tokens
+            self._prefill_token_s = 0.7 * self._prefill_token_s + 0.3 * max(per_token, 1e-5)
 
     def _sampled(self, slot: _Slot) -> None:
         job, sampler = slot.job, slot.sampler

@@ -1,0 +1,1 @@
+"""`edge-agent bench`: measures this box against peers, in one run, and prints ratios."""

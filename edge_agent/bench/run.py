@@ -1,0 +1,317 @@
+"""The benchmark scenarios. Every figure is a median or percentile over several requests,
+and every target is a ratio between peers measured in this same run on this machine."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from edge_agent.bench.peers import (
+    EdgeAgentPeer,
+    InProcessPeer,
+    LlamaCppServerPeer,
+    Sample,
+)
+from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.runtime import LlamaModel
+
+Echo = Callable[[str], None]
+TOPICS = ["a lighthouse keeper", "a bakery at dawn", "a lost umbrella", "the night train",
+          "a garden robot", "a chess club", "a mountain village", "an old radio"]
+
+
+class Peer(Protocol):
+    name: str
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int,
+             extra: dict[str, Any] | None = None) -> Sample: ...
+
+    def close(self) -> None: ...
+
+
+def _ask(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Write a story about {TOPICS[i % len(TOPICS)]} "
+                                        f"(request {i})."}]
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(v for v in values if not math.isnan(v))
+    if not values:
+        return float("nan")
+    if q == 0.5:
+        return statistics.median(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+@dataclass
+class Load:
+    peer: str
+    concurrency: int
+    samples: list[Sample]
+    wall_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(s.tokens for s in self.samples) / self.wall_s
+
+    @property
+    def ttft_p50(self) -> float:
+        return _pct([s.ttft_s for s in self.samples], 0.5)
+
+    @property
+    def ttft_p95(self) -> float:
+        return _pct([s.ttft_s for s in self.samples], 0.95)
+
+    @property
+    def tpot_p50(self) -> float:
+        return _pct([s.tpot_s for s in self.samples], 0.5)
+
+    @property
+    def delivered(self) -> str:
+        return f"{sum(s.tokens for s in self.samples)}"
+
+    def row(self) -> str:
+        return (f"{self.peer:<34} c={self.concurrency:<2} {self.tokens_per_s:>8.1f} "
+                f"{self.ttft_p50 * 1000:>9.0f} {self.ttft_p95 * 1000:>9.0f} "
+                f"{self.tpot_p50 * 1000:>8.1f} {self.delivered:>8}")
+
+
+def run_load(peer: Peer, concurrency: int, max_tokens: int, rounds: int,
+             extra: dict[str, Any]) -> Load:
+    """`rounds` bursts of `concurrency` simultaneous requests (at least 8 requests in all)."""
+    samples: list[Sample] = []
+    wall = 0.0
+    rounds = max(rounds, math.ceil(8 / concurrency))
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for r in range(rounds):
+            start = time.perf_counter()
+            futures = [pool.submit(peer.chat, _ask(r * concurrency + i), max_tokens, extra)
+                       for i in range(concurrency)]
+            batch = [f.result() for f in futures]
+            wall += time.perf_counter() - start
+            samples += batch
+    return Load(peer.name, concurrency, samples, wall)
+
+
+def _no_eos(path: Path) -> dict[str, Any]:
+    """logit_bias that keeps a model from ending early, so every peer emits max_tokens."""
+    model = LlamaModel(path, n_gpu_layers=0)
+    try:
+        eog = {t for t in range(model.n_vocab) if model.is_eog(t)}
+    finally:
+        model.close()
+    return {"logit_bias": {str(t): -100 for t in sorted(eog)}}
+
+
+def _line(echo: Echo, label: str, value: float, target: str, ok: bool) -> None:
+    echo(f"  {label:<62} {value:>7.2f}x  {target:<10} {'ok' if ok else 'MISSED'}")
+
+
+def bench_single(state_dir: Path, path: Path, model: str, *, threads: int, context: int,
+                 requests: int, max_tokens: int, extra: dict[str, Any], echo: Echo
+                 ) -> dict[str, Any]:
+    """Single stream through HTTP vs in-process, alternating requests."""
+    edge = EdgeAgentPeer(state_dir, model, threads=threads, context=context, parallel=1)
+    local = InProcessPeer(path, threads, context)
+    served, inproc = [], []
+    try:
+        edge.chat(_ask(0), 8)
+        local.chat(_ask(0), 8)
+        for i in range(requests):
+            served.append(edge.chat(_ask(i), max_tokens, extra))
+            inproc.append(local.chat(_ask(i), max_tokens, extra))
+    finally:
+        edge.close()
+        local.close()
+    a = Load("edge-agent (HTTP, streamed)", 1, served, sum(s.arrivals[-1] - s.start
+                                                          for s in served))
+    b = Load("llama-cpp-python in-process", 1, inproc, sum(s.arrivals[-1] - s.start
+                                                          for s in inproc))
+    tps = [1 / s.tpot_s for s in served], [1 / s.tpot_s for s in inproc]
+    ratio_tps = statistics.median(tps[0]) / statistics.median(tps[1])
+    ratio_ttft = a.ttft_p50 / b.ttft_p50
+    echo(f"single stream (median of {requests} requests, {max_tokens} tokens)")
+    echo(f"  {'peer':<32} {'decode tok/s':>12} {'TTFT ms':>8} {'TPOT ms':>8}")
+    for load, t in ((a, tps[0]), (b, tps[1])):
+        echo(f"  {load.peer:<32} {statistics.median(t):>12.1f} {load.ttft_p50 * 1000:>8.1f} "
+             f"{load.tpot_p50 * 1000:>8.2f}")
+    _line(echo, "tokens/s, edge-agent / in-process", ratio_tps, ">= 0.95", ratio_tps >= 0.95)
+    _line(echo, "TTFT, edge-agent / in-process", ratio_ttft, "<= 1.2", ratio_ttft <= 1.2)
+    return {"tokens_per_s_ratio": ratio_tps, "ttft_ratio": ratio_ttft,
+            "edge_tokens_per_s": statistics.median(tps[0]),
+            "in_process_tokens_per_s": statistics.median(tps[1])}
+
+
+def bench_concurrency(state_dir: Path, path: Path, model: str, *, threads: int, context: int,
+                      levels: list[int], max_tokens: int, rounds: int, peers: bool,
+                      extra: dict[str, Any], echo: Echo) -> dict[str, Any]:
+    results: dict[str, dict[int, Load]] = {}
+    makers: list[tuple[str, Callable[[], Any]]] = [
+        ("edge-agent", lambda: EdgeAgentPeer(state_dir, model, threads=threads,
+                                             context=context, parallel=max(levels)))]
+    if peers:
+        makers += [
+            ("peer-no-interrupt", lambda: LlamaCppServerPeer(
+                path, model, threads=threads, context=context * max(levels), interrupt=False)),
+            ("peer-default", lambda: LlamaCppServerPeer(
+                path, model, threads=threads, context=context * max(levels), interrupt=True)),
+        ]
+    echo(f"concurrency (bursts of c requests, >= {rounds} bursts and >= 8 requests per "
+         f"level, {max_tokens} tokens each)")
+    echo(f"  {'peer':<34} {'':4} {'agg tok/s':>8} {'TTFT p50':>9} {'TTFT p95':>9} "
+         f"{'TPOT p50':>8} {'tokens':>8}")
+    for key, make in makers:
+        peer = make()
+        try:
+            peer.chat(_ask(-1), 4)  # warm-up, on a prompt the runs do not use
+            results[key] = {c: run_load(peer, c, max_tokens, rounds, extra) for c in levels}
+        finally:
+            peer.close()
+        for c in levels:
+            echo("  " + results[key][c].row())
+    edge = results["edge-agent"]
+    top, one = max(levels), min(levels)
+    out: dict[str, Any] = {"edge_agent": {c: {"tokens_per_s": r.tokens_per_s,
+                                              "ttft_p50_ms": r.ttft_p50 * 1000,
+                                              "ttft_p95_ms": r.ttft_p95 * 1000,
+                                              "tpot_p50_ms": r.tpot_p50 * 1000}
+                                          for c, r in edge.items()}}
+    scale = edge[top].tokens_per_s / edge[one].tokens_per_s
+    _line(echo, f"aggregate tokens/s, c={top} / c={one}", scale, ">= 1.8", scale >= 1.8)
+    ttft = edge[top].ttft_p50 / edge[one].ttft_p50
+    _line(echo, f"TTFT p50, c={top} / c={one}", ttft, "<= 5", ttft <= 5)
+    out.update(scale=scale, ttft_growth=ttft)
+    if peers:
+        vs = edge[top].tokens_per_s / results["peer-no-interrupt"][top].tokens_per_s
+        _line(echo, f"aggregate tokens/s at c={top}, edge-agent / peer (interrupt off)", vs,
+              ">= 2.5", vs >= 2.5)
+        cut = results["peer-default"][top]
+        asked = len(cut.samples) * max_tokens
+        echo(f"  peer with defaults at c={top}: {cut.delivered} of {asked} tokens delivered "
+             "(it interrupts running streams)")
+        out["vs_peer"] = vs
+    return out
+
+
+def bench_prefix(state_dir: Path, model: str, *, threads: int, context: int, echo: Echo
+                 ) -> dict[str, Any]:
+    system = {"role": "system", "content": " ".join(
+        f"Rule {i}: be kind to customers in aisle {i} and mention offer {i * 7}."
+        for i in range(60))}
+    peer = EdgeAgentPeer(state_dir, model, threads=threads, context=context, parallel=4)
+    try:
+        cold = peer.chat([system, {"role": "user", "content": "Where is the milk?"}], 4)
+        warm = [peer.chat([system, {"role": "user", "content": f"Question {i}?"}], 4)
+                for i in range(5)]
+    finally:
+        peer.close()
+    ratio = statistics.median(s.ttft_s for s in warm) / cold.ttft_s
+    echo(f"prefix reuse (system prompt of ~{warm[0].cached_tokens} cached tokens)")
+    echo(f"  cold TTFT {cold.ttft_s * 1000:.0f} ms, warm TTFT p50 "
+         f"{statistics.median(s.ttft_s for s in warm) * 1000:.0f} ms")
+    _line(echo, "TTFT, shared prefix / cold", ratio, "<= 0.1", ratio <= 0.1)
+    return {"ratio": ratio, "cached_tokens": warm[0].cached_tokens}
+
+
+def _prefill_under_load(peer: EdgeAgentPeer, extra: dict[str, Any], long_prompt: str
+                        ) -> tuple[float, float, float]:
+    """7 streams decoding; a long prompt arrives. (normal step, worst step, its TTFT)."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        runners = [pool.submit(peer.chat, _ask(i), 220, extra) for i in range(7)]
+        time.sleep(1.5)
+        arrived = time.perf_counter()
+        newcomer = pool.submit(peer.chat, [{"role": "user", "content": long_prompt}], 4)
+        probe = newcomer.result()
+        streams = [f.result() for f in runners]
+    first = probe.arrivals[0] if probe.arrivals else time.perf_counter()
+    gaps_before, gaps_during = [], []
+    for s in streams:
+        for a, b in zip(s.arrivals, s.arrivals[1:], strict=False):
+            if b < arrived:
+                gaps_before.append(b - a)
+            elif a <= first:
+                gaps_during.append(b - a)
+    return statistics.median(gaps_before), max(gaps_during or [0.0]), probe.ttft_s
+
+
+def bench_chunked_prefill(state_dir: Path, model: str, *, threads: int, context: int,
+                          extra: dict[str, Any], echo: Echo) -> dict[str, Any]:
+    long_prompt = " ".join(f"Item {i} costs {i * 3} euros and sits on shelf {i % 9}."
+                           for i in range(80)) + " Which item is cheapest?"
+    figures = {}
+    for label, unchunked in (("chunked", False), ("unchunked", True)):
+        kwargs = {"prefill_chunk": 0, "max_step_stall": 0} if unchunked else {}
+        peer = EdgeAgentPeer(state_dir, model, threads=threads, context=context, parallel=8,
+                             **kwargs)
+        try:
+            peer.chat(_ask(-1), 4)
+            figures[label] = _prefill_under_load(peer, extra, long_prompt)
+        finally:
+            peer.close()
+    normal, worst, ttft = figures["chunked"]
+    echo("chunked prefill (7 streams decoding, a ~1,000-token prompt arrives)")
+    echo(f"  normal step {normal * 1000:.0f} ms; worst step while it prefills "
+         f"{worst * 1000:.0f} ms chunked, {figures['unchunked'][1] * 1000:.0f} ms unchunked; "
+         f"its TTFT {ttft * 1000:.0f} ms chunked, {figures['unchunked'][2] * 1000:.0f} ms "
+         "unchunked")
+    stall = worst / normal
+    slow = ttft / figures["unchunked"][2]
+    _line(echo, "worst step / normal step", stall, "<= 4", stall <= 4)
+    _line(echo, "long prompt TTFT, chunked / unchunked", slow, "<= 2", slow <= 2)
+    return {"worst_step_ratio": stall, "ttft_ratio": slow}
+
+
+def bench_correctness(state_dir: Path, model: str, *, threads: int, context: int,
+                      echo: Echo) -> dict[str, Any]:
+    echo("batched vs solo at temperature 0 (8 requests, 48 tokens)")
+    out = {}
+    for deterministic in (False, True):
+        peer = EdgeAgentPeer(state_dir, model, threads=threads, context=context, parallel=8,
+                             deterministic=deterministic)
+        try:
+            solo = [peer.chat(_ask(i), 48).text for i in range(8)]
+            load = run_load(peer, 8, 48, 1, {})
+        finally:
+            peer.close()
+        batched = [s.text for s in load.samples]
+        matches = sum(a == b for a, b in zip(solo, batched, strict=True))
+        label = "deterministic = true" if deterministic else "default"
+        echo(f"  {label:<22} {matches}/8 identical; c=8 aggregate {load.tokens_per_s:.1f} "
+             "tok/s")
+        out[label] = {"matches": matches, "tokens_per_s": load.tokens_per_s}
+    cost = out["deterministic = true"]["tokens_per_s"] / out["default"]["tokens_per_s"]
+    echo(f"  deterministic mode throughput: {cost:.2f}x of default")
+    return out
+
+
+def run_bench(state_dir: Path, model: str, *, levels: list[int], requests: int,
+              max_tokens: int, threads: int, context: int, peers: bool, echo: Echo
+              ) -> dict[str, Any]:
+    store = ModelStore(state_dir)
+    if not store.is_installed(model):
+        store.pull(model)
+    info = store.get(model)
+    path = info.blob_path(state_dir)
+    extra = _no_eos(path)
+    echo(f"edge-agent bench: {info.name} ({info.quantization}, sha256:{info.digest[:12]}), "
+         f"{threads} threads")
+    result: dict[str, Any] = {"model": info.name, "threads": threads}
+    result["single"] = bench_single(state_dir, path, info.name, threads=threads,
+                                    context=context, requests=requests,
+                                    max_tokens=max_tokens, extra=extra, echo=echo)
+    result["concurrency"] = bench_concurrency(
+        state_dir, path, info.name, threads=threads, context=context, levels=levels,
+        max_tokens=64, rounds=2, peers=peers, extra=extra, echo=echo)
+    result["prefix"] = bench_prefix(state_dir, info.name, threads=threads, context=context,
+                                    echo=echo)
+    result["chunked_prefill"] = bench_chunked_prefill(state_dir, info.name, threads=threads,
+                                                      context=context, extra=extra, echo=echo)
+    result["correctness"] = bench_correctness(state_dir, info.name, threads=threads,
+                                              context=context, echo=echo)
+    return result
