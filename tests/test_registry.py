@@ -54,3 +54,33 @@ def test_a_corrupted_blob_is_an_error_not_a_crash(model_cache: Path, tmp_path: P
         assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
     finally:
         live.stop()
+
+
+@pytest.mark.integration
+def test_a_loading_model_answers_503_when_configured_not_to_wait(model_cache: Path,
+                                                                 tmp_path: Path) -> None:
+    import asyncio
+
+    from edge_agent.engine.registry import ModelRegistry
+    from edge_agent.errors import ServiceUnavailable
+
+    state = clone_state(model_cache, tmp_path / "state")
+    settings = load_settings(None, state_dir=state, **{
+        "runtime.context_length": 256, "runtime.load_wait": False})
+    registry = ModelRegistry(settings, ModelStore(state))
+
+    async def scenario() -> None:
+        first = asyncio.create_task(registry.acquire(DEFAULT_MODEL))
+        await asyncio.sleep(0.05)  # the load is under way (digest check, then llama.cpp)
+        with pytest.raises(ServiceUnavailable) as err:
+            await registry.acquire(DEFAULT_MODEL)
+        assert err.value.retry_after and err.value.status_code == 503
+        model, load_ns = await first
+        assert load_ns > 0 and model.worker.n_ctx == 256
+        await registry.release(model)
+        again, waited = await registry.acquire(DEFAULT_MODEL)  # loaded now: no wait
+        assert again is model and waited < load_ns
+        await registry.release(again)
+        await registry.close()
+
+    asyncio.run(scenario())
