@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from edge_agent import __version__
-from edge_agent.api import ollama, openai
+from edge_agent.api import ollama, openai, ops
 from edge_agent.api.errors import install_error_handlers
 from edge_agent.api.state import AppParts
 from edge_agent.config import Settings
@@ -21,6 +21,9 @@ from edge_agent.engine.catalog import ModelStore, normalize_name
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.engine.service import GenerationService
 from edge_agent.errors import EdgeAgentError
+from edge_agent.logs import RequestContext
+from edge_agent.telemetry.hardware import HardwareSampler, default_readers
+from edge_agent.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 5.0
@@ -38,13 +41,20 @@ def ensure_default_model(store: ModelStore, name: str) -> None:
 def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     store = ModelStore(settings.state_dir, settings.catalog_dir)
     registry = ModelRegistry(settings, store)
+    sampler = HardwareSampler(readers=[], interval_s=settings.telemetry.interval_s)
+    metrics = Metrics(registry.loaded, sampler) if settings.telemetry.metrics else None
     timeout_ms = settings.runtime.request_timeout_ms
-    service = GenerationService(registry, default_timeout_s=timeout_ms / 1000 or None)
-    parts = AppParts(settings=settings, store=store, registry=registry, service=service)
+    service = GenerationService(registry, default_timeout_s=timeout_ms / 1000 or None,
+                                metrics=metrics)
+    parts = AppParts(settings=settings, store=store, registry=registry, service=service,
+                     metrics=metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.state_dir.mkdir(parents=True, exist_ok=True)
+        if settings.telemetry.hardware:
+            sampler.readers = default_readers(settings.state_dir)
+            sampler.start()
         tasks = [asyncio.create_task(_reap(registry))]
         if preload:
             tasks.append(asyncio.create_task(_preload(store, registry, settings.default_model)))
@@ -54,12 +64,15 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            sampler.stop()
             await registry.close()
 
     app = FastAPI(title="edge-agent", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.parts = parts
     install_error_handlers(app)
+    app.add_middleware(RequestContext)
+    app.include_router(ops.router)
     app.include_router(ollama.router)
     app.include_router(openai.router)
     return app

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ import click
 from edge_agent import __version__
 from edge_agent.config import ConfigError, Settings, load_settings
 from edge_agent.errors import EdgeAgentError
+from edge_agent.logs import configure_logging
 
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
@@ -109,10 +109,10 @@ def serve(ctx: click.Context, config: Path | None, state_dir: Path | None, host:
     if not _is_loopback(settings.server.host):
         _fail(f"refusing to listen on {settings.server.host}: no API key is configured, so "
               "only a loopback address is allowed", EXIT_USAGE)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port,
-                log_level=settings.log_level, timeout_graceful_shutdown=10)
+                log_level=settings.log_level, log_config=None, access_log=False,
+                timeout_graceful_shutdown=10)
 
 
 @main.group()
@@ -283,3 +283,19 @@ def bench(ctx: click.Context, config: Path | None, state_dir: Path | None, model
         _fail(exc.message)
     if as_json:
         click.echo(json.dumps(result, indent=2))
+
+
+@main.command()
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@click.pass_context
+def doctor(ctx: click.Context, config: Path | None, state_dir: Path | None,
+           as_json: bool) -> None:
+    """Check this box: config, state dir, disk, model blobs, llama.cpp, GPU, port."""
+    from edge_agent.doctor import render, run_checks
+
+    settings = _settings(ctx, state_dir=state_dir)
+    checks = run_checks(settings)
+    click.echo(render(checks, as_json))
+    if any(c.status == "fail" for c in checks):
+        sys.exit(EXIT_CHECK_FAILED)

@@ -35,6 +35,15 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(
         8 * 1024 * 1024, gt=0, description="Largest request body accepted; larger gets 413."
     )
+    metrics_key: str | None = Field(
+        None, description="Bearer key for /metrics from other hosts (loopback needs none)."
+    )
+
+
+class TelemetrySettings(_Section):
+    interval_s: float = Field(5.0, gt=0, description="Seconds between hardware samples.")
+    hardware: bool = Field(True, description="Sample CPU, memory, GPU and Jetson sensors.")
+    metrics: bool = Field(True, description="Serve /metrics and observe every request.")
 
 
 class RuntimeSettings(_Section):
@@ -106,8 +115,13 @@ class Settings(BaseSettings):
     )
     default_model: str = Field("smollm2:135m", description="Model loaded at start.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = Field(
+        "text", description="'json': one object per line, with the request id on each."
+    )
     server: ServerSettings = Field(default_factory=ServerSettings)  # type: ignore[arg-type]
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)  # type: ignore[arg-type]
+    telemetry: TelemetrySettings = Field(
+        default_factory=TelemetrySettings)  # type: ignore[arg-type]
     models: dict[str, ModelOverride] = Field(default_factory=dict)
 
     @classmethod

@@ -33,6 +33,7 @@ class EdgeAgentError(Exception):
         self.message = message
         self.param = param
         self.retry_after = retry_after
+        self.observed = False  # counted in metrics already (set where it was counted)
 
 
 class InvalidRequest(EdgeAgentError):

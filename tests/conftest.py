@@ -74,9 +74,9 @@ class LiveServer:
         self.thread.join(timeout=30)
 
 
-def start_server(settings: Settings, *, wait_for_model: str | None = DEFAULT_MODEL
-                 ) -> LiveServer:
-    app = create_app(settings)
+def start_server(settings: Settings, *, wait_for_model: str | None = DEFAULT_MODEL,
+                 preload: bool = True) -> LiveServer:
+    app = create_app(settings, preload=preload)
     config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
                             log_level="warning", lifespan="on")
     server = uvicorn.Server(config)

@@ -45,6 +45,10 @@ def error_response(exc: EdgeAgentError, path: str) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     async def on_edge_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, EdgeAgentError)
+        metrics = getattr(request.app.state.parts, "metrics", None)
+        if metrics is not None and not exc.observed:
+            dialect = "openai" if is_openai_path(request.url.path) else "ollama"
+            metrics.observe_error("", dialect, exc)
         return error_response(exc, request.url.path)
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:

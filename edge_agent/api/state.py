@@ -11,6 +11,7 @@ from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.engine.service import GenerationService
+from edge_agent.telemetry.metrics import Metrics
 
 
 @dataclass
@@ -19,6 +20,7 @@ class AppParts:
     store: ModelStore
     registry: ModelRegistry
     service: GenerationService
+    metrics: Metrics | None = None
 
 
 def _parts(request: Request) -> AppParts:

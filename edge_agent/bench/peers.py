@@ -121,8 +121,9 @@ class HttpPeer:
 
 class EdgeAgentPeer(HttpPeer):
     def __init__(self, state_dir: Path, model: str, *, threads: int, context: int,
-                 parallel: int, **runtime: object) -> None:
+                 parallel: int, env: dict[str, str] | None = None, **runtime: object) -> None:
         self.name = "edge-agent"
+        extra_env = env
         env = {"EDGE_AGENT_RUNTIME__THREADS": str(threads),
                "EDGE_AGENT_RUNTIME__CONTEXT_LENGTH": str(context),
                "EDGE_AGENT_RUNTIME__PARALLEL": str(parallel),
@@ -130,6 +131,7 @@ class EdgeAgentPeer(HttpPeer):
                "EDGE_AGENT_DEFAULT_MODEL": model}
         env.update({f"EDGE_AGENT_RUNTIME__{k.upper()}": str(v).lower() if isinstance(v, bool)
                     else str(v) for k, v in runtime.items()})
+        env.update(extra_env or {})
         super().__init__([sys.executable, "-m", "edge_agent", "serve", "--state-dir",
                           str(state_dir), "--port", "{port}", "--log-level", "warning"],
                          env, "/api/ps", model)

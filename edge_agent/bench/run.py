@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from edge_agent.bench.observability import bench_observability
 from edge_agent.bench.peers import (
     EdgeAgentPeer,
     InProcessPeer,
@@ -246,7 +247,7 @@ def bench_chunked_prefill(state_dir: Path, model: str, *, threads: int, context:
                            for i in range(80)) + " Which item is cheapest?"
     figures = {}
     for label, unchunked in (("chunked", False), ("unchunked", True)):
-        kwargs = {"prefill_chunk": 0, "max_step_stall": 0} if unchunked else {}
+        kwargs: dict[str, Any] = {"prefill_chunk": 0, "max_step_stall": 0} if unchunked else {}
         peer = EdgeAgentPeer(state_dir, model, threads=threads, context=context, parallel=8,
                              **kwargs)
         try:
@@ -313,5 +314,7 @@ def run_bench(state_dir: Path, model: str, *, levels: list[int], requests: int,
     result["chunked_prefill"] = bench_chunked_prefill(state_dir, info.name, threads=threads,
                                                       context=context, extra=extra, echo=echo)
     result["correctness"] = bench_correctness(state_dir, info.name, threads=threads,
+                                              context=context, echo=echo)
+    result["telemetry"] = bench_observability(state_dir, info.name, threads=threads,
                                               context=context, echo=echo)
     return result

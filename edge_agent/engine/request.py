@@ -50,6 +50,7 @@ class GenerationRequest:
     tool_choice: ToolChoice = "auto"
     num_ctx: int | None = None
     priority: Literal["interactive", "batch"] = "interactive"
+    dialect: str = ""  # "openai" or "ollama", for metrics and logs
     timeout_s: float | None = None  # deadline from submission; None: the operator's default
 
 
@@ -58,6 +59,7 @@ class EmbeddingRequest:
     model: str
     inputs: list[str | list[int]]
     truncate: bool = False
+    dialect: str = ""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +39,14 @@ from edge_agent.errors import (
     InvalidRequest,
     RequestTimeout,
 )
+from edge_agent.logs import note
+from edge_agent.telemetry.metrics import Metrics
 
 
 @dataclass
 class PreparedGeneration:
     model: LoadedModel
+    request: GenerationRequest
     job: GenerationJob
     tool_mode: bool
     window: int
@@ -52,10 +56,11 @@ class PreparedGeneration:
 
 
 class GenerationService:
-    def __init__(self, registry: ModelRegistry, *, default_timeout_s: float | None = None
-                 ) -> None:
+    def __init__(self, registry: ModelRegistry, *, default_timeout_s: float | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.registry = registry
         self.default_timeout_s = default_timeout_s
+        self.metrics = metrics
 
     async def prepare(
         self, req: GenerationRequest, *, keep_alive: float | None = None
@@ -122,7 +127,8 @@ class GenerationService:
         job = GenerationJob(prompt=tokens, params=sampling, grammar=grammar,
                             max_tokens=max_tokens, stops=stops, emit=_unset_emit,
                             priority=req.priority, load_ns=load_ns)
-        return PreparedGeneration(model=model, job=job, tool_mode=tool_mode, window=window,
+        return PreparedGeneration(model=model, request=req, job=job, tool_mode=tool_mode,
+                                  window=window,
                                   events=asyncio.Queue(), deadline=deadline)
 
     def _prompt_text(self, req: GenerationRequest, model: LoadedModel, tool_mode: bool) -> str:
@@ -156,6 +162,7 @@ class GenerationService:
         """
         loop = asyncio.get_running_loop()
         job = prepared.job
+        first_token_ns = 0
         try:
             while True:
                 if prepared.deadline is None:
@@ -166,9 +173,9 @@ class GenerationService:
                                                        prepared.deadline - loop.time())
                     except asyncio.TimeoutError:
                         job.cancelled.set()
-                        yield ErrorEvent(RequestTimeout("the request passed its deadline"))
-                        return
+                        event = ErrorEvent(RequestTimeout("the request passed its deadline"))
                 if isinstance(event, TokenEvent):
+                    first_token_ns = first_token_ns or time.perf_counter_ns()
                     if not prepared.tool_mode:  # tool answers are JSON until parsed
                         yield event
                     continue
@@ -176,11 +183,30 @@ class GenerationService:
                     event = _as_tool_answer(event)
                     if event.text:
                         yield TokenEvent(event.text)
+                self._observe(prepared, event, first_token_ns)
                 yield event
                 return
         finally:
             job.cancelled.set()
             await self.release(prepared)
+
+    def _observe(self, prepared: PreparedGeneration, event: Event, first_token_ns: int
+                 ) -> None:
+        if self.metrics is None:
+            return
+        name, dialect = prepared.model.info.name, prepared.request.dialect
+        if isinstance(event, DoneEvent):
+            end = first_token_ns or time.perf_counter_ns()
+            ttft = (end - prepared.job.submitted_ns + prepared.job.load_ns) / 1e9
+            self.metrics.observe_done(name, dialect, event, ttft)
+            note(model=name, dialect=dialect, ttft_ms=round(ttft * 1000, 1),
+                 prompt_tokens=event.usage.prompt_tokens,
+                 completion_tokens=event.usage.completion_tokens, done_reason=event.reason)
+        elif isinstance(event, ErrorEvent):
+            error = _as_edge_error(event.error)
+            error.observed = True
+            self.metrics.observe_error(name, dialect, error)
+            note(model=name, dialect=dialect, error_type=error.error_type)
 
     async def release(self, prepared: PreparedGeneration) -> None:
         """Hand the model back; safe to call twice (a response that never started streaming
@@ -247,7 +273,11 @@ def _as_tool_answer(event: DoneEvent) -> DoneEvent:
 
 
 def _as_edge_error(exc: Exception) -> EdgeAgentError:
-    return exc if isinstance(exc, EdgeAgentError) else EdgeAgentError(str(exc))
+    if isinstance(exc, EdgeAgentError):
+        return exc
+    wrapped = EdgeAgentError("internal server error")
+    wrapped.__cause__ = exc
+    return wrapped
 
 
 def _unset_emit(event: Event) -> None:

@@ -1,0 +1,68 @@
+"""Operational endpoints: liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import tempfile
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from edge_agent.api.state import AppParts, Parts
+from edge_agent.engine.catalog import normalize_name
+from edge_agent.errors import ModelNotFound, Unauthorized
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    """The process answers. No auth, no dependencies: for systemd and load balancers."""
+    return {"status": "ok"}
+
+
+def readiness_problems(parts: AppParts) -> list[str]:
+    reasons = []
+    default = normalize_name(parts.settings.default_model)
+    if not parts.registry.is_loaded(default):
+        state = "loading" if parts.registry.is_loading(default) else "not loaded"
+        reasons.append(f"default model {default} is {state}")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parts.settings.state_dir, prefix=".ready-"):
+            pass
+    except OSError as exc:
+        reasons.append(f"state directory {parts.settings.state_dir} is not writable "
+                       f"({exc.strerror})")
+    return reasons
+
+
+@router.get("/ready")
+async def ready(parts: Parts) -> Response:
+    reasons = readiness_problems(parts)
+    if reasons:
+        return JSONResponse({"status": "not ready", "reasons": reasons}, status_code=503)
+    return JSONResponse({"status": "ready", "reasons": []})
+
+
+def _loopback(request: Request) -> bool:
+    host = request.client.host if request.client else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@router.get("/metrics")
+async def metrics(request: Request, parts: Parts) -> Response:
+    if not _loopback(request):
+        key = parts.settings.server.metrics_key
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not key or not hmac.compare_digest(given.encode(), key.encode()):
+            raise Unauthorized("metrics are served to loopback, or with the metrics key")
+    if parts.metrics is None:
+        raise ModelNotFound("metrics are disabled (telemetry.metrics = false)")
+    return Response(parts.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+

@@ -1,0 +1,137 @@
+"""`edge-agent doctor`: one line per check of a box, each failure with its fix.
+
+Reads and probes only: it never changes the state dir, never loads a model into a
+running server's memory, and finishes in seconds plus one digest pass over the blobs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+from edge_agent.config import Settings
+from edge_agent.engine.catalog import ModelStore, normalize_name
+from edge_agent.errors import EdgeAgentError
+
+Status = Literal["ok", "warn", "fail"]
+
+
+@dataclass(frozen=True)
+class Check:
+    status: Status
+    name: str
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        fix = f" — fix: {self.fix}" if self.fix and self.status != "ok" else ""
+        return f"{self.status:<5} {self.name}: {self.detail}{fix}"
+
+
+def run_checks(settings: Settings) -> list[Check]:
+    checks = [Check("ok", "config", "settings are valid")]
+    state = settings.state_dir
+    checks.append(_state_dir(state))
+    store = ModelStore(state, settings.catalog_dir)
+    models = store.installed() if state.is_dir() else []
+    checks.append(_disk(state, store))
+    default = normalize_name(settings.default_model)
+    if not any(m.name == default for m in models):
+        checks.append(Check("warn", f"model {default}", "not installed yet",
+                            f"edge-agent models pull {default} (serve also does it at start)"))
+    for m in models:
+        try:
+            store.verify(m)
+            checks.append(Check("ok", f"model {m.name}",
+                                f"sha256:{m.digest[:12]} and GGUF header verified"))
+        except EdgeAgentError as exc:
+            checks.append(Check("fail", f"model {m.name}", exc.message,
+                                f"edge-agent models rm {m.name}, then pull or import it again"))
+    checks += _llama_and_gpu(settings)
+    checks.append(_port(settings))
+    return checks
+
+
+def _state_dir(state: Path) -> Check:
+    if not state.exists():
+        return Check("warn", "state dir", f"{state} does not exist yet",
+                     f"create it (mkdir -p {state}) or let serve create it")
+    try:
+        with tempfile.NamedTemporaryFile(dir=state, prefix=".doctor-"):
+            pass
+    except OSError as exc:
+        return Check("fail", "state dir", f"{state} is not writable ({exc.strerror})",
+                     "chown the directory to the service user, or set --state-dir")
+    return Check("ok", "state dir", f"{state} is writable")
+
+
+def _disk(state: Path, store: ModelStore) -> Check:
+    probe = state if state.exists() else state.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return Check("warn", "disk", f"cannot read free space of {probe}")
+    biggest = max([e.size for e in store.catalog().values()] or [0])
+    detail = f"{free / 2**30:.1f} GiB free at {probe}"
+    if free < 2 * biggest:
+        return Check("warn", "disk", detail + "; less than twice the largest catalog model",
+                     "free space before installing or importing models")
+    return Check("ok", "disk", detail)
+
+
+def _llama_and_gpu(settings: Settings) -> list[Check]:
+    from edge_agent.engine.runtime import gpu_offload_supported, resolve_gpu_layers, system_info
+    from edge_agent.telemetry.hardware import NvmlReader
+
+    info = system_info()
+    features = " ".join(p.strip() for p in info.split("|") if p.strip().endswith("= 1"))
+    out = [Check("ok", "llama.cpp", f"built with: {features or info}")]
+    nvml = NvmlReader()
+    offload = gpu_offload_supported()
+    layers = resolve_gpu_layers(settings.runtime.n_gpu_layers)
+    if nvml.available:
+        out.append(Check("ok", "gpu", f"{', '.join(nvml.gpus)}; driver {nvml.driver_version}, "
+                                      f"CUDA {nvml.cuda_version}"))
+        if not offload:
+            out.append(Check("warn", "offload", "a GPU is present but llama.cpp has no GPU "
+                             "backend: inference runs on the CPU",
+                             "reinstall with CMAKE_ARGS=\"-DGGML_CUDA=on\""))
+        else:
+            out.append(Check("ok", "offload", f"{layers} layers per model will be offloaded"))
+    else:
+        out.append(Check("ok", "gpu", "no NVIDIA GPU visible (NVML absent): CPU inference"))
+        if offload and layers:
+            out.append(Check("ok", "offload", f"llama.cpp has a GPU backend; {layers} layers "
+                             "will be offloaded"))
+    return out
+
+
+def _port(settings: Settings) -> Check:
+    host, port = settings.server.host, settings.server.port
+    with socket.socket() as s:
+        s.settimeout(1)
+        busy = s.connect_ex((host, port)) == 0
+    if not busy:
+        return Check("ok", "port", f"{host}:{port} is free")
+    try:
+        r = httpx.get(f"http://{host}:{port}/api/version", timeout=2)
+        if "edge_agent" in r.json():
+            return Check("ok", "port", f"edge-agent {r.json()['edge_agent']} answers on "
+                                       f"{host}:{port}")
+    except (httpx.HTTPError, ValueError):
+        pass
+    return Check("fail", "port", f"{host}:{port} is taken by another program",
+                 "stop it, or set server.port")
+
+
+def render(checks: list[Check], as_json: bool) -> str:
+    if as_json:
+        return json.dumps([c.__dict__ for c in checks], indent=2)
+    return "\n".join(c.line() for c in checks)

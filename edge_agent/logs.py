@@ -1,0 +1,103 @@
+"""Logging: plain text or one JSON object per line, and one access line per request.
+
+A request's id (its `X-Request-Id`, or a new one) rides in a context variable, so every
+log line written while serving it carries it, and comes back in the `X-Request-Id`
+response header. Access lines carry ids, model, status and timings — never prompt or
+completion text.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+# Filled in while a request is served (model, TTFT …) and written out in its access line.
+access_var: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "access", default=None)
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+access_log = logging.getLogger("edge_agent.access")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        rid = getattr(record, "request_id", "") or request_id_var.get()
+        if rid:
+            entry["request_id"] = rid
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            entry.update(fields)
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def note(**fields: Any) -> None:
+    """Adds fields (model, dialect, ttft_ms …) to the current request's access line."""
+    access = access_var.get()
+    if access is not None:
+        access.update(fields)
+
+
+class RequestContext:
+    """Pure ASGI middleware: request id in, request id out, one access line at the end
+    (after the last byte of a stream, so total_ms is the whole response)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+        token = request_id_var.set(rid)
+        access: dict[str, Any] = {}
+        access_token = access_var.set(access)
+        start = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            fields = {"method": scope["method"], "path": scope["path"], "status": status,
+                      "tenant": "local", **access,
+                      "total_ms": round((time.perf_counter() - start) * 1000, 1)}
+            access_log.info("%s %s %s", scope["method"], scope["path"], status,
+                            extra={"fields": fields, "request_id": rid})
+            access_var.reset(access_token)
+            request_id_var.reset(token)

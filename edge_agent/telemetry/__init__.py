@@ -1,0 +1,1 @@
+"""Telemetry: hardware readings and the Prometheus registry."""

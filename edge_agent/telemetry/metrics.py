@@ -1,0 +1,151 @@
+"""The Prometheus registry: request metrics observed as requests end, and live gauges
+(scheduler state, loaded models, hardware) read at scrape time without locking the
+decode loop. One registry per app — never prometheus-client's global one.
+
+Series that llama.cpp's server also exports keep its names (`llamacpp:*`), so existing
+dashboards work; everything else is `edge_agent_*`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from edge_agent.errors import (
+    ContextLengthExceeded,
+    EdgeAgentError,
+    Forbidden,
+    ModelNotFound,
+    PayloadTooLarge,
+    RateLimited,
+    RequestTimeout,
+    ServiceUnavailable,
+    Unauthorized,
+)
+from edge_agent.telemetry.hardware import HardwareSampler
+
+if TYPE_CHECKING:
+    from edge_agent.engine.registry import LoadedModel
+    from edge_agent.engine.request import DoneEvent
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+def rejection_reason(exc: EdgeAgentError) -> str:
+    if isinstance(exc, Unauthorized):
+        return "auth"
+    if isinstance(exc, Forbidden):
+        return "scope"
+    if isinstance(exc, (ContextLengthExceeded, PayloadTooLarge)):
+        return "limit"
+    if isinstance(exc, RateLimited):
+        return "quota"
+    if isinstance(exc, ServiceUnavailable):
+        return "queue_full" if "queue" in exc.message else "unavailable"
+    if isinstance(exc, RequestTimeout):
+        return "timeout"
+    if isinstance(exc, ModelNotFound):
+        return "not_found"
+    return "invalid" if exc.status_code < 500 else "error"
+
+
+class Metrics:
+    def __init__(self, loaded: Callable[[], list[LoadedModel]],
+                 hardware: HardwareSampler | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.prompt_tokens = Counter("llamacpp:prompt_tokens", "Prompt tokens evaluated",
+                                     ["model"], registry=r)
+        self.predicted = Counter("llamacpp:tokens_predicted", "Tokens generated", ["model"],
+                                 registry=r)
+        self.prompt_seconds = Counter("llamacpp:prompt_seconds", "Time spent on prompts",
+                                      ["model"], registry=r)
+        self.predicted_seconds = Counter("llamacpp:tokens_predicted_seconds",
+                                         "Time spent generating", ["model"], registry=r)
+        labels = ["model", "dialect"]
+        self.ttft = Histogram("edge_agent_time_to_first_token_seconds", "TTFT", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("edge_agent_time_per_output_token_seconds", "TPOT", labels,
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("edge_agent_request_duration_seconds", "End-to-end duration",
+                             labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("edge_agent_queue_wait_seconds", "Time queued", labels,
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("edge_agent_requests", "Requests by outcome",
+                                ["model", "dialect", "status", "error_type"], registry=r)
+        self.rejections = Counter("edge_agent_rejections", "Requests refused, by reason",
+                                  ["reason"], registry=r)
+        self.cached = Counter("edge_agent_cached_prompt_tokens",
+                              "Prompt tokens reused from the KV cache", ["model"], registry=r)
+        r.register(_LiveCollector(loaded, hardware))
+
+    def observe_done(self, model: str, dialect: str, done: DoneEvent, ttft_s: float) -> None:
+        u, t = done.usage, done.timings
+        self.prompt_tokens.labels(model).inc(u.prompt_tokens - u.cached_tokens)
+        self.predicted.labels(model).inc(u.completion_tokens)
+        self.prompt_seconds.labels(model).inc(t.prompt_ns / 1e9)
+        self.predicted_seconds.labels(model).inc(t.eval_ns / 1e9)
+        self.cached.labels(model).inc(u.cached_tokens)
+        self.ttft.labels(model, dialect).observe(ttft_s)
+        if u.completion_tokens > 1:
+            self.tpot.labels(model, dialect).observe(t.eval_ns / 1e9 / (u.completion_tokens - 1))
+        self.e2e.labels(model, dialect).observe(t.total_ns / 1e9)
+        self.queue_wait.labels(model, dialect).observe(t.queue_ns / 1e9)
+        self.requests.labels(model, dialect, "200", "").inc()
+
+    def observe_error(self, model: str, dialect: str, exc: EdgeAgentError) -> None:
+        self.requests.labels(model, dialect, str(exc.status_code), exc.error_type).inc()
+        if exc.status_code != 500:
+            self.rejections.labels(rejection_reason(exc)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveCollector(Collector):
+    def __init__(self, loaded: Callable[[], list[LoadedModel]],
+                 hardware: HardwareSampler | None) -> None:
+        self._loaded = loaded
+        self._hardware = hardware
+
+    def collect(self) -> Iterable[Metric]:
+        g = {name: GaugeMetricFamily(name, doc, labels=["model"]) for name, doc in (
+            ("llamacpp:requests_processing", "Requests being decoded"),
+            ("llamacpp:requests_deferred", "Requests waiting in the queue"),
+            ("llamacpp:kv_cache_usage_ratio", "KV cells in use / all cells"),
+            ("llamacpp:kv_cache_tokens", "KV cells in use"),
+            ("edge_agent_kv_cache_cells", "KV cells in all"),
+            ("edge_agent_batch_tokens", "Tokens in the last decode step"),
+            ("edge_agent_model_memory_bytes", "Weights + KV cache of a loaded model"),
+        )}
+        loaded = GaugeMetricFamily("edge_agent_loaded_models", "Models resident")
+        models = self._loaded()
+        loaded.add_metric([], len(models))
+        for m in models:
+            st = m.worker.stats
+            name = m.info.name
+            g["llamacpp:requests_processing"].add_metric([name], st.running)
+            g["llamacpp:requests_deferred"].add_metric([name], m.worker.queued)
+            g["llamacpp:kv_cache_usage_ratio"].add_metric([name], st.kv_used / st.kv_total)
+            g["llamacpp:kv_cache_tokens"].add_metric([name], st.kv_used)
+            g["edge_agent_kv_cache_cells"].add_metric([name], st.kv_total)
+            g["edge_agent_batch_tokens"].add_metric([name], st.last_step_tokens)
+            g["edge_agent_model_memory_bytes"].add_metric([name], m.memory)
+        yield loaded
+        yield from g.values()
+        if self._hardware is None:
+            return
+        families: dict[str, GaugeMetricFamily] = {}
+        for reading in self._hardware.snapshot:
+            name = f"edge_agent_{reading.name}"
+            fam = families.get(name)
+            if fam is None:
+                fam = families[name] = GaugeMetricFamily(
+                    name, reading.help or name, labels=[k for k, _ in reading.labels])
+            fam.add_metric([v for _, v in reading.labels], reading.value)
+        yield from families.values()

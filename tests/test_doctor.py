@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from edge_agent.cli import main
+from edge_agent.engine.catalog import ModelStore
+from tests.conftest import DEFAULT_MODEL, clone_state, free_port
+
+
+def _doctor(state: Path, *extra: str) -> tuple[int, list[dict[str, str]]]:
+    result = CliRunner().invoke(main, ["doctor", "--json", "--state-dir", str(state), *extra],
+                                env={"EDGE_AGENT_SERVER__PORT": str(free_port())})
+    return result.exit_code, json.loads(result.output)
+
+
+def test_doctor_passes_on_a_healthy_install(model_cache: Path, tmp_path: Path) -> None:
+    code, checks = _doctor(clone_state(model_cache, tmp_path / "s"))
+    assert code == 0, checks
+    by_name = {c["name"]: c for c in checks}
+    assert by_name[f"model {DEFAULT_MODEL}"]["status"] == "ok"
+    assert by_name["state dir"]["status"] == "ok"
+    assert "AVX" in by_name["llama.cpp"]["detail"] or "CPU" in by_name["llama.cpp"]["detail"]
+    assert by_name["gpu"]["status"] == "ok" and by_name["port"]["status"] == "ok"
+
+
+def test_doctor_fails_on_a_corrupted_blob(model_cache: Path, tmp_path: Path) -> None:
+    state = clone_state(model_cache, tmp_path / "s")
+    blob = ModelStore(state).get(DEFAULT_MODEL).blob_path(state)
+    data = bytearray(blob.read_bytes())
+    blob.unlink()  # a hard link to the shared cache: replace, do not edit in place
+    data[len(data) // 3] ^= 0x01
+    blob.write_bytes(bytes(data))
+    code, checks = _doctor(state)
+    assert code == 1
+    bad = next(c for c in checks if c["name"] == f"model {DEFAULT_MODEL}")
+    assert bad["status"] == "fail" and "digest" in bad["detail"] and "models rm" in bad["fix"]
+
+
+def test_doctor_fails_on_a_state_dir_it_cannot_write() -> None:
+    # As root, permissions do not stop writes; procfs refuses new files to everyone.
+    code, checks = _doctor(Path("/proc/self"))
+    assert code == 1
+    check = next(c for c in checks if c["name"] == "state dir")
+    assert check["status"] == "fail" and "not writable" in check["detail"]
+    assert "chown" in check["fix"]
+
+
+def test_doctor_fails_when_the_port_is_taken(model_cache: Path, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        result = CliRunner().invoke(main, ["doctor", "--state-dir", str(
+            clone_state(model_cache, tmp_path / "s"))], env={"EDGE_AGENT_SERVER__PORT": str(port)})
+    assert result.exit_code == 1
+    assert f"fail  port: 127.0.0.1:{port} is taken" in result.output
