@@ -247,6 +247,7 @@ class ModelScheduler:
         slot.stream = TextStream(job.stops)
         slot.completion, slot.parts = [], []
         self.stats.prompt_tokens += len(slot.pending)
+        self.stats.running = sum(1 for s in self.slots if s.job is not None)
 
     def _step(self) -> None:
         for slot in self.slots:
