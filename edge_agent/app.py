@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -21,12 +22,15 @@ from edge_agent.engine.catalog import ModelStore, normalize_name
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.engine.service import GenerationService
 from edge_agent.errors import EdgeAgentError
+from edge_agent.ledger.store import open_ledger, purge
+from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.logs import RequestContext
 from edge_agent.telemetry.hardware import HardwareSampler, default_readers
 from edge_agent.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 5.0
+PURGE_INTERVAL_S = 3600.0
 
 
 def ensure_default_model(store: ModelStore, name: str) -> None:
@@ -42,7 +46,8 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     store = ModelStore(settings.state_dir, settings.catalog_dir)
     registry = ModelRegistry(settings, store)
     sampler = HardwareSampler(readers=[], interval_s=settings.telemetry.interval_s)
-    metrics = Metrics(registry.loaded, sampler) if settings.telemetry.metrics else None
+    metrics = Metrics(registry.loaded, sampler, lambda: parts.ledger) \
+        if settings.telemetry.metrics else None
     timeout_ms = settings.runtime.request_timeout_ms
     service = GenerationService(registry, default_timeout_s=timeout_ms / 1000 or None,
                                 metrics=metrics)
@@ -52,10 +57,13 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.state_dir.mkdir(parents=True, exist_ok=True)
+        parts.ledger = LedgerWriter(settings.state_dir / "ledger.db",
+                                    window_s=settings.ledger.batch_window_ms / 1000)
         if settings.telemetry.hardware:
             sampler.readers = default_readers(settings.state_dir)
             sampler.start()
-        tasks = [asyncio.create_task(_reap(registry))]
+        tasks = [asyncio.create_task(_reap(registry)),
+                 asyncio.create_task(_purge_hourly(settings))]
         if preload:
             tasks.append(asyncio.create_task(_preload(store, registry, settings.default_model)))
         try:
@@ -66,12 +74,18 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
             await asyncio.gather(*tasks, return_exceptions=True)
             sampler.stop()
             await registry.close()
+            await asyncio.to_thread(parts.ledger.close)  # flushes what is queued
+            parts.ledger = None
 
     app = FastAPI(title="edge-agent", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.parts = parts
     install_error_handlers(app)
-    app.add_middleware(RequestContext)
+    def record(row: dict[str, Any]) -> None:
+        if parts.ledger is not None:
+            parts.ledger.record(row)
+
+    app.add_middleware(RequestContext, record=record)
     app.include_router(ops.router)
     app.include_router(ollama.router)
     app.include_router(openai.router)
@@ -85,6 +99,26 @@ async def _preload(store: ModelStore, registry: ModelRegistry, name: str) -> Non
         await registry.release(model)
     except EdgeAgentError as exc:
         log.error("default model %s not loaded: %s", name, exc.message)
+
+
+async def _purge_hourly(settings: Settings) -> None:
+    """Retention: request rows older than `retention.ledger_days` go, every hour."""
+    while True:
+        try:
+            removed = await asyncio.to_thread(purge_ledger, settings)
+            if removed:
+                log.info("ledger purge removed %d rows", removed)
+        except Exception:
+            log.exception("ledger purge failed")
+        await asyncio.sleep(PURGE_INTERVAL_S)
+
+
+def purge_ledger(settings: Settings) -> int:
+    db = open_ledger(settings.state_dir / "ledger.db")
+    try:
+        return purge(db, older_than_s=settings.retention.ledger_days * 86400)
+    finally:
+        db.close()
 
 
 async def _reap(registry: ModelRegistry) -> None:

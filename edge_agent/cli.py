@@ -299,3 +299,113 @@ def doctor(ctx: click.Context, config: Path | None, state_dir: Path | None,
     click.echo(render(checks, as_json))
     if any(c.status == "fail" for c in checks):
         sys.exit(EXIT_CHECK_FAILED)
+
+
+@main.group()
+def ledger() -> None:
+    """Read, summarise, export and purge the request ledger."""
+
+
+def _ledger_db(ctx: click.Context, state_dir: Path | None) -> Any:
+    from edge_agent.ledger.store import open_ledger
+
+    settings = _settings(ctx, state_dir=state_dir)
+    path = settings.state_dir / "ledger.db"
+    if not path.exists():
+        _fail(f"no ledger at {path} (the server creates it at start)")
+    return open_ledger(path), settings
+
+
+def _since(text: str) -> float:
+    from edge_agent.ledger.report import parse_since
+
+    try:
+        return parse_since(text)
+    except ValueError as exc:
+        _fail(str(exc), EXIT_USAGE)
+        raise
+
+
+@ledger.command("tail")
+@common_options
+@click.option("-n", "count", type=click.IntRange(1), default=20, show_default=True)
+@click.option("-f", "follow", is_flag=True, help="Keep printing new rows.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per row.")
+@click.pass_context
+def ledger_tail(ctx: click.Context, config: Path | None, state_dir: Path | None, count: int,
+                follow: bool, as_json: bool) -> None:
+    """Show the latest requests (metadata only; no prompt or completion text)."""
+    import time as _time
+
+    from edge_agent.ledger.report import line
+    from edge_agent.ledger.store import tail
+
+    db, _ = _ledger_db(ctx, state_dir)
+    rows = tail(db, count)
+    while True:
+        for row in rows:
+            click.echo(json.dumps(row) if as_json else line(row))
+        if not follow:
+            return
+        last = rows[-1]["ts"] if rows else 0.0
+        _time.sleep(1.0)
+        rows = tail(db, count, after_ts=last) or []
+
+
+@ledger.command("stats")
+@common_options
+@click.option("--since", default="1h", show_default=True, help="Window: 30m, 1h, 7d …")
+@click.option("--by", type=click.Choice(["model", "tenant", "endpoint", "dialect"]),
+              default="model", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def ledger_stats(ctx: click.Context, config: Path | None, state_dir: Path | None, since: str,
+                 by: str, as_json: bool) -> None:
+    """Counts, errors and p50/p95 TTFT and TPOT per model or tenant."""
+    from edge_agent.ledger.report import stats
+    from edge_agent.ledger.store import rows_since
+
+    db, _ = _ledger_db(ctx, state_dir)
+    result = stats(rows_since(db, _since(since)), by)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
+    click.echo(f"{by.upper():<24} {'REQS':>6} {'ERRS':>5} {'TTFT p50':>9} {'p95':>6} "
+               f"{'TPOT p50':>9} {'p95':>6}")
+    for r in result:
+        click.echo(f"{r[by]:<24} {r['requests']:>6} {r['errors']:>5} {ms(r['ttft_p50_ms']):>9} "
+                   f"{ms(r['ttft_p95_ms']):>6} {ms(r['tpot_p50_ms']):>9} "
+                   f"{ms(r['tpot_p95_ms']):>6}")
+
+
+@ledger.command("export")
+@common_options
+@click.option("--since", default="1d", show_default=True, help="Window: 30m, 1h, 7d …")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv"]), default="jsonl",
+              show_default=True)
+@click.pass_context
+def ledger_export(ctx: click.Context, config: Path | None, state_dir: Path | None, since: str,
+                  fmt: str) -> None:
+    """Write the rows of a window to stdout as JSON lines or CSV."""
+    from edge_agent.ledger.report import export
+    from edge_agent.ledger.store import rows_since
+
+    db, _ = _ledger_db(ctx, state_dir)
+    for chunk in export(rows_since(db, _since(since)), fmt):
+        click.echo(chunk, nl=False)
+
+
+@ledger.command("purge")
+@common_options
+@click.pass_context
+def ledger_purge(ctx: click.Context, config: Path | None, state_dir: Path | None) -> None:
+    """Delete rows older than retention.ledger_days (the server also does it hourly)."""
+    from edge_agent.ledger.store import purge
+
+    db, settings = _ledger_db(ctx, state_dir)
+    removed = purge(db, older_than_s=settings.retention.ledger_days * 86400)
+    click.echo(f"removed {removed} rows older than {settings.retention.ledger_days:g} days")

@@ -40,6 +40,18 @@ class ServerSettings(_Section):
     )
 
 
+class LedgerSettings(_Section):
+    batch_window_ms: int = Field(
+        200, ge=1, le=10_000,
+        description="Rows are committed together at most this often; a crash loses at most "
+        "this window.",
+    )
+
+
+class RetentionSettings(_Section):
+    ledger_days: float = Field(90, gt=0, description="Days request metadata is kept.")
+
+
 class TelemetrySettings(_Section):
     interval_s: float = Field(5.0, gt=0, description="Seconds between hardware samples.")
     hardware: bool = Field(True, description="Sample CPU, memory, GPU and Jetson sensors.")
@@ -122,6 +134,9 @@ class Settings(BaseSettings):
     runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)  # type: ignore[arg-type]
     telemetry: TelemetrySettings = Field(
         default_factory=TelemetrySettings)  # type: ignore[arg-type]
+    ledger: LedgerSettings = Field(default_factory=LedgerSettings)  # type: ignore[arg-type]
+    retention: RetentionSettings = Field(
+        default_factory=RetentionSettings)  # type: ignore[arg-type]
     models: dict[str, ModelOverride] = Field(default_factory=dict)
 
     @classmethod

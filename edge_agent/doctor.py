@@ -54,6 +54,7 @@ def run_checks(settings: Settings) -> list[Check]:
         except EdgeAgentError as exc:
             checks.append(Check("fail", f"model {m.name}", exc.message,
                                 f"edge-agent models rm {m.name}, then pull or import it again"))
+    checks.append(_ledger(state / "ledger.db"))
     checks += _llama_and_gpu(settings)
     checks.append(_port(settings))
     return checks
@@ -84,6 +85,30 @@ def _disk(state: Path, store: ModelStore) -> Check:
         return Check("warn", "disk", detail + "; less than twice the largest catalog model",
                      "free space before installing or importing models")
     return Check("ok", "disk", detail)
+
+
+def _ledger(path: Path) -> Check:
+    from sqlite_utils import Database
+
+    from edge_agent.ledger.store import pending_migrations
+
+    if not path.exists():
+        return Check("ok", "ledger", f"{path} will be created at start")
+    try:
+        db = Database(path)
+        result = db.execute("PRAGMA quick_check").fetchone()[0]
+        db.close()
+        pending = pending_migrations(path)
+    except Exception as exc:
+        return Check("fail", "ledger", f"{path} cannot be read ({exc})",
+                     "move the file aside; the server starts a new ledger")
+    if result != "ok":
+        return Check("fail", "ledger", f"{path} fails its integrity check: {result}",
+                     "move the file aside; the server starts a new ledger")
+    if pending:
+        return Check("warn", "ledger", f"schema needs migrations {', '.join(pending)}",
+                     "start the server (it migrates at start)")
+    return Check("ok", "ledger", "schema current, integrity check passed")
 
 
 def _llama_and_gpu(settings: Settings) -> list[Check]:

@@ -14,6 +14,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -64,22 +65,40 @@ def note(**fields: Any) -> None:
         access.update(fields)
 
 
-class RequestContext:
-    """Pure ASGI middleware: request id in, request id out, one access line at the end
-    (after the last byte of a stream, so total_ms is the whole response)."""
+# Requests that get a ledger row (generation and embeddings, rejected ones included).
+LEDGER_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
+                          "/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 
-    def __init__(self, app: ASGIApp) -> None:
+
+def trace_id(headers: dict[bytes, bytes]) -> str:
+    """The client's X-Request-Id, else the trace id of a W3C traceparent, else a new one."""
+    given = headers.get(b"x-request-id", b"").decode("latin-1").strip()
+    if _SAFE_ID.match(given):
+        return given
+    parent = _TRACEPARENT.match(headers.get(b"traceparent", b"").decode("latin-1").strip())
+    return parent.group(1) if parent else uuid.uuid4().hex
+
+
+class RequestContext:
+    """Pure ASGI middleware: trace id in, trace id out (`X-Request-Id`), and at the end of
+    the response (after the last byte of a stream) one access line and, for generation and
+    embedding requests, one ledger row."""
+
+    def __init__(self, app: ASGIApp, record: Callable[[dict[str, Any]], None] | None = None
+                 ) -> None:
         self.app = app
+        self.record = record
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        rid = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+        rid = trace_id(dict(scope["headers"]))
         token = request_id_var.set(rid)
         access: dict[str, Any] = {}
         access_token = access_var.set(access)
+        started_at = time.time()
         start = time.perf_counter()
         status = 500
 
@@ -94,10 +113,14 @@ class RequestContext:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            dialect = "openai" if scope["path"].startswith("/v1/") else "ollama"
             fields = {"method": scope["method"], "path": scope["path"], "status": status,
-                      "tenant": "local", **access,
+                      "tenant": "local", "dialect": dialect, **access,
                       "total_ms": round((time.perf_counter() - start) * 1000, 1)}
             access_log.info("%s %s %s", scope["method"], scope["path"], status,
                             extra={"fields": fields, "request_id": rid})
+            if self.record is not None and scope["path"] in LEDGER_PATHS:
+                self.record({**fields, "id": uuid.uuid4().hex, "trace_id": rid,
+                             "ts": started_at, "endpoint": scope["path"]})
             access_var.reset(access_token)
             request_id_var.reset(token)

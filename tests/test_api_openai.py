@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import DEFAULT_MODEL, LiveServer
+from tests.conftest import DEFAULT_MODEL, NO_EOS, LiveServer
 
 pytestmark = pytest.mark.integration
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -257,6 +257,7 @@ def test_a_client_that_disconnects_stops_its_generation(live_server: LiveServer)
     registry = live_server.app.state.parts.registry
     worker = next(m for m in registry.loaded() if m.info.name == DEFAULT_MODEL).worker
     body = {"model": DEFAULT_MODEL, "stream": True, "max_tokens": 1500, "temperature": 1.0,
+            "logit_bias": NO_EOS,
             "messages": [{"role": "user", "content": "Write a very long story."}]}
     with httpx.stream("POST", f"{live_server.openai_url}/chat/completions", json=body,
                       timeout=60) as r:

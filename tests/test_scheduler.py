@@ -108,7 +108,10 @@ def _job(sched: ModelScheduler, text: str, *, max_tokens: int = 24, temperature:
          **kw: object) -> tuple[GenerationJob, _Collector]:
     out = _Collector()
     tokens = sched.model.tokenize(text, add_special=True, parse_special=False)
-    job = GenerationJob(prompt=tokens, params=SamplingParams(temperature=temperature),
+    # Fixed seed, end-of-generation biased away: the jobs run as long as asked.
+    no_eos = tuple((t, -100.0) for t in range(sched.model.n_vocab) if sched.model.is_eog(t))
+    params = SamplingParams(temperature=temperature, seed=1234, logit_bias=no_eos)
+    job = GenerationJob(prompt=tokens, params=params,
                         grammar=None, max_tokens=max_tokens, stops=[], emit=out.emit,
                         **kw)  # type: ignore[arg-type]
     return job, out

@@ -18,7 +18,14 @@ import pytest
 
 from edge_agent.config import load_settings
 from edge_agent.engine.catalog import ModelStore
-from tests.conftest import DEFAULT_MODEL, LiveServer, clone_state, free_port, start_server
+from tests.conftest import (
+    DEFAULT_MODEL,
+    NO_EOS,
+    LiveServer,
+    clone_state,
+    free_port,
+    start_server,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -106,6 +113,7 @@ def narrow_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
 def _long_stream(live: LiveServer, started: threading.Event, stop: threading.Event,
                  **headers: str) -> None:
     body = {"model": DEFAULT_MODEL, "stream": True, "max_tokens": 400, "temperature": 1.0,
+            "logit_bias": NO_EOS,
             "messages": [{"role": "user", "content": "Write a long story."}]}
     with httpx.stream("POST", f"{live.openai_url}/chat/completions", json=body, timeout=120,
                       headers=headers) as r:
@@ -147,6 +155,7 @@ def test_full_queue_gives_503_with_retry_after_in_both_dialects(narrow_server: L
 
 def test_deadlines_give_504_or_an_error_event(narrow_server: LiveServer) -> None:
     body = {"model": DEFAULT_MODEL, "max_tokens": 400, "temperature": 1.0, "timeout_ms": 300,
+            "logit_bias": NO_EOS,
             "messages": [{"role": "user", "content": "Write a long story."}]}
     t0 = time.monotonic()
     r = httpx.post(f"{narrow_server.openai_url}/chat/completions", json=body, timeout=60)
@@ -154,8 +163,8 @@ def test_deadlines_give_504_or_an_error_event(narrow_server: LiveServer) -> None
     assert time.monotonic() - t0 < 5
     r = httpx.post(f"{narrow_server.base_url}/api/generate", timeout=60,
                    headers={"X-Timeout-Ms": "300"},
-                   json={"model": DEFAULT_MODEL, "prompt": "Write a long story.",
-                         "stream": False, "options": {"num_predict": 400}})
+                   json={"model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5,", "raw": True,
+                         "stream": False, "options": {"num_predict": 400, "temperature": 0}})
     assert r.status_code == 504 and set(r.json()) == {"error"}
     with httpx.stream("POST", f"{narrow_server.base_url}/api/chat", timeout=60,
                       headers={"X-Timeout-Ms": "300"},

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edge_agent.errors import EdgeAgentError, InvalidRequest
+from edge_agent.logs import note
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ def error_response(exc: EdgeAgentError, path: str) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     async def on_edge_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, EdgeAgentError)
+        note(error_type=exc.error_type)
         metrics = getattr(request.app.state.parts, "metrics", None)
         if metrics is not None and not exc.observed:
             dialect = "openai" if is_openai_path(request.url.path) else "ollama"

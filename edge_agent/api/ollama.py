@@ -347,7 +347,8 @@ async def embed(request: Request, parts: Parts) -> Response:
     inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else \
         list(body.input)
     result = await parts.service.embed(
-        EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate),
+        EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate,
+                         dialect="ollama"),
         keep_alive=parse_keep_alive(body.keep_alive))
     vectors = result.vectors
     if body.dimensions is not None:
@@ -380,7 +381,7 @@ async def embeddings(request: Request, parts: Parts) -> Response:
         parts.store.get(body.model)
         return JSONResponse({"embedding": []})
     result = await parts.service.embed(
-        EmbeddingRequest(model=body.model, inputs=[body.prompt]),
+        EmbeddingRequest(model=body.model, inputs=[body.prompt], dialect="ollama"),
         keep_alive=parse_keep_alive(body.keep_alive))
     return JSONResponse({"embedding": result.vectors[0]})
 

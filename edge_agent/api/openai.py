@@ -406,7 +406,8 @@ async def embeddings(request: Request, parts: Parts) -> Response:
         inputs = list(body.input)  # type: ignore[arg-type]
     if not inputs or any(x == "" or x == [] for x in inputs):
         raise InvalidRequest("input must not be empty", param="input")
-    result = await parts.service.embed(EmbeddingRequest(model=body.model, inputs=inputs))
+    result = await parts.service.embed(EmbeddingRequest(model=body.model, inputs=inputs,
+                                                        dialect="openai"))
     dims = len(result.vectors[0])
     if body.dimensions is not None and body.dimensions != dims:
         raise UnsupportedParameter(f"this model gives {dims} dimensions; "

@@ -29,6 +29,11 @@ def readiness_problems(parts: AppParts) -> list[str]:
     if not parts.registry.is_loaded(default):
         state = "loading" if parts.registry.is_loading(default) else "not loaded"
         reasons.append(f"default model {default} is {state}")
+    ledger = parts.ledger
+    if ledger is None:
+        reasons.append("the ledger is not open")
+    elif not ledger.healthy:
+        reasons.append(f"the ledger is not writable ({ledger.last_error})")
     try:
         with tempfile.NamedTemporaryFile(dir=parts.settings.state_dir, prefix=".ready-"):
             pass

@@ -11,6 +11,7 @@ from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.engine.service import GenerationService
+from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.telemetry.metrics import Metrics
 
 
@@ -21,6 +22,7 @@ class AppParts:
     registry: ModelRegistry
     service: GenerationService
     metrics: Metrics | None = None
+    ledger: LedgerWriter | None = None  # set while the app runs
 
 
 def _parts(request: Request) -> AppParts:

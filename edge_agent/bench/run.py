@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from edge_agent.bench.observability import bench_observability
+from edge_agent.bench.observability import bench_ledger, bench_observability
 from edge_agent.bench.peers import (
     EdgeAgentPeer,
     InProcessPeer,
@@ -317,4 +317,5 @@ def run_bench(state_dir: Path, model: str, *, levels: list[int], requests: int,
                                               context=context, echo=echo)
     result["telemetry"] = bench_observability(state_dir, info.name, threads=threads,
                                               context=context, echo=echo)
+    result["ledger"] = bench_ledger(echo)
     return result

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class GenerationService:
         if req.timeout_s and self.default_timeout_s:
             timeout = min(req.timeout_s, self.default_timeout_s)  # clients may only ask less
         deadline = loop.time() + timeout if timeout else None
+        note(model=req.model, dialect=req.dialect)
         model, load_ns = await self.registry.acquire(req.model, keep_alive)
         try:
             prepared = self._prepare(req, model, load_ns, deadline)
@@ -192,21 +194,27 @@ class GenerationService:
 
     def _observe(self, prepared: PreparedGeneration, event: Event, first_token_ns: int
                  ) -> None:
-        if self.metrics is None:
-            return
+        """The end of a generation, into metrics and the request's access line / ledger row."""
         name, dialect = prepared.model.info.name, prepared.request.dialect
         if isinstance(event, DoneEvent):
+            u, t = event.usage, event.timings
             end = first_token_ns or time.perf_counter_ns()
             ttft = (end - prepared.job.submitted_ns + prepared.job.load_ns) / 1e9
-            self.metrics.observe_done(name, dialect, event, ttft)
-            note(model=name, dialect=dialect, ttft_ms=round(ttft * 1000, 1),
-                 prompt_tokens=event.usage.prompt_tokens,
-                 completion_tokens=event.usage.completion_tokens, done_reason=event.reason)
+            tpot = t.eval_ns / 1e6 / (u.completion_tokens - 1) if u.completion_tokens > 1 else 0
+            note(model=name, model_digest=prepared.model.info.digest, dialect=dialect,
+                 ttft_ms=round(ttft * 1000, 1), tpot_ms=round(tpot, 2),
+                 queue_ms=round(t.queue_ns / 1e6, 1), prompt_tokens=u.prompt_tokens,
+                 cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
+                 done_reason=event.reason,
+                 structured_failure=int(_structured_failure(prepared, event)))
+            if self.metrics is not None:
+                self.metrics.observe_done(name, dialect, event, ttft)
         elif isinstance(event, ErrorEvent):
             error = _as_edge_error(event.error)
-            error.observed = True
-            self.metrics.observe_error(name, dialect, error)
             note(model=name, dialect=dialect, error_type=error.error_type)
+            if self.metrics is not None:
+                error.observed = True
+                self.metrics.observe_error(name, dialect, error)
 
     async def release(self, prepared: PreparedGeneration) -> None:
         """Hand the model back; safe to call twice (a response that never started streaming
@@ -226,6 +234,7 @@ class GenerationService:
 
     async def embed(self, req: EmbeddingRequest, *, keep_alive: float | None = None
                     ) -> EmbeddingResult:
+        note(model=req.model, dialect=req.dialect)
         model, load_ns = await self.registry.acquire(req.model, keep_alive)
         try:
             llama = model.worker.model
@@ -261,9 +270,22 @@ class GenerationService:
             await self.registry.release(model)
         if isinstance(result, Exception):
             raise _as_edge_error(result)
+        note(model=model.info.name, model_digest=model.info.digest,
+             prompt_tokens=result.prompt_tokens, truncated_tokens=result.truncated_tokens)
         return dataclasses.replace(
             result, timings=dataclasses.replace(result.timings, load_ns=load_ns,
                                                 total_ns=result.timings.total_ns + load_ns))
+
+
+def _structured_failure(prepared: PreparedGeneration, event: DoneEvent) -> bool:
+    """A grammar-constrained answer that did not complete (cut by max_tokens, cancelled)."""
+    if prepared.job.grammar is None or event.tool_calls:
+        return False
+    try:
+        json.loads(event.text)
+    except json.JSONDecodeError:
+        return True
+    return False
 
 
 def _as_tool_answer(event: DoneEvent) -> DoneEvent:

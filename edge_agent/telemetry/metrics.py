@@ -31,6 +31,7 @@ from edge_agent.telemetry.hardware import HardwareSampler
 if TYPE_CHECKING:
     from edge_agent.engine.registry import LoadedModel
     from edge_agent.engine.request import DoneEvent
+    from edge_agent.ledger.writer import LedgerWriter
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -56,8 +57,9 @@ def rejection_reason(exc: EdgeAgentError) -> str:
 
 class Metrics:
     def __init__(self, loaded: Callable[[], list[LoadedModel]],
-                 hardware: HardwareSampler | None = None) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+                 hardware: HardwareSampler | None = None,
+                 ledger: Callable[[], LedgerWriter | None] | None = None) -> None:
+        self.registry = CollectorRegistry()  # no auto-describe: live gauges read at scrape
         r = self.registry
         self.prompt_tokens = Counter("llamacpp:prompt_tokens", "Prompt tokens evaluated",
                                      ["model"], registry=r)
@@ -82,7 +84,7 @@ class Metrics:
                                   ["reason"], registry=r)
         self.cached = Counter("edge_agent_cached_prompt_tokens",
                               "Prompt tokens reused from the KV cache", ["model"], registry=r)
-        r.register(_LiveCollector(loaded, hardware))
+        r.register(_LiveCollector(loaded, hardware, ledger or (lambda: None)))
 
     def observe_done(self, model: str, dialect: str, done: DoneEvent, ttft_s: float) -> None:
         u, t = done.usage, done.timings
@@ -109,9 +111,11 @@ class Metrics:
 
 class _LiveCollector(Collector):
     def __init__(self, loaded: Callable[[], list[LoadedModel]],
-                 hardware: HardwareSampler | None) -> None:
+                 hardware: HardwareSampler | None,
+                 ledger: Callable[[], LedgerWriter | None]) -> None:
         self._loaded = loaded
         self._hardware = hardware
+        self._ledger = ledger
 
     def collect(self) -> Iterable[Metric]:
         g = {name: GaugeMetricFamily(name, doc, labels=["model"]) for name, doc in (
@@ -138,6 +142,16 @@ class _LiveCollector(Collector):
             g["edge_agent_model_memory_bytes"].add_metric([name], m.memory)
         yield loaded
         yield from g.values()
+        writer = self._ledger()
+        if writer is not None:
+            lag = GaugeMetricFamily("edge_agent_ledger_write_lag_seconds",
+                                    "Age of the oldest ledger row not yet committed")
+            lag.add_metric([], writer.lag_s)
+            rows = GaugeMetricFamily("edge_agent_ledger_rows_written",
+                                     "Ledger rows committed since start")
+            rows.add_metric([], writer.rows_written)
+            yield lag
+            yield rows
         if self._hardware is None:
             return
         families: dict[str, GaugeMetricFamily] = {}

@@ -1,0 +1,70 @@
+"""The ledger database: schema as sqlite-utils migrations, WAL, and the queries the CLI
+and the retention purge need. Rows hold metadata only — never prompt or completion text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sqlite_utils import Database
+from sqlite_utils.migrations import Migrations
+
+REQUESTS = "requests"
+MIGRATIONS = Migrations("edge-agent-ledger")
+
+# The columns of a request row, in order; everything a row may carry.
+COLUMNS: dict[str, type] = {
+    "id": str, "trace_id": str, "ts": float, "tenant": str, "key_prefix": str,
+    "dialect": str, "endpoint": str, "model": str, "model_digest": str, "status": int,
+    "error_type": str, "prompt_tokens": int, "cached_tokens": int, "completion_tokens": int,
+    "queue_ms": float, "ttft_ms": float, "tpot_ms": float, "total_ms": float,
+    "done_reason": str, "truncated_tokens": int, "clamped": int, "structured_failure": int,
+}
+
+
+@MIGRATIONS()
+def m001_requests(db: Database) -> None:
+    db[REQUESTS].create(COLUMNS, pk="id")  # type: ignore[union-attr]
+    db[REQUESTS].create_index(["ts"])  # type: ignore[union-attr]
+    db[REQUESTS].create_index(["model", "ts"])  # type: ignore[union-attr]
+    db[REQUESTS].create_index(["tenant", "ts"])  # type: ignore[union-attr]
+
+
+def open_ledger(path: Path) -> Database:
+    """Opens (creating and migrating) the ledger; WAL so readers never block the writer."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = Database(path)
+    db.enable_wal()
+    db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable at each checkpoint,
+    # consistent always; a crash can lose only the last commits, never corrupt the file.
+    MIGRATIONS.apply(db)
+    return db
+
+
+def pending_migrations(path: Path) -> list[str]:
+    db = Database(path)
+    try:
+        return [m.name for m in MIGRATIONS.pending(db)]
+    finally:
+        db.close()
+
+
+def rows_since(db: Database, since: float, *, order: str = "ts") -> Iterator[dict[str, Any]]:
+    yield from db[REQUESTS].rows_where("ts >= ?", [since], order_by=order)  # type: ignore[union-attr]
+
+
+def tail(db: Database, n: int, after_ts: float | None = None) -> list[dict[str, Any]]:
+    if after_ts is None:
+        rows = list(db[REQUESTS].rows_where(order_by="ts desc", limit=n))  # type: ignore[union-attr]
+        return rows[::-1]
+    return list(db[REQUESTS].rows_where("ts > ?", [after_ts], order_by="ts"))  # type: ignore[union-attr]
+
+
+def purge(db: Database, *, older_than_s: float) -> int:
+    cutoff = time.time() - older_than_s
+    with db.atomic():
+        cursor = db.execute(f"DELETE FROM {REQUESTS} WHERE ts < ?", [cutoff])
+    return int(cursor.rowcount)
