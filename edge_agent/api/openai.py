@@ -283,11 +283,14 @@ async def chat_completions(request: Request, parts: Parts) -> Response:
             obj["usage"] = None
         return _sse(obj)
 
+    # Token chunks differ only in their text: encode the rest once per response.
+    pre, post = chunk({"content": "\x00"}).decode().split('"\\u0000"')
+
     async def events() -> AsyncIterator[bytes]:
         yield chunk({"role": "assistant", "content": ""})
         async for event in parts.service.stream(prepared):
             if isinstance(event, TokenEvent):
-                yield chunk({"content": event.text})
+                yield (pre + json.dumps(event.text, ensure_ascii=False) + post).encode()
             elif isinstance(event, DoneEvent):
                 if event.tool_calls:
                     calls = [{"index": i, **c} for i, c in enumerate(_tool_calls(event))]

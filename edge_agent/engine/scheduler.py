@@ -150,6 +150,8 @@ class ModelScheduler:
         self._n_threads = n_threads
         self._embedder: EmbeddingContext | None = None
         self._step_s = 0.05  # running estimate, for Retry-After
+        # Events of the current step, delivered together at its end (see ThreadEmitter).
+        self._outbox: list[tuple[GenerationJob, Event]] = []
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self._thread.start()
 
@@ -196,12 +198,33 @@ class ModelScheduler:
                 if any(s.job for s in self.slots):
                     self._step()
                 else:
+                    self._flush()
                     self.queue.wait()
             except Exception:  # keep serving; the failed jobs were told
                 log.exception("scheduler step failed")
+            finally:
+                self._flush()
         for slot in self.slots:
             if slot.job is not None:
                 self._finish(slot, "cancelled")
+        self._flush()
+
+    def _emit(self, job: GenerationJob, event: Event) -> None:
+        self._outbox.append((job, event))
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        for job, event in self._outbox:
+            emit = job.emit
+            if isinstance(emit, ThreadEmitter):
+                by_loop.setdefault(emit.loop, []).append((emit.queue, event))
+            else:
+                emit(event)
+        self._outbox.clear()
+        for loop, items in by_loop.items():
+            _post(loop, items)
 
     def _admit(self) -> None:
         while True:
@@ -237,7 +260,7 @@ class ModelScheduler:
         try:
             slot.sampler = Sampler.build(self.model, job.params, job.grammar)
         except EdgeAgentError as exc:
-            job.emit(ErrorEvent(exc))
+            self._emit(job, ErrorEvent(exc))
             return
         slot.job = job
         slot.pending = prompt[reused:]
@@ -273,7 +296,7 @@ class ModelScheduler:
         except EdgeAgentError as exc:
             for slot in active:
                 if slot.job is not None:
-                    slot.job.emit(ErrorEvent(exc))
+                    self._emit(slot.job, ErrorEvent(exc))
                     self._release(slot, keep_cells=False)
         elapsed = time.perf_counter() - started
         st = self.stats
@@ -360,7 +383,7 @@ class ModelScheduler:
         text = slot.stream.feed(self.model.piece(token))
         if text:
             slot.parts.append(text)
-            job.emit(TokenEvent(text))
+            self._emit(job, TokenEvent(text))
         if slot.stream.stopped:
             self._finish(slot, "stop")
         elif len(slot.completion) >= job.max_tokens:
@@ -375,10 +398,10 @@ class ModelScheduler:
             tail = slot.stream.finish()
             if tail:
                 slot.parts.append(tail)
-                job.emit(TokenEvent(tail))
+                self._emit(job, TokenEvent(tail))
             end = time.perf_counter_ns()
             prompt_done = slot.t_prompt or end
-            job.emit(DoneEvent(
+            self._emit(job, DoneEvent(
                 reason=reason,
                 usage=Usage(len(job.prompt), slot.cached, len(slot.completion)),
                 timings=Timings(queue_ns=slot.t_start - job.submitted_ns, load_ns=job.load_ns,
@@ -425,14 +448,32 @@ class ModelScheduler:
                             total_ns=end - job.submitted_ns)))
 
 
-def thread_emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Event]
-                   ) -> Callable[[Event], None]:
-    """An `emit` for jobs: hands events from the worker thread to an asyncio queue."""
+class ThreadEmitter:
+    """An `emit` for jobs that hands events from the worker thread to an asyncio queue.
 
-    def emit(event: Event) -> None:
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, event)
-        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
-            pass
+    The scheduler delivers one step's events for all jobs of a loop in a single
+    `call_soon_threadsafe` (one wake-up of the event loop per step, not one per token)."""
 
-    return emit
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Event]) -> None:
+        self.loop = loop
+        self.queue = q
+
+    def __call__(self, event: Event) -> None:
+        _post(self.loop, [(self.queue, event)])
+
+
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue[Event], Event]]
+          ) -> None:
+    try:
+        loop.call_soon_threadsafe(_deliver, items)
+    except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+        pass
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    for q, event in items:
+        q.put_nowait(event)
+
+
+def thread_emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Event]) -> ThreadEmitter:
+    return ThreadEmitter(loop, q)
