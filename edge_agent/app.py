@@ -22,6 +22,8 @@ from edge_agent.engine.catalog import ModelStore, normalize_name
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.engine.service import GenerationService
 from edge_agent.errors import EdgeAgentError
+from edge_agent.governance.keys import KeyStore
+from edge_agent.governance.tenants import Governor
 from edge_agent.ledger.store import open_ledger, purge
 from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.logs import RequestContext
@@ -48,11 +50,12 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     sampler = HardwareSampler(readers=[], interval_s=settings.telemetry.interval_s)
     metrics = Metrics(registry.loaded, sampler, lambda: parts.ledger) \
         if settings.telemetry.metrics else None
+    governor = Governor(settings, KeyStore(settings.state_dir))
     timeout_ms = settings.runtime.request_timeout_ms
     service = GenerationService(registry, default_timeout_s=timeout_ms / 1000 or None,
-                                metrics=metrics)
+                                metrics=metrics, governor=governor)
     parts = AppParts(settings=settings, store=store, registry=registry, service=service,
-                     metrics=metrics)
+                     metrics=metrics, governor=governor)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -62,7 +65,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
         if settings.telemetry.hardware:
             sampler.readers = default_readers(settings.state_dir)
             sampler.start()
-        tasks = [asyncio.create_task(_reap(registry)),
+        tasks = [asyncio.create_task(_reap(registry, governor)),
                  asyncio.create_task(_purge_hourly(settings))]
         if preload:
             tasks.append(asyncio.create_task(_preload(store, registry, settings.default_model)))
@@ -73,6 +76,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             sampler.stop()
+            await asyncio.to_thread(governor.flush_last_used)
             await registry.close()
             await asyncio.to_thread(parts.ledger.close)  # flushes what is queued
             parts.ledger = None
@@ -121,10 +125,11 @@ def purge_ledger(settings: Settings) -> int:
         db.close()
 
 
-async def _reap(registry: ModelRegistry) -> None:
+async def _reap(registry: ModelRegistry, governor: Governor) -> None:
     while True:
         await asyncio.sleep(REAP_INTERVAL_S)
         try:
             await registry.reap_expired()
+            await asyncio.to_thread(governor.flush_last_used)
         except Exception:
             log.exception("unloading expired models failed")

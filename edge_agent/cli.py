@@ -106,9 +106,11 @@ def serve(ctx: click.Context, config: Path | None, state_dir: Path | None, host:
 
     settings = _settings(ctx, state_dir=state_dir, log_level=log_level,
                          **{"server.host": host, "server.port": port})
-    if not _is_loopback(settings.server.host):
-        _fail(f"refusing to listen on {settings.server.host}: no API key is configured, so "
-              "only a loopback address is allowed", EXIT_USAGE)
+    from edge_agent.governance.keys import KeyStore
+
+    if not _is_loopback(settings.server.host) and not KeyStore(settings.state_dir).any_active():
+        _fail(f"refusing to listen on {settings.server.host}: no API key exists, so only a "
+              "loopback address is allowed (edge-agent keys create --tenant NAME)", EXIT_USAGE)
     configure_logging(settings.log_level, settings.log_format)
     uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port,
                 log_level=settings.log_level, log_config=None, access_log=False,
@@ -409,3 +411,68 @@ def ledger_purge(ctx: click.Context, config: Path | None, state_dir: Path | None
     db, settings = _ledger_db(ctx, state_dir)
     removed = purge(db, older_than_s=settings.retention.ledger_days * 86400)
     click.echo(f"removed {removed} rows older than {settings.retention.ledger_days:g} days")
+
+
+@main.group()
+def keys() -> None:
+    """Create, list and revoke API keys (stored only as hashes)."""
+
+
+@keys.command("create")
+@common_options
+@click.option("--tenant", required=True, help="A tenant defined under [tenants.NAME].")
+@click.pass_context
+def keys_create(ctx: click.Context, config: Path | None, state_dir: Path | None,
+                tenant: str) -> None:
+    """Create a key for a tenant and print it once; only its hash is kept."""
+    from edge_agent.governance.keys import KeyStore
+
+    settings = _settings(ctx, state_dir=state_dir)
+    if tenant not in settings.tenants:
+        known = ", ".join(sorted(settings.tenants)) or "none"
+        _fail(f"tenant '{tenant}' is not in the configuration (tenants: {known})", EXIT_USAGE)
+    key, record = KeyStore(settings.state_dir).create(tenant)
+    click.echo(key)
+    click.echo(f"created key {record.prefix} for tenant {tenant}; it is shown only once",
+               err=True)
+
+
+@keys.command("list")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def keys_list(ctx: click.Context, config: Path | None, state_dir: Path | None,
+              as_json: bool) -> None:
+    """List keys: prefix, tenant, created, last used, revoked."""
+    import time as _time
+
+    from edge_agent.governance.keys import KeyStore
+
+    settings = _settings(ctx, state_dir=state_dir)
+    records = KeyStore(settings.state_dir).list()
+    if as_json:
+        click.echo(json.dumps([r.__dict__ for r in records], indent=2))
+        return
+
+    def when(ts: float | None) -> str:
+        return _time.strftime("%Y-%m-%d %H:%M", _time.localtime(ts)) if ts else "-"
+
+    click.echo(f"{'PREFIX':<10} {'TENANT':<16} {'CREATED':<17} {'LAST USED':<17} REVOKED")
+    for r in records:
+        click.echo(f"{r.prefix:<10} {r.tenant:<16} {when(r.created):<17} "
+                   f"{when(r.last_used):<17} {when(r.revoked)}")
+
+
+@keys.command("revoke")
+@common_options
+@click.argument("prefix")
+@click.pass_context
+def keys_revoke(ctx: click.Context, config: Path | None, state_dir: Path | None,
+                prefix: str) -> None:
+    """Revoke a key by its prefix (a running server stops accepting it within seconds)."""
+    from edge_agent.governance.keys import KeyStore
+
+    settings = _settings(ctx, state_dir=state_dir)
+    if not KeyStore(settings.state_dir).revoke(prefix):
+        _fail(f"no active key with prefix {prefix}")
+    click.echo(f"revoked {prefix}")

@@ -40,6 +40,24 @@ class ServerSettings(_Section):
     )
 
 
+class TenantPolicy(_Section):
+    """One tenant under [tenants.NAME]. Unset ceilings fall back to the model's own."""
+
+    models: list[str] = Field(["*"], description="Model names or globs the tenant may use.")
+    max_context_tokens: int | None = Field(None, ge=16)
+    max_output_tokens: int | None = Field(None, ge=1)
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    tokens_per_day: int | None = Field(None, ge=1)
+    priority: Literal["interactive", "batch"] = "interactive"
+    truncate: Literal["error", "oldest_turns"] = Field(
+        "error", description="A prompt over the context: refuse (400) or drop oldest turns."
+    )
+    output_limit: Literal["error", "clamp"] = Field(
+        "error", description="max_tokens over the ceiling: refuse (400) or clamp it."
+    )
+
+
 class LedgerSettings(_Section):
     batch_window_ms: int = Field(
         200, ge=1, le=10_000,
@@ -138,6 +156,8 @@ class Settings(BaseSettings):
     retention: RetentionSettings = Field(
         default_factory=RetentionSettings)  # type: ignore[arg-type]
     models: dict[str, ModelOverride] = Field(default_factory=dict)
+    tenants: dict[str, TenantPolicy] = Field(
+        default_factory=dict, description="Tenant policies; API keys name their tenant.")
 
     @classmethod
     def settings_customise_sources(

@@ -57,10 +57,14 @@ def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | N
     """Scheduling controls common to both dialects: `X-Priority: interactive|batch` and a
     deadline from `X-Timeout-Ms` (or the OpenAI body's `timeout_ms`; the smaller wins)."""
     req.dialect = "openai" if request.url.path.startswith("/v1/") else "ollama"
-    priority = request.headers.get("x-priority", "interactive").strip().lower()
-    if priority not in ("interactive", "batch"):
-        raise InvalidRequest("X-Priority must be 'interactive' or 'batch'", param="X-Priority")
-    req.priority = priority  # type: ignore[assignment]
+    req.tenant = getattr(request.state, "tenant", None)
+    priority = request.headers.get("x-priority")
+    if priority is not None:
+        priority = priority.strip().lower()
+        if priority not in ("interactive", "batch"):
+            raise InvalidRequest("X-Priority must be 'interactive' or 'batch'",
+                                 param="X-Priority")
+        req.priority = priority  # type: ignore[assignment]
     header = request.headers.get("x-timeout-ms")
     values = [timeout_ms] if timeout_ms else []
     if header is not None:

@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
 from edge_agent import __version__
+from edge_agent.api.auth import authenticate
 from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.engine.catalog import InstalledModel
@@ -35,7 +36,7 @@ from edge_agent.errors import InvalidRequest, ServiceUnavailable, UnsupportedPar
 OLLAMA_API_VERSION = "0.12.0"
 NDJSON = "application/x-ndjson"
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(authenticate)])
 
 
 class _Body(BaseModel):
@@ -175,6 +176,7 @@ def _apply_options(req: GenerationRequest, options: Options | None) -> None:
             raise UnsupportedParameter(f"option '{key}'={value} is not supported",
                                        param=f"options.{key}")
     req.sampling = {k: given[k] for k in _SAMPLING if k in given}
+    req.max_tokens_param = "options.num_predict"
     if options.num_predict is not None and options.num_predict >= 0:
         req.max_tokens = options.num_predict
     if options.stop is not None:
@@ -239,7 +241,7 @@ async def _run(parts: AppParts, req: GenerationRequest, keep_alive: object, stre
 
     if not stream:
         done = await parts.service.complete(prepared)
-        return JSONResponse(final(done, done.text))
+        return JSONResponse(final(done, done.text), headers=prepared.headers())
 
     async def lines() -> AsyncIterator[bytes]:
         async for event in parts.service.stream(prepared):
@@ -259,7 +261,7 @@ async def _run(parts: AppParts, req: GenerationRequest, keep_alive: object, stre
                 chunk = {"error": str(event.error)}
             yield (json.dumps(chunk, ensure_ascii=False) + "\n").encode()
 
-    return StreamingResponse(lines(), media_type=NDJSON,
+    return StreamingResponse(lines(), media_type=NDJSON, headers=prepared.headers(),
                              background=BackgroundTask(parts.service.release, prepared))
 
 
@@ -348,7 +350,7 @@ async def embed(request: Request, parts: Parts) -> Response:
         list(body.input)
     result = await parts.service.embed(
         EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate,
-                         dialect="ollama"),
+                         dialect="ollama", tenant=request.state.tenant),
         keep_alive=parse_keep_alive(body.keep_alive))
     vectors = result.vectors
     if body.dimensions is not None:
@@ -381,7 +383,8 @@ async def embeddings(request: Request, parts: Parts) -> Response:
         parts.store.get(body.model)
         return JSONResponse({"embedding": []})
     result = await parts.service.embed(
-        EmbeddingRequest(model=body.model, inputs=[body.prompt], dialect="ollama"),
+        EmbeddingRequest(model=body.model, inputs=[body.prompt], dialect="ollama",
+                         tenant=request.state.tenant),
         keep_alive=parse_keep_alive(body.keep_alive))
     return JSONResponse({"embedding": result.vectors[0]})
 

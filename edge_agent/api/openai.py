@@ -15,11 +15,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
+from edge_agent.api.auth import authenticate
 from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.errors import openai_body
 from edge_agent.api.state import AppParts, Parts
@@ -34,7 +35,7 @@ from edge_agent.engine.request import (
 from edge_agent.engine.structured import ANY_JSON_OBJECT
 from edge_agent.errors import EdgeAgentError, InvalidRequest, UnsupportedParameter
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 
 
 class _Body(BaseModel):
@@ -194,6 +195,8 @@ def _chat_request(body: ChatBody) -> GenerationRequest:
         raise InvalidRequest("max_tokens and max_completion_tokens disagree",
                              param="max_completion_tokens")
     req.max_tokens = body.max_completion_tokens or body.max_tokens
+    if body.max_completion_tokens is not None:
+        req.max_tokens_param = "max_completion_tokens"
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
         req.json_schema = ANY_JSON_OBJECT
@@ -272,7 +275,7 @@ async def chat_completions(request: Request, parts: Parts) -> Response:
             message["content"] = done.text
         return JSONResponse({**head, "object": "chat.completion", "choices": [
             {"index": 0, "message": message, "logprobs": None, "finish_reason": done.reason}],
-            "usage": _usage(done)})
+            "usage": _usage(done)}, headers=prepared.headers())
 
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -304,6 +307,7 @@ async def chat_completions(request: Request, parts: Parts) -> Response:
                 yield _sse(openai_body(_edge(event.error)))
 
     return StreamingResponse(events(), media_type="text/event-stream",
+                             headers=prepared.headers(),
                              background=BackgroundTask(parts.service.release, prepared))
 
 
@@ -410,7 +414,8 @@ async def embeddings(request: Request, parts: Parts) -> Response:
     if not inputs or any(x == "" or x == [] for x in inputs):
         raise InvalidRequest("input must not be empty", param="input")
     result = await parts.service.embed(EmbeddingRequest(model=body.model, inputs=inputs,
-                                                        dialect="openai"))
+                                                        dialect="openai",
+                                                        tenant=request.state.tenant))
     dims = len(result.vectors[0])
     if body.dimensions is not None and body.dimensions != dims:
         raise UnsupportedParameter(f"this model gives {dims} dimensions; "

@@ -11,6 +11,7 @@ from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.engine.service import GenerationService
+from edge_agent.governance.tenants import Governor
 from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.telemetry.metrics import Metrics
 
@@ -22,6 +23,7 @@ class AppParts:
     registry: ModelRegistry
     service: GenerationService
     metrics: Metrics | None = None
+    governor: Governor | None = None
     ledger: LedgerWriter | None = None  # set while the app runs
 
 

@@ -7,7 +7,10 @@ below them (templates, limits, scheduling, llama.cpp) sees only these types.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from edge_agent.governance.tenants import TenantContext
 
 ToolChoice = Literal["auto", "none", "required"] | str  # a str other than those: a function name
 
@@ -49,8 +52,10 @@ class GenerationRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool objects
     tool_choice: ToolChoice = "auto"
     num_ctx: int | None = None
-    priority: Literal["interactive", "batch"] = "interactive"
+    priority: Literal["interactive", "batch"] | None = None  # None: the tenant's default
     dialect: str = ""  # "openai" or "ollama", for metrics and logs
+    tenant: TenantContext | None = None
+    max_tokens_param: str = "max_tokens"  # how the dialect names it, for errors
     timeout_s: float | None = None  # deadline from submission; None: the operator's default
 
 
@@ -60,6 +65,7 @@ class EmbeddingRequest:
     inputs: list[str | list[int]]
     truncate: bool = False
     dialect: str = ""
+    tenant: TenantContext | None = None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from edge_agent.engine.catalog import normalize_name
 from edge_agent.engine.json_grammar import schema_to_grammar
 from edge_agent.engine.registry import LoadedModel, ModelRegistry
 from edge_agent.engine.request import (
@@ -40,6 +41,7 @@ from edge_agent.errors import (
     InvalidRequest,
     RequestTimeout,
 )
+from edge_agent.governance.tenants import Governor, TenantContext
 from edge_agent.logs import note
 from edge_agent.telemetry.metrics import Metrics
 
@@ -53,13 +55,25 @@ class PreparedGeneration:
     window: int
     events: asyncio.Queue[Event]
     deadline: float | None  # loop time
+    truncated_tokens: int = 0
+    clamped_to: int | None = None
     released: bool = False
+
+    def headers(self) -> dict[str, str]:
+        """Governance made the request smaller than asked: say so (both dialects)."""
+        out = {}
+        if self.truncated_tokens:
+            out["X-Edge-Truncated"] = str(self.truncated_tokens)
+        if self.clamped_to is not None:
+            out["X-Edge-Clamped"] = str(self.clamped_to)
+        return out
 
 
 class GenerationService:
     def __init__(self, registry: ModelRegistry, *, default_timeout_s: float | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, governor: Governor | None = None) -> None:
         self.registry = registry
+        self.governor = governor
         self.default_timeout_s = default_timeout_s
         self.metrics = metrics
 
@@ -74,6 +88,7 @@ class GenerationService:
             timeout = min(req.timeout_s, self.default_timeout_s)  # clients may only ask less
         deadline = loop.time() + timeout if timeout else None
         note(model=req.model, dialect=req.dialect)
+        self._govern(req.tenant, req.model)
         model, load_ns = await self.registry.acquire(req.model, keep_alive)
         try:
             prepared = self._prepare(req, model, load_ns, deadline)
@@ -88,7 +103,6 @@ class GenerationService:
 
     def _prepare(self, req: GenerationRequest, model: LoadedModel, load_ns: int,
                  deadline: float | None) -> PreparedGeneration:
-        llama = model.worker.model
         defaults = {k: v for k, v in model.info.parameters.items()
                     if k in SamplingParams.field_names()}
         sampling = SamplingParams(**{**defaults, **req.sampling})
@@ -101,12 +115,6 @@ class GenerationService:
             grammar = schema_to_grammar(
                 schema, param="tools" if tool_mode else req.schema_param)
 
-        text = self._prompt_text(req, model, tool_mode)
-        tokens = list(req.context_tokens) + llama.tokenize(
-            text, add_special=not req.context_tokens, parse_special=True)
-        if not tokens:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-
         window = model.worker.n_ctx
         if req.num_ctx is not None:
             if req.num_ctx > window:
@@ -114,24 +122,76 @@ class GenerationService:
                     f"num_ctx {req.num_ctx} exceeds this model's context of {window} tokens",
                     param="options.num_ctx")
             window = req.num_ctx
+        policy = req.tenant.policy if req.tenant is not None else None
+        ceiling = policy.max_output_tokens if policy else None
+        if policy and policy.max_context_tokens and policy.max_context_tokens < window:
+            window = policy.max_context_tokens
+        requested = req.max_tokens if req.max_tokens is not None and req.max_tokens >= 0 \
+            else None
+        clamped = False
+        if requested is not None and ceiling is not None and requested > ceiling:
+            if policy is None or policy.output_limit != "clamp":
+                raise InvalidRequest(
+                    f"{req.max_tokens_param} {requested} exceeds the ceiling of {ceiling} "
+                    "output tokens", param=req.max_tokens_param)
+            requested, clamped = ceiling, True
+        reserve = requested if requested is not None else 1
+        tokens = self._tokens(req, model, tool_mode)
+        truncated = 0
+        if len(tokens) + reserve > window and policy is not None and \
+                policy.truncate == "oldest_turns" and req.messages:
+            tokens, truncated = self._drop_oldest_turns(req, model, tool_mode, tokens,
+                                                        window - reserve)
         if len(tokens) >= window:
             raise ContextLengthExceeded(
-                f"the prompt is {len(tokens)} tokens; this model's context window is "
-                f"{window} tokens", param="messages" if req.messages is not None else "prompt")
-        max_tokens = req.max_tokens
-        if max_tokens is None or max_tokens < 0:
+                f"the prompt is {len(tokens)} tokens; the context window is {window} tokens",
+                param="messages" if req.messages is not None else "prompt")
+        if requested is None:
             max_tokens = window - len(tokens)
-        elif len(tokens) + max_tokens > window:
+            if ceiling is not None:
+                max_tokens = min(max_tokens, ceiling)
+        elif len(tokens) + requested > window:
             raise ContextLengthExceeded(
-                f"this model's context window is {window} tokens, but {len(tokens)} prompt "
-                f"tokens plus {max_tokens} requested output tokens need "
-                f"{len(tokens) + max_tokens}", param="max_tokens")
+                f"the context window is {window} tokens, but {len(tokens)} prompt "
+                f"tokens plus {requested} requested output tokens need "
+                f"{len(tokens) + requested}", param=req.max_tokens_param)
+        else:
+            max_tokens = requested
+        priority = req.priority or (policy.priority if policy else "interactive")
+        note(truncated_tokens=truncated, clamped=int(clamped))
         job = GenerationJob(prompt=tokens, params=sampling, grammar=grammar,
                             max_tokens=max_tokens, stops=stops, emit=_unset_emit,
-                            priority=req.priority, load_ns=load_ns)
+                            priority=priority, load_ns=load_ns)
         return PreparedGeneration(model=model, request=req, job=job, tool_mode=tool_mode,
-                                  window=window,
-                                  events=asyncio.Queue(), deadline=deadline)
+                                  window=window, events=asyncio.Queue(), deadline=deadline,
+                                  truncated_tokens=truncated,
+                                  clamped_to=max_tokens if clamped else None)
+
+    def _tokens(self, req: GenerationRequest, model: LoadedModel, tool_mode: bool
+                ) -> list[int]:
+        text = self._prompt_text(req, model, tool_mode)
+        tokens = list(req.context_tokens) + model.worker.model.tokenize(
+            text, add_special=not req.context_tokens, parse_special=True)
+        if not tokens:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        return tokens
+
+    def _drop_oldest_turns(self, req: GenerationRequest, model: LoadedModel, tool_mode: bool,
+                           tokens: list[int], budget: int) -> tuple[list[int], int]:
+        """The tenant's `truncate = "oldest_turns"`: keep the system prompt and the latest
+        turn, drop the oldest turns until the prompt fits. Returns (tokens, dropped)."""
+        assert req.messages is not None
+        messages = list(req.messages)
+        first = next((i for i, m in enumerate(messages) if m["role"] != "system"),
+                     len(messages))
+        original = len(tokens)
+        while len(tokens) > budget and len(messages) - first > 1:
+            del messages[first]
+            while len(messages) - first > 1 and messages[first]["role"] == "tool":
+                del messages[first]  # a tool result without its call makes no sense
+            tokens = self._tokens(dataclasses.replace(req, messages=messages), model,
+                                  tool_mode)
+        return tokens, original - len(tokens)
 
     def _prompt_text(self, req: GenerationRequest, model: LoadedModel, tool_mode: bool) -> str:
         if req.messages is None:
@@ -192,6 +252,14 @@ class GenerationService:
             job.cancelled.set()
             await self.release(prepared)
 
+    def _govern(self, tenant: TenantContext | None, model: str) -> None:
+        """Scope (403) and rate/quota (429), before a model is loaded or a slot taken."""
+        if tenant is None:
+            return
+        tenant.check_model(normalize_name(model))
+        if self.governor is not None:
+            self.governor.admit(tenant)
+
     def _observe(self, prepared: PreparedGeneration, event: Event, first_token_ns: int
                  ) -> None:
         """The end of a generation, into metrics and the request's access line / ledger row."""
@@ -209,6 +277,10 @@ class GenerationService:
                  structured_failure=int(_structured_failure(prepared, event)))
             if self.metrics is not None:
                 self.metrics.observe_done(name, dialect, event, ttft)
+            tenant = prepared.request.tenant
+            if self.governor is not None and tenant is not None:
+                self.governor.charge(tenant, u.prompt_tokens - u.cached_tokens
+                                     + u.completion_tokens)
         elif isinstance(event, ErrorEvent):
             error = _as_edge_error(event.error)
             note(model=name, dialect=dialect, error_type=error.error_type)
@@ -235,6 +307,7 @@ class GenerationService:
     async def embed(self, req: EmbeddingRequest, *, keep_alive: float | None = None
                     ) -> EmbeddingResult:
         note(model=req.model, dialect=req.dialect)
+        self._govern(req.tenant, req.model)
         model, load_ns = await self.registry.acquire(req.model, keep_alive)
         try:
             llama = model.worker.model

@@ -1,0 +1,2 @@
+"""Governance: who may call (keys, tenants), how much (rates, quotas) and how long
+(context and output ceilings)."""

@@ -1,0 +1,140 @@
+"""Tenants: who is calling (API key → tenant), what they may use, and how much.
+
+With no key at all, the box runs open as tenant `local` (loopback binds only: serve
+refuses a public address without keys). With keys, every API call needs one. Rates and
+token quotas are sliding windows kept in memory: a restart forgets them, which errs on
+the side of serving.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from edge_agent.config import Settings, TenantPolicy
+from edge_agent.errors import Forbidden, RateLimited, Unauthorized
+from edge_agent.governance.keys import KeyStore, match
+
+OPEN_TENANT = "local"
+_RELOAD_EVERY_S = 5.0
+
+
+@dataclass(frozen=True)
+class TenantContext:
+    name: str
+    policy: TenantPolicy
+    key_prefix: str = ""
+
+    def check_model(self, model: str) -> None:
+        if not any(fnmatch.fnmatchcase(model, pattern) for pattern in self.policy.models):
+            raise Forbidden(f"model '{model}' is not allowed for tenant '{self.name}'",
+                            param="model")
+
+
+@dataclass
+class _Window:
+    span_s: float
+    events: deque[tuple[float, int]] = field(default_factory=deque)
+    total: int = 0
+
+    def add(self, now: float, amount: int) -> None:
+        self.events.append((now, amount))
+        self.total += amount
+
+    def trim(self, now: float) -> None:
+        while self.events and self.events[0][0] <= now - self.span_s:
+            self.total -= self.events.popleft()[1]
+
+    def retry_after(self, now: float) -> float:
+        return max(1.0, self.events[0][0] + self.span_s - now) if self.events else 1.0
+
+
+class Governor:
+    def __init__(self, settings: Settings, keys: KeyStore) -> None:
+        self.settings = settings
+        self.keys = keys
+        self._lock = threading.Lock()
+        self._active = keys.load_active()
+        self._loaded_at = time.monotonic()
+        self._used: dict[str, float] = {}
+        self._windows: dict[tuple[str, str], _Window] = {}
+
+    @property
+    def open(self) -> bool:
+        return not self._active
+
+    def policy(self, tenant: str) -> TenantPolicy:
+        policy = self.settings.tenants.get(tenant)
+        if policy is None:
+            if tenant == OPEN_TENANT:
+                return TenantPolicy.model_validate({})
+            raise Forbidden(f"tenant '{tenant}' has no policy in the configuration")
+        return policy
+
+    def authenticate(self, authorization: str | None) -> TenantContext:
+        self._maybe_reload()
+        if self.open:
+            return TenantContext(OPEN_TENANT, self.policy(OPEN_TENANT))
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise Unauthorized("missing API key: send Authorization: Bearer <key>")
+        key = authorization[7:].strip()
+        found = match(key, self._active)
+        if found is None and self._reload():
+            found = match(key, self._active)
+        if found is None:
+            raise Unauthorized("invalid or revoked API key")
+        prefix, tenant = found
+        self._used[prefix] = time.time()
+        return TenantContext(tenant, self.policy(tenant), prefix)
+
+    def admit(self, ctx: TenantContext) -> None:
+        """Request rate and token quotas; raises 429 with the wait until a slot frees."""
+        p, now = ctx.policy, time.monotonic()
+        with self._lock:
+            checks = [("requests", 60.0, p.requests_per_minute),
+                      ("tokens", 60.0, p.tokens_per_minute),
+                      ("tokens_day", 86400.0, p.tokens_per_day)]
+            for kind, span, limit in checks:
+                if limit is None:
+                    continue
+                w = self._window(ctx.name, kind, span)
+                w.trim(now)
+                if w.total >= limit:
+                    what = {"requests": f"{limit} requests per minute",
+                            "tokens": f"{limit} tokens per minute",
+                            "tokens_day": f"{limit} tokens per day"}[kind]
+                    raise RateLimited(f"tenant '{ctx.name}' is over its limit of {what}",
+                                      retry_after=math.ceil(w.retry_after(now)))
+            if p.requests_per_minute is not None:
+                self._window(ctx.name, "requests", 60.0).add(now, 1)
+
+    def charge(self, ctx: TenantContext, tokens: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if ctx.policy.tokens_per_minute is not None:
+                self._window(ctx.name, "tokens", 60.0).add(now, tokens)
+            if ctx.policy.tokens_per_day is not None:
+                self._window(ctx.name, "tokens_day", 86400.0).add(now, tokens)
+
+    def flush_last_used(self) -> None:
+        used, self._used = self._used, {}
+        self.keys.touch(used)
+
+    def _window(self, tenant: str, kind: str, span: float) -> _Window:
+        return self._windows.setdefault((tenant, kind), _Window(span))
+
+    def _maybe_reload(self) -> None:
+        if time.monotonic() - self._loaded_at > _RELOAD_EVERY_S:
+            self._reload()
+
+    def _reload(self) -> bool:
+        """Picks up keys created or revoked by the CLI while serving."""
+        if time.monotonic() - self._loaded_at < 0.5:
+            return False
+        self._active = self.keys.load_active()
+        self._loaded_at = time.monotonic()
+        return True
