@@ -91,9 +91,8 @@ def start_server(settings: Settings, *, wait_for_model: str | None = DEFAULT_MOD
         time.sleep(0.05)
     live = LiveServer(app, settings, f"http://{settings.server.host}:{settings.server.port}",
                       server, thread)
-    if wait_for_model:
-        while not any(m["name"] == wait_for_model
-                      for m in httpx.get(f"{live.base_url}/api/ps").json()["models"]):
+    if wait_for_model:  # the default model: /ready says when it is loaded (no key needed)
+        while httpx.get(f"{live.base_url}/ready").status_code != 200:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{wait_for_model} did not load")
             time.sleep(0.1)

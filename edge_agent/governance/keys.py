@@ -111,7 +111,7 @@ class KeyStore:
 
 def match(key: str, active: dict[str, tuple[str, str]]) -> tuple[str, str] | None:
     """(prefix, tenant) for a valid key, else None; the hash comparison is constant-time."""
-    parts = key.split("_")
+    parts = key.split("_", 2)  # the secret itself may contain "_"
     if len(parts) != 3 or parts[0] != "ea":
         return None
     entry = active.get(parts[1])
