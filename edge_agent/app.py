@@ -23,8 +23,9 @@ from edge_agent.engine.registry import ModelRegistry
 from edge_agent.engine.service import GenerationService
 from edge_agent.errors import EdgeAgentError
 from edge_agent.governance.keys import KeyStore
+from edge_agent.governance.redaction import Detectors, Redactor, device_key
 from edge_agent.governance.tenants import Governor
-from edge_agent.ledger.store import open_ledger, purge
+from edge_agent.ledger.store import REQUESTS, open_ledger, purge
 from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.logs import RequestContext
 from edge_agent.telemetry.hardware import HardwareSampler, default_readers
@@ -52,8 +53,19 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
         if settings.telemetry.metrics else None
     governor = Governor(settings, KeyStore(settings.state_dir))
     timeout_ms = settings.runtime.request_timeout_ms
+    red = settings.redaction
+    redactor = Redactor(Detectors(red.regions, list(red.countries)),
+                        device_key(settings.state_dir), operator=red.operator,
+                        policy_version=red.policy_version)
+
+    def record(table: str, row: dict[str, Any]) -> None:
+        if parts.ledger is not None:
+            parts.ledger.record(row, table)
+
     service = GenerationService(registry, default_timeout_s=timeout_ms / 1000 or None,
-                                metrics=metrics, governor=governor)
+                                metrics=metrics, governor=governor, redactor=redactor,
+                                keep_content=settings.retention.content_hours > 0,
+                                record=record)
     parts = AppParts(settings=settings, store=store, registry=registry, service=service,
                      metrics=metrics, governor=governor)
 
@@ -85,11 +97,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
                   docs_url=None, redoc_url=None)
     app.state.parts = parts
     install_error_handlers(app)
-    def record(row: dict[str, Any]) -> None:
-        if parts.ledger is not None:
-            parts.ledger.record(row)
-
-    app.add_middleware(RequestContext, record=record)
+    app.add_middleware(RequestContext, record=lambda row: record(REQUESTS, row))
     app.include_router(ops.router)
     app.include_router(ollama.router)
     app.include_router(openai.router)
@@ -120,7 +128,8 @@ async def _purge_hourly(settings: Settings) -> None:
 def purge_ledger(settings: Settings) -> int:
     db = open_ledger(settings.state_dir / "ledger.db")
     try:
-        return purge(db, older_than_s=settings.retention.ledger_days * 86400)
+        return purge(db, older_than_s=settings.retention.ledger_days * 86400,
+                     content_older_than_s=settings.retention.content_hours * 3600)
     finally:
         db.close()
 

@@ -409,7 +409,8 @@ def ledger_purge(ctx: click.Context, config: Path | None, state_dir: Path | None
     from edge_agent.ledger.store import purge
 
     db, settings = _ledger_db(ctx, state_dir)
-    removed = purge(db, older_than_s=settings.retention.ledger_days * 86400)
+    removed = purge(db, older_than_s=settings.retention.ledger_days * 86400,
+                    content_older_than_s=settings.retention.content_hours * 3600)
     click.echo(f"removed {removed} rows older than {settings.retention.ledger_days:g} days")
 
 

@@ -56,6 +56,19 @@ class TenantPolicy(_Section):
     output_limit: Literal["error", "clamp"] = Field(
         "error", description="max_tokens over the ceiling: refuse (400) or clamp it."
     )
+    redact_prompt: bool = Field(
+        False, description="The model sees the prompt with personal data redacted."
+    )
+
+
+class RedactionSettings(_Section):
+    regions: list[str] = Field(["US", "GB", "DE", "FR"],
+                               description="Phone-number regions (ISO 3166).")
+    countries: list[Literal["us", "es", "it", "nl", "fr"]] = Field(
+        ["us", "es", "it"], description="National-ID formats to detect.")
+    operator: Literal["tag", "mask", "hmac"] = Field(
+        "tag", description="tag: <EMAIL>; mask: ***; hmac: a keyed token per value.")
+    policy_version: str = Field("1", description="Recorded with every redacted span.")
 
 
 class LedgerSettings(_Section):
@@ -68,6 +81,8 @@ class LedgerSettings(_Section):
 
 class RetentionSettings(_Section):
     ledger_days: float = Field(90, gt=0, description="Days request metadata is kept.")
+    content_hours: float = Field(
+        0, ge=0, description="Hours redacted prompt/response text is kept (0: never stored).")
 
 
 class TelemetrySettings(_Section):
@@ -155,6 +170,8 @@ class Settings(BaseSettings):
     ledger: LedgerSettings = Field(default_factory=LedgerSettings)  # type: ignore[arg-type]
     retention: RetentionSettings = Field(
         default_factory=RetentionSettings)  # type: ignore[arg-type]
+    redaction: RedactionSettings = Field(
+        default_factory=RedactionSettings)  # type: ignore[arg-type]
     models: dict[str, ModelOverride] = Field(default_factory=dict)
     tenants: dict[str, TenantPolicy] = Field(
         default_factory=dict, description="Tenant policies; API keys name their tenant.")

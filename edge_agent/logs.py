@@ -58,6 +58,11 @@ def configure_logging(level: str, fmt: str) -> None:
     root.setLevel(level.upper())
 
 
+def current_request_id() -> str:
+    access = access_var.get()
+    return str(access["id"]) if access else ""
+
+
 def note(**fields: Any) -> None:
     """Adds fields (model, dialect, ttft_ms …) to the current request's access line."""
     access = access_var.get()
@@ -96,7 +101,7 @@ class RequestContext:
             return
         rid = trace_id(dict(scope["headers"]))
         token = request_id_var.set(rid)
-        access: dict[str, Any] = {}
+        access: dict[str, Any] = {"id": uuid.uuid4().hex}  # the ledger's request id
         access_token = access_var.set(access)
         started_at = time.time()
         start = time.perf_counter()
@@ -120,7 +125,7 @@ class RequestContext:
             access_log.info("%s %s %s", scope["method"], scope["path"], status,
                             extra={"fields": fields, "request_id": rid})
             if self.record is not None and scope["path"] in LEDGER_PATHS:
-                self.record({**fields, "id": uuid.uuid4().hex, "trace_id": rid,
-                             "ts": started_at, "endpoint": scope["path"]})
+                self.record({**fields, "trace_id": rid, "ts": started_at,
+                             "endpoint": scope["path"]})
             access_var.reset(access_token)
             request_id_var.reset(token)

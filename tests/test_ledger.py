@@ -47,8 +47,15 @@ def test_purge_removes_only_expired_rows(tmp_path: Path) -> None:
     db = open_ledger(tmp_path / "ledger.db")
     old = time.time() - 91 * 86400
     db[REQUESTS].insert_all([_row(1, ts=old), _row(2, ts=old), _row(3)])
-    assert purge(db, older_than_s=90 * 86400) == 2
+    db["redactions"].insert_all([{"request_id": "r1", "entity_type": "EMAIL"},
+                                 {"request_id": "r3", "entity_type": "EMAIL"}])
+    db["contents"].insert_all([{"request_id": "r3", "text": "<EMAIL> hi",
+                                "ts": time.time() - 3 * 3600},
+                               {"request_id": "r3", "text": "fresh", "ts": time.time()}])
+    assert purge(db, older_than_s=90 * 86400, content_older_than_s=2 * 3600) == 2
     assert [r["id"] for r in db[REQUESTS].rows] == ["r3"]
+    assert [r["request_id"] for r in db["redactions"].rows] == ["r3"]
+    assert [r["text"] for r in db["contents"].rows] == ["fresh"]
 
 
 def test_cli_stats_tail_export_and_purge(tmp_path: Path) -> None:

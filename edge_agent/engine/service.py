@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +41,10 @@ from edge_agent.errors import (
     InvalidRequest,
     RequestTimeout,
 )
+from edge_agent.governance.redaction import Redactor
 from edge_agent.governance.tenants import Governor, TenantContext
-from edge_agent.logs import note
+from edge_agent.ledger.store import CONTENTS, REDACTIONS
+from edge_agent.logs import current_request_id, note
 from edge_agent.telemetry.metrics import Metrics
 
 
@@ -71,9 +73,14 @@ class PreparedGeneration:
 
 class GenerationService:
     def __init__(self, registry: ModelRegistry, *, default_timeout_s: float | None = None,
-                 metrics: Metrics | None = None, governor: Governor | None = None) -> None:
+                 metrics: Metrics | None = None, governor: Governor | None = None,
+                 redactor: Redactor | None = None, keep_content: bool = False,
+                 record: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.registry = registry
         self.governor = governor
+        self.redactor = redactor
+        self.keep_content = keep_content  # store redacted text (retention.content_hours > 0)
+        self.record = record
         self.default_timeout_s = default_timeout_s
         self.metrics = metrics
 
@@ -89,6 +96,7 @@ class GenerationService:
         deadline = loop.time() + timeout if timeout else None
         note(model=req.model, dialect=req.dialect)
         self._govern(req.tenant, req.model)
+        req = self._redact_prompt(req)
         model, load_ns = await self.registry.acquire(req.model, keep_alive)
         try:
             prepared = self._prepare(req, model, load_ns, deadline)
@@ -252,6 +260,44 @@ class GenerationService:
             job.cancelled.set()
             await self.release(prepared)
 
+    def _redact_prompt(self, req: GenerationRequest) -> GenerationRequest:
+        """Redaction of the prompt, when the tenant wants the model to see it redacted or
+        when content is kept: spans go to the redaction log, redacted text (only) to the
+        content table. Returns the request the model will see."""
+        policy = req.tenant.policy if req.tenant is not None else None
+        hide = bool(policy and policy.redact_prompt)
+        if self.redactor is None or not (hide or self.keep_content):
+            return req
+        texts = [(m["role"], str(m.get("content") or "")) for m in req.messages] \
+            if req.messages is not None else [("user", req.prompt or "")]
+        redacted = [self._redact_and_log(text, "prompt", i, role)
+                    for i, (role, text) in enumerate(texts)]
+        if not hide:
+            return req
+        if req.messages is not None:
+            messages = [{**m, "content": r} for m, r in zip(req.messages, redacted, strict=True)]
+            return dataclasses.replace(req, messages=messages)
+        return dataclasses.replace(req, prompt=redacted[0])
+
+    def _redact_and_log(self, text: str, direction: str, index: int, role: str) -> str:
+        assert self.redactor is not None
+        redacted, spans = self.redactor.redact(text)
+        if self.record is None:
+            return redacted
+        request_id = current_request_id()
+        for span in spans:
+            self.record(REDACTIONS, {
+                "request_id": request_id, "direction": direction, "message_index": index,
+                "entity_type": span.entity, "detector": span.detector,
+                "detector_version": span.detector_version, "operator": span.operator,
+                "start": span.start, "end": span.end,
+                "policy_version": self.redactor.policy_version})
+        if self.keep_content:
+            self.record(CONTENTS, {"request_id": request_id, "direction": direction,
+                                   "message_index": index, "role": role, "text": redacted,
+                                   "ts": time.time()})
+        return redacted
+
     def _govern(self, tenant: TenantContext | None, model: str) -> None:
         """Scope (403) and rate/quota (429), before a model is loaded or a slot taken."""
         if tenant is None:
@@ -277,6 +323,8 @@ class GenerationService:
                  structured_failure=int(_structured_failure(prepared, event)))
             if self.metrics is not None:
                 self.metrics.observe_done(name, dialect, event, ttft)
+            if self.redactor is not None and self.keep_content:
+                self._redact_and_log(event.text, "response", 0, "assistant")
             tenant = prepared.request.tenant
             if self.governor is not None and tenant is not None:
                 self.governor.charge(tenant, u.prompt_tokens - u.cached_tokens

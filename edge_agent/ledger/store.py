@@ -33,6 +33,26 @@ def m001_requests(db: Database) -> None:
     db[REQUESTS].create_index(["tenant", "ts"])  # type: ignore[union-attr]
 
 
+REDACTIONS = "redactions"
+CONTENTS = "contents"
+
+
+@MIGRATIONS()
+def m002_redactions_and_contents(db: Database) -> None:
+    """The redaction log (spans, never values) and short-lived redacted content."""
+    db[REDACTIONS].create({  # type: ignore[union-attr]
+        "request_id": str, "direction": str, "message_index": int, "entity_type": str,
+        "detector": str, "detector_version": str, "operator": str, "start": int, "end": int,
+        "policy_version": str})
+    db[REDACTIONS].create_index(["request_id"])  # type: ignore[union-attr]
+    db[CONTENTS].create({"request_id": str, "direction": str, "message_index": int,  # type: ignore[union-attr]
+                         "role": str, "text": str, "ts": float})
+    db[CONTENTS].create_index(["ts"])  # type: ignore[union-attr]
+
+
+TABLE_COLUMNS = {REQUESTS: COLUMNS}
+
+
 def open_ledger(path: Path) -> Database:
     """Opens (creating and migrating) the ledger; WAL so readers never block the writer."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,8 +83,14 @@ def tail(db: Database, n: int, after_ts: float | None = None) -> list[dict[str, 
     return list(db[REQUESTS].rows_where("ts > ?", [after_ts], order_by="ts"))  # type: ignore[union-attr]
 
 
-def purge(db: Database, *, older_than_s: float) -> int:
+def purge(db: Database, *, older_than_s: float, content_older_than_s: float = 0.0) -> int:
+    """Retention: request rows (and their redaction spans) past the metadata window, and
+    stored content past its (much shorter) window."""
     cutoff = time.time() - older_than_s
     with db.atomic():
+        db.execute(f"DELETE FROM {REDACTIONS} WHERE request_id IN "
+                   f"(SELECT id FROM {REQUESTS} WHERE ts < ?)", [cutoff])
         cursor = db.execute(f"DELETE FROM {REQUESTS} WHERE ts < ?", [cutoff])
+        db.execute(f"DELETE FROM {CONTENTS} WHERE ts < ?",
+                   [time.time() - content_older_than_s])
     return int(cursor.rowcount)

@@ -33,13 +33,14 @@ class LedgerWriter:
         self._thread = threading.Thread(target=self._run, name="ledger", daemon=True)
         self._thread.start()
 
-    def record(self, row: dict[str, Any]) -> None:
+    def record(self, row: dict[str, Any], table: str = REQUESTS) -> None:
         """Never blocks, never raises: the request path must not wait on disk."""
-        clean = {k: v for k, v in row.items() if k in COLUMNS}
+        if table == REQUESTS:
+            row = {k: v for k, v in row.items() if k in COLUMNS}
         if self._oldest_pending is None:
             self._oldest_pending = time.monotonic()
         self._submitted += 1
-        self._queue.put(clean)
+        self._queue.put((table, row))
 
     @property
     def lag_s(self) -> float:
@@ -58,10 +59,9 @@ class LedgerWriter:
 
     def _run(self) -> None:
         db = open_ledger(self.path)
-        table = db[REQUESTS]
         stopping = False
         while not stopping:
-            batch: list[dict[str, Any]] = []
+            batch: list[tuple[str, dict[str, Any]]] = []
             item = self._queue.get()
             deadline = time.monotonic() + self.window_s
             while True:
@@ -77,13 +77,17 @@ class LedgerWriter:
                 except queue.Empty:
                     break
             if batch:
-                self._commit(db, table, batch)
+                self._commit(db, batch)
         db.close()
 
-    def _commit(self, db: Any, table: Any, batch: list[dict[str, Any]]) -> None:
+    def _commit(self, db: Any, batch: list[tuple[str, dict[str, Any]]]) -> None:
+        by_table: dict[str, list[dict[str, Any]]] = {}
+        for table, row in batch:
+            by_table.setdefault(table, []).append(row)
         try:
             with db.atomic():
-                table.insert_all(batch, replace=True)
+                for table, rows in by_table.items():
+                    db[table].insert_all(rows, replace=table == REQUESTS)
             self.rows_written += len(batch)
             self.healthy = True
         except Exception as exc:  # disk full, file gone: report, keep the process alive
