@@ -23,6 +23,13 @@ def _line(echo: Echo, label: str, value: float, unit: str, target: str, ok: bool
     echo(f"  {label:<62} {shown:>7}{unit:<2} {target:<10} {'ok' if ok else 'MISSED'}")
 
 
+_PROSE = ["The customer asked where the gluten-free bread is kept.",
+          "Aisle seven has the seasonal offers this week.",
+          "Please remind staff that the cold room door must stay closed.",
+          "Our loyalty programme gives double points on Tuesdays.",
+          "The delivery van arrives after lunch on most days."]
+
+
 def _fake_model(i: int) -> Any:
     stats = SimpleNamespace(running=1, kv_used=1000, kv_total=16384, last_step_tokens=4)
     worker = SimpleNamespace(stats=stats, queued=2)
@@ -107,3 +114,115 @@ def bench_ledger(echo: Echo, rows: int = 20_000) -> dict[str, Any]:
     _line(echo, f"ledger writer, {rows} rows through the batching thread", rate, "/s",
           ">= 5,000/s", rate >= 5000)
     return {"rows_per_s": rate}
+
+
+def _governance_path_ms(cfg: Path, state: Path, redactor: Any) -> float:
+    """The work governance adds before a request reaches the scheduler, timed in process
+    (the end-to-end difference between two servers is buried in their noise)."""
+    from edge_agent.config import load_settings
+    from edge_agent.governance.keys import KeyStore
+    from edge_agent.governance.tenants import Governor
+    from edge_agent.ledger.writer import LedgerWriter
+
+    settings = load_settings(cfg, state_dir=state)
+    keys = KeyStore(state)
+    key, _ = keys.create("app")
+    governor = Governor(settings, keys)
+    writer = LedgerWriter(state / "ledger.db")
+    prompt = "Question 3: please call me at jane.doe@example.com about aisle 4 restocking."
+    times = []
+    for i in range(2000):
+        start = time.perf_counter()
+        ctx = governor.authenticate(f"Bearer {key}")
+        ctx.check_model("smollm2:135m")
+        governor.admit(ctx)
+        text, spans = redactor.redact(prompt)
+        for span in spans:
+            writer.record({"request_id": str(i), "entity_type": span.entity}, "redactions")
+        writer.record({"request_id": str(i), "text": text, "ts": time.time()}, "contents")
+        writer.record({"id": f"g{i}", "trace_id": str(i), "ts": time.time(), "status": 200})
+        times.append(time.perf_counter() - start)
+    writer.close()
+    return statistics.median(times) * 1000
+
+
+def bench_governance(state_dir: Path, model: str, *, threads: int, context: int,
+                     echo: Echo) -> dict[str, Any]:
+    """Redaction speed and quality, and what auth + limits + redaction add to TTFT."""
+    import json
+    import tempfile
+
+    from edge_agent.governance.keys import KeyStore
+    from edge_agent.governance.redaction import Detectors, Redactor, evaluate
+
+    echo("governance")
+    detectors = Detectors(["US", "GB", "DE", "FR"], ["us", "es", "it"])
+    fixture = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "redaction.jsonl"
+    scores: dict[str, Any] = {}
+    if fixture.exists():
+        samples = [json.loads(line) for line in fixture.read_text().splitlines()]
+        scores = evaluate(detectors, samples)
+        for entity, s in scores.items():
+            echo(f"  {entity:<12} recall {s['recall']:.3f} (>= 0.95)  precision "
+                 f"{s['precision']:.3f} (>= 0.90)  on {len(samples)} labelled samples")
+    labelled = [json.loads(line)["text"] for line in fixture.read_text().splitlines()] \
+        if fixture.exists() else ["jane@example.com called (415) 555-2671."]
+    # Mixed text: store-floor prose with one labelled sample in every five sentences; and
+    # the labelled samples alone (an identifier in every sentence) as the worst case.
+    mixed = " ".join(s if i % 5 == 0 else _PROSE[i % 5]
+                     for i, s in enumerate(labelled * 5))
+    redactor = Redactor(detectors, b"k" * 32)
+    rates = {}
+    for label, base in (("mixed", mixed), ("dense", " ".join(labelled))):
+        text = (base + " ") * max(1, 2_000_000 // len(base))
+        runs = []
+        for _ in range(3):
+            start = time.process_time()
+            redactor.redact(text)
+            runs.append(time.process_time() - start)
+        rates[label] = len(text.encode()) / statistics.median(runs) / 1e6
+    _line(echo, "redaction, mixed text (1 identifier per 5 sentences), one core",
+          rates["mixed"], "MB/s", ">= 5 MB/s", rates["mixed"] >= 5)
+    echo(f"  redaction, identifier in every sentence (worst case): {rates['dense']:.2f} MB/s")
+    rate = rates["mixed"]
+
+    ttft = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "config.toml"
+        cfg.write_text('[tenants.app]\nmax_output_tokens = 64\nrequests_per_minute = 100000\n'
+                       'tokens_per_minute = 100000000\nredact_prompt = true\n'
+                       '[retention]\ncontent_hours = 1\n')
+        for label in ("off", "on"):
+            env = {"EDGE_AGENT_TELEMETRY__HARDWARE": "false"}
+            extra: dict[str, Any] = {}
+            gov_state = Path(tmp) / label
+            if label == "on":
+                import shutil
+
+                shutil.copytree(state_dir / "manifests", gov_state / "manifests")
+                (gov_state / "blobs").mkdir()
+                for blob in (state_dir / "blobs").glob("sha256-*"):
+                    (gov_state / "blobs" / blob.name).symlink_to(blob)
+                key, _ = KeyStore(gov_state).create("app")
+                extra = {"headers": {"Authorization": f"Bearer {key}"}}
+            peer = EdgeAgentPeer(gov_state if label == "on" else state_dir, model,
+                                 threads=threads, context=context, parallel=4, env=env,
+                                 config=cfg if label == "on" else None)
+            try:
+                peer.chat([{"role": "user", "content": "warm up"}], 4, extra)
+                # Same prompts both ways (no personal data, so redaction scans but changes
+                # nothing and prefix reuse is alike).
+                samples = [peer.chat([{"role": "user", "content":
+                                       f"Question {i}: when does aisle {i} get restocked?"}],
+                                     8, extra) for i in range(9)]
+            finally:
+                peer.close()
+            ttft[label] = statistics.median(s.ttft_s for s in samples)
+        added_ms = _governance_path_ms(cfg, Path(tmp) / "path", redactor)
+    echo(f"  end to end (two servers, noisy): TTFT p50 governance on {ttft['on'] * 1000:.1f} ms,"
+         f" off {ttft['off'] * 1000:.1f} ms")
+    _line(echo, "added per request: auth + scope + quota + redaction + ledger rows (median)",
+          added_ms, "ms", "<= 1 ms", added_ms <= 1)
+    return {"redaction_mb_s": rate, "added_ttft_ms": added_ms,
+            "scores": {k: {"recall": v["recall"], "precision": v["precision"]}
+                       for k, v in scores.items()}}

@@ -86,15 +86,17 @@ class HttpPeer:
              extra: dict[str, Any] | None = None) -> Sample:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
                 "temperature": 0, "stream": True, **(extra or {})}
+        headers = body.pop("headers", None) or {}
         sample = Sample(start=time.perf_counter())
         try:
-            self._read(body, sample)
+            self._read(body, sample, headers)
         except httpx.RemoteProtocolError:
             sample.cut = True  # the server dropped the stream (llama_cpp.server interrupts)
         return sample
 
-    def _read(self, body: dict[str, Any], sample: Sample) -> None:
-        with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
+    def _read(self, body: dict[str, Any], sample: Sample, headers: dict[str, str]) -> None:
+        with self.client.stream("POST", "/v1/chat/completions", json=body,
+                                headers=headers) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -121,7 +123,8 @@ class HttpPeer:
 
 class EdgeAgentPeer(HttpPeer):
     def __init__(self, state_dir: Path, model: str, *, threads: int, context: int,
-                 parallel: int, env: dict[str, str] | None = None, **runtime: object) -> None:
+                 parallel: int, env: dict[str, str] | None = None, config: Path | None = None,
+                 **runtime: object) -> None:
         self.name = "edge-agent"
         extra_env = env
         env = {"EDGE_AGENT_RUNTIME__THREADS": str(threads),
@@ -132,12 +135,11 @@ class EdgeAgentPeer(HttpPeer):
         env.update({f"EDGE_AGENT_RUNTIME__{k.upper()}": str(v).lower() if isinstance(v, bool)
                     else str(v) for k, v in runtime.items()})
         env.update(extra_env or {})
-        super().__init__([sys.executable, "-m", "edge_agent", "serve", "--state-dir",
-                          str(state_dir), "--port", "{port}", "--log-level", "warning"],
-                         env, "/api/ps", model)
-
-    def ready(self, response: httpx.Response) -> bool:
-        return any(m["name"] == self.model for m in response.json().get("models", []))
+        argv = [sys.executable, "-m", "edge_agent", "serve", "--state-dir", str(state_dir),
+                "--port", "{port}", "--log-level", "warning"]
+        if config is not None:
+            argv += ["--config", str(config)]
+        super().__init__(argv, env, "/ready", model)
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int,
              extra: dict[str, Any] | None = None) -> Sample:

@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from edge_agent.bench.observability import bench_ledger, bench_observability
+from edge_agent.bench.observability import (
+    bench_governance,
+    bench_ledger,
+    bench_observability,
+)
 from edge_agent.bench.peers import (
     EdgeAgentPeer,
     InProcessPeer,
@@ -318,4 +322,6 @@ def run_bench(state_dir: Path, model: str, *, levels: list[int], requests: int,
     result["telemetry"] = bench_observability(state_dir, info.name, threads=threads,
                                               context=context, echo=echo)
     result["ledger"] = bench_ledger(echo)
+    result["governance"] = bench_governance(state_dir, info.name, threads=threads,
+                                            context=context, echo=echo)
     return result

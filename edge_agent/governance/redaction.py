@@ -62,6 +62,7 @@ _KEY_PREFIXES = re.compile(
     r"\b(?:sk|pk|rk)-(?:live-|test-|proj-)?[A-Za-z0-9_-]{16,}|\bghp_[A-Za-z0-9]{30,}"
     r"|\bAKIA[0-9A-Z]{16}\b|\bxox[abprs]-[A-Za-z0-9-]{10,}|\bea_[0-9a-f]{8}_[A-Za-z0-9_-]{20,}"
     r"|\bAIza[0-9A-Za-z_-]{35}")
+_PHONE_CANDIDATE = re.compile(r"(?<![\w+])(?:\+|\()?\d[\d ()./-]{5,22}\d(?![\w])")
 _TOKEN = re.compile(r"(?<![A-Za-z0-9+/_=-])[A-Za-z0-9+/_=-]{32,}(?![A-Za-z0-9+/_=-])")
 # National IDs: (stdnum module, candidate pattern). Formats with letters or separators,
 # so that bare order numbers do not pass a 1-in-10 checksum by chance.
@@ -90,18 +91,33 @@ class Detectors:
         import importlib
 
         self.regions = regions
+        self._plausible = {r: _national_shape(r) for r in regions}
         self._ids = []
         for country in countries:
             module, pattern = _NATIONAL_IDS[country]
             self._ids.append((country, importlib.import_module(module), pattern))
 
     def find(self, text: str) -> list[Finding]:
-        found = [*self._regex(text), *self._phones(text)]
+        # Every entity contains a digit or an "@" (a random 32-character secret without a
+        # digit is a 1-in-1,000 case): the detectors scan only the runs of such words,
+        # which keeps prose cheap.
+        found: list[Finding] = []
+        for start, end in _windows(text):
+            lo = max(0, start - 1)
+            window = text[lo:end + 1]
+            found += [Finding(f.start + lo, f.end + lo, f.entity, f.detector)
+                      for f in self._regex(window)]
+        taken = bytearray(len(text))  # 1 where a finding already claims the character
+        for f in found:
+            taken[f.start:f.end] = b"\x01" * (f.end - f.start)
+        found += self._phones(text, taken)
         # Longest first, then earliest; drop anything overlapping a kept finding.
         found.sort(key=lambda f: (-(f.end - f.start), f.start))
+        claimed = bytearray(len(text))
         kept: list[Finding] = []
         for f in found:
-            if all(f.end <= k.start or f.start >= k.end for k in kept):
+            if claimed.find(1, f.start, f.end) < 0:
+                claimed[f.start:f.end] = b"\x01" * (f.end - f.start)
                 kept.append(f)
         return sorted(kept, key=lambda f: f.start)
 
@@ -137,11 +153,66 @@ class Detectors:
             if classes >= 3 and _entropy(token) >= 4.0:
                 yield Finding(m.start(), m.end(), "SECRET", "entropy")
 
-    def _phones(self, text: str) -> Iterator[Finding]:
-        for region in self.regions:
-            for m in phonenumbers.PhoneNumberMatcher(
-                    text, region, leniency=phonenumbers.Leniency.STRICT_GROUPING):
-                yield Finding(m.start, m.end, "PHONE", f"phonenumbers-{region}")
+    def _phones(self, text: str, taken: bytearray) -> list[Finding]:
+        """phonenumbers' matcher is thorough but slow over long text: it runs only on
+        digit runs that could be a phone number and that no other detector claimed."""
+        out = []
+        for cand in _PHONE_CANDIDATE.finditer(text):
+            if taken.find(1, cand.start(), cand.end()) >= 0:
+                continue
+            digits = sum(ch.isdigit() for ch in cand.group())
+            if not 7 <= digits <= 15:  # E.164 numbers have at most 15 digits
+                continue
+            chunk = text[max(0, cand.start() - 1):cand.end() + 1]
+            offset = max(0, cand.start() - 1)
+            raw = cand.group()
+            if raw.startswith(("+", "00")):
+                regions = self.regions[:1]  # international: the region does not matter
+            else:
+                regions = [r for r in self.regions if self._plausible[r].match(raw)]
+            for region in regions:
+                matches = list(phonenumbers.PhoneNumberMatcher(
+                    chunk, region, leniency=phonenumbers.Leniency.STRICT_GROUPING))
+                out += [Finding(offset + m.start, offset + m.end, "PHONE",
+                                f"phonenumbers-{region}") for m in matches]
+                if matches:
+                    break
+        return out
+
+
+_INTERESTING = re.compile(r"(?<!\S)[^\s\d@]*[\d@]\S*")  # tried once per word
+
+
+def _windows(text: str) -> Iterator[tuple[int, int]]:
+    """Runs of words that contain a digit or "@", neighbours (up to 6 characters apart,
+    as in "(415) 555-2671" or a spaced IBAN with a group of letters) merged."""
+    start = end = -1
+    for m in _INTERESTING.finditer(text):
+        if end >= 0 and m.start() - end <= 6:
+            end = m.end()
+            continue
+        if end >= 0:
+            yield start, end
+        start, end = m.start(), m.end()
+    if end >= 0:
+        yield start, end
+
+
+_NANP = re.compile(r"^(?:1[ .-]?)?(?:\([2-9]\d{2}\)|[2-9]\d{2})[ .-]?\d{3}[ .-]?\d{4}$")
+_ANY = re.compile(r"")
+
+
+def _national_shape(region: str) -> re.Pattern[str]:
+    """A cheap test of whether a digit run could be a national number of `region` (trunk
+    prefix, or NANP's 3-3-4), so dates, prices and order numbers skip the slow matcher."""
+    meta = phonenumbers.PhoneMetadata.metadata_for_region(region)
+    if meta is None:
+        return _ANY
+    if meta.country_code == 1:
+        return _NANP
+    if meta.national_prefix:
+        return re.compile(rf"^\(?{re.escape(meta.national_prefix)}")
+    return _ANY
 
 
 def _is_ip(text: str) -> bool:
