@@ -11,7 +11,6 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.resources
-import json
 import os
 import tempfile
 import time
@@ -298,7 +297,3 @@ def _copy_hashing(src: Path, dest: Path, progress: Progress | None) -> str:
             if progress:
                 progress(done, total)
     return digest.hexdigest()
-
-
-def export_manifest(model: InstalledModel) -> dict[str, Any]:
-    return json.loads(model.model_dump_json())
