@@ -58,7 +58,6 @@ class LoadedModel:
     info: InstalledModel
     worker: ModelScheduler
     template: ChatTemplate | None
-    loaded_at: float
     keep_alive: float
     memory: int  # weights + KV cache, bytes
     in_use: int = 0
@@ -225,5 +224,5 @@ class ModelRegistry:
                                     eos_token=model.token_text(model.eos))
         keep = FOREVER if info.name == normalize_name(self.settings.default_model) \
             else DEFAULT_KEEP_ALIVE_S
-        return LoadedModel(info=info, worker=worker, template=template, loaded_at=time.time(),
+        return LoadedModel(info=info, worker=worker, template=template,
                            keep_alive=keep, memory=memory)

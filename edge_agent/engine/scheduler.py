@@ -82,8 +82,6 @@ class SchedulerStats:
     steps: int = 0
     last_step_tokens: int = 0
     last_step_s: float = 0.0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
 
 
 class _Slot:
@@ -269,7 +267,6 @@ class ModelScheduler:
         slot.next_token = None
         slot.stream = TextStream(job.stops)
         slot.completion, slot.parts = [], []
-        self.stats.prompt_tokens += len(slot.pending)
         self.stats.running = sum(1 for s in self.slots if s.job is not None)
 
     def _step(self) -> None:
@@ -379,7 +376,6 @@ class ModelScheduler:
             self._finish(slot, "stop")
             return
         slot.completion.append(token)
-        self.stats.generated_tokens += 1
         text = slot.stream.feed(self.model.piece(token))
         if text:
             slot.parts.append(text)
@@ -474,6 +470,3 @@ def _deliver(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
     for q, event in items:
         q.put_nowait(event)
 
-
-def thread_emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Event]) -> ThreadEmitter:
-    return ThreadEmitter(loop, q)

@@ -28,7 +28,7 @@ from edge_agent.engine.request import (
     SamplingParams,
     TokenEvent,
 )
-from edge_agent.engine.scheduler import EmbeddingJob, GenerationJob, thread_emitter
+from edge_agent.engine.scheduler import EmbeddingJob, GenerationJob, ThreadEmitter
 from edge_agent.engine.structured import (
     parse_tool_output,
     tool_call_schema,
@@ -54,7 +54,6 @@ class PreparedGeneration:
     request: GenerationRequest
     job: GenerationJob
     tool_mode: bool
-    window: int
     events: asyncio.Queue[Event]
     deadline: float | None  # loop time
     truncated_tokens: int = 0
@@ -102,7 +101,7 @@ class GenerationService:
             prepared = self._prepare(req, model, load_ns, deadline)
             if deadline is not None and loop.time() >= deadline:
                 raise RequestTimeout("the request timed out before it was queued")
-            prepared.job.emit = thread_emitter(loop, prepared.events)
+            prepared.job.emit = ThreadEmitter(loop, prepared.events)
             model.worker.submit(prepared.job)
             return prepared
         except BaseException:
@@ -171,7 +170,7 @@ class GenerationService:
                             max_tokens=max_tokens, stops=stops, emit=_unset_emit,
                             priority=priority, load_ns=load_ns)
         return PreparedGeneration(model=model, request=req, job=job, tool_mode=tool_mode,
-                                  window=window, events=asyncio.Queue(), deadline=deadline,
+                                  events=asyncio.Queue(), deadline=deadline,
                                   truncated_tokens=truncated,
                                   clamped_to=max_tokens if clamped else None)
 
