@@ -102,6 +102,11 @@ class RuntimeSettings(_Section):
         "auto",
         description="Layers to offload: 'auto' offloads all when llama.cpp has a GPU backend.",
     )
+    flash_attn: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Flash attention ('auto': llama.cpp decides). 'off' makes prompt chunks "
+        "deep in a context ~1.5x faster on a CPU, and 8-row decode steps ~10% slower.",
+    )
     embedding_context: int = Field(
         2048, ge=64, description="Largest input, in tokens, accepted by the embedding context."
     )
@@ -114,7 +119,7 @@ class RuntimeSettings(_Section):
         description="Most prompt tokens per step while others decode (0: up to batch_size).",
     )
     max_step_stall: float = Field(
-        3.5, ge=0,
+        3.0, ge=0,
         description="A prompt being prefilled may slow others' steps at most this many times "
         "(0: only prefill_chunk limits it).",
     )

@@ -43,3 +43,4 @@ def test_bad_values_name_the_key(tmp_path: Path) -> None:
         load_settings(cfg)
     with pytest.raises(ConfigError, match="does not exist"):
         load_settings(tmp_path / "missing.toml")
+

@@ -200,3 +200,51 @@ def test_queue_bound_and_batch_class_is_not_starved() -> None:
     i2.cancelled.set()
     q.put(i2)
     assert q.pop() is None  # a cancelled job is dropped, not run
+
+
+def test_a_chat_returns_to_the_sequence_holding_its_history(scheduler: ModelScheduler) -> None:
+    other, out_other = _job(scheduler, "The three primary colours are", max_tokens=8)
+    chat, out_chat = _job(scheduler, "Once upon a time, a fox", max_tokens=8)
+    scheduler.submit(other)
+    scheduler.submit(chat)
+    out_other.result()
+    first = out_chat.result()
+    held = {i: list(s.tokens) for i, s in enumerate(scheduler.slots) if s.tokens}
+    home = next(i for i, t in held.items() if t[: len(chat.prompt)] == chat.prompt)
+    away = next(i for i, t in held.items() if t[: len(other.prompt)] == other.prompt)
+    # The next turn repeats the history and adds to it.
+    turn = first.context + tuple(scheduler.model.tokenize(" and then", add_special=False,
+                                                          parse_special=False))
+    nxt, out_next = _job(scheduler, "x", max_tokens=4)
+    nxt.prompt = list(turn)
+    scheduler.submit(nxt)
+    r = out_next.result()
+    assert r.usage.cached_tokens >= len(first.context) - 1
+    assert scheduler.slots[home].tokens[: len(turn)] == list(turn)  # it went home …
+    assert scheduler.slots[away].tokens == held[away]  # … and left the other cache alone
+
+
+def test_a_burst_of_short_prompts_gets_first_tokens_one_prompt_per_step(
+        scheduler: ModelScheduler) -> None:
+    firsts: dict[int, int] = {}
+    texts = ["Hi", "Hello there", "Good morning to you", "Please tell me a long story now"]
+    jobs = []
+    for i, text in enumerate(texts):
+        job, out = _job(scheduler, text, max_tokens=6)
+
+        def emit(event: Event, i: int = i, out: _Collector = out) -> None:
+            if isinstance(event, TokenEvent):
+                firsts.setdefault(i, scheduler.stats.steps)
+            out.emit(event)
+
+        job.emit = emit
+        jobs.append((job, out))
+    assert not scheduler.running
+    for job, _ in jobs:
+        scheduler.submit(job)
+    for _, out in jobs:
+        out.result()
+    # Not all after one shared prefill: each prompt's first token in its own step,
+    # shortest first.
+    assert len(set(firsts.values())) == 4
+    assert firsts[0] < firsts[3]

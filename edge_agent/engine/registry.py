@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
-from edge_agent.engine.runtime import LlamaModel, default_threads, resolve_gpu_layers
+from edge_agent.engine.runtime import (
+    LlamaModel,
+    default_threads,
+    resolve_flash_attn,
+    resolve_gpu_layers,
+)
 from edge_agent.engine.scheduler import ModelScheduler
 from edge_agent.engine.templates import ChatTemplate
 from edge_agent.errors import InvalidRequest, ServiceUnavailable
@@ -213,8 +218,8 @@ class ModelRegistry:
                 model, parallel=parallel, n_ctx_seq=n_ctx, n_batch=n_batch, n_threads=threads,
                 embed_ctx=rt.embedding_context, max_queue=rt.max_queue,
                 prefill_chunk=rt.prefill_chunk, max_step_stall=rt.max_step_stall,
-                aging_s=rt.aging_s,
-                deterministic=rt.deterministic)
+                aging_s=rt.aging_s, deterministic=rt.deterministic,
+                flash_attn=resolve_flash_attn(rt.flash_attn))
         except BaseException:
             model.close()
             raise
