@@ -271,7 +271,8 @@ def bench(ctx: click.Context, config: Path | None, state_dir: Path | None, model
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     if not no_peers:
         try:
-            import llama_cpp.server  # noqa: F401
+            # The package ships llama_cpp.server without its extra's dependencies.
+            import llama_cpp.server.app  # noqa: F401
         except ImportError:
             _fail("the peer needs llama-cpp-python[server]: pip install -e '.[bench]' "
                   "(or pass --no-peers)", EXIT_USAGE)
