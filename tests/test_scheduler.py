@@ -248,3 +248,41 @@ def test_a_burst_of_short_prompts_gets_first_tokens_one_prompt_per_step(
     # shortest first.
     assert len(set(firsts.values())) == 4
     assert firsts[0] < firsts[3]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_streaming(
+        make_scheduler: Callable[..., ModelScheduler]) -> None:
+    """Without a stall bound the prompt would go in whole, in one or two steps, and the
+    running streams would wait for all of it."""
+    sched = make_scheduler(prefill_chunk=0, max_step_stall=3.0)
+    runners = [_job(sched, text, max_tokens=400) for text in PROMPTS[:3]]
+    for job, _ in runners:
+        sched.submit(job)
+    while sched.stats.running < 3 or any(s.next_token is None for s in sched.slots if s.job):
+        threading.Event().wait(0.01)
+    counts = [0, 0, 0]
+    arrived = threading.Event()
+    for i, (job, out) in enumerate(runners):
+        def emit(event: Event, i: int = i, out: _Collector = out) -> None:
+            if isinstance(event, TokenEvent) and arrived.is_set():
+                counts[i] += 1
+            out.emit(event)
+        job.emit = emit
+    text = " ".join(f"Item {i} costs {i * 3} euros." for i in range(50))
+    long_job, long_out = _job(sched, text, max_tokens=1)
+    assert len(long_job.prompt) > 300
+    steps: list[int] = []
+
+    def first(event: Event) -> None:
+        if isinstance(event, TokenEvent) and not steps:
+            steps.append(sched.stats.steps)
+        long_out.emit(event)
+
+    long_job.emit = first
+    start = sched.stats.steps
+    arrived.set()
+    sched.submit(long_job)
+    long_out.result()
+    took = steps[0] - start
+    assert took >= 5  # split over several steps …
+    assert min(counts) >= took - 2  # … each of which also gave every stream a token

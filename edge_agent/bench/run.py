@@ -90,18 +90,30 @@ class Load:
 def run_load(peer: Peer, concurrency: int, max_tokens: int, rounds: int,
              extra: dict[str, Any]) -> Load:
     """`rounds` bursts of `concurrency` simultaneous requests (at least 8 requests in all)."""
-    samples: list[Sample] = []
-    wall = 0.0
-    rounds = max(rounds, math.ceil(8 / concurrency))
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for r in range(rounds):
-            start = time.perf_counter()
-            futures = [pool.submit(peer.chat, _ask(r * concurrency + i), max_tokens, extra)
-                       for i in range(concurrency)]
-            batch = [f.result() for f in futures]
-            wall += time.perf_counter() - start
-            samples += batch
-    return Load(peer.name, concurrency, samples, wall)
+    return run_levels(peer, [concurrency], max_tokens, rounds, extra)[concurrency]
+
+
+def run_levels(peer: Peer, levels: list[int], max_tokens: int, rounds: int,
+               extra: dict[str, Any]) -> dict[int, Load]:
+    """Bursts of each concurrency level, the levels taking turns (c=1, c=4, c=8, c=1, …),
+    so that a machine that speeds up or slows down during the run (a shared host) moves
+    every level alike and their ratios hold; at least `rounds` bursts and 8 requests per
+    level."""
+    need = {c: max(rounds, math.ceil(8 / c)) for c in levels}
+    samples: dict[int, list[Sample]] = {c: [] for c in levels}
+    wall = dict.fromkeys(levels, 0.0)
+    with ThreadPoolExecutor(max_workers=max(levels)) as pool:
+        for r in range(max(need.values())):
+            for c in levels:
+                if r >= need[c]:
+                    continue
+                start = time.perf_counter()
+                futures = [pool.submit(peer.chat, _ask(r * c + i), max_tokens, extra)
+                           for i in range(c)]
+                batch = [f.result() for f in futures]
+                wall[c] += time.perf_counter() - start
+                samples[c] += batch
+    return {c: Load(peer.name, c, samples[c], wall[c]) for c in levels}
 
 
 def _no_eos(path: Path) -> dict[str, Any]:
@@ -155,31 +167,33 @@ def bench_single(state_dir: Path, path: Path, model: str, *, threads: int, conte
 
 def engine_scaling(path: Path, *, threads: int, rows: int, steps: int = 48) -> float:
     """Decode tokens/s of llama.cpp alone with `rows` sequences per step over one: the
-    ceiling for what batching can add on this machine, whatever the server does."""
+    ceiling for what batching can add on this machine, whatever the server does. The two
+    take turns in blocks of 8 steps, as the load levels do."""
     model = LlamaModel(path, n_gpu_layers=0)
-    ctx = BatchContext(model, n_seq=rows, n_ctx_seq=256, n_batch=256, n_threads=threads,
+    # Sequences 0..rows-1 decode together; sequence `rows` decodes alone.
+    ctx = BatchContext(model, n_seq=rows + 1, n_ctx_seq=256, n_batch=256, n_threads=threads,
                        flash_attn=resolve_flash_attn("auto"))
     prompt = model.tokenize(" ".join(TOPICS), add_special=True, parse_special=False)
-    rates = {}
+    groups = {1: [rows], rows: list(range(rows))}
+    spent = dict.fromkeys(groups, 0.0)
     try:
-        for n in (1, rows):
-            for seq in range(rows):
-                ctx.clear(seq)
+        for seq in range(rows + 1):
             ctx.batch.clear()
-            for seq in range(n):
-                ctx.batch.add_span(prompt, 0, seq, last_logits=True)
+            ctx.batch.add_span(prompt, 0, seq, last_logits=True)
             ctx.decode()
-            start = time.perf_counter()
-            for step in range(steps):
-                ctx.batch.clear()
-                for seq in range(n):
-                    ctx.batch.add(prompt[step % len(prompt)], len(prompt) + step, seq, True)
-                ctx.decode()
-            rates[n] = n * steps / (time.perf_counter() - start)
+        for block in range(0, steps, 8):
+            for n, seqs in groups.items():
+                start = time.perf_counter()
+                for step in range(block, min(block + 8, steps)):
+                    ctx.batch.clear()
+                    for seq in seqs:
+                        ctx.batch.add(prompt[step % len(prompt)], len(prompt) + step, seq, True)
+                    ctx.decode()
+                spent[n] += time.perf_counter() - start
     finally:
         ctx.close()
         model.close()
-    return rates[rows] / rates[1]
+    return (rows * steps / spent[rows]) / (steps / spent[1])
 
 
 def bench_concurrency(state_dir: Path, path: Path, model: str, *, threads: int, context: int,
@@ -204,7 +218,7 @@ def bench_concurrency(state_dir: Path, path: Path, model: str, *, threads: int, 
         peer = make()
         try:
             peer.chat(_ask(-1), 4)  # warm-up, on a prompt the runs do not use
-            results[key] = {c: run_load(peer, c, max_tokens, rounds, extra) for c in levels}
+            results[key] = run_levels(peer, levels, max_tokens, rounds, extra)
         finally:
             peer.close()
         for c in levels:

@@ -30,6 +30,7 @@ from edge_agent.engine.request import (
     Usage,
 )
 from edge_agent.engine.runtime import BatchContext, EmbeddingContext, LlamaModel, Sampler
+from edge_agent.engine.stepcost import PrefillCost
 from edge_agent.engine.textstream import TextStream
 from edge_agent.errors import EdgeAgentError
 
@@ -140,10 +141,12 @@ class ModelScheduler:
             max_queue, aging_s)
         self.prefill_chunk = prefill_chunk
         self.max_step_stall = max_step_stall
-        # Measured costs, for the prefill budget: a decode-only step by row count, and one
-        # prompt token of prefill on top of it.
+        # Measured costs, for the prefill budget: a rows pass by row count in steps that
+        # follow no prompt pass (the step a stream sees when nobody prefills), and one
+        # prompt token of prefill.
         self._decode_s: dict[int, float] = {}
-        self._prefill_token_s = 0.004
+        self._prefill_cost = PrefillCost()
+        self._prefilled_last_step = False
         self.deterministic = deterministic
         self.stats = SchedulerStats(parallel=parallel, kv_total=self.ctx.n_ctx_seq * parallel)
         self._embed_ctx_size = min(embed_ctx, self.ctx.n_ctx_seq)
@@ -300,8 +303,7 @@ class ModelScheduler:
                 if shortest and decoding and self._rows_may_wait(decoding, shortest):
                     self._decode([], prefilling, shortest)
                 else:
-                    self._decode(decoding, prefilling,
-                                 self._prefill_budget(len(decoding), shortest))
+                    self._decode(decoding, prefilling, None, shortest)
         except EdgeAgentError as exc:
             for slot in active:
                 if slot.job is not None:
@@ -326,12 +328,21 @@ class ModelScheduler:
         full = self._decode_s.get(len(self.slots)) or max(self._decode_s.values(),
                                                           default=0.01 * len(self.slots))
         waited = time.perf_counter() - min(s.last_token_at for s in decoding)
-        return waited + prompt_tokens * self._prefill_token_s <= self.max_step_stall * full
+        cost = prompt_tokens * self._prefill_cost.per_token(prompt_tokens / 2)
+        return waited + cost <= self.max_step_stall * full
 
-    def _prefill_budget(self, rows: int, shortest: int = 0) -> int:
-        """Prompt tokens this step may carry beside `rows` decoding sequences: as many as
-        keep the step within `max_step_stall` times a plain decode step (so one client's
-        long prompt delays the others by a bounded factor), capped by `prefill_chunk`."""
+    def _prefill_budget(self, rows: int, shortest: int, rows_s: float, depth: int) -> int:
+        """Prompt tokens this step may carry after a rows pass of `rows` sequences that
+        took `rows_s`: as many as keep the gap between two tokens of a running stream
+        (this prompt pass plus the next rows pass) within `max_step_stall` times its gap
+        when nobody prefills, so one client's long prompt delays the others by a bounded
+        factor; capped by `prefill_chunk`. `depth`: the cells the first prompt to
+        advance already holds (deeper tokens cost more).
+
+        The bound is taken against the rows pass as measured with no prompt work around
+        it: after a prompt pass the same rows run 10–25% slower (the prompt's weights and
+        cells have pushed theirs out of cache), and that slowdown counts against the
+        budget because this step's own rows pass is subtracted as measured."""
         room = self.ctx.n_batch - rows
         if rows == 0:
             # A burst of short chats: one whole prompt per step, shortest first, so each
@@ -339,22 +350,36 @@ class ModelScheduler:
             return shortest if 0 < shortest <= SHORT_PROMPT else room
         budget = room
         if self.max_step_stall > 0:
-            plain = self._decode_s.get(rows, 0.01 * rows)
-            allowed = (self.max_step_stall - 1.0) * plain / self._prefill_token_s
+            plain = self._decode_s.get(rows, rows_s)
+            seconds = self.max_step_stall * plain - rows_s
+            allowed = seconds / self._prefill_cost.per_token(depth)
+            # Priced again at the middle of the chunk it allows.
+            allowed = seconds / self._prefill_cost.per_token(depth + allowed / 2)
             floor = shortest if 0 < shortest <= SHORT_PROMPT else MIN_PREFILL_CHUNK
             budget = max(floor, int(allowed))
         if self.prefill_chunk > 0:
             budget = min(budget, self.prefill_chunk)
         return min(budget, room)
 
-    def _decode(self, decoding: list[_Slot], prefilling: list[_Slot], budget: int) -> None:
-        """The next token of every row of `decoding`, then up to `budget` prompt tokens.
+    def _decode(self, decoding: list[_Slot], prefilling: list[_Slot], budget: int | None,
+                shortest: int = 0) -> None:
+        """The next token of every row of `decoding`, then up to `budget` prompt tokens
+        (None: as many as `_prefill_budget` allows once the rows pass is timed).
 
         Two llama_decode calls, not one: with a KV stream per sequence llama.cpp splits a
         mixed batch into equal-length micro-batches anyway, and the two plain passes cost
         ~10% less than that split (7 rows + 16 prompt tokens 1,000 deep: 190 vs 213 ms)."""
+        self.stats.last_step_tokens = 0
+        rows_s = 0.0
+        if decoding:
+            rows_s = self._decode_rows(decoding)
+            self._flush()  # their tokens go out now, not after the prefill pass
+        order = sorted(prefilling, key=lambda s: len(s.pending))  # shortest first
+        if budget is None:
+            depth = len(order[0].tokens) if order else 0
+            budget = self._prefill_budget(len(decoding), shortest, rows_s, depth)
         spans: dict[int, int] = {}
-        for slot in sorted(prefilling, key=lambda s: len(s.pending)):  # shortest first
+        for slot in order:
             if budget <= 0:
                 break
             take = min(budget, len(slot.pending))
@@ -362,14 +387,12 @@ class ModelScheduler:
                 continue  # a fragment of a short prompt earns nobody a token sooner
             spans[slot.seq] = take
             budget -= take
-        self.stats.last_step_tokens = 0
-        if decoding:
-            self._decode_rows(decoding)
-            self._flush()  # their tokens go out now, not after the prefill pass
+        self._prefilled_last_step = bool(spans)
         if spans:
             self._prefill([s for s in prefilling if s.seq in spans], spans)
 
-    def _decode_rows(self, decoding: list[_Slot]) -> None:
+    def _decode_rows(self, decoding: list[_Slot]) -> float:
+        """Decode and sample the rows; the seconds it took, sampling included."""
         batch = self.ctx.batch
         batch.clear()
         # Rows in ascending sequence order: llama.cpp then runs the batch as one pass.
@@ -379,15 +402,17 @@ class ModelScheduler:
             slot.row = batch.add(slot.next_token, len(slot.tokens), slot.seq, True)
         started = time.perf_counter()
         self.ctx.decode()
-        elapsed = time.perf_counter() - started
-        old = self._decode_s.get(len(rows), elapsed)
-        self._decode_s[len(rows)] = 0.8 * old + 0.2 * elapsed
         self.stats.last_step_tokens += batch.n
         for slot in rows:
             assert slot.next_token is not None
             slot.tokens.append(slot.next_token)
             slot.next_token = None
             self._sampled(slot)
+        elapsed = time.perf_counter() - started
+        if not self._prefilled_last_step:
+            old = self._decode_s.get(len(rows), elapsed)
+            self._decode_s[len(rows)] = 0.8 * old + 0.2 * elapsed
+        return elapsed
 
     def _prefill(self, slots: list[_Slot], spans: dict[int, int]) -> None:
         batch = self.ctx.batch
@@ -397,12 +422,12 @@ class ModelScheduler:
             take = slot.span = spans[slot.seq]
             slot.row = batch.add_span(slot.pending[:take], len(slot.tokens), slot.seq,
                                       last_logits=take == len(slot.pending))
+        depth = sum(spans[s.seq] * (len(s.tokens) + spans[s.seq] / 2) for s in slots)
         started = time.perf_counter()
         self.ctx.decode()
         elapsed = time.perf_counter() - started
         if batch.n >= MIN_PREFILL_CHUNK:
-            per_token = max(elapsed / batch.n, 1e-5)
-            self._prefill_token_s = 0.7 * self._prefill_token_s + 0.3 * per_token
+            self._prefill_cost.observe(batch.n, depth / batch.n, elapsed)
         self.stats.last_step_tokens += batch.n
         for slot in slots:
             slot.tokens.extend(slot.pending[: slot.span])
