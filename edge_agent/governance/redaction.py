@@ -100,17 +100,17 @@ class Detectors:
     def find(self, text: str) -> list[Finding]:
         # Every entity contains a digit or an "@" (a random 32-character secret without a
         # digit is a 1-in-1,000 case): the detectors scan only the runs of such words,
-        # which keeps prose cheap.
+        # which keeps prose cheap. Phone numbers too lie inside one run.
         found: list[Finding] = []
         for start, end in _windows(text):
             lo = max(0, start - 1)
             window = text[lo:end + 1]
-            found += [Finding(f.start + lo, f.end + lo, f.entity, f.detector)
-                      for f in self._regex(window)]
-        taken = bytearray(len(text))  # 1 where a finding already claims the character
-        for f in found:
-            taken[f.start:f.end] = b"\x01" * (f.end - f.start)
-        found += self._phones(text, taken)
+            local = list(self._regex(window))
+            taken = bytearray(len(window))  # 1 where a finding already claims the character
+            for f in local:
+                taken[f.start:f.end] = b"\x01" * (f.end - f.start)
+            local += self._phones(window, taken)
+            found += [Finding(f.start + lo, f.end + lo, f.entity, f.detector) for f in local]
         # Longest first, then earliest; drop anything overlapping a kept finding.
         found.sort(key=lambda f: (-(f.end - f.start), f.start))
         claimed = bytearray(len(text))
@@ -122,8 +122,13 @@ class Detectors:
         return sorted(kept, key=lambda f: f.start)
 
     def _regex(self, text: str) -> Iterator[Finding]:
-        for m in _EMAIL.finditer(text):
-            yield Finding(m.start(), m.end(), "EMAIL", "email")
+        # Each pattern needs a character most windows lack ("@", ".", ":"), or a length;
+        # testing for it first skips most of the scans.
+        if "@" in text:
+            for m in _EMAIL.finditer(text):
+                yield Finding(m.start(), m.end(), "EMAIL", "email")
+        if len(text) < 5:
+            return  # shorter than any card, IBAN, ID, address or key ("fe80::1" is 7)
         for m in _CARD.finditer(text):
             digits = re.sub(r"[ -]", "", m.group())
             if _CARD_BRANDS.match(digits) and luhn.is_valid(digits):
@@ -135,18 +140,24 @@ class Detectors:
             for m in pattern.finditer(text):
                 if module.is_valid(m.group()):
                     yield Finding(m.start(), m.end(), "NATIONAL_ID", f"stdnum-{country}")
-        for m in _IPV4.finditer(text):
-            if _is_ip(m.group()):
-                yield Finding(m.start(), m.end(), "IP_ADDRESS", "ipv4")
-        for m in _IPV6.finditer(text):
-            if m.group().count(":") >= 2 and _is_ip(m.group()) and len(m.group()) > 4:
-                yield Finding(m.start(), m.end(), "IP_ADDRESS", "ipv6")
-        for m in _MAC.finditer(text):
-            yield Finding(m.start(), m.end(), "MAC_ADDRESS", "mac")
-        for m in _JWT.finditer(text):
-            yield Finding(m.start(), m.end(), "SECRET", "jwt")
+        if "." in text:
+            for m in _IPV4.finditer(text):
+                if _is_ip(m.group()):
+                    yield Finding(m.start(), m.end(), "IP_ADDRESS", "ipv4")
+        if ":" in text:
+            for m in _IPV6.finditer(text):
+                if m.group().count(":") >= 2 and _is_ip(m.group()) and len(m.group()) > 4:
+                    yield Finding(m.start(), m.end(), "IP_ADDRESS", "ipv6")
+        if ":" in text or "-" in text:
+            for m in _MAC.finditer(text):
+                yield Finding(m.start(), m.end(), "MAC_ADDRESS", "mac")
+        if "eyJ" in text:
+            for m in _JWT.finditer(text):
+                yield Finding(m.start(), m.end(), "SECRET", "jwt")
         for m in _KEY_PREFIXES.finditer(text):
             yield Finding(m.start(), m.end(), "SECRET", "api-key-prefix")
+        if len(text) < 32:
+            return
         for m in _TOKEN.finditer(text):
             token = m.group()
             classes = sum(bool(re.search(p, token)) for p in ("[a-z]", "[A-Z]", "[0-9]"))
