@@ -406,7 +406,7 @@ def run_bench(state_dir: Path, model: str, *, levels: list[int], requests: int,
                                     max_tokens=max_tokens, extra=extra, echo=echo)
     result["concurrency"] = bench_concurrency(
         state_dir, path, info.name, threads=threads, context=context, levels=levels,
-        max_tokens=64, rounds=2, peers=peers, extra=extra, echo=echo)
+        max_tokens=64, rounds=3, peers=peers, extra=extra, echo=echo)
     result["prefix"] = bench_prefix(state_dir, info.name, threads=threads, context=context,
                                     echo=echo)
     result["chunked_prefill"] = bench_chunked_prefill(state_dir, path, info.name,
