@@ -105,7 +105,13 @@ class RuntimeSettings(_Section):
     flash_attn: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Flash attention ('auto': llama.cpp decides). 'off' makes prompt chunks "
-        "deep in a context ~1.5x faster on a CPU, and 8-row decode steps ~10% slower.",
+        "deep in a context ~1.2-1.5x faster on a CPU, and 8-row decode steps ~10% slower.",
+    )
+    compute_nice: int = Field(
+        5, ge=0, le=19,
+        description="Niceness added to the generation threads, so that the HTTP side (a "
+        "stream's next token, a new request, a health check) gets a core at once when "
+        "llama.cpp keeps every core busy (0: same priority as the rest).",
     )
     embedding_context: int = Field(
         2048, ge=64, description="Largest input, in tokens, accepted by the embedding context."

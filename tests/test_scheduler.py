@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -286,3 +287,18 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_streaming(
     took = steps[0] - start
     assert took >= 5  # split over several steps …
     assert min(counts) >= took - 2  # … each of which also gave every stream a token
+
+
+def test_generation_threads_run_nicer_than_the_rest(
+        make_scheduler: Callable[..., ModelScheduler]) -> None:
+    """The worker and the llama.cpp threads it starts give way to the event loop."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    sched = make_scheduler(nice=3)
+    job, out = _job(sched, PROMPTS[0], max_tokens=4)
+    sched.submit(job)
+    out.result()
+    assert os.getpriority(os.PRIO_PROCESS, sched.native_id) == min(19, base + 3)
+    niced = [t for t in os.listdir("/proc/self/task")
+             if os.getpriority(os.PRIO_PROCESS, int(t)) == min(19, base + 3)]
+    assert len(niced) >= 2  # the worker and at least one of llama.cpp's threads
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's thread is untouched

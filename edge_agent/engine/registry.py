@@ -219,7 +219,7 @@ class ModelRegistry:
                 embed_ctx=rt.embedding_context, max_queue=rt.max_queue,
                 prefill_chunk=rt.prefill_chunk, max_step_stall=rt.max_step_stall,
                 aging_s=rt.aging_s, deterministic=rt.deterministic,
-                flash_attn=resolve_flash_attn(rt.flash_attn))
+                flash_attn=resolve_flash_attn(rt.flash_attn), nice=rt.compute_nice)
         except BaseException:
             model.close()
             raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -132,6 +133,7 @@ class ModelScheduler:
         max_step_stall: float = 3.0,
         deterministic: bool = False,
         flash_attn: int = -1,
+        nice: int = 0,
     ) -> None:
         self.model = model
         self.ctx = BatchContext(model, n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch,
@@ -155,6 +157,8 @@ class ModelScheduler:
         self._step_s = 0.05  # running estimate, for Retry-After
         # Events of the current step, delivered together at its end (see ThreadEmitter).
         self._outbox: list[tuple[GenerationJob, Event]] = []
+        self._nice = nice
+        self.native_id = 0  # the worker thread's id, once it runs
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self._thread.start()
 
@@ -194,6 +198,8 @@ class ModelScheduler:
 
     # -- the worker thread -----------------------------------------------------------------
     def _loop(self) -> None:
+        self.native_id = threading.get_native_id()
+        _lower_priority(self.native_id, self._nice)
         while not self.queue.closed:
             try:
                 self._run_side_work()
@@ -511,6 +517,18 @@ class ModelScheduler:
             truncated_tokens=job.truncated_tokens,
             timings=Timings(queue_ns=start - job.submitted_ns, prompt_ns=end - start,
                             total_ns=end - job.submitted_ns)))
+
+
+def _lower_priority(tid: int, nice: int) -> None:
+    """Make this thread, and the llama.cpp (OpenMP) threads it starts, which inherit it,
+    `nice` steps nicer. With every core computing, a thread that wakes for a moment (the
+    event loop with a token to send, a client) would otherwise wait for a time slice."""
+    if nice <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:  # not permitted here (a sandbox): run at the usual priority
+        log.warning("could not lower the generation threads' priority: %s", exc)
 
 
 class ThreadEmitter:
