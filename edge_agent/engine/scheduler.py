@@ -1,8 +1,8 @@
 """Continuous batching: one worker thread per loaded model owns its llama context.
 
-Each step decodes, in one `llama_decode`, the next token of every running sequence plus
-a bounded chunk of prompt tokens for sequences still being prefilled; new jobs take free
-sequences between steps and finished ones leave. Each sequence keeps its KV cells after
+Each step decodes the next token of every running sequence in one `llama_decode`, then
+a bounded chunk of prompt tokens for sequences still being prefilled in a second; new jobs
+take free sequences between steps and finished ones leave. Each sequence keeps its KV cells after
 its job, so a later prompt that starts the same way (a system prompt, a growing chat)
 reuses them — from its own sequence, or copied from another. Only this thread calls
 llama.cpp for generation; the event loop only reads the counters in `stats`.
