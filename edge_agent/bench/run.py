@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -170,18 +171,31 @@ def bench_single(state_dir: Path, path: Path, model: str, *, threads: int, conte
             "in_process_tokens_per_s": statistics.median(tps[1])}
 
 
+@contextmanager
+def _engine(path: Path, threads: int, flash_attn: str, *, n_seq: int, n_ctx_seq: int
+            ) -> Iterator[tuple[LlamaModel, BatchContext]]:
+    """The model and a batch context, for figures of llama.cpp alone."""
+    model = LlamaModel(path, n_gpu_layers=0)
+    try:
+        ctx = BatchContext(model, n_seq=n_seq, n_ctx_seq=n_ctx_seq, n_batch=512,
+                           n_threads=threads, flash_attn=resolve_flash_attn(flash_attn))
+        try:
+            yield model, ctx
+        finally:
+            ctx.close()
+    finally:
+        model.close()
+
+
 def engine_scaling(path: Path, *, threads: int, rows: int, steps: int = 48) -> float:
     """Decode tokens/s of llama.cpp alone with `rows` sequences per step over one: the
     ceiling for what batching can add on this machine, whatever the server does. The two
     take turns in blocks of 8 steps, as the load levels do."""
-    model = LlamaModel(path, n_gpu_layers=0)
     # Sequences 0..rows-1 decode together; sequence `rows` decodes alone.
-    ctx = BatchContext(model, n_seq=rows + 1, n_ctx_seq=256, n_batch=256, n_threads=threads,
-                       flash_attn=resolve_flash_attn("auto"))
-    prompt = model.tokenize(" ".join(TOPICS), add_special=True, parse_special=False)
     groups = {1: [rows], rows: list(range(rows))}
     spent = dict.fromkeys(groups, 0.0)
-    try:
+    with _engine(path, threads, "auto", n_seq=rows + 1, n_ctx_seq=256) as (model, ctx):
+        prompt = model.tokenize(" ".join(TOPICS), add_special=True, parse_special=False)
         for seq in range(rows + 1):
             ctx.batch.clear()
             ctx.batch.add_span(prompt, 0, seq, last_logits=True)
@@ -195,9 +209,6 @@ def engine_scaling(path: Path, *, threads: int, rows: int, steps: int = 48) -> f
                         ctx.batch.add(prompt[step % len(prompt)], len(prompt) + step, seq, True)
                     ctx.decode()
                 spent[n] += time.perf_counter() - start
-    finally:
-        ctx.close()
-        model.close()
     return (rows * steps / spent[rows]) / (steps / spent[1])
 
 
@@ -208,12 +219,9 @@ def chunk_cost(path: Path, text: str, *, threads: int, flash_attn: str, chunk: i
     of each step, so its chunked TTFT lands near this ratio x 4/3 of the unchunked one
     however the chunks are picked (a little under: the unchunked run pays for HTTP and
     rows passes too)."""
-    model = LlamaModel(path, n_gpu_layers=0)
-    tokens = model.tokenize(text, add_special=True, parse_special=False)
-    ctx = BatchContext(model, n_seq=1, n_ctx_seq=len(tokens) + 64, n_batch=512,
-                       n_threads=threads, flash_attn=resolve_flash_attn(flash_attn))
     spent = {512: 0.0, chunk: 0.0}
-    try:
+    with _engine(path, threads, flash_attn, n_seq=1, n_ctx_seq=2048) as (model, ctx):
+        tokens = model.tokenize(text, add_special=True, parse_special=False)
         for _ in range(repeats):
             for size in spent:
                 ctx.clear(0)
@@ -224,9 +232,6 @@ def chunk_cost(path: Path, text: str, *, threads: int, flash_attn: str, chunk: i
                                        last_logits=i + size >= len(tokens))
                     ctx.decode()
                 spent[size] += time.perf_counter() - start
-    finally:
-        ctx.close()
-        model.close()
     return spent[chunk] / spent[512]
 
 
