@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -186,6 +186,14 @@ class Settings(BaseSettings):
     models: dict[str, ModelOverride] = Field(default_factory=dict)
     tenants: dict[str, TenantPolicy] = Field(
         default_factory=dict, description="Tenant policies; API keys name their tenant.")
+
+    @field_validator("state_dir", "catalog_dir")
+    @classmethod
+    def _absolute(cls, path: Path | None) -> Path | None:
+        """A relative folder (`--state-dir ./var`) is pinned to where the command ran:
+        the server and the processes it starts may later work from elsewhere, and links
+        made inside the state (the bench's) must not dangle."""
+        return None if path is None else path.expanduser().absolute()
 
     @classmethod
     def settings_customise_sources(

@@ -3,12 +3,16 @@ servers, exercised by `make bench`)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from edge_agent.bench.peers import Sample
-from edge_agent.bench.run import run_levels
+from edge_agent.bench.run import request_scaling, run_levels
+from edge_agent.engine.catalog import ModelStore
+from tests.conftest import DEFAULT_MODEL
 
 
 class _Recorder:
@@ -47,3 +51,13 @@ def test_levels_take_turns_and_each_gets_eight_requests() -> None:
     assert ones[0] < eights[0] < ones[-1]
     assert max(peer.peak) == 8
     assert all(load.tokens_per_s > 0 for load in loads.values())
+
+
+def test_request_shaped_ceiling_runs_the_real_engine(model_cache: Path) -> None:
+    path = ModelStore(model_cache).get(DEFAULT_MODEL).blob_path(model_cache)
+    for cached in (0, 6):
+        ratio = request_scaling(path, threads=2, rows=3, tokens=4, prefill=5, cached=cached,
+                                rounds=1)
+        # Three requests at once: faster in aggregate than one, never three times as fast
+        # (each of their prompts costs what one alone costs).
+        assert math.isfinite(ratio) and 1.0 < ratio < 3.0

@@ -44,3 +44,13 @@ def test_bad_values_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_settings(tmp_path / "missing.toml")
 
+
+
+def test_relative_folders_are_pinned_where_the_command_ran(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    s = load_settings(None, state_dir=Path("./var"), catalog_dir=Path("cat"))
+    assert s.state_dir == tmp_path / "var"
+    assert s.catalog_dir == tmp_path / "cat"
+    monkeypatch.chdir("/")
+    assert s.state_dir == tmp_path / "var"  # unchanged by a later chdir

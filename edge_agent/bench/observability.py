@@ -209,7 +209,7 @@ def bench_governance(state_dir: Path, model: str, *, threads: int, context: int,
                 shutil.copytree(state_dir / "manifests", gov_state / "manifests")
                 (gov_state / "blobs").mkdir()
                 for blob in (state_dir / "blobs").glob("sha256-*"):
-                    (gov_state / "blobs" / blob.name).symlink_to(blob)
+                    (gov_state / "blobs" / blob.name).symlink_to(blob.resolve())
                 key, _ = KeyStore(gov_state).create("app")
                 extra = {"headers": {"Authorization": f"Bearer {key}"}}
             peer = EdgeAgentPeer(gov_state if label == "on" else state_dir, model,

@@ -25,6 +25,7 @@ class Sample:
     start: float
     arrivals: list[float] = field(default_factory=list)
     text: str = ""
+    prompt_tokens: int = 0
     cached_tokens: int = 0
     cut: bool = False
 
@@ -105,6 +106,7 @@ class HttpPeer:
                 if chunk.get("usage"):
                     details = chunk["usage"].get("prompt_tokens_details") or {}
                     sample.cached_tokens = details.get("cached_tokens") or 0
+                    sample.prompt_tokens = chunk["usage"].get("prompt_tokens") or 0
                 choices = chunk.get("choices") or []
                 content = choices[0].get("delta", {}).get("content") if choices else None
                 if content:
