@@ -289,6 +289,24 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_streaming(
     assert min(counts) >= took - 2  # … each of which also gave every stream a token
 
 
+def test_a_long_prompt_finishes_where_its_first_row_still_fits(
+        scheduler: ModelScheduler) -> None:
+    """The step that completes a long prompt makes the next rows pass one deep row longer
+    (~two prompt tokens' cost); when that does not fit the step's budget, the prompt stops
+    one token short and finishes in the next step."""
+    for depth in (0.0, 2000.0):
+        scheduler._prefill_cost.observe(16, depth, 16 * 0.005)  # 5 ms a token, any depth
+    slot = scheduler.slots[0]
+    saved = slot.tokens
+    try:
+        slot.tokens = [1] * 1000
+        assert scheduler._last_chunk(slot, 10, 12) == 10  # 10 + ~2 for the new row fit
+        assert scheduler._last_chunk(slot, 10, 11) == 9
+        assert scheduler._last_chunk(slot, 1, 1) == 1  # never stalls a prompt outright
+    finally:
+        slot.tokens = saved
+
+
 def test_generation_threads_run_nicer_than_the_rest(
         make_scheduler: Callable[..., ModelScheduler]) -> None:
     """The worker and the llama.cpp threads it starts give way to the event loop."""

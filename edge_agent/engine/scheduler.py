@@ -48,6 +48,9 @@ SHORT_PROMPT = 48
 # On this class of CPU, llama.cpp's matmuls take one path for 1–7 rows and another from
 # 8 on; deterministic mode keeps every decode under that, and never mixes in prefill.
 DETERMINISTIC_MAX_ROWS = 7
+# A sequence that has just finished a long prompt costs the next rows pass about this many
+# prompt tokens at its depth (see ModelScheduler._last_chunk).
+JOIN_COST_TOKENS = 2.0
 
 
 @dataclass
@@ -130,7 +133,7 @@ class ModelScheduler:
         max_queue: int,
         prefill_chunk: int,
         aging_s: float,
-        max_step_stall: float = 3.0,
+        max_step_stall: float = 3.5,
         deterministic: bool = False,
         flash_attn: int = -1,
         nice: int = 0,
@@ -391,11 +394,30 @@ class ModelScheduler:
             take = min(budget, len(slot.pending))
             if spans and take < len(slot.pending) and slot.prefill_total <= SHORT_PROMPT:
                 continue  # a fragment of a short prompt earns nobody a token sooner
+            if decoding and take == len(slot.pending) and slot.prefill_total > SHORT_PROMPT:
+                take = self._last_chunk(slot, take, budget)
             spans[slot.seq] = take
             budget -= take
         self._prefilled_last_step = bool(spans)
         if spans:
             self._prefill([s for s in prefilling if s.seq in spans], spans)
+
+    def _last_chunk(self, slot: _Slot, take: int, budget: int) -> int:
+        """How much of a long prompt's remaining `take` tokens to prefill in a step whose
+        budget is `budget` tokens, running rows being there.
+
+        The step that completes a long prompt also makes the next rows pass one row longer,
+        and that row sits deep: with 7 rows of ~35 ms, a prompt finishing 1,300 cells deep
+        made the next pass 55 ms, so the gap the running streams saw overshot the stall
+        bound by half a normal step. That row costs about two prompt tokens at its depth;
+        when they do not fit beside the rest, the prompt stops one token short and
+        finishes in the next step, whose remainder leaves room for the new row."""
+        depth = len(slot.tokens) + take
+        join = JOIN_COST_TOKENS * self._prefill_cost.per_token(depth)
+        per_token = self._prefill_cost.per_token(len(slot.tokens) + take / 2)
+        if take + join / per_token <= budget or take <= 1:
+            return take
+        return take - 1
 
     def _decode_rows(self, decoding: list[_Slot]) -> float:
         """Decode and sample the rows; the seconds it took, sampling included."""
