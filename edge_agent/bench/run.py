@@ -217,10 +217,10 @@ def request_scaling(path: Path, *, threads: int, rows: int, tokens: int, prefill
     """Aggregate tokens/s of llama.cpp alone serving `rows` requests at once over serving
     one, for requests shaped like the load levels': `prefill` new prompt tokens after
     `cached` reused ones, then `tokens` - 1 decode steps. The prompts go in one per pass,
-    as the server puts a burst's prompts in. No HTTP, no sampling, no ramp: what a server
-    could reach at best on this machine for these requests. Batching speeds up the decode
-    steps only; a prompt costs as much at c=8 as at c=1, which holds this below the
-    decode-only ratio."""
+    as the server puts a burst's prompts in. No HTTP, no sampling, no ramp. Batching speeds
+    up the decode steps only; a prompt costs as much at c=8 as at c=1, which holds this
+    below the decode-only ratio. (A server's own per-request costs weigh more at c=1, so
+    its ratio may land a little above this one.)"""
     spent = {1: 0.0, rows: 0.0}
     cells = 256 * math.ceil((cached + prefill + tokens) / 256)
     with _engine(path, threads, "auto", n_seq=rows + 1, n_ctx_seq=cells) as (model, ctx):
@@ -352,8 +352,8 @@ def bench_concurrency(state_dir: Path, path: Path, model: str, *, threads: int, 
     cached = round(statistics.median(s.cached_tokens for s in edge[top].samples))
     shaped = request_scaling(path, threads=threads, rows=top, tokens=max_tokens,
                              prefill=max(1, prefill), cached=cached)
-    echo(f"  {f'  llama.cpp alone, these requests ({prefill}-token prompts + steps)':<62} "
-         f"{shaped:>7.2f}x  the ceiling on this machine")
+    echo(f"  {f'  llama.cpp alone, these requests ({prefill} new prompt tokens + steps)':<62} "
+         f"{shaped:>7.2f}x  no HTTP, no sampling")
     ttft = edge[top].ttft_p50 / edge[one].ttft_p50
     _line(echo, f"TTFT p50, c={top} / c={one}", ttft, "<= 5", ttft <= 5)
     out.update(scale=scale, engine_scale=ceiling, request_scale=shaped,
