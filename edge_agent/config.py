@@ -125,7 +125,7 @@ class RuntimeSettings(_Section):
         description="Most prompt tokens per step while others decode (0: up to batch_size).",
     )
     max_step_stall: float = Field(
-        3.5, ge=0,
+        3.0, ge=0,
         description="A prompt being prefilled may slow others' steps at most this many times "
         "(0: only prefill_chunk limits it).",
     )

@@ -352,7 +352,7 @@ def bench_concurrency(state_dir: Path, path: Path, model: str, *, threads: int, 
     cached = round(statistics.median(s.cached_tokens for s in edge[top].samples))
     shaped = request_scaling(path, threads=threads, rows=top, tokens=max_tokens,
                              prefill=max(1, prefill), cached=cached)
-    echo(f"  {f'  llama.cpp alone, these requests ({prefill} new prompt tokens + steps)':<62} "
+    echo(f"  {f'  llama.cpp alone on these requests ({prefill} new prompt tokens)':<62} "
          f"{shaped:>7.2f}x  no HTTP, no sampling")
     ttft = edge[top].ttft_p50 / edge[one].ttft_p50
     _line(echo, f"TTFT p50, c={top} / c={one}", ttft, "<= 5", ttft <= 5)

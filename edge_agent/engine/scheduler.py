@@ -133,7 +133,7 @@ class ModelScheduler:
         max_queue: int,
         prefill_chunk: int,
         aging_s: float,
-        max_step_stall: float = 3.5,
+        max_step_stall: float = 3.0,
         deterministic: bool = False,
         flash_attn: int = -1,
         nice: int = 0,
