@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -187,6 +187,22 @@ def _engine(path: Path, threads: int, flash_attn: str, *, n_seq: int, n_ctx_seq:
         model.close()
 
 
+def _fill(ctx: BatchContext, seqs: Iterable[int], tokens: list[int], start: int) -> None:
+    """Prefill `tokens` at `start` into each of `seqs`, one pass each."""
+    for seq in seqs:
+        ctx.batch.clear()
+        ctx.batch.add_span(tokens, start, seq, last_logits=True)
+        ctx.decode()
+
+
+def _step(ctx: BatchContext, seqs: Iterable[int], token: int, pos: int) -> None:
+    """One decode step: `token` at `pos` for every one of `seqs`, in one pass."""
+    ctx.batch.clear()
+    for seq in seqs:
+        ctx.batch.add(token, pos, seq, True)
+    ctx.decode()
+
+
 def engine_scaling(path: Path, *, threads: int, rows: int, steps: int = 48) -> float:
     """Decode tokens/s of llama.cpp alone with `rows` sequences per step over one: the
     ceiling for what batching can add on this machine, whatever the server does. The two
@@ -196,18 +212,12 @@ def engine_scaling(path: Path, *, threads: int, rows: int, steps: int = 48) -> f
     spent = dict.fromkeys(groups, 0.0)
     with _engine(path, threads, "auto", n_seq=rows + 1, n_ctx_seq=256) as (model, ctx):
         prompt = model.tokenize(" ".join(TOPICS), add_special=True, parse_special=False)
-        for seq in range(rows + 1):
-            ctx.batch.clear()
-            ctx.batch.add_span(prompt, 0, seq, last_logits=True)
-            ctx.decode()
+        _fill(ctx, range(rows + 1), prompt, 0)
         for block in range(0, steps, 8):
             for n, seqs in groups.items():
                 start = time.perf_counter()
                 for step in range(block, min(block + 8, steps)):
-                    ctx.batch.clear()
-                    for seq in seqs:
-                        ctx.batch.add(prompt[step % len(prompt)], len(prompt) + step, seq, True)
-                    ctx.decode()
+                    _step(ctx, seqs, prompt[step % len(prompt)], len(prompt) + step)
                 spent[n] += time.perf_counter() - start
     return (rows * steps / spent[rows]) / (steps / spent[1])
 
@@ -226,25 +236,17 @@ def request_scaling(path: Path, *, threads: int, rows: int, tokens: int, prefill
     with _engine(path, threads, "auto", n_seq=rows + 1, n_ctx_seq=cells) as (model, ctx):
         text = " ".join(TOPICS * (1 + (cached + prefill) // 8))
         base = model.tokenize(text, add_special=True, parse_special=False)[: cached + prefill]
-        for seq in range(rows + 1) if cached else ():
-            ctx.batch.clear()
-            ctx.batch.add_span(base[:cached], 0, seq, last_logits=True)
-            ctx.decode()
+        if cached:
+            _fill(ctx, range(rows + 1), base[:cached], 0)
         groups = {1: [rows], rows: list(range(rows))}
         for _ in range(rounds):
             for n, seqs in groups.items():
                 start = time.perf_counter()
                 for seq in seqs:
                     ctx.keep_prefix(seq, cached)
-                    ctx.batch.clear()
-                    ctx.batch.add_span(base[cached:], cached, seq, last_logits=True)
-                    ctx.decode()
+                _fill(ctx, seqs, base[cached:], cached)
                 for step in range(tokens - 1):
-                    ctx.batch.clear()
-                    for seq in seqs:
-                        ctx.batch.add(base[step % len(base)], cached + prefill + step, seq,
-                                      True)
-                    ctx.decode()
+                    _step(ctx, seqs, base[step % len(base)], cached + prefill + step)
                 spent[n] += time.perf_counter() - start
     return (rows / spent[rows]) / (1 / spent[1])
 
@@ -274,20 +276,14 @@ def chunk_cost(path: Path, text: str, *, threads: int, flash_attn: str, chunk: i
     with _engine(path, threads, flash_attn, n_seq=rows + 1, n_ctx_seq=2048) as (model, ctx):
         tokens = model.tokenize(text, add_special=True, parse_special=False)
         short = model.tokenize(" ".join(TOPICS), add_special=True, parse_special=False)
-        for seq in range(1, rows + 1):
-            ctx.batch.clear()
-            ctx.batch.add_span(short, 0, seq, last_logits=True)
-            ctx.decode()
+        _fill(ctx, range(1, rows + 1), short, 0)
         pos = len(short)
 
         def rows_pass() -> float:
             nonlocal pos
-            ctx.batch.clear()
-            for seq in range(1, rows + 1):
-                ctx.batch.add(short[pos % len(short)], pos, seq, True)
-            pos += 1
             began = time.perf_counter()
-            ctx.decode()
+            _step(ctx, range(1, rows + 1), short[pos % len(short)], pos)
+            pos += 1
             return time.perf_counter() - began
 
         for _ in range(repeats):
