@@ -107,6 +107,11 @@ class RuntimeSettings(_Section):
         description="Flash attention ('auto': llama.cpp decides). 'off' makes prompt chunks "
         "deep in a context ~1.2-1.5x faster on a CPU, and 8-row decode steps ~10% slower.",
     )
+    cpu_extra_buffers: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="llama.cpp's extra CPU weight layouts (repacking, AMX). 'auto' is off on "
+        "CPUs with AMX, where llama.cpp's AMX kernels crash, and on elsewhere.",
+    )
     compute_nice: int = Field(
         5, ge=0, le=19,
         description="Niceness added to the generation threads, so that the HTTP side (a "

@@ -65,6 +65,29 @@ def resolve_gpu_layers(setting: int | str) -> int:
     return int(setting)
 
 
+def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU advertises AMX (Intel Sapphire Rapids and later)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return False
+    return any(line.startswith("flags") and " amx_int8" in f" {line.split(':', 1)[-1]}"
+               for line in text.splitlines())
+
+
+def resolve_extra_buffers(setting: str, *, has_amx: bool | None = None) -> bool:
+    """llama.cpp's extra CPU buffer types (weight repacking, AMX).
+
+    'auto' turns them off where the CPU has AMX: a natively built llama-cpp-python 0.3.36
+    crashes (SIGSEGV in `ggml_backend_amx_mul_mat`) on the first prompt on such a CPU, with
+    the embedded Q4_1 model; with them off it serves. Elsewhere they stay on (repacked
+    Q4_0/Q4_K weights decode faster).
+    """
+    if setting == "auto":
+        return not (cpu_has_amx() if has_amx is None else has_amx)
+    return setting == "on"
+
+
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
@@ -72,10 +95,13 @@ def default_threads() -> int:
 class LlamaModel:
     """Weights and vocabulary of one GGUF, shared by that model's contexts."""
 
-    def __init__(self, path: Path, *, n_gpu_layers: int) -> None:
+    def __init__(self, path: Path, *, n_gpu_layers: int, extra_buffers: bool | None = None
+                 ) -> None:
         _Backend.ensure()
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = resolve_extra_buffers("auto") if extra_buffers is None \
+            else extra_buffers
         ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not ptr:
             raise ModelFileError(f"llama.cpp could not load {path.name}")
