@@ -201,6 +201,8 @@ def models_import(ctx: click.Context, config: Path | None, state_dir: Path | Non
         m = store.import_file(path, name, progress=_progress(f"importing {path.name}"))
     except EdgeAgentError as exc:
         _fail(exc.message)
+    except OSError as exc:  # the store's side: no space, no permission
+        _fail(f"import failed: {exc}")
     click.echo(f"imported {m.name} sha256:{m.digest[:12]} ({m.architecture}, "
                f"context {m.context_length}, {m.quantization})")
 

@@ -200,6 +200,19 @@ class Settings(BaseSettings):
         made inside the state (the bench's) must not dangle."""
         return None if path is None else path.expanduser().absolute()
 
+    @field_validator("default_model")
+    @classmethod
+    def _model_name(cls, name: str) -> str:
+        """Held to the rule every model name meets, so a typo stops the start with one line."""
+        from edge_agent.engine.catalog import normalize_name
+        from edge_agent.errors import InvalidRequest
+
+        try:
+            normalize_name(name)
+        except InvalidRequest as exc:
+            raise ValueError(exc.message) from None
+        return name
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -20,7 +20,7 @@ from edge_agent import __version__
 from edge_agent.api.auth import authenticate
 from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.state import AppParts, Parts
-from edge_agent.engine.catalog import InstalledModel
+from edge_agent.engine.catalog import InstalledModel, normalize_name
 from edge_agent.engine.registry import FOREVER, LoadedModel, parse_keep_alive
 from edge_agent.engine.request import (
     DoneEvent,
@@ -185,6 +185,7 @@ def _apply_options(req: GenerationRequest, options: Options | None) -> None:
 
 
 def _check_common(body: _GenerateCommon, model: str) -> None:
+    normalize_name(model)  # a malformed name is refused before a message quotes it
     if body.think not in (None, False, "", "none"):
         raise UnsupportedParameter(f'"{model}" does not support thinking', param="think")
     if body.logprobs:

@@ -12,16 +12,17 @@ import importlib
 import importlib.metadata
 import importlib.resources
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edge_agent.engine.gguf_probe import GGUFInfo, probe
+from edge_agent.engine.gguf_probe import GGUFInfo, open_regular, precheck_open, probe
 from edge_agent.errors import InvalidRequest, ModelFileError, ModelNotFound
 
 Progress = Callable[[int, int], None]
@@ -79,12 +80,48 @@ class InstalledModel(BaseModel):
         return state_dir / "blobs" / f"sha256-{self.digest}"
 
 
+# Ollama's names: up to two '/' parts before the model (host, namespace), then an optional
+# ':tag'. Each part starts with a letter, digit or '_' and holds only those, '.' and '-', so
+# a name is plain ASCII with no path component of its own ('.', '..') and no control
+# character. Its manifest file name (the name percent-quoted, ':latest' added, '.json')
+# stays below the 255-byte limit of file names: at most 200 + 2 x 2 + 9 + 5 = 218 bytes.
+MAX_NAME_CHARS = 200
+_PART = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
+_NAME = re.compile(rf"(?:{_PART}/){{0,2}}{_PART}(?::{_PART})?")
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.:/-]*")
+
+
 def normalize_name(name: str) -> str:
-    """Ollama's naming: a bare name means the `latest` tag."""
+    """Ollama's naming: a bare name means the `latest` tag.
+
+    Every model name a client or an operator gives passes here first, so one rule decides
+    what may become a manifest file name; a name it refuses is an InvalidRequest (400,
+    param `model`), whose message shows the name cut short and escaped.
+    """
     name = name.strip()
     if not name:
         raise InvalidRequest("model name is empty", param="model")
+    if len(name) > MAX_NAME_CHARS:
+        raise InvalidRequest(
+            f"model name {_shown(name)} is {len(name)} characters; at most {MAX_NAME_CHARS}",
+            param="model")
+    if not _NAME_CHARS.fullmatch(name):
+        bad = next(c for c in name if not _NAME_CHARS.fullmatch(c))
+        raise InvalidRequest(
+            f"model name {_shown(name)} holds {ascii(bad)}: use letters, digits, "
+            "'.', '-', '_', one ':' before the tag and '/' between parts", param="model")
+    if not _NAME.fullmatch(name):
+        raise InvalidRequest(
+            f"model name {_shown(name)} is not [host/][namespace/]name[:tag], each part "
+            "starting with a letter, digit or '_'", param="model")
     return name if ":" in name else f"{name}:latest"
+
+
+def _shown(name: str) -> str:
+    """A client's name in a message: escaped to ASCII (no surrogate or control character
+    reaches a response or a terminal) and cut to 40 characters."""
+    text = ascii(name[:41])[1:-1]
+    return f"'{text[:40]}...'" if len(text) > 40 else f"'{text}'"
 
 
 def packaged_catalog_dir() -> Path:
@@ -95,16 +132,8 @@ def packaged_catalog_dir() -> Path:
 
 
 def sha256_file(path: Path, progress: Progress | None = None) -> str:
-    digest = hashlib.sha256()
-    total = path.stat().st_size
-    done = 0
-    with path.open("rb") as fh:
-        while block := fh.read(_CHUNK):
-            digest.update(block)
-            done += len(block)
-            if progress:
-                progress(done, total)
-    return digest.hexdigest()
+    with os.fdopen(open_regular(path), "rb") as fh:
+        return _hash_copy(fh, None, progress)
 
 
 class ModelStore:
@@ -195,12 +224,21 @@ class ModelStore:
     def import_file(
         self, path: Path, name: str, progress: Progress | None = None
     ) -> InstalledModel:
-        """Copy any local GGUF into the store under `name`, after checking its header."""
+        """Copy any local GGUF into the store under `name`, after checking its header.
+
+        The source is opened once, as a regular file (a FIFO or device is refused, never
+        waited on); its header is walked before gigabytes are copied, and the full read in
+        the bounded child is of the staged copy, so the bytes checked are the bytes kept.
+        """
         key = normalize_name(name)
-        info = probe(path)  # refuse before copying gigabytes of a bad file
-        with self._staging() as tmp:
-            digest = _copy_hashing(path, tmp, progress)
-            return self._commit(tmp, digest, key, info, origin=f"import:{path.name}", entry=None)
+        with os.fdopen(open_regular(path), "rb") as src:
+            precheck_open(src, path)
+            src.seek(0)
+            with self._staging() as tmp:
+                digest = _copy_hashing(src, tmp, progress)
+                info = probe(tmp, label=path)
+                return self._commit(tmp, digest, key, info, origin=f"import:{path.name}",
+                                    entry=None)
 
     def _materialize(self, source: PackageSource, dest: Path, progress: Progress | None) -> None:
         try:
@@ -213,7 +251,8 @@ class ModelStore:
             located = Path(str(dist.locate_file(source.file)))
             if not located.is_file():
                 raise ModelFileError(f"{source.pypi} has no file {source.file}")
-            _copy_hashing(located, dest, progress)
+            with os.fdopen(open_regular(located), "rb") as src:
+                _copy_hashing(src, dest, progress)
         elif source.assemble:
             module = importlib.import_module(source.assemble)
             module.assemble(output_path=dest, overwrite=True)
@@ -285,15 +324,21 @@ class _Staging:
             self.path.unlink(missing_ok=True)
 
 
-def _copy_hashing(src: Path, dest: Path, progress: Progress | None) -> str:
+def _copy_hashing(src: BinaryIO, dest: Path, progress: Progress | None) -> str:
+    with dest.open("wb") as fout:
+        return _hash_copy(src, fout, progress)
+
+
+def _hash_copy(src: BinaryIO, dest: BinaryIO | None, progress: Progress | None) -> str:
+    """sha256 of an open file, copied to `dest` on the way when one is given."""
     digest = hashlib.sha256()
-    total = src.stat().st_size
+    total = os.fstat(src.fileno()).st_size
     done = 0
-    with src.open("rb") as fin, dest.open("wb") as fout:
-        while block := fin.read(_CHUNK):
-            digest.update(block)
-            fout.write(block)
-            done += len(block)
-            if progress:
-                progress(done, total)
+    while block := src.read(_CHUNK):
+        digest.update(block)
+        if dest is not None:
+            dest.write(block)
+        done += len(block)
+        if progress:
+            progress(done, total)
     return digest.hexdigest()
