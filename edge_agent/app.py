@@ -23,7 +23,7 @@ from edge_agent.engine.registry import ModelRegistry
 from edge_agent.engine.service import GenerationService
 from edge_agent.errors import EdgeAgentError
 from edge_agent.governance.keys import KeyStore
-from edge_agent.governance.redaction import Detectors, Redactor, device_key
+from edge_agent.governance.redaction import Detectors, MetadataRedactor, Redactor, device_key
 from edge_agent.governance.tenants import Governor
 from edge_agent.ledger.store import REQUESTS, open_ledger, purge
 from edge_agent.ledger.writer import LedgerWriter
@@ -97,7 +97,8 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
                   docs_url=None, redoc_url=None)
     app.state.parts = parts
     install_error_handlers(app)
-    app.add_middleware(RequestContext, record=lambda row: record(REQUESTS, row))
+    app.add_middleware(RequestContext, record=lambda row: record(REQUESTS, row),
+                       scrub=MetadataRedactor(redactor, store.is_installed))
     app.include_router(ops.router)
     app.include_router(ollama.router)
     app.include_router(openai.router)

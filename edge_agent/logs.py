@@ -3,7 +3,9 @@
 A request's id (its `X-Request-Id`, or a new one) rides in a context variable, so every
 log line written while serving it carries it, and comes back in the `X-Request-Id`
 response header. Access lines carry ids, model, status and timings — never prompt or
-completion text.
+completion text. The client-supplied ones (trace id, model name, path) pass through a
+`MetadataScrub` first, so a personal value a client put in them never reaches a log line
+or the ledger.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -85,21 +87,44 @@ def trace_id(headers: dict[bytes, bytes]) -> str:
     return parent.group(1) if parent else uuid.uuid4().hex
 
 
+class MetadataScrub(Protocol):
+    """What `RequestContext` does to client-supplied metadata before writing it
+    (`governance.redaction.MetadataRedactor`)."""
+
+    def trace_id(self, value: str) -> str: ...
+
+    def model(self, value: str) -> str: ...
+
+    def path(self, value: str) -> str: ...
+
+
 class RequestContext:
     """Pure ASGI middleware: trace id in, trace id out (`X-Request-Id`), and at the end of
     the response (after the last byte of a stream) one access line and, for generation and
-    embedding requests, one ledger row."""
+    embedding requests, one ledger row. Both are assembled here, once, from scrubbed
+    metadata; the response header carries the trace id as stored."""
 
-    def __init__(self, app: ASGIApp, record: Callable[[dict[str, Any]], None] | None = None
-                 ) -> None:
+    def __init__(self, app: ASGIApp, record: Callable[[dict[str, Any]], None] | None = None,
+                 scrub: MetadataScrub | None = None) -> None:
         self.app = app
         self.record = record
+        self.scrub = scrub
+
+    def _scrubbed(self, what: str, value: str) -> str:
+        """Never raises: a scrubber failure drops the value rather than the line."""
+        if self.scrub is None:
+            return value
+        try:
+            return str(getattr(self.scrub, what)(value))
+        except Exception:
+            logging.getLogger(__name__).exception("redacting the %s failed", what)
+            return "<REDACTION_FAILED>"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = trace_id(dict(scope["headers"]))
+        rid = self._scrubbed("trace_id", trace_id(dict(scope["headers"])))
         token = request_id_var.set(rid)
         access: dict[str, Any] = {"id": uuid.uuid4().hex}  # the ledger's request id
         access_token = access_var.set(access)
@@ -119,10 +144,12 @@ class RequestContext:
             await self.app(scope, receive, send_with_id)
         finally:
             dialect = "openai" if scope["path"].startswith("/v1/") else "ollama"
-            fields = {"method": scope["method"], "path": scope["path"], "status": status,
-                      "tenant": "local", "dialect": dialect, **access,
+            fields = {"method": scope["method"], "path": self._scrubbed("path", scope["path"]),
+                      "status": status, "tenant": "local", "dialect": dialect, **access,
                       "total_ms": round((time.perf_counter() - start) * 1000, 1)}
-            access_log.info("%s %s %s", scope["method"], scope["path"], status,
+            if isinstance(fields.get("model"), str):
+                fields["model"] = self._scrubbed("model", fields["model"])
+            access_log.info("%s %s %s", scope["method"], fields["path"], status,
                             extra={"fields": fields, "request_id": rid})
             if self.record is not None and scope["path"] in LEDGER_PATHS:
                 self.record({**fields, "trace_id": rid, "ts": started_at,

@@ -280,7 +280,8 @@ class GenerationService:
 
     def _redact_and_log(self, text: str, direction: str, index: int, role: str) -> str:
         assert self.redactor is not None
-        redacted, spans = self.redactor.redact(text)
+        # Model output gets the lenient pass too: over-redaction is cheap there.
+        redacted, spans = self.redactor.redact(text, lenient=direction == "response")
         if self.record is None:
             return redacted
         request_id = current_request_id()

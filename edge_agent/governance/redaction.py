@@ -7,16 +7,24 @@ and secrets (JWTs, known API-key prefixes, long high-entropy tokens). Operators:
 (`<EMAIL>`), `mask` (`***`, cards keep their last four), `hmac` (a keyed token, stable per
 device, so records can be correlated without the value). Spans are reported against the
 redacted text. This module never logs or stores a raw value.
+
+A lenient pass (`lenient=True`) adds shapes without checksums or strict grouping, for text
+where a missed value costs more than an over-redacted one: model output (a phone number
+repeated in another grouping, a truncated card or IBAN) and client-supplied identifiers
+(`MetadataRedactor`: trace ids, unknown model names, paths). Prompts keep the strict pass,
+whose precision is measured on the labelled fixture.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
 import math
 import os
 import re
+import string
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +33,7 @@ from typing import Literal
 import phonenumbers
 from stdnum import iban, luhn
 
-DETECTOR_VERSION = "1"
+DETECTOR_VERSION = "2"  # 2: the lenient pass
 Operator = Literal["tag", "mask", "hmac"]
 
 
@@ -73,6 +81,16 @@ _NATIONAL_IDS: dict[str, tuple[str, re.Pattern[str]]] = {
     "nl": ("stdnum.nl.bsn", re.compile(r"\b\d{4}\.\d{2}\.\d{3}\b")),
     "fr": ("stdnum.fr.nir", re.compile(r"\b[12] ?\d{2} ?\d{2} ?\d{2} ?\d{3} ?\d{3} ?\d{2}\b")),
 }
+# The lenient shapes. Cards: 12-19 digits behind a brand's leading digit, no Luhn (a
+# truncated number fails it). IBANs: a country that issues them, check digits and at least
+# six more characters, no checksum. Phones: any grouping whose digits parse as a number.
+_LOOSE_CARD = re.compile(r"(?<![\d-])(?:\d[ -]?){11,18}\d(?!\d)")
+_LOOSE_CARD_BRAND = re.compile(r"^(?:4|5[1-5]|2[2-7]|3\d|6)")
+_CARD_GROUPS = re.compile(r"^\d{4}(?:[ -]\d{4}){2,3}(?:[ -]\d{1,4})?$")
+_LOOSE_IBAN = re.compile(r"\b([A-Z]{2})(\d{2})(?: ?[A-Z0-9]){6,30}")
+_LOOSE_NATIONAL_IDS: dict[str, re.Pattern[str]] = {
+    "us": re.compile(r"(?<!\d)\d{3}[- ]\d{2}[- ]\d{4}(?!\d)"),
+}
 _CARD_BRANDS = re.compile(r"^(?:4\d{15}(?:\d{3})?|5[1-5]\d{14}|2(?:2[2-9]|[3-6]\d|7[01])\d{13}"
                           r"|2720\d{12}|3[47]\d{13}|6(?:011|5\d{2})\d{12}(?:\d{3})?"
                           r"|35(?:2[89]|[3-8]\d)\d{12}(?:\d{3})?|3(?:0[0-5]|[68]\d)\d{11})$")
@@ -86,6 +104,19 @@ def _entropy(text: str) -> float:
     return -sum(c / n * math.log2(c / n) for c in counts.values())
 
 
+def _claim(taken: bytearray, findings: list[Finding]) -> None:
+    for f in findings:
+        taken[f.start:f.end] = b"\x01" * (f.end - f.start)
+
+
+def _unclaimed(taken: bytearray, findings: list[Finding]) -> list[Finding]:
+    """The findings that overlap no claimed character, now claimed in turn (overlapping
+    ones among themselves are left to `find`'s longest-first pass)."""
+    kept = [f for f in findings if taken.find(1, f.start, f.end) < 0]
+    _claim(taken, kept)
+    return kept
+
+
 class Detectors:
     def __init__(self, regions: list[str], countries: list[str]) -> None:
         import importlib
@@ -93,11 +124,14 @@ class Detectors:
         self.regions = regions
         self._plausible = {r: _national_shape(r) for r in regions}
         self._ids = []
+        self._loose_ids = []
         for country in countries:
             module, pattern = _NATIONAL_IDS[country]
             self._ids.append((country, importlib.import_module(module), pattern))
+            self._loose_ids.append((country, _LOOSE_NATIONAL_IDS.get(country, pattern)))
+        _iban_countries()  # loaded now, not on the first response
 
-    def find(self, text: str) -> list[Finding]:
+    def find(self, text: str, *, lenient: bool = False) -> list[Finding]:
         # Every entity contains a digit or an "@" (a random 32-character secret without a
         # digit is a 1-in-1,000 case): the detectors scan only the runs of such words,
         # which keeps prose cheap. Phone numbers too lie inside one run.
@@ -107,9 +141,11 @@ class Detectors:
             window = text[lo:end + 1]
             local = list(self._regex(window))
             taken = bytearray(len(window))  # 1 where a finding already claims the character
-            for f in local:
-                taken[f.start:f.end] = b"\x01" * (f.end - f.start)
+            _claim(taken, local)
             local += self._phones(window, taken)
+            if lenient:  # only where the strict detectors found nothing
+                _claim(taken, local)
+                local += self._loose(window, taken)
             found += [Finding(f.start + lo, f.end + lo, f.entity, f.detector) for f in local]
         # Longest first, then earliest; drop anything overlapping a kept finding.
         found.sort(key=lambda f: (-(f.end - f.start), f.start))
@@ -190,6 +226,64 @@ class Detectors:
                     break
         return out
 
+    def _loose(self, text: str, taken: bytearray) -> list[Finding]:
+        """The lenient shapes, on characters no strict finding claimed, the most specific
+        first: IBANs, IDs and card prefixes in groups of four, then phones (parsed), then
+        other card prefixes (any 12+ digits behind a brand's leading digit)."""
+        out: list[Finding] = []
+        for m in _LOOSE_IBAN.finditer(text):
+            if m.group(1) in _iban_countries() and 2 <= int(m.group(2)) <= 98:
+                out.append(Finding(m.start(), m.end(), "IBAN", "loose-iban"))
+        for country, pattern in self._loose_ids:
+            out += [Finding(m.start(), m.end(), "NATIONAL_ID", f"loose-{country}")
+                    for m in pattern.finditer(text)]
+        cards = [Finding(m.start(), m.end(), "CARD", "loose-card")
+                 for m in _LOOSE_CARD.finditer(text)
+                 if _LOOSE_CARD_BRAND.match(digits := re.sub(r"[ -]", "", m.group()))
+                 and len(digits) >= 12]
+        grouped = [f for f in cards if _CARD_GROUPS.match(text[f.start:f.end])]
+        out = _unclaimed(taken, out + grouped)
+        out += _unclaimed(taken, [Finding(m.start(), m.end(), "PHONE", "loose-phone")
+                                  for m in _PHONE_CANDIDATE.finditer(text)
+                                  if self._loose_phone(m.group())])
+        return out + _unclaimed(taken, cards)
+
+    def _loose_phone(self, raw: str) -> bool:
+        """Any grouping: with "+" or "00", a number of a possible length; otherwise (9+
+        digits, so dates stay) a valid number with its country code and no "+" ("49
+        3012345678") or a valid national number of a configured region."""
+        digits = re.sub(r"\D", "", raw)
+        international = raw.startswith(("+", "00"))
+        if raw.startswith("00"):
+            digits = digits[2:]
+        if not (7 if international else 9) <= len(digits) <= 15:
+            return False
+        try:
+            if international:
+                return bool(phonenumbers.is_possible_number(phonenumbers.parse("+" + digits)))
+            if phonenumbers.is_valid_number(phonenumbers.parse("+" + digits)):
+                return True
+        except phonenumbers.NumberParseException:
+            pass
+        for region in self.regions:
+            try:
+                if phonenumbers.is_valid_number(phonenumbers.parse(digits, region)):
+                    return True
+            except phonenumbers.NumberParseException:
+                continue
+        return False
+
+
+@functools.cache
+def _iban_countries() -> frozenset[str]:
+    """The countries that issue IBANs (python-stdnum's registry)."""
+    from stdnum import numdb
+
+    db = numdb.get("iban")
+    letters = string.ascii_uppercase
+    return frozenset(a + b for a in letters for b in letters
+                     if db.info(f"{a}{b}00")[0][1].get("bban"))
+
 
 _INTERESTING = re.compile(r"(?<!\S)[^\s\d@]*[\d@]\S*")  # tried once per word
 
@@ -258,13 +352,19 @@ class Redactor:
             "hmac": self._hmac,
         }
 
-    def redact(self, text: str) -> tuple[str, list[Span]]:
+    def redact(self, text: str, *, lenient: bool = False) -> tuple[str, list[Span]]:
+        """`lenient`: add the lenient pass (model output, identifiers); prompts keep the
+        strict one."""
+        return self.apply(text, self.detectors.find(text, lenient=lenient))
+
+    def apply(self, text: str, findings: list[Finding]) -> tuple[str, list[Span]]:
+        """Replaces `findings` (sorted, not overlapping) with the operator's tokens."""
         out: list[str] = []
         spans: list[Span] = []
         pos = 0
         length = 0
         op = self._ops[self.operator]
-        for f in self.detectors.find(text):
+        for f in findings:
             out.append(text[pos:f.start])
             length += f.start - pos
             replacement = op(text[f.start:f.end], f.entity)
@@ -286,6 +386,70 @@ class Redactor:
     def _hmac(self, value: str, entity: str) -> str:
         digest = hmac.new(self.key, value.encode(), hashlib.sha256).hexdigest()[:12]
         return f"<{entity}:{digest}>"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# Separators an identifier uses where text has spaces ("user-DE81-6307-…"): scanned again
+# with them as spaces (one character for one, so positions hold).
+_ID_SEPARATORS = re.compile(r"[-_:/]")
+# Shapes a trace id keeps without the lenient pass: UUID, hex (W3C trace and span ids,
+# uuid4().hex, digests) and ULID.
+_ID_SHAPE = re.compile(r"^(?:[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+                       r"|[0-9a-f]{16,64}|[0-7][0-9a-hjkmnp-tv-z]{25})$", re.IGNORECASE)
+MAX_MODEL_NAME_CHARS = 256
+MAX_PATH_CHARS = 2048
+LONG_MODEL_NAME = "<LONG_MODEL_NAME>"
+
+
+class MetadataRedactor:
+    """Client-supplied identifiers on their way into the access log and the ledger.
+
+    A trace id shaped like an id gets the strict pass, any other the lenient one; if either
+    finds something the whole id is replaced by `redacted-<keyed digest>` (stable per
+    device, so a client's repeated id still correlates). Installed model names are the
+    operator's and kept; any other name gets the lenient pass with the configured operator.
+    Paths (access log only) get the lenient pass too. Over-long values are cut before
+    scanning, at a boundary that cannot split a value in two."""
+
+    def __init__(self, redactor: Redactor, is_known_model: Callable[[str], bool]) -> None:
+        self.redactor = redactor
+        self.is_known_model = is_known_model
+
+    def trace_id(self, value: str) -> str:
+        value = _SURROGATE.sub("\ufffd", value)
+        find = self.redactor.detectors.find
+        if _ID_SHAPE.match(value):
+            found = bool(find(value))
+        else:
+            found = bool(find(value, lenient=True)
+                         or find(_ID_SEPARATORS.sub(" ", value), lenient=True))
+        if not found:
+            return value
+        digest = hmac.new(self.redactor.key, value.encode(), hashlib.sha256).hexdigest()
+        return f"redacted-{digest[:24]}"
+
+    def model(self, value: str) -> str:
+        try:
+            if self.is_known_model(value):
+                return value
+        except Exception:  # an invalid name (too long, unencodable) is not installed
+            pass
+        value = _SURROGATE.sub("\ufffd", value)
+        if len(value) > MAX_MODEL_NAME_CHARS:
+            return LONG_MODEL_NAME  # a name is one word: no safe place to cut it
+        return self._identifier(value)
+
+    def path(self, value: str) -> str:
+        value = _SURROGATE.sub("\ufffd", value)
+        if len(value) > MAX_PATH_CHARS:  # cut at a "/" so no segment is split
+            value = value[:value.rfind("/", 0, MAX_PATH_CHARS) + 1] + "..."
+        return self._identifier(value)
+
+    def _identifier(self, value: str) -> str:
+        """The lenient pass, then again with separators read as spaces."""
+        text = self.redactor.redact(value, lenient=True)[0]
+        findings = self.redactor.detectors.find(_ID_SEPARATORS.sub(" ", text), lenient=True)
+        return self.redactor.apply(text, findings)[0] if findings else text
 
 
 def evaluate(detectors: Detectors, samples: list[dict[str, object]]

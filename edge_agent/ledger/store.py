@@ -37,20 +37,40 @@ REDACTIONS = "redactions"
 CONTENTS = "contents"
 
 
+REDACTION_COLUMNS: dict[str, type] = {
+    "request_id": str, "direction": str, "message_index": int, "entity_type": str,
+    "detector": str, "detector_version": str, "operator": str, "start": int, "end": int,
+    "policy_version": str}
+CONTENT_COLUMNS: dict[str, type] = {"request_id": str, "direction": str, "message_index": int,
+                                    "role": str, "text": str, "ts": float}
+
+
 @MIGRATIONS()
 def m002_redactions_and_contents(db: Database) -> None:
     """The redaction log (spans, never values) and short-lived redacted content."""
-    db[REDACTIONS].create({  # type: ignore[union-attr]
-        "request_id": str, "direction": str, "message_index": int, "entity_type": str,
-        "detector": str, "detector_version": str, "operator": str, "start": int, "end": int,
-        "policy_version": str})
+    db[REDACTIONS].create(REDACTION_COLUMNS)  # type: ignore[union-attr]
     db[REDACTIONS].create_index(["request_id"])  # type: ignore[union-attr]
-    db[CONTENTS].create({"request_id": str, "direction": str, "message_index": int,  # type: ignore[union-attr]
-                         "role": str, "text": str, "ts": float})
+    db[CONTENTS].create(CONTENT_COLUMNS)  # type: ignore[union-attr]
     db[CONTENTS].create_index(["ts"])  # type: ignore[union-attr]
 
 
-TABLE_COLUMNS = {REQUESTS: COLUMNS}
+REJECTED = "rejected_rows"
+REJECTED_COLUMNS: dict[str, type] = {"ts": float, "table_name": str, "request_id": str,
+                                     "reason": str}
+
+
+@MIGRATIONS()
+def m003_rejected_rows(db: Database) -> None:
+    """A marker for each row that could not be written even after sanitising: which table,
+    which request, and the kind of error (never the row's values)."""
+    db[REJECTED].create(REJECTED_COLUMNS)  # type: ignore[union-attr]
+    db[REJECTED].create_index(["ts"])  # type: ignore[union-attr]
+
+
+# Every table the writer may write, with its columns; rows for other tables are refused.
+TABLE_COLUMNS: dict[str, dict[str, type]] = {
+    REQUESTS: COLUMNS, REDACTIONS: REDACTION_COLUMNS, CONTENTS: CONTENT_COLUMNS,
+    REJECTED: REJECTED_COLUMNS}
 
 
 def open_ledger(path: Path) -> Database:
@@ -84,13 +104,14 @@ def tail(db: Database, n: int, after_ts: float | None = None) -> list[dict[str, 
 
 
 def purge(db: Database, *, older_than_s: float, content_older_than_s: float = 0.0) -> int:
-    """Retention: request rows (and their redaction spans) past the metadata window, and
-    stored content past its (much shorter) window."""
+    """Retention: request rows (and their redaction spans and rejected-row markers) past the
+    metadata window, and stored content past its (much shorter) window."""
     cutoff = time.time() - older_than_s
     with db.atomic():
         db.execute(f"DELETE FROM {REDACTIONS} WHERE request_id IN "
                    f"(SELECT id FROM {REQUESTS} WHERE ts < ?)", [cutoff])
         cursor = db.execute(f"DELETE FROM {REQUESTS} WHERE ts < ?", [cutoff])
+        db.execute(f"DELETE FROM {REJECTED} WHERE ts < ?", [cutoff])
         db.execute(f"DELETE FROM {CONTENTS} WHERE ts < ?",
                    [time.time() - content_older_than_s])
     return int(cursor.rowcount)
