@@ -166,7 +166,7 @@ def test_a_live_request_stores_no_raw_identifier(live_server: LiveServer,
     for path, trace in ids.items():
         r = httpx.post(f"{base}{path}", headers={"X-Request-Id": trace}, json=bodies[path],
                        timeout=60)
-        assert r.status_code == 404
+        assert r.status_code in (400, 404)  # the name rule may refuse it first
         echoed.append(r.headers["x-request-id"])
     # The row is recorded after the last byte is sent: it may trail the response a little.
     deadline = time.monotonic() + 10
