@@ -425,9 +425,11 @@ def keys() -> None:
 @keys.command("create")
 @common_options
 @click.option("--tenant", required=True, help="A tenant defined under [tenants.NAME].")
+@click.option("--admin", is_flag=True,
+              help="An operator key: may also delete, unload and load any model.")
 @click.pass_context
 def keys_create(ctx: click.Context, config: Path | None, state_dir: Path | None,
-                tenant: str) -> None:
+                tenant: str, admin: bool) -> None:
     """Create a key for a tenant and print it once; only its hash is kept."""
     from edge_agent.governance.keys import KeyStore
 
@@ -435,9 +437,10 @@ def keys_create(ctx: click.Context, config: Path | None, state_dir: Path | None,
     if tenant not in settings.tenants:
         known = ", ".join(sorted(settings.tenants)) or "none"
         _fail(f"tenant '{tenant}' is not in the configuration (tenants: {known})", EXIT_USAGE)
-    key, record = KeyStore(settings.state_dir).create(tenant)
+    key, record = KeyStore(settings.state_dir).create(tenant, admin=admin)
     click.echo(key)
-    click.echo(f"created key {record.prefix} for tenant {tenant}; it is shown only once",
+    kind = "operator key" if admin else "key"
+    click.echo(f"created {kind} {record.prefix} for tenant {tenant}; it is shown only once",
                err=True)
 
 
@@ -447,7 +450,7 @@ def keys_create(ctx: click.Context, config: Path | None, state_dir: Path | None,
 @click.pass_context
 def keys_list(ctx: click.Context, config: Path | None, state_dir: Path | None,
               as_json: bool) -> None:
-    """List keys: prefix, tenant, created, last used, revoked."""
+    """List keys: prefix, tenant, operator (admin) or not, created, last used, revoked."""
     import time as _time
 
     from edge_agent.governance.keys import KeyStore
@@ -461,10 +464,11 @@ def keys_list(ctx: click.Context, config: Path | None, state_dir: Path | None,
     def when(ts: float | None) -> str:
         return _time.strftime("%Y-%m-%d %H:%M", _time.localtime(ts)) if ts else "-"
 
-    click.echo(f"{'PREFIX':<10} {'TENANT':<16} {'CREATED':<17} {'LAST USED':<17} REVOKED")
+    click.echo(f"{'PREFIX':<10} {'TENANT':<16} {'ADMIN':<6} {'CREATED':<17} "
+               f"{'LAST USED':<17} REVOKED")
     for r in records:
-        click.echo(f"{r.prefix:<10} {r.tenant:<16} {when(r.created):<17} "
-                   f"{when(r.last_used):<17} {when(r.revoked)}")
+        click.echo(f"{r.prefix:<10} {r.tenant:<16} {'yes' if r.admin else 'no':<6} "
+                   f"{when(r.created):<17} {when(r.last_used):<17} {when(r.revoked)}")
 
 
 @keys.command("revoke")

@@ -59,6 +59,10 @@ class TenantPolicy(_Section):
     redact_prompt: bool = Field(
         False, description="The model sees the prompt with personal data redacted."
     )
+    manage_models: bool = Field(
+        False, description="Every key of the tenant may manage models (delete, unload, load "
+        "outside `models`), as an operator key does.",
+    )
 
 
 class RedactionSettings(_Section):

@@ -9,8 +9,10 @@ from edge_agent.logs import note
 
 
 async def authenticate(request: Request) -> TenantContext:
+    """Every header named Authorization goes to the governor, so that two of them (which
+    one wins differs between proxies and servers) are refused instead of one being picked."""
     governor = request.app.state.parts.governor
-    ctx: TenantContext = governor.authenticate(request.headers.get("authorization"))
+    ctx: TenantContext = governor.authenticate(request.headers.getlist("authorization"))
     request.state.tenant = ctx
     note(tenant=ctx.name, key_prefix=ctx.key_prefix)
     return ctx

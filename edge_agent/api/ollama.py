@@ -31,10 +31,14 @@ from edge_agent.engine.request import (
 )
 from edge_agent.engine.structured import ANY_JSON_OBJECT
 from edge_agent.errors import InvalidRequest, ServiceUnavailable, UnsupportedParameter
+from edge_agent.governance.tenants import TenantContext
 
 # The Ollama API level these endpoints follow; clients gate features on it.
 OLLAMA_API_VERSION = "0.12.0"
 NDJSON = "application/x-ndjson"
+# Set when a keep_alive was not applied because the model is the default one, which stays
+# loaded (/ready depends on it).
+PINNED_HEADER = "X-Edge-Pinned"
 
 router = APIRouter(dependencies=[Depends(authenticate)])
 
@@ -222,9 +226,36 @@ def _tool_calls(done: DoneEvent) -> list[dict[str, Any]]:
     return [{"function": {"name": c.name, "arguments": c.arguments}} for c in done.tool_calls]
 
 
-async def _run(parts: AppParts, req: GenerationRequest, keep_alive: object, stream: bool,
-               chat: bool) -> Response:
-    prepared = await parts.service.prepare(req, keep_alive=parse_keep_alive(keep_alive))
+def _tenant(request: Request) -> TenantContext:
+    ctx: TenantContext = request.state.tenant
+    return ctx
+
+
+def _is_default(parts: AppParts, name: str) -> bool:
+    return normalize_name(name) == normalize_name(parts.settings.default_model)
+
+
+def _keep_alive(request: Request, parts: AppParts, model: str, value: object
+                ) -> tuple[float | None, dict[str, str]]:
+    """The keep_alive a request may apply, with the headers that say what was not applied.
+    Any keep_alive keeps a model warm; 0 unloads it for every tenant, so it is management.
+    The default model stays loaded whatever is asked (ignored, as Ollama ignores an unload
+    it cannot do), or /ready would turn 503."""
+    seconds = parse_keep_alive(value)
+    if seconds is None:
+        return None, {}
+    if _is_default(parts, model):
+        return None, {PINNED_HEADER: "true"}
+    if seconds == 0:
+        _tenant(request).check_manage(f"unloading '{normalize_name(model)}' (keep_alive 0)",
+                                      param="keep_alive")
+    return seconds, {}
+
+
+async def _run(parts: AppParts, req: GenerationRequest, keep_alive: tuple[float | None,
+               dict[str, str]], stream: bool, chat: bool) -> Response:
+    seconds, extra_headers = keep_alive
+    prepared = await parts.service.prepare(req, keep_alive=seconds)
     name = prepared.model.info.name
 
     def message(text: str, done: DoneEvent | None = None) -> dict[str, Any]:
@@ -242,7 +273,8 @@ async def _run(parts: AppParts, req: GenerationRequest, keep_alive: object, stre
 
     if not stream:
         done = await parts.service.complete(prepared)
-        return JSONResponse(final(done, done.text), headers=prepared.headers())
+        return JSONResponse(final(done, done.text),
+                            headers={**prepared.headers(), **extra_headers})
 
     async def lines() -> AsyncIterator[bytes]:
         async for event in parts.service.stream(prepared):
@@ -262,25 +294,31 @@ async def _run(parts: AppParts, req: GenerationRequest, keep_alive: object, stre
                 chunk = {"error": str(event.error)}
             yield (json.dumps(chunk, ensure_ascii=False) + "\n").encode()
 
-    return StreamingResponse(lines(), media_type=NDJSON, headers=prepared.headers(),
+    return StreamingResponse(lines(), media_type=NDJSON,
+                             headers={**prepared.headers(), **extra_headers},
                              background=BackgroundTask(parts.service.release, prepared))
 
 
-async def _load_only(parts: AppParts, model: str, keep_alive: object, chat: bool) -> Response:
-    """An empty prompt loads (or, with keep_alive 0, unloads) the model, as Ollama does."""
-    seconds = parse_keep_alive(keep_alive)
-    if seconds == 0:
-        parts.store.get(model)
-        await parts.registry.unload(model)
-        reason = "unload"
-    else:
-        loaded, _ = await parts.registry.acquire(model, seconds)
+async def _load_only(request: Request, parts: AppParts, model: str, keep_alive: object,
+                     chat: bool) -> Response:
+    """An empty prompt loads (or, with keep_alive 0, unloads) the model, as Ollama does.
+    Loading a model outside the tenant's scope and unloading are management (403 without
+    an operator key, decided before the store is looked at); the default model's unload
+    is ignored."""
+    name = normalize_name(model)
+    _tenant(request).check_reach(name)
+    unload = parse_keep_alive(keep_alive) == 0
+    seconds, headers = _keep_alive(request, parts, name, keep_alive)
+    parts.store.get(name)
+    if unload and not headers:
+        await parts.registry.unload(name)
+    elif not unload:
+        loaded, _ = await parts.registry.acquire(name, seconds)
         await parts.registry.release(loaded)
-        reason = "load"
     body: dict[str, Any] = {"model": model, "created_at": _now(), "done": True,
-                            "done_reason": reason}
+                            "done_reason": "unload" if unload else "load"}
     body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
-    return JSONResponse(body)
+    return JSONResponse(body, headers=headers)
 
 
 @router.get("/", response_class=PlainTextResponse)
@@ -299,7 +337,7 @@ async def chat(request: Request, parts: Parts) -> Response:
     body = validate(ChatBody, await read_json(request, parts.settings.server.max_body_bytes))
     _check_common(body, body.model)
     if not body.messages:
-        return await _load_only(parts, body.model, body.keep_alive, chat=True)
+        return await _load_only(request, parts, body.model, body.keep_alive, chat=True)
     messages = []
     for i, m in enumerate(body.messages):
         if m.images:
@@ -318,7 +356,8 @@ async def chat(request: Request, parts: Parts) -> Response:
                             json_schema=_schema(body.format))
     _apply_options(req, body.options)
     apply_controls(request, req)
-    return await _run(parts, req, body.keep_alive, body.stream, chat=True)
+    keep_alive = _keep_alive(request, parts, body.model, body.keep_alive)
+    return await _run(parts, req, keep_alive, body.stream, chat=True)
 
 
 @router.post("/api/generate")
@@ -335,13 +374,14 @@ async def generate(request: Request, parts: Parts) -> Response:
     if body.width or body.height or body.steps:
         raise UnsupportedParameter("image generation is not supported", param="width")
     if not body.prompt and not body.context:
-        return await _load_only(parts, body.model, body.keep_alive, chat=False)
+        return await _load_only(request, parts, body.model, body.keep_alive, chat=False)
     req = GenerationRequest(model=body.model, prompt=body.prompt or "", raw=body.raw,
                             system=body.system, context_tokens=list(body.context or []),
                             json_schema=_schema(body.format))
     _apply_options(req, body.options)
     apply_controls(request, req)
-    return await _run(parts, req, body.keep_alive, body.stream, chat=False)
+    keep_alive = _keep_alive(request, parts, body.model, body.keep_alive)
+    return await _run(parts, req, keep_alive, body.stream, chat=False)
 
 
 @router.post("/api/embed")
@@ -349,15 +389,16 @@ async def embed(request: Request, parts: Parts) -> Response:
     body = validate(EmbedBody, await read_json(request, parts.settings.server.max_body_bytes))
     inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else \
         list(body.input)
+    seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
     result = await parts.service.embed(
         EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate,
                          dialect="ollama", tenant=request.state.tenant),
-        keep_alive=parse_keep_alive(body.keep_alive))
+        keep_alive=seconds)
     vectors = result.vectors
     if body.dimensions is not None:
         vectors = _shorten(vectors, body.dimensions)
-    headers = {"X-Edge-Truncated": str(result.truncated_tokens)} if result.truncated_tokens \
-        else {}
+    if result.truncated_tokens:
+        headers["X-Edge-Truncated"] = str(result.truncated_tokens)
     return JSONResponse({"model": body.model, "embeddings": vectors,
                          "total_duration": result.timings.total_ns,
                          "load_duration": result.timings.load_ns,
@@ -381,13 +422,15 @@ async def embeddings(request: Request, parts: Parts) -> Response:
     body = validate(EmbeddingsBody,
                     await read_json(request, parts.settings.server.max_body_bytes))
     if not body.prompt:
+        _tenant(request).check_reach(normalize_name(body.model))
         parts.store.get(body.model)
         return JSONResponse({"embedding": []})
+    seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
     result = await parts.service.embed(
         EmbeddingRequest(model=body.model, inputs=[body.prompt], dialect="ollama",
                          tenant=request.state.tenant),
-        keep_alive=parse_keep_alive(body.keep_alive))
-    return JSONResponse({"embedding": result.vectors[0]})
+        keep_alive=seconds)
+    return JSONResponse({"embedding": result.vectors[0]}, headers=headers)
 
 
 def _details(m: InstalledModel) -> dict[str, Any]:
@@ -407,6 +450,9 @@ async def tags(parts: Parts) -> dict[str, Any]:
 @router.post("/api/show")
 async def show(request: Request, parts: Parts) -> dict[str, Any]:
     body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
+    # Outside the scope: 403 on the name alone, as for generation, so nothing says whether
+    # such a model is installed.
+    _tenant(request).check_reach(normalize_name(body.ref))
     m = parts.store.get(body.ref)
     params = "\n".join(
         f"{k} {json.dumps(x)}" for k, v in m.parameters.items()
@@ -438,7 +484,12 @@ async def ps(parts: Parts) -> dict[str, Any]:
 @router.delete("/api/delete")
 async def delete(request: Request, parts: Parts) -> Response:
     body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
+    _tenant(request).check_manage(f"deleting '{normalize_name(body.ref)}'")
     name = parts.store.get(body.ref).name
+    if _is_default(parts, name):
+        raise InvalidRequest(f"model '{name}' is the default model and cannot be deleted; "
+                             "set default_model to another model and restart first",
+                             param="model")
     if parts.registry.is_loaded(name) and not await parts.registry.unload(name):
         raise ServiceUnavailable(f"model '{name}' is serving requests; try again",
                                  retry_after=1.0)

@@ -2,7 +2,8 @@
 
 A key is `ea_<prefix>_<secret>`: the prefix (public, shown in listings and the ledger)
 finds the row; the full key's hash is then compared in constant time. Keys are 32
-random bytes, so a plain hash is enough (no password stretching needed).
+random bytes, so a plain hash is enough (no password stretching needed). An operator
+key (`admin`) may also manage models (delete, unload, load outside its tenant's scope).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
@@ -26,6 +28,12 @@ def m001_keys(db: Database) -> None:
                        "last_used": float, "revoked": float}, pk="prefix")
 
 
+@MIGRATIONS()
+def m002_admin(db: Database) -> None:
+    """Operator keys: existing keys stay ordinary (0)."""
+    db["keys"].add_column("admin", int, not_null_default=0)  # type: ignore[union-attr]
+
+
 @dataclass(frozen=True)
 class KeyRecord:
     prefix: str
@@ -33,6 +41,21 @@ class KeyRecord:
     created: float
     last_used: float | None
     revoked: float | None
+    admin: bool = False
+
+
+class ActiveKey(NamedTuple):
+    """What the server keeps in memory per key that is not revoked."""
+
+    hash: str
+    tenant: str
+    admin: bool
+
+
+class KeyMatch(NamedTuple):
+    prefix: str
+    tenant: str
+    admin: bool
 
 
 def _hash(key: str) -> str:
@@ -50,17 +73,18 @@ class KeyStore:
         MIGRATIONS.apply(db)
         return db
 
-    def create(self, tenant: str) -> tuple[str, KeyRecord]:
+    def create(self, tenant: str, *, admin: bool = False) -> tuple[str, KeyRecord]:
         prefix = secrets.token_hex(4)
         key = f"ea_{prefix}_{secrets.token_urlsafe(32)}"
         now = time.time()
         db = self._db()
         try:
             db["keys"].insert({"prefix": prefix, "hash": _hash(key), "tenant": tenant,  # type: ignore[union-attr]
-                               "created": now, "last_used": None, "revoked": None})
+                               "created": now, "last_used": None, "revoked": None,
+                               "admin": int(admin)})
         finally:
             db.close()
-        return key, KeyRecord(prefix, tenant, now, None, None)
+        return key, KeyRecord(prefix, tenant, now, None, None, admin)
 
     def list(self) -> list[KeyRecord]:
         if not self.path.exists():
@@ -68,7 +92,7 @@ class KeyStore:
         db = self._db()
         try:
             return [KeyRecord(r["prefix"], r["tenant"], r["created"], r["last_used"],
-                              r["revoked"])
+                              r["revoked"], bool(r["admin"]))
                     for r in db["keys"].rows_where(order_by="created")]  # type: ignore[union-attr]
         finally:
             db.close()
@@ -86,13 +110,14 @@ class KeyStore:
         finally:
             db.close()
 
-    def load_active(self) -> dict[str, tuple[str, str]]:
-        """prefix → (hash, tenant) of keys not revoked; the server keeps this in memory."""
+    def load_active(self) -> dict[str, ActiveKey]:
+        """prefix → (hash, tenant, admin) of keys not revoked; the server keeps this in
+        memory."""
         if not self.path.exists():
             return {}
         db = self._db()
         try:
-            return {r["prefix"]: (r["hash"], r["tenant"])
+            return {r["prefix"]: ActiveKey(r["hash"], r["tenant"], bool(r["admin"]))
                     for r in db["keys"].rows_where("revoked IS NULL")}  # type: ignore[union-attr]
         finally:
             db.close()
@@ -109,14 +134,15 @@ class KeyStore:
             db.close()
 
 
-def match(key: str, active: dict[str, tuple[str, str]]) -> tuple[str, str] | None:
-    """(prefix, tenant) for a valid key, else None; the hash comparison is constant-time."""
+def match(key: str, active: dict[str, ActiveKey]) -> KeyMatch | None:
+    """The prefix, tenant and admin flag of a valid key, else None; the hash comparison is
+    constant-time."""
     parts = key.split("_", 2)  # the secret itself may contain "_"
     if len(parts) != 3 or parts[0] != "ea":
         return None
     entry = active.get(parts[1])
     digest = _hash(key)
-    expected = entry[0] if entry else "0" * 64
+    expected = entry.hash if entry else "0" * 64
     if hmac.compare_digest(digest, expected) and entry is not None:
-        return parts[1], entry[1]
+        return KeyMatch(parts[1], entry.tenant, entry.admin)
     return None

@@ -4,6 +4,10 @@ With no key at all, the box runs open as tenant `local` (loopback binds only: se
 refuses a public address without keys). With keys, every API call needs one. Rates and
 token quotas are sliding windows kept in memory: a restart forgets them, which errs on
 the side of serving.
+
+Model management (delete, unload, loading a model outside the tenant's `models`) changes
+what every tenant gets, so it takes an operator: a key created with `--admin`, a tenant
+with `manage_models = true`, or the open `local` tenant (no keys at all, loopback only).
 """
 
 from __future__ import annotations
@@ -16,11 +20,17 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from edge_agent.config import Settings, TenantPolicy
-from edge_agent.errors import Forbidden, RateLimited, Unauthorized
+from edge_agent.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
 from edge_agent.governance.keys import KeyStore, match
 
 OPEN_TENANT = "local"
 _RELOAD_EVERY_S = 5.0
+
+
+class OperatorKeyRequired(Forbidden):
+    """403 for model management without an operator key or tenant flag."""
+
+    code = "operator_key_required"
 
 
 @dataclass(frozen=True)
@@ -28,11 +38,29 @@ class TenantContext:
     name: str
     policy: TenantPolicy
     key_prefix: str = ""
+    manage: bool = False  # may manage models: operator key, manage_models, or open mode
+
+    def allows(self, model: str) -> bool:
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.policy.models)
 
     def check_model(self, model: str) -> None:
-        if not any(fnmatch.fnmatchcase(model, pattern) for pattern in self.policy.models):
+        """403 for a model outside the scope, decided on the name alone: whether such a
+        model is installed is not revealed."""
+        if not self.allows(model):
             raise Forbidden(f"model '{model}' is not allowed for tenant '{self.name}'",
                             param="model")
+
+    def check_reach(self, model: str) -> None:
+        """Reading or loading a model: within the scope, or any model for an operator."""
+        if not self.manage:
+            self.check_model(model)
+
+    def check_manage(self, action: str, param: str = "model") -> None:
+        if not self.manage:
+            raise OperatorKeyRequired(
+                f"{action} is model management: it needs an operator key "
+                f"(edge-agent keys create --admin) or manage_models = true for tenant "
+                f"'{self.name}'", param=param)
 
 
 @dataclass
@@ -75,10 +103,17 @@ class Governor:
             raise Forbidden(f"tenant '{tenant}' has no policy in the configuration")
         return policy
 
-    def authenticate(self, authorization: str | None) -> TenantContext:
+    def authenticate(self, authorization: str | list[str] | None) -> TenantContext:
+        """The caller's tenant. Several Authorization headers are refused (400), in open
+        mode too: which one a proxy or server would pick is not defined."""
+        if isinstance(authorization, list):
+            if len(authorization) > 1:
+                raise InvalidRequest("send one Authorization header, not "
+                                     f"{len(authorization)}", param="Authorization")
+            authorization = authorization[0] if authorization else None
         self._maybe_reload()
         if self.open:
-            return TenantContext(OPEN_TENANT, self.policy(OPEN_TENANT))
+            return TenantContext(OPEN_TENANT, self.policy(OPEN_TENANT), manage=True)
         if not authorization or not authorization.lower().startswith("bearer "):
             raise Unauthorized("missing API key: send Authorization: Bearer <key>")
         key = authorization[7:].strip()
@@ -87,9 +122,10 @@ class Governor:
             found = match(key, self._active)
         if found is None:
             raise Unauthorized("invalid or revoked API key")
-        prefix, tenant = found
-        self._used[prefix] = time.time()
-        return TenantContext(tenant, self.policy(tenant), prefix)
+        self._used[found.prefix] = time.time()
+        policy = self.policy(found.tenant)
+        return TenantContext(found.tenant, policy, found.prefix,
+                             manage=found.admin or policy.manage_models)
 
     def admit(self, ctx: TenantContext) -> None:
         """Request rate and token quotas; raises 429 with the wait until a slot frees."""
