@@ -19,6 +19,7 @@ from pathlib import Path
 import llama_cpp as ll
 import numpy as np
 
+from edge_agent.engine.grammar_check import CheckedGrammar
 from edge_agent.engine.request import SamplingParams
 from edge_agent.errors import EdgeAgentError, InvalidRequest, ModelFileError
 
@@ -355,10 +356,13 @@ class Sampler:
                     arr[i] = ll.llama_logit_bias(tok, bias)
                 add(ll.llama_sampler_init_logit_bias(model.n_vocab, len(arr), arr))
             if grammar is not None:
+                # llama.cpp kills the process on a grammar it cannot follow: only text that
+                # grammar_check has shown to its parser (in a child process) gets this far.
+                if not isinstance(grammar, CheckedGrammar):
+                    raise EdgeAgentError("a grammar reached the sampler unchecked")
                 g = ll.llama_sampler_init_grammar(model.vocab, grammar.encode(), b"root")
                 if not g:
-                    raise InvalidRequest("the JSON schema gives a grammar llama.cpp rejects",
-                                         param="format")
+                    raise EdgeAgentError("llama.cpp refused a grammar its parser had accepted")
                 add(g)
             if (params.repeat_penalty != 1.0 or params.presence_penalty
                     or params.frequency_penalty):

@@ -13,6 +13,7 @@ import json
 import secrets
 from typing import Any
 
+from edge_agent.engine.json_grammar import convert
 from edge_agent.engine.request import ToolCall, ToolChoice
 from edge_agent.errors import InvalidRequest
 
@@ -24,12 +25,19 @@ def _tool_names(tools: list[dict[str, Any]]) -> list[str]:
 
 
 def tool_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
+    """One schema for all the calls the model may make; each tool's parameters are first
+    converted alone, so that a schema the grammar cannot take is refused naming its tool."""
     selected = tools
     if choice not in ("auto", "required", "none"):
         selected = [t for t in tools if t["function"]["name"] == choice]
         if not selected:
             raise InvalidRequest(f"tool_choice names unknown function '{choice}'",
                                  param="tool_choice")
+    chosen = {id(t) for t in selected}
+    for i, tool in enumerate(tools):
+        if id(tool) in chosen:
+            convert(tool["function"].get("parameters") or {"type": "object"},
+                    param=f"tools.{i}.function.parameters")
     calls = [
         {
             "type": "object",

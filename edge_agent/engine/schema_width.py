@@ -1,0 +1,253 @@
+"""How many parses of the same text a schema's grammar can make llama.cpp follow at once.
+
+llama.cpp follows a grammar with one stack per way the text so far can be parsed, and
+checks every candidate token against every stack at every step. Where two alternatives of
+a union can both still match when nested values begin (two arrays; two objects that open
+with the same key and values that may be the same text; a named property that is also an
+additional one), each nested level holds both, and the stacks multiply: under a recursive
+union of two array shapes, each `[` the model wrote doubled the time of the next token
+(20 s a token at depth 12, and it grows without end). A regex pattern does the same with a
+repeated group that matches texts of different lengths, `(a?){30}`.
+
+The converter asks `WidthOracle.node_width` for each schema it visits and `pattern_states` for each
+pattern, multiplies along the nesting, and refuses a schema whose product passes
+MAX_PARSE_STATES anywhere, or whose multiplying union recurs through a `$ref`. The bounds
+are conservative (they may count parses that never coexist) and read only the schema
+around a node; schemas as people and tool libraries write them have width 1 almost
+everywhere (tool calls differ in a constant name; `Optional[...]` pairs with null).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_PARSE_STATES = 16
+MAX_ALTERNATIVES = 256  # per anyOf/oneOf: their conflicts are checked pairwise
+_CONTAINERS = frozenset({"object", "array"})
+_MAX_GROUP_DEPTH = 32
+_MAX_STEPS = 200_000  # comparisons one conversion may spend on widths
+
+# (required keys in the order the converter writes them, properties, any first key,
+#  additional properties that may nest)
+_Shape = tuple[list[str], dict[str, Any], bool, bool]
+
+
+class WidthOracle:
+    """Widths of the schemas of one conversion (`refs`: the converter's resolved $refs)."""
+
+    def __init__(self, refs: dict[str, Any]) -> None:
+        self._refs = refs
+        self._kinds: dict[int, frozenset[str]] = {}
+        self._steps = 0
+
+    def node_width(self, schema: dict[str, Any]) -> int:
+        """How many alternatives of this node may carry on together into nested values."""
+        if "$ref" in schema:
+            return 1
+        alts = schema.get("oneOf") or schema.get("anyOf")
+        if isinstance(alts, list):
+            if len(alts) > MAX_ALTERNATIVES:
+                raise ValueError(f"{len(alts)} alternatives exceed the limit of "
+                                 f"{MAX_ALTERNATIVES}")
+            return self._union_width(alts)
+        shape = self._object_shape(schema)
+        if shape is not None and shape[1] and shape[3]:
+            return 2  # a named key may also be read as an additional one, with a nested value
+        return 1
+
+    def _union_width(self, alts: list[Any]) -> int:
+        """An upper bound of the largest group of alternatives in conflict (all the arrays;
+        among objects, one more than the most conflicts any has), capped past the limit."""
+        arrays = sum(1 for a in alts if "array" in self.kinds(a))
+        objects = [self._resolve(a) for a in alts if "object" in self.kinds(a)]
+        best = max(arrays, 1)
+        for i, a in enumerate(objects):
+            degree = 0
+            for j, b in enumerate(objects):
+                if i != j and self._objects_conflict(a, b):
+                    degree += 1
+                    if degree >= MAX_PARSE_STATES:
+                        return MAX_PARSE_STATES + 1
+            best = max(best, degree + 1)
+        return best
+
+    def _step(self) -> None:
+        self._steps += 1
+        if self._steps > _MAX_STEPS:
+            raise ValueError("the schema's alternatives are too many to compare")
+
+    def _resolve(self, schema: Any) -> Any:
+        seen: set[str] = set()
+        while isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+            ref = schema["$ref"]
+            if ref in seen or ref not in self._refs:
+                return None
+            seen.add(ref)
+            schema = self._refs[ref]
+        return schema
+
+    def kinds(self, schema: Any, depth: int = 0) -> frozenset[str]:
+        """The containers ('object', 'array') the grammar for `schema` may open (in the
+        converter's order of cases); literals and scalars open none."""
+        schema = self._resolve(schema)
+        if not isinstance(schema, dict) or depth > 32:
+            return _CONTAINERS  # unknown: assume the worst
+        known = self._kinds.get(id(schema))
+        if known is None:
+            self._step()
+            known = self._kinds[id(schema)] = self._kinds_of(schema, depth)
+        return known
+
+    def _kinds_of(self, schema: dict[str, Any], depth: int) -> frozenset[str]:
+        kind = schema.get("type")
+        alts = schema.get("oneOf") or schema.get("anyOf")
+        if isinstance(alts, list):
+            return frozenset().union(*(self.kinds(a, depth + 1) for a in alts))
+        if isinstance(kind, list):
+            return frozenset().union(*(_type_kinds(t) for t in kind))
+        if "const" in schema or "enum" in schema:
+            return frozenset()
+        if kind in (None, "object") and (
+                "properties" in schema or "allOf" in schema or
+                ("additionalProperties" in schema and schema["additionalProperties"] is not True)):
+            return frozenset({"object"})
+        if kind in (None, "array") and ("items" in schema or "prefixItems" in schema):
+            return frozenset({"array"})
+        return frozenset({"object"}) if not schema else _type_kinds(kind)
+
+    def _object_shape(self, schema: Any) -> _Shape | None:
+        """The converter's object rule for `schema`, or None where it writes no such rule
+        (the generic object: any key first)."""
+        if not isinstance(schema, dict) or "$ref" in schema or "allOf" in schema:
+            return None
+        extra = schema.get("additionalProperties")
+        if "properties" not in schema and ("additionalProperties" not in schema or
+                                           extra is True):
+            return None
+        props = schema.get("properties")
+        props = props if isinstance(props, dict) else {}
+        required = schema.get("required")
+        wanted = set(required) if isinstance(required, list) else set()
+        keys = [k for k in props if k in wanted]
+        open_extra = extra is True or isinstance(extra, dict)
+        nests = extra is True or (isinstance(extra, dict) and bool(self.kinds(extra)))
+        return keys, props, open_extra, nests
+
+    def _objects_conflict(self, a: Any, b: Any) -> bool:
+        """Whether two object alternatives may both be alive when one enters a nested value:
+        walk their keys while they are the same and their values may be the same text."""
+        self._step()
+        sa, sb = self._object_shape(a), self._object_shape(b)
+        if sa is None or sb is None:
+            return True
+        (ka, pa, xa, _), (kb, pb, xb, _) = sa, sb
+        if not ka or not kb:  # the first key is any optional one (or an additional one)
+            first_a = {ka[0]} if ka else set(pa)
+            first_b = {kb[0]} if kb else set(pb)
+            return bool(first_a & first_b) or (not ka and xa) or (not kb and xb)
+        for key_a, key_b in zip(ka, kb, strict=False):
+            self._step()
+            if key_a != key_b:
+                return False
+            va, vb = pa[key_a], pb[key_b]
+            if self.kinds(va) & self.kinds(vb):
+                return True
+            if _literals_differ(self._resolve(va), self._resolve(vb)):
+                return False
+        return True  # the same keys all the way: assume the worst
+
+
+def _type_kinds(kind: Any) -> frozenset[str]:
+    if kind == "object":
+        return frozenset({"object"})
+    return frozenset({"array"}) if kind == "array" else frozenset()
+
+
+def _literals_differ(a: Any, b: Any) -> bool:
+    texts_a, texts_b = _literal_texts(a), _literal_texts(b)
+    return texts_a is not None and texts_b is not None and not texts_a & texts_b
+
+
+def _literal_texts(schema: Any) -> set[str] | None:
+    if not isinstance(schema, dict):
+        return None
+    if "const" in schema:
+        return {json.dumps(schema["const"], sort_keys=True)}
+    if isinstance(schema.get("enum"), list):
+        return {json.dumps(v, sort_keys=True) for v in schema["enum"]}
+    return None
+
+
+def pattern_states(pattern: str) -> int:
+    """An upper bound on the parses a pattern's grammar follows at once (ValueError when its
+    groups nest deeper than llama.cpp and the converter should be asked to recurse)."""
+    body = pattern[1:-1] if len(pattern) >= 2 and pattern[0] == "^" and \
+        pattern[-1] == "$" else pattern
+    states, _, _, _ = _alternation(body, 0, 0)
+    return states
+
+
+# A parsed piece: (states, shortest length, longest length or None for unbounded, next i)
+_Piece = tuple[int, int, "int | None", int]
+
+
+def _alternation(p: str, i: int, depth: int) -> _Piece:
+    if depth > _MAX_GROUP_DEPTH:
+        raise ValueError(f"pattern groups nest deeper than {_MAX_GROUP_DEPTH}")
+    total, lo, hi, i = _sequence(p, i, depth)
+    while i < len(p) and p[i] == "|":
+        s, a, b, i = _sequence(p, i + 1, depth)
+        total, lo = total + s, min(lo, a)
+        hi = None if hi is None or b is None else max(hi, b)
+    return total, lo, hi, i
+
+
+def _sequence(p: str, i: int, depth: int) -> _Piece:
+    items: list[tuple[int, int, int | None]] = []
+    while i < len(p) and p[i] not in "|)":
+        s, lo, hi, i = _atom(p, i, depth)
+        s, lo, hi, i = _quantified(p, i, s, lo, hi)
+        items.append((s, lo, hi))
+    fixed = all(lo == hi for _, lo, hi in items)
+    states = max((s for s, _, _ in items), default=1) if fixed else sum(s for s, _, _ in items)
+    lo_sum = sum(lo for _, lo, _ in items)
+    hi_sum = None if any(hi is None for _, _, hi in items) else \
+        sum(hi for _, _, hi in items if hi is not None)
+    return max(states, 1), lo_sum, hi_sum, i
+
+
+def _atom(p: str, i: int, depth: int) -> _Piece:
+    c = p[i]
+    if c == "(":
+        s, lo, hi, i = _alternation(p, i + 1, depth + 1)
+        return s, lo, hi, i + 1  # past ')' (the converter refuses a missing one)
+    if c == "[":
+        i += 1
+        while i < len(p) and p[i] != "]":
+            i += 2 if p[i] == "\\" else 1
+        return 1, 1, 1, i + 1
+    if c == "\\":
+        return 1, 1, 1, i + 2
+    return 1, 1, 1, i + 1
+
+
+def _quantified(p: str, i: int, s: int, lo: int, hi: int | None
+                ) -> tuple[int, int, int | None, int]:
+    if i >= len(p) or p[i] not in "*+?{":
+        return s, lo, hi, i
+    varies = lo != hi
+    if p[i] == "{":
+        end = p.find("}", i)
+        if end < 0:
+            return s, lo, hi, len(p)
+        parts = [x.strip() for x in p[i + 1 : end].split(",")]
+        low = int(parts[0]) if parts[0].isdigit() else 0
+        high: int | None = low if len(parts) == 1 else (
+            int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None)
+        copies = high if high is not None else low + 1
+        states = s * max(copies, 1) if varies else s
+        return states, lo * low, None if hi is None or high is None else hi * high, end + 1
+    if p[i] == "?":
+        return s + 1, 0, hi, i + 1
+    return s + 1, (lo if p[i] == "+" else 0), None, i + 1

@@ -1,0 +1,380 @@
+"""Schemas a grammar cannot represent or afford are refused with a 400, and no grammar
+reaches llama.cpp unless its parser accepted it in a child process."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from edge_agent.engine import grammar_check
+from edge_agent.engine.grammar_check import CheckedGrammar, audit, check
+from edge_agent.engine.json_grammar import (
+    MAX_PROPERTIES,
+    MAX_REPETITION,
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_NODES,
+    convert,
+    schema_to_grammar,
+)
+from edge_agent.engine.request import SamplingParams
+from edge_agent.engine.runtime import Sampler
+from edge_agent.engine.structured import tool_call_schema
+from edge_agent.errors import EdgeAgentError, InvalidRequest
+from tests.conftest import DEFAULT_MODEL, LiveServer
+
+NUL_NAME = "a\u0000b"
+NUL_SCHEMA = {"type": "object", "properties": {NUL_NAME: {"type": "integer", "minimum": 0,
+                                                          "maximum": 9}},
+              "required": [NUL_NAME]}
+
+
+def _refused(schema: Any) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as err:
+        schema_to_grammar(schema, param="format")
+    return err.value
+
+
+def _rule(grammar: str, name: str) -> str:
+    return next(line for line in grammar.splitlines() if line.startswith(f"{name} ::= "))
+
+
+# --- text that llama.cpp would read as something else --------------------------------------
+
+
+def test_a_nul_in_a_property_name_becomes_a_json_escape_not_a_grammar_nul() -> None:
+    grammar = schema_to_grammar(NUL_SCHEMA, param="format")
+    assert isinstance(grammar, CheckedGrammar)
+    kv = next(line for line in grammar.splitlines() if "-kv ::= " in line)
+    # The model writes the six characters \u0000 inside the key, as JSON spells a NUL.
+    assert kv.split(" ::= ")[1].startswith(r'"\"a\\u0000b\""')
+
+
+def test_quotes_and_backslashes_in_constants_are_escaped_for_the_grammar() -> None:
+    grammar = convert({"enum": ['x"y', "a\\b"]}, param="format")
+    assert _rule(grammar, "root") == r'root ::= "\"x\\\"y\"" | "\"a\\\\b\""'
+    check(grammar, param="format")  # and llama.cpp's parser takes it
+
+
+@pytest.mark.parametrize(("grammar", "reason"), [
+    ('root ::= "a\\u0000b"', "U+0000"),            # the old output for a NUL property name
+    ('root ::= "a\\U00110000"', "U+110000"),
+    ("root ::= [\\x00]", "no character"),
+    ("root ::= [^\\x01-\\uD7FF\\uE000-\\U0010FFFF]", "every character"),
+    ("root ::= []", "empty"),
+    ('root ::= "\\d"', "escape"),
+    ('root ::= "a" # comment', "'#'"),
+    ("root ::= <[42]>", "'<'"),
+    ('root ::= "a', "not closed"),
+    ('root ::= "a\u0000"', "NUL"),
+    ('root ::= "\ud800"', "surrogate"),
+])
+def test_the_audit_refuses_what_no_token_can_spell_or_our_converter_never_writes(
+        grammar: str, reason: str) -> None:
+    with pytest.raises(grammar_check._Refused, match=re.escape(reason)):
+        audit(grammar)
+
+
+def test_a_pattern_that_would_put_a_nul_in_the_grammar_is_refused() -> None:
+    err = _refused({"type": "string", "pattern": "^a\\x00b$"})
+    assert err.param == "format" and "U+0000" in err.message
+
+
+# --- sizes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("schema", "param"), [
+    ({"type": "string", "minLength": 2**63}, "format.minLength"),
+    ({"type": "string", "maxLength": 2**63}, "format.maxLength"),
+    ({"type": "array", "items": {"type": "string"}, "maxItems": 2**63}, "format.maxItems"),
+    ({"type": "array", "items": {}, "minItems": 2**63}, "format.minItems"),
+    ({"type": "object", "properties": {"s": {"type": "string", "maxLength": MAX_REPETITION + 1}}},
+     "format.properties.s.maxLength"),
+    ({"type": "string", "pattern": "^a{9223372036854775808}$"}, "format.pattern"),
+    ({"type": "string", "pattern": "^(ab){2,1001}$"}, "format.pattern"),
+    ({"type": "string", "minLength": -1}, "format.minLength"),
+    ({"type": "string", "minLength": "5"}, "format.minLength"),
+    ({"type": "string", "minLength": 5, "maxLength": 4}, "format.minLength"),
+    ({"type": "integer", "maximum": float("inf")}, "format.maximum"),
+    ({"type": "integer", "minimum": float("nan")}, "format.minimum"),
+    ({"type": "integer", "minimum": 2**63}, "format"),
+    ({"type": "integer", "maximum": -(2**63)}, "format"),
+])
+def test_bounds_beyond_the_limits_are_refused_by_name(schema: dict[str, Any],
+                                                       param: str) -> None:
+    assert _refused(schema).param == param
+
+
+def test_a_repetition_at_the_limit_is_accepted() -> None:
+    schema_to_grammar({"type": "string", "minLength": 1, "maxLength": MAX_REPETITION},
+                      param="format")
+
+
+_HUGE = """
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from edge_agent.engine.json_grammar import convert
+from edge_agent.errors import InvalidRequest
+start = time.perf_counter()
+try:
+    convert({"type": "string", "minLength": 1000000000}, param="format")
+    out = {"error": None}
+except InvalidRequest as exc:
+    out = {"error": exc.param}
+except MemoryError:
+    out = {"error": "MemoryError"}
+out["seconds"] = time.perf_counter() - start
+print(json.dumps(out))
+"""
+
+
+def test_a_billion_character_minimum_is_refused_at_once_in_bounded_memory() -> None:
+    # In a child with 1 GiB of address space: unbounded, this schema takes ~25 GB.
+    done = subprocess.run([sys.executable, "-c", _HUGE], capture_output=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr.decode()[-400:]
+    result = json.loads(done.stdout)
+    assert result["error"] == "format.minLength"
+    assert result["seconds"] < 1.0
+
+
+def test_strings_with_the_same_bounds_share_one_rule() -> None:
+    schema = {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "maxLength": MAX_REPETITION} for i in range(50)}}
+    assert len(schema_to_grammar(schema, param="format")) < 16 * 1024
+
+
+def test_grammar_text_beyond_64_kib_is_refused() -> None:
+    err = _refused({"enum": [f"value-{i:06d}" for i in range(6000)]})
+    assert err.param == "format" and "65536" in err.message
+
+
+def test_properties_schemas_and_nesting_are_bounded() -> None:
+    many = {"type": "object", "properties": {f"p{i}": {"type": "string"}
+                                             for i in range(MAX_PROPERTIES + 1)}}
+    assert _refused(many).param == "format"
+    wide = {"type": "object", "properties": {
+        f"p{i}": {"anyOf": [{"type": "string"}] * 20} for i in range(MAX_SCHEMA_NODES // 20)}}
+    assert "schemas" in _refused(wide).message
+    assert "alternatives" in _refused({"anyOf": [{"type": "string"}] * 257}).message
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH + 1):
+        deep = {"type": "array", "items": deep}
+    assert "nests deeper" in _refused(deep).message
+
+
+def test_a_chain_of_refs_converts_each_target_once() -> None:
+    # Names the port had to rewrite ('a.0' -> 'a-0') made it convert every use again:
+    # 2^depth visits (18 levels: about half a minute). Each target is converted once now.
+    depth = 18
+    defs: dict[str, Any] = {f"a.{i}": {"type": "object", "properties": {
+        "x": {"$ref": f"#/$defs/a.{i + 1}"}, "y": {"$ref": f"#/$defs/a.{i + 1}"}}}
+        for i in range(depth)}
+    defs[f"a.{depth}"] = {"type": "string"}
+    schema = {"type": "object", "properties": {"r": {"$ref": "#/$defs/a.0"}}, "$defs": defs}
+    start = time.perf_counter()
+    grammar = convert(schema, param="format")
+    assert time.perf_counter() - start < 2.0
+    check(grammar, param="format")
+
+
+def test_recursive_refs_point_at_their_own_rule() -> None:
+    tree = {"type": "object", "properties": {"string": {"$ref": "#/$defs/string"}},
+            "$defs": {"string": {"type": "object", "properties": {
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/string"}, "maxItems": 2}}}}}
+    grammar = schema_to_grammar(tree, param="format")
+    ref_rule = next(line for line in grammar.splitlines() if line.startswith("ref-string "))
+    assert "object" not in ref_rule  # not the primitive rule that happens to share the name
+
+
+# --- parses llama.cpp follows at once ----------------------------------------------------
+
+
+def _arrays_union(item: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [{"type": "array", "items": item},
+                      {"type": "array", "items": item, "maxItems": 5}]}
+
+
+def test_a_recursive_union_that_doubles_llamas_work_per_level_is_refused() -> None:
+    # Sampled, each '[' the model wrote doubled the next token's time (20 s at depth 12).
+    schema = {"type": "object", "properties": {"r": {"$ref": "#/$defs/n"}},
+              "$defs": {"n": _arrays_union({"$ref": "#/$defs/n"})}}
+    assert "recursive $ref" in _refused(schema).message
+
+
+def test_nested_overlapping_unions_are_bounded_by_their_product() -> None:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(4):  # 2^4 = 16 parses at most: allowed
+        schema = _arrays_union(schema)
+    schema_to_grammar(schema, param="format")
+    err = _refused(_arrays_union(schema))  # 32
+    assert "32 parses" in err.message and err.param.startswith("format")
+
+
+def test_unions_that_part_before_nesting_cost_nothing() -> None:
+    # Many tools: every call opens with "name", but the constant names part them at once.
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {
+        "type": "object", "properties": {"q": {"type": "array", "items": {"type": "string"}}},
+        "required": ["q"]}}} for i in range(40)]
+    schema_to_grammar(tool_call_schema(tools, "auto"), param="tools")
+    # A recursive expression tree whose shapes open with different keys.
+    expr = {"anyOf": [
+        {"type": "object", "properties": {"op": {"enum": ["+", "*"]},
+                                          "args": {"type": "array",
+                                                   "items": {"$ref": "#/$defs/e"}}},
+         "required": ["op", "args"]},
+        {"type": "object", "properties": {"value": {"type": "integer"}}, "required": ["value"]},
+    ]}
+    schema_to_grammar({"$defs": {"e": expr}, "type": "object",
+                       "properties": {"e": {"$ref": "#/$defs/e"}}}, param="format")
+
+
+def test_a_named_property_that_is_also_an_additional_one_counts_twice() -> None:
+    node = {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+            "additionalProperties": {"$ref": "#/$defs/n"}}
+    schema = {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}},
+              "$defs": {"n": node}}
+    assert "recursive $ref" in _refused(schema).message
+    flat = {"type": "object", "properties": {"c": {"type": "string"}},
+            "additionalProperties": {"type": "string"}}
+    schema_to_grammar(flat, param="format")
+
+
+@pytest.mark.parametrize(("pattern", "ok"), [
+    ("^(a?){30}$", False),
+    ("^((a|aa){5}){5}$", False),
+    ("^(" * 40 + "a" + ")" * 40 + "$", False),
+    ("^([0-9]{1,3}[.]){3}[0-9]{1,3}$", True),
+    ("^[a-z]{1,64}(-[a-z]{1,64})*$", True),
+])
+def test_patterns_that_match_one_text_many_ways_are_bounded(pattern: str, ok: bool) -> None:
+    schema = {"type": "string", "pattern": pattern}
+    if ok:
+        schema_to_grammar(schema, param="format")
+    else:
+        assert _refused(schema).param == "format.pattern"
+
+
+# --- shapes the converter used to crash on (500) ------------------------------------------
+
+
+@pytest.mark.parametrize(("schema", "param"), [
+    ({"type": "object", "properties": {"a": 5}}, "format.properties.a"),
+    ({"type": "object", "properties": []}, "format.properties"),
+    ({"allOf": [1]}, "format.allOf.0"),
+    ({"anyOf": []}, "format.anyOf"),
+    ({"enum": []}, "format.enum"),
+    ({"type": 5}, "format.type"),
+    ({"type": "array", "items": "string"}, "format.items"),
+])
+def test_malformed_schemas_are_400s_naming_the_node(schema: dict[str, Any],
+                                                    param: str) -> None:
+    assert _refused(schema).param == param
+
+
+def test_properties_named_like_keywords_are_plain_properties() -> None:
+    schema = {"type": "object", "properties": {"format": {"enum": ["c", "f"]},
+                                               "minimum": {"type": "integer"},
+                                               "not": {"type": "boolean"}}}
+    grammar = schema_to_grammar(schema, param="format")
+    assert r'"\"format\""' in grammar and r'"\"not\""' in grammar
+
+
+def test_the_clients_schema_is_not_rewritten() -> None:
+    schema = {"type": "object", "properties": {"r": {"$ref": "#/$defs/d"}},
+              "$defs": {"d": {"type": "string"}}}
+    before = json.dumps(schema)
+    schema_to_grammar(schema, param="format")
+    assert json.dumps(schema) == before
+    schema_to_grammar(schema, param="format")  # and a second conversion still resolves
+
+
+def test_a_tools_schema_is_refused_naming_its_tool() -> None:
+    tools = [
+        {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "bad", "parameters": {
+            "type": "object", "properties": {"s": {"type": "string", "minLength": 2**63}}}}},
+    ]
+    with pytest.raises(InvalidRequest) as err:
+        tool_call_schema(tools, "auto")
+    assert err.value.param == "tools.1.function.parameters.properties.s.minLength"
+    tool_call_schema(tools, "ok")  # a named choice leaves the other tool out of the grammar
+
+
+# --- the child-process check ----------------------------------------------------------------
+
+
+def test_llama_cpp_refusals_and_crashes_in_the_child_are_400s_and_cached(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    err = pytest.raises(InvalidRequest, check, "root ::= undefined-rule", param="format")
+    assert "undefined-rule" in err.value.message
+    calls = []
+    real_run = subprocess.run
+
+    def counting_run(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(grammar_check, "_CHILD", "import os, resource\n"
+                        "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\nos.abort()")
+    monkeypatch.setattr(grammar_check.subprocess, "run", counting_run)
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="crashed"):
+            check('root ::= "crash-me"', param="response_format.json_schema.schema")
+    assert len(calls) == 1  # the verdict is cached
+
+
+def test_the_sampler_takes_only_checked_grammars() -> None:
+    with pytest.raises(EdgeAgentError, match="unchecked"):
+        Sampler.build(None, SamplingParams(), 'root ::= "a"')  # type: ignore[arg-type]
+
+
+# --- live, both dialects --------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_nul_property_name_is_served_in_both_dialects(live_server: LiveServer) -> None:
+    messages = [{"role": "user", "content": "Pick a digit."}]
+    r = httpx.post(f"{live_server.openai_url}/chat/completions", timeout=120, json={
+        "model": DEFAULT_MODEL, "messages": messages, "max_tokens": 24, "temperature": 0,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "d", "schema": NUL_SCHEMA}}})
+    assert r.status_code == 200, r.text
+    assert list(json.loads(r.json()["choices"][0]["message"]["content"])) == [NUL_NAME]
+    r = httpx.post(f"{live_server.ollama_url}/api/chat", timeout=120, json={
+        "model": DEFAULT_MODEL, "messages": messages, "stream": False, "format": NUL_SCHEMA,
+        "options": {"temperature": 0, "num_predict": 24}})
+    assert r.status_code == 200, r.text
+    assert list(json.loads(r.json()["message"]["content"])) == [NUL_NAME]
+
+
+@pytest.mark.integration
+def test_out_of_range_schemas_are_400s_in_both_dialects(live_server: LiveServer) -> None:
+    huge = {"type": "array", "items": {"type": "string"}, "maxItems": 2**63}
+    messages = [{"role": "user", "content": "Hi"}]
+    r = httpx.post(f"{live_server.openai_url}/chat/completions", timeout=60, json={
+        "model": DEFAULT_MODEL, "messages": messages, "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": huge}}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format.json_schema.schema.maxItems"
+    r = httpx.post(f"{live_server.ollama_url}/api/generate", timeout=60, json={
+        "model": DEFAULT_MODEL, "prompt": "Hi", "stream": False,
+        "format": {"type": "string", "minLength": 2**63}})
+    assert r.status_code == 400 and "minLength" in r.json()["error"]
+    r = httpx.post(f"{live_server.openai_url}/chat/completions", timeout=60, json={
+        "model": DEFAULT_MODEL, "messages": messages, "max_tokens": 8, "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"q": {"type": "string",
+                                                       "pattern": "^\\x00$"}}}}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    # and the server still generates
+    r = httpx.post(f"{live_server.ollama_url}/api/generate", timeout=120, json={
+        "model": DEFAULT_MODEL, "prompt": "Hi", "stream": False,
+        "options": {"num_predict": 4}})
+    assert r.status_code == 200, r.text
