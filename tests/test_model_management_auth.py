@@ -113,6 +113,16 @@ def test_delete_needs_an_operator_and_never_takes_the_default_model(
 
 
 @pytest.mark.integration
+def test_pull_needs_an_operator(managed: tuple[LiveServer, dict[str, str]]) -> None:
+    live, keys = managed
+    body = {"model": DEFAULT_MODEL, "stream": False}
+    _operator_refusal(_call(live, keys["shop"], "POST", "/api/pull", body))
+    _operator_refusal(_call(live, keys["beta"], "POST", "/api/pull", {"model": "nope:1"}))
+    ok = _call(live, keys["ops"], "POST", "/api/pull", body)
+    assert ok.status_code == 200 and ok.json() == {"status": "success"}
+
+
+@pytest.mark.integration
 def test_show_outside_the_scope_is_403_whether_or_not_the_model_exists(
         managed: tuple[LiveServer, dict[str, str]]) -> None:
     live, keys = managed

@@ -7,6 +7,7 @@ that would change behaviour and are not supported are refused by name, never ign
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -19,6 +20,7 @@ from starlette.background import BackgroundTask
 from edge_agent import __version__
 from edge_agent.api.auth import authenticate
 from edge_agent.api.body import apply_controls, read_json, validate
+from edge_agent.api.pull import catalog_installs, pull_progress
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.engine.catalog import InstalledModel, normalize_name
 from edge_agent.engine.registry import FOREVER, LoadedModel, parse_keep_alive
@@ -30,8 +32,15 @@ from edge_agent.engine.request import (
     TokenEvent,
 )
 from edge_agent.engine.structured import ANY_JSON_OBJECT
-from edge_agent.errors import InvalidRequest, ServiceUnavailable, UnsupportedParameter
+from edge_agent.errors import (
+    EdgeAgentError,
+    InvalidRequest,
+    ServiceUnavailable,
+    UnsupportedParameter,
+)
 from edge_agent.governance.tenants import TenantContext
+
+log = logging.getLogger(__name__)
 
 # The Ollama API level these endpoints follow; clients gate features on it.
 OLLAMA_API_VERSION = "0.12.0"
@@ -60,7 +69,7 @@ class Options(_Body):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: list[str] | str | None = None
-    num_ctx: int | None = Field(None, gt=0)
+    num_ctx: int | None = Field(None, gt=0)  # any size: the box serves its configured one
     # Accepted only at values that change nothing here.
     num_keep: int | None = None  # no context shifting happens, so nothing to keep
     penalize_newline: bool | None = None  # Ollama itself ignores it
@@ -157,6 +166,11 @@ class ModelRef(_Body):
         return self.model or self.name or ""
 
 
+class PullBody(ModelRef):
+    insecure: bool | None = None  # no registry is contacted: nothing to trust or not
+    stream: bool = True
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
@@ -215,7 +229,9 @@ def _stats(done: DoneEvent) -> dict[str, Any]:
         "done_reason": "stop" if done.reason == "tool_calls" else done.reason,
         "total_duration": t.total_ns,
         "load_duration": t.load_ns,
-        "prompt_eval_count": u.prompt_tokens - u.cached_tokens,
+        # The whole prompt, as Ollama's runner counts it, reused cache or not: clients
+        # take it as the request's input tokens.
+        "prompt_eval_count": u.prompt_tokens,
         "prompt_eval_duration": t.prompt_ns,
         "eval_count": u.completion_tokens,
         "eval_duration": t.eval_ns,
@@ -460,14 +476,26 @@ async def show(request: Request, parts: Parts) -> dict[str, Any]:
     info: dict[str, Any] = {"general.architecture": m.architecture,
                             "general.parameter_count": m.parameter_size}
     if m.context_length:
-        info[f"{m.architecture}.context_length"] = m.context_length
+        info[f"{m.architecture}.context_length"] = m.context_length  # trained
     if m.embedding_length:
         info[f"{m.architecture}.embedding_length"] = m.embedding_length
+    served = _served_context(request, parts, m)
+    info["edge.served_context_length"] = served
+    params = "\n".join(filter(None, [params, f"num_ctx {served}"]))
     capabilities = ["completion", "embedding"] + (["tools"] if m.chat_template else [])
     return {"license": m.license, "modelfile": f"# source: {m.origin}\nFROM {m.name}\n",
             "parameters": params, "template": m.chat_template or "", "details": _details(m),
             "model_info": info, "capabilities": capabilities,
             "modified_at": _iso(m.installed_at)}
+
+
+def _served_context(request: Request, parts: AppParts, m: InstalledModel) -> int:
+    """The context this caller's requests get: the model's window on this box, capped by
+    the tenant's `max_context_tokens`."""
+    served = parts.registry.served_context(m)
+    tenant = getattr(request.state, "tenant", None)
+    cap = tenant.policy.max_context_tokens if tenant is not None else None
+    return min(served, cap) if cap else served
 
 
 def _ps_row(m: LoadedModel) -> dict[str, Any]:
@@ -495,3 +523,27 @@ async def delete(request: Request, parts: Parts) -> Response:
                                  retry_after=1.0)
     parts.store.remove(name)
     return Response(status_code=200)
+
+
+@router.post("/api/pull")
+async def pull(request: Request, parts: Parts) -> Response:
+    body = validate(PullBody, await read_json(request, parts.settings.server.max_body_bytes))
+    _tenant(request).check_manage(f"pulling '{normalize_name(body.ref)}'")
+    install = catalog_installs(request.app, parts.store).start(body.ref)  # 404 first
+    progress = pull_progress(parts.store, install, body.ref)
+    if not body.stream:
+        async for _ in progress:
+            pass
+        return JSONResponse({"status": "success"})
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            async for obj in progress:
+                yield (json.dumps(obj) + "\n").encode()
+        except EdgeAgentError as exc:
+            yield (json.dumps({"error": exc.message}) + "\n").encode()
+        except Exception:  # the stream still ends with an error object, not a cut
+            log.exception("pull of %s failed", body.ref)
+            yield b'{"error": "internal server error"}\n'
+
+    return StreamingResponse(lines(), media_type=NDJSON)

@@ -173,10 +173,19 @@ class ModelRegistry:
             override.n_gpu_layers if override.n_gpu_layers is not None else rt.n_gpu_layers)
         threads = override.threads or rt.threads or default_threads()
         parallel = override.parallel or rt.parallel
-        n_ctx = override.context_length or rt.context_length
-        if info.context_length:
-            n_ctx = min(n_ctx, info.context_length)
+        n_ctx = self._planned_context(info)
         return gpu, threads, parallel, n_ctx, min(rt.batch_size, n_ctx)
+
+    def _planned_context(self, info: InstalledModel) -> int:
+        n_ctx = self.settings.model_override(info.name).context_length or \
+            self.settings.runtime.context_length
+        return min(n_ctx, info.context_length) if info.context_length else n_ctx
+
+    def served_context(self, info: InstalledModel) -> int:
+        """Tokens per request the box serves `info` with: the loaded model's window, or
+        what a load would give it (the configured context, capped by the trained one)."""
+        loaded = self._loaded.get(info.name)
+        return loaded.worker.n_ctx if loaded is not None else self._planned_context(info)
 
     async def _make_room(self, key: str, need: int) -> None:
         limit = self.settings.runtime.max_loaded_models

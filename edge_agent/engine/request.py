@@ -51,7 +51,7 @@ class GenerationRequest:
     schema_param: str = "format"  # how the dialect names it, for errors
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool objects
     tool_choice: ToolChoice = "auto"
-    num_ctx: int | None = None
+    num_ctx: int | None = None  # Ollama's load-time size, as sent; the box's context applies
     priority: Literal["interactive", "batch"] | None = None  # None: the tenant's default
     dialect: str = ""  # "openai" or "ollama", for metrics and logs
     tenant: TenantContext | None = None

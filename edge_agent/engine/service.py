@@ -59,10 +59,12 @@ class PreparedGeneration:
     truncated_tokens: int = 0
     clamped_to: int | None = None
     released: bool = False
+    context: int = 0  # the context window this request is served with, in tokens
 
     def headers(self) -> dict[str, str]:
-        """Governance made the request smaller than asked: say so (both dialects)."""
-        out = {}
+        """The context served, and where governance made the request smaller than asked,
+        that too (both dialects)."""
+        out = {"X-Edge-Context": str(self.context)} if self.context else {}
         if self.truncated_tokens:
             out["X-Edge-Truncated"] = str(self.truncated_tokens)
         if self.clamped_to is not None:
@@ -127,13 +129,10 @@ class GenerationService:
 
         tool_mode = bool(req.tools) and req.tool_choice != "none"
 
+        # Ollama's num_ctx sizes a model at load time; clients send back whatever /api/show
+        # reported. The box serves the context it is configured for (X-Edge-Context says
+        # which) and refuses only a prompt that does not fit in it.
         window = model.worker.n_ctx
-        if req.num_ctx is not None:
-            if req.num_ctx > window:
-                raise InvalidRequest(
-                    f"num_ctx {req.num_ctx} exceeds this model's context of {window} tokens",
-                    param="options.num_ctx")
-            window = req.num_ctx
         policy = req.tenant.policy if req.tenant is not None else None
         ceiling = policy.max_output_tokens if policy else None
         if policy and policy.max_context_tokens and policy.max_context_tokens < window:
@@ -177,7 +176,7 @@ class GenerationService:
         return PreparedGeneration(model=model, request=req, job=job, tool_mode=tool_mode,
                                   events=asyncio.Queue(), deadline=deadline,
                                   truncated_tokens=truncated,
-                                  clamped_to=max_tokens if clamped else None)
+                                  clamped_to=max_tokens if clamped else None, context=window)
 
     def _tokens(self, req: GenerationRequest, model: LoadedModel, tool_mode: bool
                 ) -> list[int]:

