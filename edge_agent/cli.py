@@ -100,9 +100,8 @@ def main() -> None:
 def serve(ctx: click.Context, config: Path | None, state_dir: Path | None, host: str | None,
           port: int | None, log_level: str | None) -> None:
     """Serve both API dialects on one port."""
-    import uvicorn
-
     from edge_agent.app import create_app
+    from edge_agent.server import serve as run_server
 
     settings = _settings(ctx, state_dir=state_dir, log_level=log_level,
                          **{"server.host": host, "server.port": port})
@@ -112,9 +111,9 @@ def serve(ctx: click.Context, config: Path | None, state_dir: Path | None, host:
         _fail(f"refusing to listen on {settings.server.host}: no API key exists, so only a "
               "loopback address is allowed (edge-agent keys create --tenant NAME)", EXIT_USAGE)
     configure_logging(settings.log_level, settings.log_format)
-    uvicorn.run(create_app(settings), host=settings.server.host, port=settings.server.port,
-                log_level=settings.log_level, log_config=None, access_log=False,
-                timeout_graceful_shutdown=10)
+    if not run_server(create_app(settings), settings):
+        _fail(f"the server did not start on {settings.server.host}:{settings.server.port} "
+              "(see the log above)")
 
 
 @main.group()

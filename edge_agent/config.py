@@ -38,6 +38,30 @@ class ServerSettings(_Section):
     metrics_key: str | None = Field(
         None, description="Bearer key for /metrics from other hosts (loopback needs none)."
     )
+    header_timeout_s: float = Field(
+        10.0, gt=0,
+        description="A request's head (request line and headers) must arrive in full within "
+        "this many seconds of the connection opening, or of its first byte after a "
+        "keep-alive pause; else 408 and the connection is closed.",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0,
+        description="A request's body must arrive in full within this many seconds of its "
+        "head; else 408 and the connection is closed.",
+    )
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="An idle keep-alive connection is closed after this long."
+    )
+    stall_timeout_s: float = Field(
+        30.0, gt=0,
+        description="A client that takes none of the bytes owed to it (a stream it stopped "
+        "reading) for this long is disconnected, and its generation cancelled.",
+    )
+    max_connections: int = Field(
+        128, ge=1,
+        description="Open connections at most; a request on a connection beyond gets 503 "
+        "(Retry-After) and the connection is closed.",
+    )
 
 
 class TenantPolicy(_Section):

@@ -11,6 +11,7 @@
     ├── RateLimited                      429 (Retry-After)
     ├── ServiceUnavailable               503 (Retry-After): queue full, model loading
     ├── RequestTimeout                   504
+    ├── BodyTimeout                      408 the request body did not arrive in time
     └── ModelFileError                   a model file is missing, corrupt or not GGUF
             (500 when met while serving; the CLI reports it as a failed check)
 
@@ -89,6 +90,14 @@ class RequestTimeout(EdgeAgentError):
     status_code = 504
     error_type = "timeout_error"
     code = "timeout"
+
+
+class BodyTimeout(EdgeAgentError):
+    """The client's fault, not the server's: its body was too slow (`server.body_timeout_s`)."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class ModelFileError(EdgeAgentError):

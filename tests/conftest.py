@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from edge_agent.app import create_app
 from edge_agent.config import Settings, load_settings
 from edge_agent.engine.catalog import ModelStore
+from edge_agent.server import uvicorn_config
 
 DEFAULT_MODEL = "smollm2:135m"
 # The default model's end-of-generation tokens, biased away where a test needs a long output.
@@ -79,9 +80,7 @@ class LiveServer:
 def start_server(settings: Settings, *, wait_for_model: str | None = DEFAULT_MODEL,
                  preload: bool = True) -> LiveServer:
     app = create_app(settings, preload=preload)
-    config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
-                            log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, settings, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
