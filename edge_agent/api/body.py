@@ -2,12 +2,22 @@
 
 Bodies are parsed here rather than by FastAPI so that every failure is a 400 (or 413) in
 the dialect's own shape, naming the offending parameter — never FastAPI's 422 body.
+
+Past JSON syntax, a body must also be data every later layer can handle, so these are
+refused here, once, for every endpoint: nesting deeper than `MAX_JSON_DEPTH` (deep enough
+for any real schema; far deeper breaks recursive code — the JSON parser itself gives up at
+about 1,000), lone UTF-16 surrogates in any string or key (`"\\ud800"` decodes to text
+that cannot be encoded as UTF-8 for the tokenizer, a file name or the ledger), integers
+outside the signed 64-bit range and the non-finite numbers JSON does not have (`NaN`,
+`Infinity`, or `1e400`, which Python reads as infinity).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+import math
+import re
+from typing import Any, NoReturn, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -16,6 +26,28 @@ from edge_agent.engine.request import GenerationRequest
 from edge_agent.errors import InvalidRequest, PayloadTooLarge
 
 M = TypeVar("M", bound=BaseModel)
+
+MAX_JSON_DEPTH = 64  # objects and arrays inside one another; the body itself is level 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_INT_DIGITS = 20  # longer integer literals are refused before Python converts them
+_SURROGATE = re.compile("[\ud800-\udfff]")  # after decoding, valid pairs are one character
+_LONG_INT = re.compile(rb"[0-9]{19}")  # no shorter literal can leave the 64-bit range
+_TIMEOUT_MS = re.compile(r"[0-9]{1,15}")  # ASCII digits only: int() also takes "١٢" and "²"
+
+
+class _NotJson(ValueError):
+    """A literal Python's parser accepts but JSON does not have (NaN, Infinity, a 5,000-digit
+    integer that Python would refuse to convert with a bare ValueError)."""
+
+
+def _parse_constant(name: str) -> Any:
+    raise _NotJson(f"{name} is not a JSON value")
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits) > _INT_DIGITS:
+        raise _NotJson(f"an integer of {len(digits)} digits is out of range")
+    return int(digits)
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -30,12 +62,65 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if not body.strip():
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json.loads(body, parse_constant=_parse_constant, parse_int=_parse_int)
+    except RecursionError as exc:
+        raise InvalidRequest(
+            f"request body nests deeper than {MAX_JSON_DEPTH} levels") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, _NotJson
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
+    check_values(data, ints=_LONG_INT.search(body) is not None)
     return data
+
+
+def check_values(data: dict[str, Any], *, ints: bool = True) -> None:
+    """Refuses what parses as JSON but no later layer can take (see the module docstring),
+    naming the parameter as `validate` does (`messages.0.content`). Iterative, so that
+    depth costs no recursion, and linear in the size of the body. `ints=False` skips the
+    64-bit check (the caller knows no literal is long enough to need it)."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels "
+                                 f"(in '{path[0]}')", param=_param(path[:1]))
+        if type(value) is list and set(map(type, value)) == {int}:  # token ids, fast
+            if ints and not (INT64_MIN <= min(value) and max(value) <= INT64_MAX):
+                bad = next(i for i, x in enumerate(value) if not INT64_MIN <= x <= INT64_MAX)
+                _refuse((*path, bad), "integers must fit in 64 bits")
+            continue
+        items = value.items() if type(value) is dict else enumerate(value)
+        for key, item in items:
+            if type(key) is str and _SURROGATE.search(key):
+                raise InvalidRequest(
+                    f"a key in {_name(path)} is not valid Unicode (a lone surrogate)",
+                    param=_param(path))
+            kind = type(item)
+            if kind is str:
+                if _SURROGATE.search(item):
+                    _refuse((*path, key), "text must be valid Unicode (a lone surrogate was "
+                            "found)")
+            elif kind is dict or kind is list:
+                if item:
+                    stack.append((item, (*path, key)))
+            elif kind is int:
+                if ints and not INT64_MIN <= item <= INT64_MAX:
+                    _refuse((*path, key), "integers must fit in 64 bits")
+            elif kind is float and not math.isfinite(item):
+                _refuse((*path, key), "numbers must be finite")
+
+
+def _refuse(path: tuple[str | int, ...], why: str) -> NoReturn:
+    raise InvalidRequest(f"invalid value for '{_param(path)}': {why}", param=_param(path))
+
+
+def _param(path: tuple[str | int, ...]) -> str | None:
+    return ".".join(str(p) for p in path) or None
+
+
+def _name(path: tuple[str | int, ...]) -> str:
+    return f"'{_param(path)}'" if path else "the request body"
 
 
 def validate(model: type[M], data: dict[str, Any]) -> M:
@@ -68,8 +153,9 @@ def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | N
     header = request.headers.get("x-timeout-ms")
     values = [timeout_ms] if timeout_ms else []
     if header is not None:
-        if not header.strip().isdigit() or int(header) <= 0:
-            raise InvalidRequest("X-Timeout-Ms must be a positive whole number",
+        if not _TIMEOUT_MS.fullmatch(header.strip()) or int(header) <= 0:
+            raise InvalidRequest("X-Timeout-Ms must be a positive whole number of "
+                                 "milliseconds (ASCII digits, at most 15)",
                                  param="X-Timeout-Ms")
         values.append(int(header))
     if values:

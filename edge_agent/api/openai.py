@@ -335,7 +335,8 @@ async def completions(request: Request, parts: Parts) -> Response:
     for p in prompts:
         req = GenerationRequest(model=body.model, raw=True, max_tokens=body.max_tokens,
                                 prompt=p if isinstance(p, str) else "",
-                                context_tokens=[] if isinstance(p, str) else p)
+                                context_tokens=[] if isinstance(p, str) else p,
+                                context_param="prompt")
         _common(body, req)
         apply_controls(request, req, body.timeout_ms)
         requests.append(req)

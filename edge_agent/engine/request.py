@@ -44,6 +44,7 @@ class GenerationRequest:
     raw: bool = False
     system: str | None = None  # Ollama /api/generate's system prompt
     context_tokens: list[int] = field(default_factory=list)  # Ollama's `context`
+    context_param: str = "context"  # how the dialect names context_tokens, for errors
     sampling: dict[str, Any] = field(default_factory=dict)  # only what the client set
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)

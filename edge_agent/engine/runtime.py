@@ -25,6 +25,9 @@ from edge_agent.errors import EdgeAgentError, InvalidRequest, ModelFileError
 
 log = logging.getLogger("edge_agent.llama")
 
+# Token kinds that only special-token parsing produces from text (see special_texts).
+_FORGEABLE = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN
+
 # ggml's levels (1 DEBUG … 4 ERROR, 5 = continuation); llama.cpp's INFO chatter goes to DEBUG.
 _LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
 
@@ -116,9 +119,16 @@ class LlamaModel:
         self.bos = int(ll.llama_vocab_bos(self.vocab))
         self.eos = int(ll.llama_vocab_eos(self.vocab))
         self._pieces: dict[int, bytes] = {}
+        self._special_starts = self._forgeable_starts()
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode("utf-8")
+        """`parse_special`: text such as `<|im_end|>` becomes that control token. Only for
+        text the server or the caller's raw prompt wrote, never for message contents."""
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate; the API refuses them earlier
+            raise InvalidRequest("the prompt is not valid Unicode (a lone surrogate)",
+                                 param="prompt") from exc
         capacity = len(data) + 8
         while True:
             buf = (ll.llama_token * capacity)()
@@ -132,6 +142,32 @@ class LlamaModel:
         if len(tokens) >= 2 and tokens[0] == tokens[1] == self.bos:
             tokens = tokens[1:]
         return tokens
+
+    def special_texts(self, text: str) -> set[str]:
+        """The texts in `text` that tokenizing with `parse_special` would turn into control
+        (or unknown) tokens: what a client could forge by typing them. Exactly the texts
+        llama.cpp matched, taken from the vocabulary, not a list of known markers."""
+        if not any(c in text for c in self._special_starts):
+            return set()  # most text: no second tokenization
+        forged = set()
+        for token in self.tokenize(text, add_special=False, parse_special=True):
+            if ll.llama_vocab_get_attr(self.vocab, token) & _FORGEABLE:
+                forged.add(ll.llama_vocab_get_text(self.vocab, token).decode(
+                    "utf-8", errors="replace"))
+        forged.discard("")
+        return forged
+
+    def _forgeable_starts(self) -> str:
+        """The first characters of every control or unknown token's text ("<" for ChatML
+        and Gemma): text without any of them cannot hold one. A scan of the vocabulary,
+        once per load (~0.1 s for Gemma's 262,144 tokens)."""
+        starts = set()
+        for token in range(self.n_vocab):
+            if ll.llama_vocab_get_attr(self.vocab, token) & _FORGEABLE:
+                text = ll.llama_vocab_get_text(self.vocab, token).decode("utf-8", "replace")
+                starts.add(text[:1])
+        starts.discard("")
+        return "".join(sorted(starts))
 
     def piece(self, token: int) -> bytes:
         cached = self._pieces.get(token)

@@ -28,6 +28,7 @@ from edge_agent.engine.request import (
     SamplingParams,
     TokenEvent,
 )
+from edge_agent.engine.runtime import LlamaModel
 from edge_agent.engine.scheduler import EmbeddingJob, GenerationJob, ThreadEmitter
 from edge_agent.engine.structured import (
     parse_tool_output,
@@ -35,6 +36,7 @@ from edge_agent.engine.structured import (
     tool_instructions,
     with_tool_messages,
 )
+from edge_agent.engine.templates import Piece
 from edge_agent.errors import (
     ContextLengthExceeded,
     EdgeAgentError,
@@ -147,6 +149,7 @@ class GenerationService:
                     "output tokens", param=req.max_tokens_param)
             requested, clamped = ceiling, True
         reserve = requested if requested is not None else 1
+        sampling = _bounded(sampling, model.worker.model.n_vocab, window)
         tokens = self._tokens(req, model, tool_mode)
         truncated = 0
         if len(tokens) + reserve > window and policy is not None and \
@@ -180,9 +183,18 @@ class GenerationService:
 
     def _tokens(self, req: GenerationRequest, model: LoadedModel, tool_mode: bool
                 ) -> list[int]:
-        text = self._prompt_text(req, model, tool_mode)
-        tokens = list(req.context_tokens) + model.worker.model.tokenize(
-            text, add_special=not req.context_tokens, parse_special=True)
+        """The prompt's tokens: the caller's own token ids (OpenAI's token prompt, Ollama's
+        `context`), checked against the vocabulary before anything is queued, then the
+        text, tokenized piece by piece (see `_prompt_pieces`)."""
+        llama = model.worker.model
+        tokens = list(req.context_tokens)
+        if len(tokens) >= model.worker.n_ctx:
+            raise ContextLengthExceeded(
+                f"{req.context_param} holds {len(tokens)} tokens; the context window is "
+                f"{model.worker.n_ctx} tokens", param=req.context_param)
+        check_token_ids(tokens, llama.n_vocab, req.context_param)
+        tokens += tokenize_pieces(llama, self._prompt_pieces(req, model, tool_mode),
+                                  add_special=not tokens)
         if not tokens:
             raise InvalidRequest("the prompt is empty", param="prompt")
         return tokens
@@ -204,11 +216,17 @@ class GenerationService:
                                   tool_mode)
         return tokens, original - len(tokens)
 
-    def _prompt_text(self, req: GenerationRequest, model: LoadedModel, tool_mode: bool) -> str:
+    def _prompt_pieces(self, req: GenerationRequest, model: LoadedModel, tool_mode: bool
+                       ) -> list[Piece]:
+        """The prompt as (text, parse_special) pieces. A raw prompt (`raw`, OpenAI's
+        completions, a model without a template) is the caller's own text: its special-token
+        text is parsed, as llama.cpp's and Ollama's servers do. Through the template, only
+        the template's markers are: what the client wrote is never parsed as control tokens
+        (see `ChatTemplate.render_pieces`)."""
         if req.messages is None:
             prompt = req.prompt or ""
             if req.raw or model.template is None:
-                return prompt
+                return [(prompt, True)]
             messages: list[dict[str, Any]] = []
             if req.system:
                 messages.append({"role": "system", "content": req.system})
@@ -225,7 +243,8 @@ class GenerationService:
                 keep_tool_role=model.template.knows_tool_role)
         else:
             messages = [m for m in messages]
-        return model.template.render(messages)
+        return model.template.render_pieces(messages,
+                                            find_special=model.worker.model.special_texts)
 
     async def stream(self, prepared: PreparedGeneration) -> AsyncIterator[Event]:
         """Runs the job; the events end with exactly one DoneEvent or ErrorEvent.
@@ -400,6 +419,39 @@ class GenerationService:
         return dataclasses.replace(
             result, timings=dataclasses.replace(result.timings, load_ns=load_ns,
                                                 total_ns=result.timings.total_ns + load_ns))
+
+
+def _bounded(sampling: SamplingParams, n_vocab: int, window: int) -> SamplingParams:
+    """Sampler settings as llama.cpp can take them: logit_bias ids in the vocabulary;
+    top_k at most the vocabulary (beyond, it would wrap around in int32); repeat_last_n at
+    most the window, and -1 the window (Ollama's "num_ctx"): llama.cpp allocates that many
+    tokens per request (2^28 took 1 GB) and reads -1 as "off"."""
+    check_token_ids([t for t, _ in sampling.logit_bias], n_vocab, "logit_bias")
+    last_n = sampling.repeat_last_n
+    return dataclasses.replace(
+        sampling, top_k=min(sampling.top_k, n_vocab),
+        repeat_last_n=window if last_n < 0 or last_n > window else last_n)
+
+
+def tokenize_pieces(llama: LlamaModel, pieces: list[Piece], *, add_special: bool
+                    ) -> list[int]:
+    """The tokens of a prompt's pieces in order, each with its own `parse_special`; BOS (if
+    the model wants one) only before the first. One piece: exactly the one-string path."""
+    tokens: list[int] = []
+    for i, (text, special) in enumerate(pieces):
+        if text or i == 0:  # an empty prompt alone still gets its BOS, as always
+            tokens += llama.tokenize(text, add_special=add_special, parse_special=special)
+            add_special = False
+    return tokens
+
+
+def check_token_ids(tokens: list[int], n_vocab: int, param: str) -> None:
+    """Token ids from a client must index the vocabulary: one outside it reaches llama.cpp
+    as an out-of-bounds read, one past int32 cannot even be put in a batch."""
+    if tokens and (min(tokens) < 0 or max(tokens) >= n_vocab):
+        bad = next(t for t in tokens if not 0 <= t < n_vocab)
+        raise InvalidRequest(f"{param} holds token id {bad}, outside this model's vocabulary "
+                             f"(0 to {n_vocab - 1})", param=param)
 
 
 def _structured_failure(prepared: PreparedGeneration, event: DoneEvent) -> bool:
