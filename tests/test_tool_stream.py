@@ -51,6 +51,12 @@ def test_a_call_is_announced_by_name_then_its_arguments_follow(step: int) -> Non
     assert answer.calls[0].id == reader.call_id and answer.calls[0].arguments["a"] == 1
 
 
+def test_a_lone_surrogate_in_arguments_cannot_break_the_response() -> None:
+    _, reader = _feed('{"tool_call": {"name": "add", "arguments": {"s": "a\\ud800b"}}}', 5)
+    args = reader.finish().calls[0].arguments
+    assert args == {"s": "a?b"} and json.dumps(args, ensure_ascii=False).encode()
+
+
 @pytest.mark.parametrize("step", [1, 2, 5])
 def test_a_plain_answer_streams_as_text_whole_characters_only(step: int) -> None:
     text = '{"response": "caf\\u00e9 \\ud83d\\ude00 \\"q\\"\\n"}'

@@ -190,8 +190,10 @@ class ToolAnswerReader:
         return ToolAnswer("", (), False)
 
     def _call(self, name: object, arguments: object) -> ToolCall:
-        return ToolCall(id=self.call_id, name=str(name or ""),
-                        arguments=arguments if isinstance(arguments, dict) else {})
+        args: dict[str, Any] = arguments if isinstance(arguments, dict) else {}
+        if "\\u" in self._text:  # an escaped lone surrogate would not encode as UTF-8
+            args = json.loads(_clean(json.dumps(args, ensure_ascii=False)))
+        return ToolCall(id=self.call_id, name=_clean(str(name or "")), arguments=args)
 
     def _at(self, *path: str) -> bool:
         """The open containers are the objects along `path` (keys from the top)."""
