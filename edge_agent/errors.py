@@ -47,7 +47,18 @@ class UnsupportedParameter(InvalidRequest):
 
 
 class ContextLengthExceeded(InvalidRequest):
+    """Carries its numbers, so each dialect can word it as that dialect's clients expect."""
+
     code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, param: str | None = None, window: int | None = None,
+                 prompt_tokens: int | None = None, output_tokens: int | None = None,
+                 input_kind: str = "messages") -> None:
+        super().__init__(message, param=param)
+        self.window = window
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens  # the reservation that made it overflow, if any
+        self.input_kind = input_kind  # "messages" (chat) or "prompt" (completion)
 
 
 class Unauthorized(EdgeAgentError):

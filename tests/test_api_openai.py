@@ -147,7 +147,8 @@ def test_tool_calls_stream_and_a_tool_result_round_trip(client: openai.OpenAI) -
     deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and
               c.choices[0].delta.tool_calls]
     assert deltas and deltas[0][0].function and deltas[0][0].function.name == "get_weather"
-    args = json.loads(deltas[0][0].function.arguments or "")
+    args = json.loads("".join(d[0].function.arguments or "" for d in deltas
+                              if d[0].function))
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     follow = client.chat.completions.create(
         model=DEFAULT_MODEL, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=30,

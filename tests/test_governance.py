@@ -144,7 +144,7 @@ def test_over_long_prompt_is_refused_or_loses_its_oldest_turns(
     long_user = "Tell me about apples and pears and plums. " * 30
     r = _chat(live, keys["shop"], messages=[{"role": "user", "content": long_user * 3}])
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert "context window is 512" in r.json()["error"]["message"]
+    assert "maximum context length is 512 tokens" in r.json()["error"]["message"]
     history = [{"role": "system", "content": "Be brief."}]
     for i in range(6):
         history += [{"role": "user", "content": f"Question {i} about the opening hours?"},

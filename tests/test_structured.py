@@ -46,7 +46,7 @@ def test_parse_tool_output() -> None:
     assert content is None and calls[0].name == "add" and calls[0].arguments == {"a": 1}
     assert calls[0].id.startswith("call_")
     assert parse_tool_output('{"response": "plain"}') == ("plain", ())
-    assert parse_tool_output('{"tool_call": {"na') == ('{"tool_call": {"na', ())
+    assert parse_tool_output('{"tool_call": {"na') == ("", ())  # never the internal JSON
 
 
 def test_earlier_tool_turns_are_rewritten_in_the_answer_format() -> None:

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from edge_agent.errors import EdgeAgentError, InvalidRequest
+from edge_agent.errors import ContextLengthExceeded, EdgeAgentError, InvalidRequest
 from edge_agent.logs import note
 
 log = logging.getLogger(__name__)
@@ -27,8 +27,28 @@ def is_openai_path(path: str) -> bool:
 
 
 def openai_body(exc: EdgeAgentError) -> dict[str, Any]:
-    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
+    message = exc.message
+    if isinstance(exc, ContextLengthExceeded) and exc.window is not None:
+        message = _openai_context_message(exc)
+    return {"error": {"message": message, "type": exc.error_type, "param": exc.param,
                       "code": exc.code}}
+
+
+def _openai_context_message(exc: ContextLengthExceeded) -> str:
+    """OpenAI's own wording, which client libraries (litellm's context-window fallbacks …)
+    recognise by its text."""
+    limit = f"This model's maximum context length is {exc.window} tokens"
+    prompt, output = exc.prompt_tokens or 0, exc.output_tokens
+    if exc.input_kind == "prompt":  # the completions endpoint
+        return (f"{limit}, however you requested {prompt + (output or 0)} tokens ({prompt} in "
+                f"your prompt; {output or 0} for the completion). Please reduce your prompt; "
+                "or completion length.")
+    if output is None:
+        return (f"{limit}. However, your messages resulted in {prompt} tokens. Please reduce "
+                "the length of the messages.")
+    return (f"{limit}. However, you requested {prompt + output} tokens ({prompt} in the "
+            f"messages, {output} in the completion). Please reduce the length of the messages "
+            "or completion.")
 
 
 def ollama_body(exc: EdgeAgentError) -> dict[str, Any]:

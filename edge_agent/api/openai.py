@@ -2,13 +2,16 @@
 
 Thin: parse and validate, build a `GenerationRequest`, encode events as SSE. Unknown
 arguments are refused as OpenAI refuses them; known ones that would change behaviour and
-are not supported (n > 1, logprobs, audio …) get 400 naming the parameter.
+are not supported (n > 1, logprobs, audio …) get 400 naming the parameter. `null` is
+accepted wherever OpenAI's spec makes a parameter nullable, and means its default. Every
+stream ends with `data: [DONE]` or, after an error, with an error event.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import secrets
 import struct
 import time
@@ -31,11 +34,14 @@ from edge_agent.engine.request import (
     ErrorEvent,
     GenerationRequest,
     TokenEvent,
+    ToolCallEvent,
 )
+from edge_agent.engine.service import PreparedGeneration
 from edge_agent.engine.structured import ANY_JSON_OBJECT
 from edge_agent.errors import EdgeAgentError, InvalidRequest, UnsupportedParameter
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+log = logging.getLogger(__name__)
 
 
 class _Body(BaseModel):
@@ -43,7 +49,7 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = False
     include_obfuscation: bool | None = None
 
 
@@ -70,17 +76,17 @@ class ChatMessage(_Body):
 
 class _Sampling(_Body):
     model: str
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: int = Field(1, ge=1)
+    n: int | None = Field(1, ge=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id: recorded as a keyed digest
     # llama.cpp extensions, as its server accepts them
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -108,13 +114,20 @@ class ChatBody(_Sampling):
     web_search_options: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    safety_identifier: str | None = None  # an end-user id: recorded as a keyed digest
+    # Prompt caching: the box caches every prompt prefix in its sequences' KV cells anyway.
+    prompt_cache_key: str | None = None  # a hint: prefer the sequence this key used last
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # accepted, as a hint
+    prompt_cache_options: dict[str, Any] | None = None  # accepted; breakpoints are implicit
+    verbosity: str | None = None
+    moderation: dict[str, Any] | None = None
 
 
 class CompletionBody(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None
     max_tokens: int | None = Field(16, ge=0)
     suffix: str | None = None
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     best_of: int | None = None
 
@@ -133,7 +146,8 @@ def _unsupported(condition: object, param: str, what: str) -> None:
 
 
 def _common(body: _Sampling, req: GenerationRequest) -> None:
-    _unsupported(body.n != 1, "n", "n > 1")
+    _unsupported(body.n not in (None, 1), "n", "n > 1")
+    req.end_user = getattr(body, "safety_identifier", None) or body.user
     for key in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                 "top_k", "min_p", "repeat_penalty"):
         value = getattr(body, key)
@@ -168,11 +182,14 @@ def _chat_request(body: ChatBody) -> GenerationRequest:
     _unsupported(body.logprobs, "logprobs", "logprobs")
     _unsupported(body.top_logprobs, "top_logprobs", "top_logprobs")
     _unsupported(body.store, "store", "store")
-    _unsupported(body.reasoning_effort, "reasoning_effort", "reasoning_effort")
+    _unsupported(body.reasoning_effort not in (None, "none"), "reasoning_effort",
+                 "reasoning_effort (this model does not reason)")
+    _unsupported(body.verbosity not in (None, "medium"), "verbosity", "verbosity")
+    _unsupported(body.moderation is not None, "moderation", "moderation")
     _unsupported(body.modalities not in (None, ["text"]), "modalities", "output other than text")
-    _unsupported(body.audio, "audio", "audio output")
-    _unsupported(body.prediction, "prediction", "predicted outputs")
-    _unsupported(body.web_search_options, "web_search_options", "web search")
+    _unsupported(body.audio is not None, "audio", "audio output")
+    _unsupported(body.prediction is not None, "prediction", "predicted outputs")
+    _unsupported(body.web_search_options is not None, "web_search_options", "web search")
     _unsupported(body.functions or body.function_call, "functions",
                  "the deprecated functions API (use tools)")
     _unsupported(body.service_tier not in (None, "auto", "default"), "service_tier",
@@ -188,7 +205,8 @@ def _chat_request(body: ChatBody) -> GenerationRequest:
         if m.name:
             msg["name"] = m.name
         messages.append(msg)
-    req = GenerationRequest(model=body.model, messages=messages)
+    req = GenerationRequest(model=body.model, messages=messages,
+                            cache_key=body.prompt_cache_key)
     _common(body, req)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
@@ -291,12 +309,17 @@ async def chat_completions(request: Request, parts: Parts) -> Response:
 
     async def events() -> AsyncIterator[bytes]:
         yield chunk({"role": "assistant", "content": ""})
-        async for event in parts.service.stream(prepared):
+        streamed: set[int] = set()  # calls already sent piece by piece
+        async for event in parts.service.stream(prepared, tool_deltas=True):
             if isinstance(event, TokenEvent):
                 yield (pre + json.dumps(event.text, ensure_ascii=False) + post).encode()
+            elif isinstance(event, ToolCallEvent):
+                streamed.add(event.index)
+                yield chunk({"tool_calls": [_call_delta(event)]})
             elif isinstance(event, DoneEvent):
-                if event.tool_calls:
-                    calls = [{"index": i, **c} for i, c in enumerate(_tool_calls(event))]
+                calls = [{"index": i, **c} for i, c in enumerate(_tool_calls(event))
+                         if i not in streamed]
+                if calls:
                     yield chunk({"tool_calls": calls})
                 yield chunk({}, event.reason)
                 if with_usage:
@@ -306,13 +329,34 @@ async def chat_completions(request: Request, parts: Parts) -> Response:
             elif isinstance(event, ErrorEvent):
                 yield _sse(openai_body(_edge(event.error)))
 
-    return StreamingResponse(events(), media_type="text/event-stream",
+    return StreamingResponse(_ending_in_error_event(events()), media_type="text/event-stream",
                              headers=prepared.headers(),
                              background=BackgroundTask(parts.service.release, prepared))
 
 
+def _call_delta(event: ToolCallEvent) -> dict[str, Any]:
+    """OpenAI's streamed tool call: id, type and name first (arguments ""), then arguments."""
+    if event.name:
+        return {"index": event.index, "id": event.id, "type": "function",
+                "function": {"name": event.name, "arguments": event.arguments}}
+    return {"index": event.index, "function": {"arguments": event.arguments}}
+
+
 def _edge(exc: Exception) -> EdgeAgentError:
     return exc if isinstance(exc, EdgeAgentError) else EdgeAgentError("internal server error")
+
+
+async def _ending_in_error_event(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Once a stream has started, an exception can no longer become an HTTP status: it
+    becomes an error event, which ends the stream (as OpenAI ends one) — never a dropped
+    connection with neither an error nor `[DONE]`."""
+    try:
+        async for data in events:
+            yield data
+    except Exception as exc:
+        if not isinstance(exc, EdgeAgentError):
+            log.exception("stream failed")
+        yield _sse(openai_body(_edge(exc)))
 
 
 @router.post("/completions")
@@ -323,6 +367,8 @@ async def completions(request: Request, parts: Parts) -> Response:
     _unsupported(body.logprobs, "logprobs", "logprobs")
     _unsupported(body.best_of not in (None, 1), "best_of", "best_of > 1")
     prompts: list[str | list[int]]
+    if body.prompt is None:
+        raise InvalidRequest("prompt is empty", param="prompt")
     if isinstance(body.prompt, str):
         prompts = [body.prompt]
     elif body.prompt and all(isinstance(p, int) for p in body.prompt):
@@ -333,7 +379,8 @@ async def completions(request: Request, parts: Parts) -> Response:
         raise InvalidRequest("prompt is empty", param="prompt")
     requests = []
     for p in prompts:
-        req = GenerationRequest(model=body.model, raw=True, max_tokens=body.max_tokens,
+        req = GenerationRequest(model=body.model, raw=True,
+                                max_tokens=16 if body.max_tokens is None else body.max_tokens,
                                 prompt=p if isinstance(p, str) else "",
                                 context_tokens=[] if isinstance(p, str) else p,
                                 context_param="prompt")
@@ -348,10 +395,18 @@ async def completions(request: Request, parts: Parts) -> Response:
     def echo(req: GenerationRequest) -> str:
         return (req.prompt or "") if body.echo else ""
 
+    async def prepare(i: int) -> PreparedGeneration:
+        try:
+            return await parts.service.prepare(requests[i])
+        except InvalidRequest as exc:
+            if exc.param == "prompt" and len(requests) > 1:
+                exc.param = f"prompt.{i}"  # which of the prompts
+            raise
+
     if not body.stream:
         choices, totals = [], [0, 0, 0]
         for i, req in enumerate(requests):
-            done = await parts.service.complete(await parts.service.prepare(req))
+            done = await parts.service.complete(await prepare(i))
             choices.append({"index": i, "text": echo(req) + done.text, "logprobs": None,
                             "finish_reason": done.reason})
             totals = [totals[0] + done.usage.prompt_tokens,
@@ -362,7 +417,7 @@ async def completions(request: Request, parts: Parts) -> Response:
             "total_tokens": totals[0] + totals[1],
             "prompt_tokens_details": {"cached_tokens": totals[2]}}})
 
-    first = await parts.service.prepare(requests[0])  # refuse before the stream starts
+    first = await prepare(0)  # refuse before the stream starts
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(i: int, text: str, finish: str | None = None) -> bytes:
@@ -373,24 +428,27 @@ async def completions(request: Request, parts: Parts) -> Response:
         return _sse(obj)
 
     async def events() -> AsyncIterator[bytes]:
-        prepared = first
+        """The prompts one after the other; a later prompt refused (or failing) ends the
+        stream with an error event, like an error while generating."""
         usage = [0, 0, 0]
         for i, req in enumerate(requests):
-            if i:
-                prepared = await parts.service.prepare(req)
-            if body.echo and req.prompt:
-                yield chunk(i, req.prompt)
-            async for event in parts.service.stream(prepared):
-                if isinstance(event, TokenEvent):
-                    yield chunk(i, event.text)
-                elif isinstance(event, DoneEvent):
-                    yield chunk(i, "", event.reason)
-                    u = event.usage
-                    usage = [usage[0] + u.prompt_tokens, usage[1] + u.completion_tokens,
-                             usage[2] + u.cached_tokens]
-                elif isinstance(event, ErrorEvent):
-                    yield _sse(openai_body(_edge(event.error)))
-                    return
+            prepared = await prepare(i) if i else first
+            try:
+                if body.echo and req.prompt:
+                    yield chunk(i, req.prompt)
+                async for event in parts.service.stream(prepared):
+                    if isinstance(event, TokenEvent):
+                        yield chunk(i, event.text)
+                    elif isinstance(event, DoneEvent):
+                        yield chunk(i, "", event.reason)
+                        u = event.usage
+                        usage = [usage[0] + u.prompt_tokens, usage[1] + u.completion_tokens,
+                                 usage[2] + u.cached_tokens]
+                    elif isinstance(event, ErrorEvent):
+                        yield _sse(openai_body(_edge(event.error)))
+                        return
+            finally:
+                await parts.service.release(prepared)
         if with_usage:
             yield _sse({**head, "choices": [], "usage": {
                 "prompt_tokens": usage[0], "completion_tokens": usage[1],
@@ -398,7 +456,7 @@ async def completions(request: Request, parts: Parts) -> Response:
                 "prompt_tokens_details": {"cached_tokens": usage[2]}}})
         yield _sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream",
+    return StreamingResponse(_ending_in_error_event(events()), media_type="text/event-stream",
                              background=BackgroundTask(parts.service.release, first))
 
 

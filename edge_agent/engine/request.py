@@ -58,6 +58,8 @@ class GenerationRequest:
     tenant: TenantContext | None = None
     max_tokens_param: str = "max_tokens"  # how the dialect names it, for errors
     timeout_s: float | None = None  # deadline from submission; None: the operator's default
+    cache_key: str | None = None  # a client's prompt-cache hint: prefer the slot it used last
+    end_user: str | None = None  # a client's end-user id; only its keyed digest is recorded
 
 
 @dataclass
@@ -121,7 +123,18 @@ class ErrorEvent:
     error: Exception
 
 
-Event = TokenEvent | DoneEvent | ErrorEvent
+@dataclass(frozen=True)
+class ToolCallEvent:
+    """A tool call while it is generated, in OpenAI's streamed shape: first its id and name
+    (with `arguments` ""), then fragments of the arguments' JSON text, in order."""
+
+    index: int
+    arguments: str
+    id: str = ""
+    name: str = ""
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent | ToolCallEvent
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ class GenerationJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_ns: int = field(default_factory=time.perf_counter_ns)
     enqueued_at: float = 0.0
+    cache_key: str | None = None  # the client's prompt-cache hint (OpenAI prompt_cache_key)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class _Slot:
         self.t_start = 0
         self.t_prompt = 0
         self.last_token_at = 0.0  # perf_counter of its latest token, for the stall bound
+        self.cache_key: str | None = None  # the hint of the job that last used it
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -246,14 +248,18 @@ class ModelScheduler:
             job = self.queue.pop()
             if job is None:
                 return
-            self._start(self._pick_slot(free, job.prompt), job)
+            self._start(self._pick_slot(free, job), job)
 
-    def _pick_slot(self, free: list[_Slot], prompt: list[int]) -> _Slot:
+    def _pick_slot(self, free: list[_Slot], job: GenerationJob) -> _Slot:
         """The free sequence whose cells share the longest prefix with the prompt, so a
-        chat's next turn lands where its history already is; on a tie, the one holding the
-        fewest cells, keeping caches that other clients may come back to."""
+        chat's next turn lands where its history already is; on a tie, the one its cache
+        key used last (a client's own cache is replaced before another's), then the one
+        holding the fewest cells, keeping caches that other clients may come back to."""
+        prompt, key = job.prompt, job.cache_key
         limit = len(prompt) - 1
-        return max(free, key=lambda s: (_common_prefix(s.tokens, prompt, limit), -len(s.tokens)))
+        return max(free, key=lambda s: (_common_prefix(s.tokens, prompt, limit),
+                                        key is not None and s.cache_key == key,
+                                        -len(s.tokens)))
 
     def _start(self, slot: _Slot, job: GenerationJob) -> None:
         slot.t_start = time.perf_counter_ns()
@@ -282,6 +288,7 @@ class ModelScheduler:
             self._emit(job, ErrorEvent(exc))
             return
         slot.job = job
+        slot.cache_key = job.cache_key
         slot.pending = prompt[reused:]
         slot.prefill_total = len(slot.pending)
         slot.cached = reused

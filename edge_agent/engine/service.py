@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +33,7 @@ from edge_agent.engine.request import (
 from edge_agent.engine.runtime import LlamaModel
 from edge_agent.engine.scheduler import EmbeddingJob, GenerationJob, ThreadEmitter
 from edge_agent.engine.structured import (
-    parse_tool_output,
+    ToolAnswerReader,
     tool_call_schema,
     tool_instructions,
     with_tool_messages,
@@ -98,6 +100,8 @@ class GenerationService:
             timeout = min(req.timeout_s, self.default_timeout_s)  # clients may only ask less
         deadline = loop.time() + timeout if timeout else None
         note(model=req.model, dialect=req.dialect)
+        if req.end_user:
+            note(end_user=self._end_user_digest(req.end_user))
         self._govern(req.tenant, req.model)
         req = self._redact_prompt(req)
         model, load_ns = await self.registry.acquire(req.model, keep_alive)
@@ -157,25 +161,20 @@ class GenerationService:
             tokens, truncated = self._drop_oldest_turns(req, model, tool_mode, tokens,
                                                         window - reserve)
         if len(tokens) >= window:
-            raise ContextLengthExceeded(
-                f"the prompt is {len(tokens)} tokens; the context window is {window} tokens",
-                param="messages" if req.messages is not None else "prompt")
+            raise _too_long(req, window, len(tokens), None)
         if requested is None:
             max_tokens = window - len(tokens)
             if ceiling is not None:
                 max_tokens = min(max_tokens, ceiling)
         elif len(tokens) + requested > window:
-            raise ContextLengthExceeded(
-                f"the context window is {window} tokens, but {len(tokens)} prompt "
-                f"tokens plus {requested} requested output tokens need "
-                f"{len(tokens) + requested}", param=req.max_tokens_param)
+            raise _too_long(req, window, len(tokens), requested)
         else:
             max_tokens = requested
         priority = req.priority or (policy.priority if policy else "interactive")
         note(truncated_tokens=truncated, clamped=int(clamped))
         job = GenerationJob(prompt=tokens, params=sampling, grammar=grammar,
                             max_tokens=max_tokens, stops=stops, emit=_unset_emit,
-                            priority=priority, load_ns=load_ns)
+                            priority=priority, load_ns=load_ns, cache_key=req.cache_key)
         return PreparedGeneration(model=model, request=req, job=job, tool_mode=tool_mode,
                                   events=asyncio.Queue(), deadline=deadline,
                                   truncated_tokens=truncated,
@@ -246,15 +245,20 @@ class GenerationService:
         return model.template.render_pieces(messages,
                                             find_special=model.worker.model.special_texts)
 
-    async def stream(self, prepared: PreparedGeneration) -> AsyncIterator[Event]:
+    async def stream(self, prepared: PreparedGeneration, *, tool_deltas: bool = False
+                     ) -> AsyncIterator[Event]:
         """Runs the job; the events end with exactly one DoneEvent or ErrorEvent.
 
+        In tool mode the answer's JSON is read as it comes: its answer text arrives as
+        TokenEvents, and with `tool_deltas` a call arrives as ToolCallEvents as soon as its
+        name is known (OpenAI's streamed shape); the DoneEvent carries the parsed calls.
         Leaving the iteration early (client gone) cancels the job at its next step; passing
         the deadline does too, and ends the events with a RequestTimeout error.
         """
         loop = asyncio.get_running_loop()
         job = prepared.job
         first_token_ns = 0
+        reader = ToolAnswerReader() if prepared.tool_mode else None
         try:
             while True:
                 if prepared.deadline is None:
@@ -268,14 +272,19 @@ class GenerationService:
                         event = ErrorEvent(RequestTimeout("the request passed its deadline"))
                 if isinstance(event, TokenEvent):
                     first_token_ns = first_token_ns or time.perf_counter_ns()
-                    if not prepared.tool_mode:  # tool answers are JSON until parsed
+                    if reader is None:
                         yield event
+                        continue
+                    for part in reader.feed(event.text):  # tool answers are JSON: read them
+                        if isinstance(part, str):
+                            yield TokenEvent(part)
+                        elif tool_deltas:
+                            yield part
                     continue
-                if isinstance(event, DoneEvent) and prepared.tool_mode:
-                    event = _as_tool_answer(event)
-                    if event.text:
-                        yield TokenEvent(event.text)
-                self._observe(prepared, event, first_token_ns)
+                failed = None
+                if isinstance(event, DoneEvent) and reader is not None:
+                    event, failed = _as_tool_answer(event, reader)
+                self._observe(prepared, event, first_token_ns, failed)
                 yield event
                 return
         finally:
@@ -321,6 +330,12 @@ class GenerationService:
                                    "ts": time.time()})
         return redacted
 
+    def _end_user_digest(self, value: str) -> str:
+        """A client's end-user id (`user`, `safety_identifier`) as the ledger keeps it: a
+        digest keyed per device, so one user's requests correlate and the id never shows."""
+        key = self.redactor.key if self.redactor is not None else b""
+        return hmac.new(key, value.encode("utf-8", "replace"), hashlib.sha256).hexdigest()[:24]
+
     def _govern(self, tenant: TenantContext | None, model: str) -> None:
         """Scope (403) and rate/quota (429), before a model is loaded or a slot taken."""
         if tenant is None:
@@ -329,8 +344,8 @@ class GenerationService:
         if self.governor is not None:
             self.governor.admit(tenant)
 
-    def _observe(self, prepared: PreparedGeneration, event: Event, first_token_ns: int
-                 ) -> None:
+    def _observe(self, prepared: PreparedGeneration, event: Event, first_token_ns: int,
+                 failed: bool | None = None) -> None:
         """The end of a generation, into metrics and the request's access line / ledger row."""
         name, dialect = prepared.model.info.name, prepared.request.dialect
         if isinstance(event, DoneEvent):
@@ -343,7 +358,8 @@ class GenerationService:
                  queue_ms=round(t.queue_ns / 1e6, 1), prompt_tokens=u.prompt_tokens,
                  cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
                  done_reason=event.reason,
-                 structured_failure=int(_structured_failure(prepared, event)))
+                 structured_failure=int(_structured_failure(prepared, event)
+                                        if failed is None else failed))
             if self.metrics is not None:
                 self.metrics.observe_done(name, dialect, event, ttft)
             if self.redactor is not None and self.keep_content:
@@ -465,10 +481,30 @@ def _structured_failure(prepared: PreparedGeneration, event: DoneEvent) -> bool:
     return False
 
 
-def _as_tool_answer(event: DoneEvent) -> DoneEvent:
-    content, calls = parse_tool_output(event.text)
-    return dataclasses.replace(event, text=content or "", tool_calls=calls,
-                               reason="tool_calls" if calls else event.reason)
+def _as_tool_answer(event: DoneEvent, reader: ToolAnswerReader) -> tuple[DoneEvent, bool]:
+    """The end of a tool-mode answer: its text and calls, never the internal JSON; and
+    whether it failed to complete (the structured-failure flag)."""
+    answer = reader.finish()
+    done = dataclasses.replace(event, text=answer.content, tool_calls=answer.calls,
+                               reason="tool_calls" if answer.calls else event.reason)
+    return done, not answer.complete
+
+
+def _too_long(req: GenerationRequest, window: int, prompt: int, output: int | None
+              ) -> ContextLengthExceeded:
+    """Worded with the phrases Ollama's clients (and litellm's generic check) look for; the
+    numbers ride along so the OpenAI dialect can say it in OpenAI's words."""
+    kind = "messages" if req.messages is not None else "prompt"
+    if output is None:
+        what, param = f"a prompt of {prompt} tokens", kind
+    else:
+        what = (f"a request of {prompt + output} tokens ({prompt} in the prompt, {output} "
+                f"for {req.max_tokens_param})")
+        param = req.max_tokens_param
+    return ContextLengthExceeded(
+        f"the input length exceeds the context length: {what} exceeds the available context "
+        f"size (the context window is {window} tokens)", param=param, window=window,
+        prompt_tokens=prompt, output_tokens=output, input_kind=kind)
 
 
 def _as_edge_error(exc: Exception) -> EdgeAgentError:

@@ -22,6 +22,7 @@ COLUMNS: dict[str, type] = {
     "error_type": str, "prompt_tokens": int, "cached_tokens": int, "completion_tokens": int,
     "queue_ms": float, "ttft_ms": float, "tpot_ms": float, "total_ms": float,
     "done_reason": str, "truncated_tokens": int, "clamped": int, "structured_failure": int,
+    "end_user": str,
 }
 
 
@@ -65,6 +66,13 @@ def m003_rejected_rows(db: Database) -> None:
     which request, and the kind of error (never the row's values)."""
     db[REJECTED].create(REJECTED_COLUMNS)  # type: ignore[union-attr]
     db[REJECTED].create_index(["ts"])  # type: ignore[union-attr]
+
+
+@MIGRATIONS()
+def m004_end_user(db: Database) -> None:
+    """A client's end-user id (OpenAI `user`, `safety_identifier`), as a keyed digest."""
+    if "end_user" not in db[REQUESTS].columns_dict:
+        db[REQUESTS].add_column("end_user", str)  # type: ignore[union-attr]
 
 
 # Every table the writer may write, with its columns; rows for other tables are refused.
