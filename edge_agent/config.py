@@ -107,6 +107,11 @@ class RuntimeSettings(_Section):
         description="Flash attention ('auto': llama.cpp decides). 'off' makes prompt chunks "
         "deep in a context ~1.2-1.5x faster on a CPU, and 8-row decode steps ~10% slower.",
     )
+    cpu_extra_buffers: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="llama.cpp's extra CPU weight layouts (repacking, AMX). 'auto' is off on "
+        "CPUs with AMX, where llama.cpp's AMX kernels crash, and on elsewhere.",
+    )
     compute_nice: int = Field(
         5, ge=0, le=19,
         description="Niceness added to the generation threads, so that the HTTP side (a "
@@ -115,6 +120,14 @@ class RuntimeSettings(_Section):
     )
     embedding_context: int = Field(
         2048, ge=64, description="Largest input, in tokens, accepted by the embedding context."
+    )
+    max_embedding_inputs: int = Field(
+        64, ge=1, description="Most inputs one embedding request may carry; more get 400."
+    )
+    max_embedding_tokens: int = Field(
+        65536, ge=1,
+        description="Most tokens (after truncation) one embedding request may carry, all "
+        "inputs together; more get 400. The default is 32 inputs of a full embedding_context.",
     )
     parallel: int = Field(4, ge=1, le=64, description="Sequences decoded together per model.")
     max_queue: int = Field(

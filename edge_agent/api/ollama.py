@@ -351,7 +351,7 @@ async def embed(request: Request, parts: Parts) -> Response:
     result = await parts.service.embed(
         EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate,
                          dialect="ollama", tenant=request.state.tenant),
-        keep_alive=parse_keep_alive(body.keep_alive))
+        keep_alive=parse_keep_alive(body.keep_alive), disconnected=request.is_disconnected)
     vectors = result.vectors
     if body.dimensions is not None:
         vectors = _shorten(vectors, body.dimensions)
@@ -385,7 +385,7 @@ async def embeddings(request: Request, parts: Parts) -> Response:
     result = await parts.service.embed(
         EmbeddingRequest(model=body.model, inputs=[body.prompt], dialect="ollama",
                          tenant=request.state.tenant),
-        keep_alive=parse_keep_alive(body.keep_alive))
+        keep_alive=parse_keep_alive(body.keep_alive), disconnected=request.is_disconnected)
     return JSONResponse({"embedding": result.vectors[0]})
 
 

@@ -19,6 +19,7 @@ from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
 from edge_agent.engine.runtime import (
     LlamaModel,
     default_threads,
+    resolve_extra_buffers,
     resolve_flash_attn,
     resolve_gpu_layers,
 )
@@ -212,7 +213,8 @@ class ModelRegistry:
     def _load_blocking(self, info: InstalledModel, memory: int) -> LoadedModel:
         rt = self.settings.runtime
         gpu, threads, parallel, n_ctx, n_batch = self._plan(info)
-        model = LlamaModel(info.blob_path(self.store.state_dir), n_gpu_layers=gpu)
+        model = LlamaModel(info.blob_path(self.store.state_dir), n_gpu_layers=gpu,
+                           extra_buffers=resolve_extra_buffers(rt.cpu_extra_buffers))
         try:
             worker = ModelScheduler(
                 model, parallel=parallel, n_ctx_seq=n_ctx, n_batch=n_batch, n_threads=threads,
