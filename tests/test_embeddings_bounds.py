@@ -51,18 +51,17 @@ def _tokens(model: LlamaModel, n: int, seed: int = 0) -> list[int]:
 
 
 def test_an_input_fed_in_chunks_embeds_as_it_does_whole(model_path: Path) -> None:
-    """The scheduler feeds inputs chunk by chunk; the mean of a causal model's states
-    hardly depends on the chunking (measured: 4e-5 in cosine, from the kernels' row-count
-    paths), and the same chunking gives the same vector, bit for bit."""
+    """The scheduler feeds inputs in chunks sized by the load; on a CPU, without flash
+    attention (as the scheduler makes it), the vector is the same bit for bit."""
     model = LlamaModel(model_path, n_gpu_layers=0)
-    small = EmbeddingContext(model, n_ctx=128, n_threads=THREADS, n_batch=24)
-    whole = EmbeddingContext(model, n_ctx=128, n_threads=THREADS)
+    small = EmbeddingContext(model, n_ctx=128, n_threads=THREADS, n_batch=24, flash_attn=0)
+    whole = EmbeddingContext(model, n_ctx=128, n_threads=THREADS, flash_attn=0)
     try:
         assert small.causal and small.n_batch == 24
         tokens = _tokens(model, 80)
-        a, b = np.array(small.embed(tokens)), np.array(whole.embed(tokens))
-        assert float(a @ b) > 0.9999 and abs(float(np.linalg.norm(a)) - 1) < 1e-9
-        assert small.embed(tokens) == a.tolist()
+        vector = small.embed(tokens)
+        assert vector == whole.embed(tokens)
+        assert abs(float(np.linalg.norm(vector)) - 1) < 1e-9
     finally:
         small.close()
         whole.close()
@@ -133,7 +132,7 @@ def test_a_chat_finishes_while_a_big_embedding_request_runs_and_leaving_stops_it
         assert worker.stats.embedding_jobs == 1
         chat = openai.OpenAI(base_url=live_server.openai_url, api_key="x", max_retries=0)
         r = chat.chat.completions.create(
-            model=DEFAULT_MODEL, max_tokens=8, temperature=0,
+            model=DEFAULT_MODEL, max_tokens=4, temperature=0,
             messages=[{"role": "user", "content": "Name a colour."}])
         assert r.choices[0].message.content
         assert worker.stats.embedding_jobs == 1  # the chat was served first

@@ -302,25 +302,27 @@ class EmbeddingContext:
 
     The scheduler feeds an input in chunks between generation steps and averages the
     rows' hidden states itself, so a long input delays running streams no more than a
-    prompt chunk does; llama.cpp's MEAN pooling gives the same vector (within 1e-7) but
-    needs the whole input in one micro-batch. A causal model's hidden state of a token
+    prompt chunk does; llama.cpp's MEAN pooling computes the same mean, but needs the
+    whole input in one micro-batch. A causal model's hidden state of a token
     does not depend on the tokens after it, which is what makes the chunks add up; a
     bidirectional encoder (BERT-like) is found out by `_is_causal` and gets its input in
-    one piece. The vector is L2-normalised (what Ollama's /api/embed and OpenAI return).
+    one piece. Without flash attention (`flash_attn=0`) the vector on a CPU is the same,
+    bit for bit, however the input is chunked. The vector is L2-normalised (what Ollama's
+    /api/embed and OpenAI return).
     """
 
     def __init__(self, model: LlamaModel, *, n_ctx: int, n_threads: int,
-                 n_batch: int | None = None) -> None:
+                 n_batch: int | None = None, flash_attn: int = -1) -> None:
         self.model = model
         self.ptr = None
-        self._open(n_ctx, min(n_batch or n_ctx, n_ctx), n_threads)
+        self._open(n_ctx, min(n_batch or n_ctx, n_ctx), n_threads, flash_attn)
         self.causal = self._is_causal()
         if not self.causal and self.n_batch < self.n_ctx:
             self.close()
-            self._open(n_ctx, n_ctx, n_threads)
+            self._open(n_ctx, n_ctx, n_threads, flash_attn)
 
-    def _open(self, n_ctx: int, n_batch: int, n_threads: int) -> None:
-        p = _context_params(n_ctx, n_batch, n_threads)
+    def _open(self, n_ctx: int, n_batch: int, n_threads: int, flash_attn: int) -> None:
+        p = _context_params(n_ctx, n_batch, n_threads, flash_attn=flash_attn)
         p.n_ubatch = n_batch
         p.embeddings = True
         p.pooling_type = ll.LLAMA_POOLING_TYPE_NONE

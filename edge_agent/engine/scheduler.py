@@ -64,12 +64,10 @@ DETERMINISTIC_MAX_ROWS = 7
 # A sequence that has just finished a long prompt costs the next rows pass about this many
 # prompt tokens at its depth (see ModelScheduler._last_chunk).
 JOIN_COST_TOKENS = 2.0
-# An embedding's hidden states depend a little on how many rows each decode carried (the
-# CPU kernels take another path from a few dozen rows on: chunks of 8-48 tokens and the
-# whole input differ by ~4e-5 in cosine), so the vector of an input chunked by the stall
-# budget varies that much with the load. Deterministic mode feeds every input in chunks
-# of exactly this many tokens, one per decode: the same vector whatever runs beside it.
-DETERMINISTIC_EMBED_CHUNK = 32
+# Embedding tokens a step carries however little room the stall bound leaves: embeddings
+# always advance, and nobody waits for their first token, so a single token will do (a
+# decode's fixed cost makes a token of a tiny chunk dear; the measured cost includes it).
+MIN_EMBED_CHUNK = 1
 
 
 @dataclass
@@ -194,7 +192,15 @@ class ModelScheduler:
         self._n_threads = n_threads
         self._embedder: EmbeddingContext | None = None
         self._embeddings: deque[_EmbeddingRun] = deque()  # taking turns, input by input
+        # Measured in passes beside running streams only: small chunks cost far more a
+        # token than the big ones of an idle pass (a decode's fixed cost).
         self._embed_cost = PrefillCost()
+        self._embed_cost_seen = False
+        # Flash attention off for embeddings on a CPU: below 64 query rows its kernel reads
+        # the whole KV once per row (an 8-token chunk 1,000 deep: 3x the cost), and its
+        # results move with the chunk size, where the plain path gives the same vector,
+        # bit for bit, however an input is chunked.
+        self._embed_flash_attn = 0 if model.n_gpu_layers == 0 else flash_attn
         self._embed_lock = threading.Lock()  # stats.embedding_jobs: both threads write it
         self._max_queue = max_queue
         self._step_s = 0.05  # running estimate, for Retry-After
@@ -271,16 +277,17 @@ class ModelScheduler:
                 if any(s.job for s in self.slots):
                     self._step()
                 elif self._embeddings:
-                    self._embed_pass(self._embed_chunk())
+                    self._embed_pass(self._embed_chunk(), None)
                 else:
                     self._flush()
                     self.queue.wait()
             except Exception as exc:
                 # Nothing narrower could be blamed: end the jobs this step was running, so
                 # that the next step cannot fail the same way again.
-                self._fail([s for s in self.slots if s.job is not None], exc, "a step")
+                self._survive(self._fail, [s for s in self.slots if s.job is not None], exc,
+                              "a step")
             finally:
-                self._flush()
+                self._survive(self._flush)
         for slot in self.slots:
             if slot.job is not None:
                 try:
@@ -290,7 +297,17 @@ class ModelScheduler:
         self._flush()
         self._take_side_work()
         while self._embeddings:
-            self._end_embedding(ServiceUnavailable("the model was unloaded", retry_after=1.0))
+            self._end_embedding(self._embeddings[0],
+                                ServiceUnavailable("the model was unloaded", retry_after=1.0))
+
+    @staticmethod
+    def _survive(func: Callable[..., None], *args: object) -> None:
+        """Runs a clean-up of the loop itself: whatever it raises is logged, never lets the
+        thread end (a model whose worker is gone would take requests and answer none)."""
+        try:
+            func(*args)
+        except Exception:
+            log.exception("the scheduler's own clean-up failed")
 
     def _emit(self, job: GenerationJob, event: Event) -> None:
         self._outbox.append((job, event))
@@ -414,7 +431,7 @@ class ModelScheduler:
             else:
                 self._decode(decoding, prefilling, None, shortest)
         if self._embeddings and rows >= 0:
-            self._embed_pass(self._embed_budget(rows))
+            self._embed_pass(*self._embed_budget(rows))
         elapsed = time.perf_counter() - started
         st = self.stats
         st.steps += 1
@@ -656,70 +673,78 @@ class ModelScheduler:
     def _take_side_work(self) -> None:
         while (job := self.queue.pop_side()) is not None:
             self._embeddings.append(_EmbeddingRun(job))
+        for run in [r for r in self._embeddings if r.job.cancelled.is_set()]:
+            self._end_embedding(run, EdgeAgentError("the embedding request was cancelled"))
 
     def _embed_chunk(self) -> int:
         """Embedding tokens per pass while no generation runs: a prompt chunk's worth, so a
         request that arrives waits at most about one prompt chunk for its first step."""
         return self.prefill_chunk or self.ctx.n_batch
 
-    def _embed_budget(self, rows: int) -> int:
-        """Embedding tokens this step may carry after its rows pass (`rows` sequences) and
-        its prompt pass: as many as keep the gap between two tokens of a running stream
-        within `max_step_stall` times its gap when nobody prefills, as for a prompt; at
-        least MIN_PREFILL_CHUNK, so that embeddings always advance."""
+    def _embed_budget(self, rows: int) -> tuple[int, float | None]:
+        """Embedding tokens, and seconds, this step may spend after its rows pass (`rows`
+        sequences) and its prompt pass: as much as keeps the gap between two tokens of a
+        running stream within `max_step_stall` times its gap when nobody prefills, as for a
+        prompt; at least MIN_EMBED_CHUNK tokens, so that embeddings always advance. With
+        only prompts in the step, whose clients wait for a first token: that least."""
         cap = self._embed_chunk()
-        if rows == 0 or self.max_step_stall <= 0:
-            return cap
+        if rows == 0:
+            return MIN_EMBED_CHUNK, 0.0
+        if self.max_step_stall <= 0:
+            return cap, None
         plain = self._decode_s.get(rows, self._rows_s)
         seconds = self.max_step_stall * plain - self._rows_s - self._prompt_s
+        cost = self._embed_cost if self._embed_cost_seen else self._prefill_cost
         depth = self._embeddings[0].pos
-        allowed = seconds / self._embed_cost.per_token(depth)
-        allowed = seconds / self._embed_cost.per_token(depth + max(0.0, allowed) / 2)
-        return min(cap, max(MIN_PREFILL_CHUNK, int(allowed)))
+        allowed = seconds / cost.per_token(depth)
+        allowed = seconds / cost.per_token(depth + max(0.0, allowed) / 2)
+        return min(cap, max(MIN_EMBED_CHUNK, int(allowed))), max(0.0, seconds)
 
-    def _embed_pass(self, budget: int) -> None:
-        """Up to `budget` tokens of embedding input, one chunk of one input per decode. The
-        jobs take turns input by input (an input's cells are the context's only sequence),
-        and a cancelled job stops at its next chunk."""
+    def _embed_pass(self, budget: int, seconds: float | None) -> None:
+        """Up to `budget` tokens of embedding input, one chunk of one input per decode, and
+        no further decode once `seconds` are spent (many short inputs cost a decode each).
+        The jobs take turns input by input (an input's cells are the context's only
+        sequence), and a cancelled job stops at its next chunk."""
+        started = time.perf_counter()
         fed = 0
         while budget > 0 and self._embeddings:
+            if fed and seconds is not None and time.perf_counter() - started >= seconds:
+                break
             run = self._embeddings[0]
             if run.job.cancelled.is_set():
-                self._end_embedding(EdgeAgentError("the embedding request was cancelled"))
+                self._end_embedding(run, EdgeAgentError("the embedding request was cancelled"))
                 continue
             try:
-                take = self._embed_some(run, budget)
+                take = self._embed_some(run, budget, observe=seconds is not None)
             except Exception as exc:
                 log.error("an embedding pass failed; ending that request", exc_info=exc)
-                self._end_embedding(exc)
+                self._end_embedding(run, exc)
                 continue
             budget -= take
             fed += take
         if fed:
             self._prefilled_last_step = True  # its weights and cells are in the cache now
 
-    def _embed_some(self, run: _EmbeddingRun, budget: int) -> int:
+    def _embed_some(self, run: _EmbeddingRun, budget: int, *, observe: bool) -> int:
         """Feeds the next chunk of `run`'s current input; the tokens it took."""
         embedder = self._embedder
         if embedder is None:
             embedder = self._embedder = EmbeddingContext(
                 self.model, n_ctx=self._embed_ctx_size, n_threads=self._n_threads,
-                n_batch=min(self.ctx.n_batch, self._embed_ctx_size))
+                n_batch=min(self.ctx.n_batch, self._embed_ctx_size),
+                flash_attn=self._embed_flash_attn)
         tokens = run.job.inputs[run.index]
         if not tokens:
             raise EdgeAgentError(f"input {run.index} is empty")
         left = len(tokens) - run.pos
-        if not embedder.causal:
-            take = left
-        elif self.deterministic:
-            take = min(left, DETERMINISTIC_EMBED_CHUNK, embedder.n_batch)
-        else:
-            take = min(budget, left, embedder.n_batch)
+        take = min(budget, left, embedder.n_batch) if embedder.causal else left
         if run.pos == 0:
             embedder.reset()
         started = time.perf_counter()
         chunk = embedder.feed(tokens[run.pos : run.pos + take], run.pos)
-        self._embed_cost.observe(take, run.pos + take / 2, time.perf_counter() - started)
+        if observe:
+            self._embed_cost.observe(take, run.pos + take / 2, time.perf_counter() - started)
+            self._embed_cost_seen = True
         run.total = chunk if run.total is None else run.total + chunk
         run.pos += take
         self.stats.embedded_tokens += take
@@ -728,14 +753,15 @@ class ModelScheduler:
             self.stats.embedded_inputs += 1
             run.index, run.pos, run.total = run.index + 1, 0, None
             if run.index == len(run.job.inputs):
-                self._end_embedding(None)
+                self._end_embedding(run, None)
             else:
                 self._embeddings.rotate(-1)  # the next job's turn
         return take
 
-    def _end_embedding(self, error: BaseException | None) -> None:
-        """Hands the first run's result (or `error`) to its caller and drops it."""
-        run = self._embeddings.popleft()
+    def _end_embedding(self, run: _EmbeddingRun, error: BaseException | None) -> None:
+        """Hands `run`'s result (or `error`) to its caller and drops it; the next run starts
+        its input afresh (at position 0 the context is reset)."""
+        self._embeddings.remove(run)
         with self._embed_lock:
             self.stats.embedding_jobs -= 1
         job = run.job
