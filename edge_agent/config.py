@@ -149,6 +149,14 @@ class RuntimeSettings(_Section):
     embedding_context: int = Field(
         2048, ge=64, description="Largest input, in tokens, accepted by the embedding context."
     )
+    max_embedding_inputs: int = Field(
+        64, ge=1, description="Most inputs one embedding request may carry; more get 400."
+    )
+    max_embedding_tokens: int = Field(
+        65536, ge=1,
+        description="Most tokens (after truncation) one embedding request may carry, all "
+        "inputs together; more get 400. The default is 32 inputs of a full embedding_context.",
+    )
     parallel: int = Field(4, ge=1, le=64, description="Sequences decoded together per model.")
     max_queue: int = Field(
         64, ge=0, description="Requests that may wait per model; more get 503 + Retry-After."

@@ -409,7 +409,7 @@ async def embed(request: Request, parts: Parts) -> Response:
     result = await parts.service.embed(
         EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate,
                          dialect="ollama", tenant=request.state.tenant),
-        keep_alive=seconds)
+        keep_alive=seconds, disconnected=request.is_disconnected)
     vectors = result.vectors
     if body.dimensions is not None:
         vectors = _shorten(vectors, body.dimensions)
@@ -445,7 +445,7 @@ async def embeddings(request: Request, parts: Parts) -> Response:
     result = await parts.service.embed(
         EmbeddingRequest(model=body.model, inputs=[body.prompt], dialect="ollama",
                          tenant=request.state.tenant),
-        keep_alive=seconds)
+        keep_alive=seconds, disconnected=request.is_disconnected)
     return JSONResponse({"embedding": result.vectors[0]}, headers=headers)
 
 

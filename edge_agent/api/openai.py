@@ -474,7 +474,8 @@ async def embeddings(request: Request, parts: Parts) -> Response:
         raise InvalidRequest("input must not be empty", param="input")
     result = await parts.service.embed(EmbeddingRequest(model=body.model, inputs=inputs,
                                                         dialect="openai",
-                                                        tenant=request.state.tenant))
+                                                        tenant=request.state.tenant),
+                                       disconnected=request.is_disconnected)
     dims = len(result.vectors[0])
     if body.dimensions is not None and body.dimensions != dims:
         raise UnsupportedParameter(f"this model gives {dims} dimensions; "

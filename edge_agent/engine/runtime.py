@@ -335,43 +335,104 @@ class BatchContext:
 
 
 class EmbeddingContext:
-    """A separate context with mean pooling: a causal model's hidden states averaged over
-    the input, L2-normalised (what Ollama's /api/embed and OpenAI return)."""
+    """A context of its own for embeddings: one sequence, no pooling by llama.cpp.
 
-    def __init__(self, model: LlamaModel, *, n_ctx: int, n_threads: int) -> None:
+    The scheduler feeds an input in chunks between generation steps and averages the
+    rows' hidden states itself, so a long input delays running streams no more than a
+    prompt chunk does; llama.cpp's MEAN pooling computes the same mean, but needs the
+    whole input in one micro-batch. A causal model's hidden state of a token
+    does not depend on the tokens after it, which is what makes the chunks add up; a
+    bidirectional encoder (BERT-like) is found out by `_is_causal` and gets its input in
+    one piece. Without flash attention (`flash_attn=0`) the vector on a CPU is the same,
+    bit for bit, however the input is chunked. The vector is L2-normalised (what Ollama's
+    /api/embed and OpenAI return).
+    """
+
+    def __init__(self, model: LlamaModel, *, n_ctx: int, n_threads: int,
+                 n_batch: int | None = None, flash_attn: int = -1) -> None:
         self.model = model
-        p = _context_params(n_ctx, n_ctx, n_threads)
-        p.n_ubatch = n_ctx  # pooled embeddings need the whole input in one micro-batch
+        self.ptr = None
+        self._open(n_ctx, min(n_batch or n_ctx, n_ctx), n_threads, flash_attn)
+        self.causal = self._is_causal()
+        if not self.causal and self.n_batch < self.n_ctx:
+            self.close()
+            self._open(n_ctx, n_ctx, n_threads, flash_attn)
+
+    def _open(self, n_ctx: int, n_batch: int, n_threads: int, flash_attn: int) -> None:
+        p = _context_params(n_ctx, n_batch, n_threads, flash_attn=flash_attn)
+        p.n_ubatch = n_batch
         p.embeddings = True
-        p.pooling_type = ll.LLAMA_POOLING_TYPE_MEAN
-        ptr = ll.llama_init_from_model(model.ptr, p)
+        p.pooling_type = ll.LLAMA_POOLING_TYPE_NONE
+        ptr = ll.llama_init_from_model(self.model.ptr, p)
         if not ptr:
             raise EdgeAgentError("llama.cpp could not create the embedding context")
         self.ptr = ptr
         self.mem = ll.llama_get_memory(ptr)
         self.n_ctx = int(ll.llama_n_ctx(ptr))
-        self._batch = Batch(self.n_ctx)
+        self.n_batch = min(n_batch, self.n_ctx)
+        self._batch = Batch(self.n_batch)
 
-    def embed(self, tokens: list[int]) -> list[float]:
-        if not tokens:
-            raise InvalidRequest("input is empty", param="input")
-        ll.llama_memory_clear(self.mem, True)
+    def _rows(self, tokens: Sequence[int], pos: int) -> np.ndarray:
+        """The hidden states of `tokens` placed at `pos` (a view, valid until the next call)."""
+        n = len(tokens)
+        if not 0 < n <= self.n_batch:
+            raise EdgeAgentError(f"an embedding chunk of {n} tokens (at most {self.n_batch})")
         self._batch.clear()
-        self._batch.add_span(tokens, 0, 0, last_logits=False)
-        self._batch.logits[: len(tokens)] = 1
-        self._batch.raw.n_tokens = len(tokens)
+        self._batch.add_span(tokens, pos, 0, last_logits=False)
+        self._batch.logits[:n] = 1
+        self._batch.raw.n_tokens = n
         rc = ll.llama_decode(self.ptr, self._batch.raw)
         if rc != 0:
             raise EdgeAgentError(f"llama_decode failed with code {rc}")
-        ptr = ll.llama_get_embeddings_seq(self.ptr, 0)
-        vec = np.ctypeslib.as_array(ptr, shape=(self.model.n_embd,)).astype(np.float64)
-        norm = float(np.linalg.norm(vec))
-        return (vec / norm if norm > 0 else vec).tolist()
+        ptr = ll.llama_get_embeddings(self.ptr)
+        if not ptr:
+            raise EdgeAgentError("llama.cpp returned no embeddings")
+        return np.ctypeslib.as_array(ptr, shape=(n, self.model.n_embd))
+
+    def _is_causal(self) -> bool:
+        """Whether the first token's state ignores the tokens after it (a decoder), probed
+        with four tokens: a bidirectional encoder moves it by far more than the 1e-3
+        that batch shapes can."""
+        probe = [max(self.model.bos, 0), 1, 2, 3]
+        self.reset()
+        alone = self._rows(probe[:1], 0)[0].astype(np.float64)
+        self.reset()
+        first = self._rows(probe, 0)[0].astype(np.float64)
+        self.reset()
+        scale = float(np.abs(alone).max()) or 1.0
+        return float(np.abs(alone - first).max()) <= 1e-3 * scale
+
+    def reset(self) -> None:
+        """Forget the previous input (before the first chunk of the next)."""
+        ll.llama_memory_clear(self.mem, True)
+
+    def feed(self, tokens: Sequence[int], pos: int) -> np.ndarray:
+        """Decodes the chunk `tokens` of the current input, which starts at `pos`; the sum
+        of its hidden states (float64), for the caller's running mean."""
+        return self._rows(tokens, pos).sum(axis=0, dtype=np.float64)
+
+    def embed(self, tokens: list[int]) -> list[float]:
+        """One whole input at once, in chunks of `n_batch`."""
+        if not tokens:
+            raise InvalidRequest("input is empty", param="input")
+        self.reset()
+        total = np.zeros(self.model.n_embd, dtype=np.float64)
+        step = self.n_batch if self.causal else len(tokens)
+        for start in range(0, len(tokens), step):
+            total += self.feed(tokens[start : start + step], start)
+        return normalised_mean(total, len(tokens))
 
     def close(self) -> None:
         if self.ptr:
             ll.llama_free(self.ptr)
             self.ptr = None
+
+
+def normalised_mean(total: np.ndarray, count: int) -> list[float]:
+    """The mean of `count` hidden states summed in `total`, L2-normalised."""
+    vec = total / max(count, 1)
+    norm = float(np.linalg.norm(vec))
+    return (vec / norm if norm > 0 else vec).tolist()
 
 
 @dataclass

@@ -1,11 +1,15 @@
 """Continuous batching: one worker thread per loaded model owns its llama context.
 
 Each step decodes the next token of every running sequence in one `llama_decode`, then
-a bounded chunk of prompt tokens for sequences still being prefilled in a second; new jobs
-take free sequences between steps and finished ones leave. Each sequence keeps its KV cells after
-its job, so a later prompt that starts the same way (a system prompt, a growing chat)
-reuses them — from its own sequence, or copied from another. Only this thread calls
-llama.cpp for generation; the event loop only reads the counters in `stats`.
+a bounded chunk of prompt tokens for sequences still being prefilled in a second, then a
+bounded chunk of embedding input in a context of its own; new jobs take free sequences
+between steps and finished ones leave. Each sequence keeps its KV cells after its job, so a
+later prompt that starts the same way (a system prompt, a growing chat) reuses them — from
+its own sequence, or copied from another. Only this thread calls llama.cpp for this model;
+the event loop only reads the counters in `stats`.
+
+A failure inside a step ends only the request(s) it can be traced to, with an error event,
+and frees their sequences; the thread and every other request go on.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from edge_agent.engine.admission import AdmissionQueue, Priority
 from edge_agent.engine.request import (
@@ -30,10 +37,16 @@ from edge_agent.engine.request import (
     TokenEvent,
     Usage,
 )
-from edge_agent.engine.runtime import BatchContext, EmbeddingContext, LlamaModel, Sampler
+from edge_agent.engine.runtime import (
+    BatchContext,
+    EmbeddingContext,
+    LlamaModel,
+    Sampler,
+    normalised_mean,
+)
 from edge_agent.engine.stepcost import PrefillCost
 from edge_agent.engine.textstream import TextStream
-from edge_agent.errors import EdgeAgentError
+from edge_agent.errors import EdgeAgentError, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +64,10 @@ DETERMINISTIC_MAX_ROWS = 7
 # A sequence that has just finished a long prompt costs the next rows pass about this many
 # prompt tokens at its depth (see ModelScheduler._last_chunk).
 JOIN_COST_TOKENS = 2.0
+# Embedding tokens a step carries however little room the stall bound leaves: embeddings
+# always advance, and nobody waits for their first token, so a single token will do (a
+# decode's fixed cost makes a token of a tiny chunk dear; the measured cost includes it).
+MIN_EMBED_CHUNK = 1
 
 
 @dataclass
@@ -72,9 +89,22 @@ class GenerationJob:
 @dataclass
 class EmbeddingJob:
     inputs: list[list[int]]
-    done: Callable[[EmbeddingResult | Exception], None]
+    done: Callable[[EmbeddingResult | Exception], None]  # called once, from the worker
     truncated_tokens: int = 0
     submitted_ns: int = field(default_factory=time.perf_counter_ns)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class _EmbeddingRun:
+    """An embedding job under way: the input being fed, how far, and the sum so far."""
+
+    def __init__(self, job: EmbeddingJob) -> None:
+        self.job = job
+        self.index = 0
+        self.pos = 0
+        self.total: np.ndarray | None = None
+        self.vectors: list[list[float]] = []
+        self.started_ns = time.perf_counter_ns()
 
 
 @dataclass
@@ -88,6 +118,10 @@ class SchedulerStats:
     steps: int = 0
     last_step_tokens: int = 0
     last_step_s: float = 0.0
+    failures: int = 0  # requests ended by an error inside a step
+    embedding_jobs: int = 0  # embedding requests waiting or under way
+    embedded_inputs: int = 0  # inputs embedded since the model was loaded
+    embedded_tokens: int = 0
 
 
 class _Slot:
@@ -159,9 +193,23 @@ class ModelScheduler:
         self._embed_ctx_size = min(embed_ctx, self.ctx.n_ctx_seq)
         self._n_threads = n_threads
         self._embedder: EmbeddingContext | None = None
+        self._embeddings: deque[_EmbeddingRun] = deque()  # taking turns, input by input
+        # Measured in passes beside running streams only: small chunks cost far more a
+        # token than the big ones of an idle pass (a decode's fixed cost).
+        self._embed_cost = PrefillCost()
+        self._embed_cost_seen = False
+        # Flash attention off for embeddings on a CPU: below 64 query rows its kernel reads
+        # the whole KV once per row (an 8-token chunk 1,000 deep: 3x the cost), and its
+        # results move with the chunk size, where the plain path gives the same vector,
+        # bit for bit, however an input is chunked.
+        self._embed_flash_attn = 0 if model.n_gpu_layers == 0 else flash_attn
+        self._embed_lock = threading.Lock()  # stats.embedding_jobs: both threads write it
+        self._max_queue = max_queue
         self._step_s = 0.05  # running estimate, for Retry-After
         # Events of the current step, delivered together at its end (see ThreadEmitter).
         self._outbox: list[tuple[GenerationJob, Event]] = []
+        self._rows_s = 0.0  # this step's rows pass and prompt pass, for the embedding budget
+        self._prompt_s = 0.0
         self._nice = nice
         self.native_id = 0  # the worker thread's id, once it runs
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
@@ -187,11 +235,30 @@ class ModelScheduler:
 
     def submit(self, job: GenerationJob | EmbeddingJob) -> None:
         if isinstance(job, EmbeddingJob):
+            with self._embed_lock:
+                if self.stats.embedding_jobs >= max(1, self._max_queue):
+                    raise ServiceUnavailable(
+                        f"{self.stats.embedding_jobs} embedding requests are waiting for this "
+                        "model; retry later", retry_after=self._embed_wait())
+                self.stats.embedding_jobs += 1
             self.queue.put_side(job)
             return
         # A rough wait: the jobs ahead, each ~128 tokens, run `parallel` at a time.
         waves = (len(self.queue) + 1) / len(self.slots)
         self.queue.put(job, retry_after=max(1.0, waves * 128 * self._step_s))
+
+    def _embed_wait(self) -> float:
+        """A rough Retry-After for embeddings: the tokens under way, at the measured cost."""
+        try:
+            pending = sum(len(t) for run in list(self._embeddings) for t in run.job.inputs)
+        except RuntimeError:  # changed by the worker meanwhile: a guess is as good
+            pending = 0
+        return max(1.0, pending * self._embed_cost.per_token(0))
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread still runs (it only ends at close)."""
+        return self._thread.is_alive()
 
     def close(self) -> None:
         self.queue.close()
@@ -207,21 +274,42 @@ class ModelScheduler:
         _lower_priority(self.native_id, self._nice)
         while not self.queue.closed:
             try:
-                self._run_side_work()
+                self._take_side_work()
                 self._admit()
                 if any(s.job for s in self.slots):
                     self._step()
+                elif self._embeddings:
+                    self._embed_pass(self._embed_chunk(), None)
                 else:
                     self._flush()
                     self.queue.wait()
-            except Exception:  # keep serving; the failed jobs were told
-                log.exception("scheduler step failed")
+            except Exception as exc:
+                # Nothing narrower could be blamed: end the jobs this step was running, so
+                # that the next step cannot fail the same way again.
+                self._survive(self._fail, [s for s in self.slots if s.job is not None], exc,
+                              "a step")
             finally:
-                self._flush()
+                self._survive(self._flush)
         for slot in self.slots:
             if slot.job is not None:
-                self._finish(slot, "cancelled")
+                try:
+                    self._finish(slot, "cancelled")
+                except Exception:
+                    log.exception("releasing a sequence at close failed")
         self._flush()
+        self._take_side_work()
+        while self._embeddings:
+            self._end_embedding(self._embeddings[0],
+                                ServiceUnavailable("the model was unloaded", retry_after=1.0))
+
+    @staticmethod
+    def _survive(func: Callable[..., None], *args: object) -> None:
+        """Runs a clean-up of the loop itself: whatever it raises is logged, never lets the
+        thread end (a model whose worker is gone would take requests and answer none)."""
+        try:
+            func(*args)
+        except Exception:
+            log.exception("the scheduler's own clean-up failed")
 
     def _emit(self, job: GenerationJob, event: Event) -> None:
         self._outbox.append((job, event))
@@ -235,10 +323,29 @@ class ModelScheduler:
             if isinstance(emit, ThreadEmitter):
                 by_loop.setdefault(emit.loop, []).append((emit.queue, event))
             else:
-                emit(event)
+                try:
+                    emit(event)
+                except Exception:  # that job cannot be told anything more: end it
+                    if not job.cancelled.is_set():
+                        log.exception("delivering an event failed; the request is cancelled")
+                    job.cancelled.set()
         self._outbox.clear()
         for loop, items in by_loop.items():
             _post(loop, items)
+
+    def _fail(self, slots: list[_Slot], exc: BaseException, where: str) -> None:
+        """End the jobs of `slots` with an error event and free their sequences; the other
+        sequences go on. Logged once per failure, however many jobs it ends."""
+        failed = [s for s in slots if s.job is not None]
+        if not failed:
+            return
+        log.error("%s failed; ending %d request(s)", where, len(failed), exc_info=exc)
+        error = _as_error(exc)
+        for slot in failed:
+            assert slot.job is not None
+            self._emit(slot.job, ErrorEvent(error))
+            self._release(slot, keep_cells=False)
+        self.stats.failures += len(failed)
 
     def _admit(self) -> None:
         while True:
@@ -248,7 +355,12 @@ class ModelScheduler:
             job = self.queue.pop()
             if job is None:
                 return
-            self._start(self._pick_slot(free, job), job)
+            slot = self._pick_slot(free, job)
+            try:
+                self._start(slot, job)
+            except Exception as exc:
+                slot.job = job
+                self._fail([slot], exc, "starting a request")
 
     def _pick_slot(self, free: list[_Slot], job: GenerationJob) -> _Slot:
         """The free sequence whose cells share the longest prefix with the prompt, so a
@@ -300,31 +412,33 @@ class ModelScheduler:
     def _step(self) -> None:
         for slot in self.slots:
             if slot.job is not None and slot.job.cancelled.is_set():
-                self._finish(slot, "cancelled")
+                try:
+                    self._finish(slot, "cancelled")
+                except Exception as exc:
+                    self._fail([slot], exc, "cancelling a request")
         active = [s for s in self.slots if s.job is not None]
         if not active:
             return
         started = time.perf_counter()
         decoding = [s for s in active if s.next_token is not None]
         prefilling = [s for s in active if s.next_token is None]
-        try:
-            if self.deterministic:
-                for i in range(0, len(decoding), DETERMINISTIC_MAX_ROWS):
-                    self._decode(decoding[i : i + DETERMINISTIC_MAX_ROWS], [], 0)
-                if prefilling:
-                    self._decode([], prefilling[:1], self.ctx.n_batch)
+        self._rows_s = self._prompt_s = 0.0
+        rows = len(decoding)
+        if self.deterministic:
+            for i in range(0, len(decoding), DETERMINISTIC_MAX_ROWS):
+                self._decode(decoding[i : i + DETERMINISTIC_MAX_ROWS], [], 0)
+            if prefilling:
+                self._decode([], prefilling[:1], self.ctx.n_batch)
+        else:
+            shortest = min((len(s.pending) for s in prefilling
+                            if s.prefill_total <= SHORT_PROMPT), default=0)
+            if shortest and decoding and self._rows_may_wait(decoding, shortest):
+                self._decode([], prefilling, shortest)
+                rows = -1  # the rows sat this step out for the prompt: no embedding either
             else:
-                shortest = min((len(s.pending) for s in prefilling
-                                if s.prefill_total <= SHORT_PROMPT), default=0)
-                if shortest and decoding and self._rows_may_wait(decoding, shortest):
-                    self._decode([], prefilling, shortest)
-                else:
-                    self._decode(decoding, prefilling, None, shortest)
-        except EdgeAgentError as exc:
-            for slot in active:
-                if slot.job is not None:
-                    self._emit(slot.job, ErrorEvent(exc))
-                    self._release(slot, keep_cells=False)
+                self._decode(decoding, prefilling, None, shortest)
+        if self._embeddings and rows >= 0:
+            self._embed_pass(*self._embed_budget(rows))
         elapsed = time.perf_counter() - started
         st = self.stats
         st.steps += 1
@@ -431,45 +545,75 @@ class ModelScheduler:
         batch = self.ctx.batch
         batch.clear()
         # Rows in ascending sequence order: llama.cpp then runs the batch as one pass.
-        rows = sorted(decoding, key=lambda s: s.seq)
-        for slot in rows:
-            assert slot.next_token is not None
-            slot.row = batch.add(slot.next_token, len(slot.tokens), slot.seq, True)
+        rows = []
+        for slot in sorted(decoding, key=lambda s: s.seq):
+            try:
+                assert slot.next_token is not None
+                slot.row = batch.add(slot.next_token, len(slot.tokens), slot.seq, True)
+            except Exception as exc:  # a row is stored only once every field fits
+                self._fail([slot], exc, "adding a row")
+            else:
+                rows.append(slot)
+        if not rows:
+            return 0.0
         started = time.perf_counter()
-        self.ctx.decode()
+        try:
+            self.ctx.decode()
+        except Exception as exc:  # the whole pass: every row in it ends
+            self._fail(rows, exc, "a decode pass")
+            return 0.0
         self.stats.last_step_tokens += batch.n
         for slot in rows:
-            assert slot.next_token is not None
-            slot.tokens.append(slot.next_token)
-            slot.next_token = None
-            self._sampled(slot)
+            try:
+                assert slot.next_token is not None
+                slot.tokens.append(slot.next_token)
+                slot.next_token = None
+                self._sampled(slot)
+            except Exception as exc:
+                self._fail([slot], exc, "sampling")
         elapsed = time.perf_counter() - started
         if not self._prefilled_last_step:
             old = self._decode_s.get(len(rows), elapsed)
             self._decode_s[len(rows)] = 0.8 * old + 0.2 * elapsed
+        self._rows_s += elapsed
         return elapsed
 
     def _prefill(self, slots: list[_Slot], spans: dict[int, int]) -> None:
         batch = self.ctx.batch
         batch.clear()
-        slots = sorted(slots, key=lambda s: s.seq)
-        for slot in slots:
+        added = []
+        for slot in sorted(slots, key=lambda s: s.seq):
             take = slot.span = spans[slot.seq]
-            slot.row = batch.add_span(slot.pending[:take], len(slot.tokens), slot.seq,
-                                      last_logits=take == len(slot.pending))
-        depth = sum(spans[s.seq] * (len(s.tokens) + spans[s.seq] / 2) for s in slots)
+            try:
+                slot.row = batch.add_span(slot.pending[:take], len(slot.tokens), slot.seq,
+                                          last_logits=take == len(slot.pending))
+            except Exception as exc:  # a token that does not fit: the span is not counted
+                self._fail([slot], exc, "adding a prompt")
+            else:
+                added.append(slot)
+        if not added:
+            return
+        depth = sum(spans[s.seq] * (len(s.tokens) + spans[s.seq] / 2) for s in added)
         started = time.perf_counter()
-        self.ctx.decode()
+        try:
+            self.ctx.decode()
+        except Exception as exc:  # the whole pass: every prompt in it ends
+            self._fail(added, exc, "a prompt pass")
+            return
         elapsed = time.perf_counter() - started
+        self._prompt_s += elapsed
         if batch.n >= MIN_PREFILL_CHUNK:
             self._prefill_cost.observe(batch.n, depth / batch.n, elapsed)
         self.stats.last_step_tokens += batch.n
-        for slot in slots:
-            slot.tokens.extend(slot.pending[: slot.span])
-            del slot.pending[: slot.span]
-            if not slot.pending:
-                slot.t_prompt = time.perf_counter_ns()
-                self._sampled(slot)
+        for slot in added:
+            try:
+                slot.tokens.extend(slot.pending[: slot.span])
+                del slot.pending[: slot.span]
+                if not slot.pending:
+                    slot.t_prompt = time.perf_counter_ns()
+                    self._sampled(slot)
+            except Exception as exc:
+                self._fail([slot], exc, "sampling")
 
     def _sampled(self, slot: _Slot) -> None:
         job, sampler = slot.job, slot.sampler
@@ -514,38 +658,145 @@ class ModelScheduler:
         self._release(slot, keep_cells=reason != "cancelled")
 
     def _release(self, slot: _Slot, *, keep_cells: bool) -> None:
-        if slot.sampler is not None:
-            slot.sampler.close()
-            slot.sampler = None
-        if not keep_cells or slot.pending:
-            self.ctx.clear(slot.seq)
-            slot.tokens = []
+        # The slot is free first, whatever llama.cpp says below: a release that raised
+        # must not leave a job behind to fail again in the next step.
+        sampler, slot.sampler = slot.sampler, None
+        drop = not keep_cells or bool(slot.pending)
         slot.job = None
         slot.pending = []
         slot.next_token = None
+        if drop:
+            slot.tokens = []
         self.stats.running = sum(1 for s in self.slots if s.job is not None)
         self.stats.kv_used = sum(len(s.tokens) for s in self.slots)
-
-    def _run_side_work(self) -> None:
-        while (job := self.queue.pop_side()) is not None:
-            self._embed(job)
-
-    def _embed(self, job: EmbeddingJob) -> None:
-        start = time.perf_counter_ns()
         try:
-            if self._embedder is None:
-                self._embedder = EmbeddingContext(
-                    self.model, n_ctx=self._embed_ctx_size, n_threads=self._n_threads)
-            vectors = [self._embedder.embed(tokens) for tokens in job.inputs]
-        except Exception as exc:
-            job.done(exc)
-            return
-        end = time.perf_counter_ns()
-        job.done(EmbeddingResult(
-            vectors=vectors, prompt_tokens=sum(len(t) for t in job.inputs),
-            truncated_tokens=job.truncated_tokens,
-            timings=Timings(queue_ns=start - job.submitted_ns, prompt_ns=end - start,
-                            total_ns=end - job.submitted_ns)))
+            if sampler is not None:
+                sampler.close()
+        finally:
+            if drop:
+                self.ctx.clear(slot.seq)
+
+    # -- embeddings: chunks between steps, in a context of their own ------------------------
+    def _take_side_work(self) -> None:
+        while (job := self.queue.pop_side()) is not None:
+            self._embeddings.append(_EmbeddingRun(job))
+        for run in [r for r in self._embeddings if r.job.cancelled.is_set()]:
+            self._end_embedding(run, EdgeAgentError("the embedding request was cancelled"))
+
+    def _embed_chunk(self) -> int:
+        """Embedding tokens per pass while no generation runs: a prompt chunk's worth, so a
+        request that arrives waits at most about one prompt chunk for its first step."""
+        return self.prefill_chunk or self.ctx.n_batch
+
+    def _embed_budget(self, rows: int) -> tuple[int, float | None]:
+        """Embedding tokens, and seconds, this step may spend after its rows pass (`rows`
+        sequences) and its prompt pass: as much as keeps the gap between two tokens of a
+        running stream within `max_step_stall` times its gap when nobody prefills, as for a
+        prompt; at least MIN_EMBED_CHUNK tokens, so that embeddings always advance. With
+        only prompts in the step, whose clients wait for a first token: that least."""
+        cap = self._embed_chunk()
+        if rows == 0:
+            return MIN_EMBED_CHUNK, 0.0
+        if self.max_step_stall <= 0:
+            return cap, None
+        plain = self._decode_s.get(rows, self._rows_s)
+        seconds = self.max_step_stall * plain - self._rows_s - self._prompt_s
+        cost = self._embed_cost if self._embed_cost_seen else self._prefill_cost
+        depth = self._embeddings[0].pos
+        allowed = seconds / cost.per_token(depth)
+        allowed = seconds / cost.per_token(depth + max(0.0, allowed) / 2)
+        return min(cap, max(MIN_EMBED_CHUNK, int(allowed))), max(0.0, seconds)
+
+    def _embed_pass(self, budget: int, seconds: float | None) -> None:
+        """Up to `budget` tokens of embedding input, one chunk of one input per decode, and
+        no further decode once `seconds` are spent (many short inputs cost a decode each).
+        The jobs take turns input by input (an input's cells are the context's only
+        sequence), and a cancelled job stops at its next chunk."""
+        started = time.perf_counter()
+        fed = 0
+        while budget > 0 and self._embeddings:
+            if fed and seconds is not None and time.perf_counter() - started >= seconds:
+                break
+            run = self._embeddings[0]
+            if run.job.cancelled.is_set():
+                self._end_embedding(run, EdgeAgentError("the embedding request was cancelled"))
+                continue
+            try:
+                take = self._embed_some(run, budget, observe=seconds is not None)
+            except Exception as exc:
+                log.error("an embedding pass failed; ending that request", exc_info=exc)
+                self._end_embedding(run, exc)
+                continue
+            budget -= take
+            fed += take
+        if fed:
+            self._prefilled_last_step = True  # its weights and cells are in the cache now
+
+    def _embed_some(self, run: _EmbeddingRun, budget: int, *, observe: bool) -> int:
+        """Feeds the next chunk of `run`'s current input; the tokens it took."""
+        embedder = self._embedder
+        if embedder is None:
+            embedder = self._embedder = EmbeddingContext(
+                self.model, n_ctx=self._embed_ctx_size, n_threads=self._n_threads,
+                n_batch=min(self.ctx.n_batch, self._embed_ctx_size),
+                flash_attn=self._embed_flash_attn)
+        tokens = run.job.inputs[run.index]
+        if not tokens:
+            raise EdgeAgentError(f"input {run.index} is empty")
+        left = len(tokens) - run.pos
+        take = min(budget, left, embedder.n_batch) if embedder.causal else left
+        if run.pos == 0:
+            embedder.reset()
+        started = time.perf_counter()
+        chunk = embedder.feed(tokens[run.pos : run.pos + take], run.pos)
+        if observe:
+            self._embed_cost.observe(take, run.pos + take / 2, time.perf_counter() - started)
+            self._embed_cost_seen = True
+        run.total = chunk if run.total is None else run.total + chunk
+        run.pos += take
+        self.stats.embedded_tokens += take
+        if run.pos == len(tokens):
+            run.vectors.append(normalised_mean(run.total, len(tokens)))
+            self.stats.embedded_inputs += 1
+            run.index, run.pos, run.total = run.index + 1, 0, None
+            if run.index == len(run.job.inputs):
+                self._end_embedding(run, None)
+            else:
+                self._embeddings.rotate(-1)  # the next job's turn
+        return take
+
+    def _end_embedding(self, run: _EmbeddingRun, error: BaseException | None) -> None:
+        """Hands `run`'s result (or `error`) to its caller and drops it; the next run starts
+        its input afresh (at position 0 the context is reset)."""
+        self._embeddings.remove(run)
+        with self._embed_lock:
+            self.stats.embedding_jobs -= 1
+        job = run.job
+        result: EmbeddingResult | Exception
+        if error is None:
+            end = time.perf_counter_ns()
+            result = EmbeddingResult(
+                vectors=run.vectors, prompt_tokens=sum(len(t) for t in job.inputs),
+                truncated_tokens=job.truncated_tokens,
+                timings=Timings(queue_ns=run.started_ns - job.submitted_ns,
+                                prompt_ns=end - run.started_ns,
+                                total_ns=end - job.submitted_ns))
+        else:
+            result = _as_error(error)
+        try:
+            job.done(result)
+        except Exception:
+            log.exception("delivering an embedding result failed")
+
+
+def _as_error(exc: BaseException) -> EdgeAgentError:
+    """What a request is told when its step failed: the error itself when it is one of
+    ours (it says what was wrong with the request), else a 500 that keeps the cause."""
+    if isinstance(exc, EdgeAgentError):
+        return exc
+    error = EdgeAgentError("internal error while running the request; it was ended")
+    error.__cause__ = exc
+    return error
 
 
 def _lower_priority(tid: int, nice: int) -> None:

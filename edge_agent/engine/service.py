@@ -13,7 +13,7 @@ import hashlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -391,41 +391,38 @@ class GenerationService:
                 raise _as_edge_error(event.error)
         raise EdgeAgentError("generation ended without a result")
 
-    async def embed(self, req: EmbeddingRequest, *, keep_alive: float | None = None
+    async def embed(self, req: EmbeddingRequest, *, keep_alive: float | None = None,
+                    disconnected: Callable[[], Awaitable[bool]] | None = None
                     ) -> EmbeddingResult:
+        """Embeds every input, in chunks between the model's generation steps. Bounded per
+        request (`max_embedding_inputs`, `max_embedding_tokens`: 400 naming `input`); the
+        work stops at its next chunk when the caller is cancelled or `disconnected()`
+        (polled while waiting) says the client has gone."""
         note(model=req.model, dialect=req.dialect)
+        runtime = self.registry.settings.runtime
+        if len(req.inputs) > runtime.max_embedding_inputs:
+            raise InvalidRequest(
+                f"{len(req.inputs)} inputs; at most {runtime.max_embedding_inputs} per "
+                "request", param="input")
         self._govern(req.tenant, req.model)
         model, load_ns = await self.registry.acquire(req.model, keep_alive)
         try:
-            llama = model.worker.model
-            limit = model.worker.embed_ctx
-            inputs: list[list[int]] = []
-            truncated = 0
-            for i, item in enumerate(req.inputs):
-                tokens = (llama.tokenize(item, add_special=True, parse_special=False)
-                          if isinstance(item, str) else list(item))
-                if not tokens:
-                    raise InvalidRequest(f"input {i} is empty", param="input")
-                if any(t < 0 or t >= llama.n_vocab for t in tokens):
-                    raise InvalidRequest(f"input {i} has a token id outside the vocabulary",
-                                         param="input")
-                if len(tokens) > limit:
-                    if not req.truncate:
-                        raise ContextLengthExceeded(
-                            f"input {i} is {len(tokens)} tokens; the embedding context is "
-                            f"{limit} tokens", param="input")
-                    truncated += len(tokens) - limit
-                    tokens = tokens[:limit]
-                inputs.append(tokens)
+            inputs, truncated = self._embedding_inputs(req, model, runtime.max_embedding_tokens)
             loop = asyncio.get_running_loop()
             future: asyncio.Future[EmbeddingResult | Exception] = loop.create_future()
 
             def done(result: EmbeddingResult | Exception) -> None:
-                loop.call_soon_threadsafe(future.set_result, result)
+                try:
+                    loop.call_soon_threadsafe(_settle, future, result)
+                except RuntimeError:  # the loop is gone (shutdown): nobody is waiting
+                    pass
 
-            model.worker.submit(EmbeddingJob(inputs=inputs, truncated_tokens=truncated,
-                                             done=done))
-            result = await future
+            job = EmbeddingJob(inputs=inputs, truncated_tokens=truncated, done=done)
+            model.worker.submit(job)
+            try:
+                result = await _wait_unless_gone(future, disconnected)
+            finally:
+                job.cancelled.set()  # a no-op once done; else the worker stops at once
         finally:
             await self.registry.release(model)
         if isinstance(result, Exception):
@@ -435,6 +432,70 @@ class GenerationService:
         return dataclasses.replace(
             result, timings=dataclasses.replace(result.timings, load_ns=load_ns,
                                                 total_ns=result.timings.total_ns + load_ns))
+
+    @staticmethod
+    def _embedding_inputs(req: EmbeddingRequest, model: LoadedModel, max_tokens: int
+                          ) -> tuple[list[list[int]], int]:
+        """The inputs as tokens, each within the embedding context (cut when the request
+        allows it), all together within `max_tokens`; and how many tokens were cut."""
+        llama = model.worker.model
+        limit = model.worker.embed_ctx
+        inputs: list[list[int]] = []
+        truncated = total = 0
+        for i, item in enumerate(req.inputs):
+            tokens = (llama.tokenize(item, add_special=True, parse_special=False)
+                      if isinstance(item, str) else list(item))
+            if not tokens:
+                raise InvalidRequest(f"input {i} is empty", param="input")
+            if any(t < 0 or t >= llama.n_vocab for t in tokens):
+                raise InvalidRequest(f"input {i} has a token id outside the vocabulary",
+                                     param="input")
+            if len(tokens) > limit:
+                if not req.truncate:
+                    raise ContextLengthExceeded(
+                        f"input {i} is {len(tokens)} tokens; the embedding context is "
+                        f"{limit} tokens", param="input")
+                truncated += len(tokens) - limit
+                tokens = tokens[:limit]
+            total += len(tokens)
+            if total > max_tokens:
+                raise InvalidRequest(
+                    f"the inputs come to more than {max_tokens} tokens, the most one "
+                    "embedding request may carry; split them over several requests",
+                    param="input")
+            inputs.append(tokens)
+        return inputs, truncated
+
+
+class ClientDisconnected(EdgeAgentError):
+    """The client left before its answer was ready (nginx's 499; nobody reads the body)."""
+
+    status_code = 499
+    error_type = "client_closed_request"
+    code = "client_closed_request"
+
+
+# How often a waiting embedding request asks whether its client is still there.
+DISCONNECT_POLL_S = 0.25
+
+
+async def _wait_unless_gone(future: asyncio.Future[EmbeddingResult | Exception],
+                            disconnected: Callable[[], Awaitable[bool]] | None
+                            ) -> EmbeddingResult | Exception:
+    if disconnected is None:
+        return await future
+    while True:
+        finished, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+        if finished:
+            return future.result()
+        if await disconnected():
+            raise ClientDisconnected("the client disconnected")
+
+
+def _settle(future: asyncio.Future[EmbeddingResult | Exception],
+            result: EmbeddingResult | Exception) -> None:
+    if not future.done():  # the waiter may have been cancelled meanwhile
+        future.set_result(result)
 
 
 def _bounded(sampling: SamplingParams, n_vocab: int, window: int) -> SamplingParams:
