@@ -19,6 +19,7 @@ from starlette.background import BackgroundTask
 from edge_agent import __version__
 from edge_agent.api.auth import authenticate
 from edge_agent.api.body import apply_controls, read_json, validate
+from edge_agent.api.openapi import request_body
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.engine.catalog import InstalledModel
 from edge_agent.engine.registry import FOREVER, LoadedModel, parse_keep_alive
@@ -293,7 +294,7 @@ async def version() -> dict[str, str]:
     return {"version": OLLAMA_API_VERSION, "edge_agent": __version__}
 
 
-@router.post("/api/chat")
+@router.post("/api/chat", openapi_extra=request_body(ChatBody))
 async def chat(request: Request, parts: Parts) -> Response:
     body = validate(ChatBody, await read_json(request, parts.settings.server.max_body_bytes))
     _check_common(body, body.model)
@@ -320,7 +321,7 @@ async def chat(request: Request, parts: Parts) -> Response:
     return await _run(parts, req, body.keep_alive, body.stream, chat=True)
 
 
-@router.post("/api/generate")
+@router.post("/api/generate", openapi_extra=request_body(GenerateBody))
 async def generate(request: Request, parts: Parts) -> Response:
     body = validate(GenerateBody, await read_json(request, parts.settings.server.max_body_bytes))
     _check_common(body, body.model)
@@ -343,7 +344,7 @@ async def generate(request: Request, parts: Parts) -> Response:
     return await _run(parts, req, body.keep_alive, body.stream, chat=False)
 
 
-@router.post("/api/embed")
+@router.post("/api/embed", openapi_extra=request_body(EmbedBody))
 async def embed(request: Request, parts: Parts) -> Response:
     body = validate(EmbedBody, await read_json(request, parts.settings.server.max_body_bytes))
     inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else \
@@ -375,7 +376,7 @@ def _shorten(vectors: list[list[float]], dims: int) -> list[list[float]]:
     return out
 
 
-@router.post("/api/embeddings")
+@router.post("/api/embeddings", openapi_extra=request_body(EmbeddingsBody))
 async def embeddings(request: Request, parts: Parts) -> Response:
     body = validate(EmbeddingsBody,
                     await read_json(request, parts.settings.server.max_body_bytes))
@@ -403,7 +404,7 @@ async def tags(parts: Parts) -> dict[str, Any]:
     ]}
 
 
-@router.post("/api/show")
+@router.post("/api/show", openapi_extra=request_body(ModelRef))
 async def show(request: Request, parts: Parts) -> dict[str, Any]:
     body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
     m = parts.store.get(body.ref)
@@ -434,7 +435,7 @@ async def ps(parts: Parts) -> dict[str, Any]:
     return {"models": [_ps_row(m) for m in parts.registry.loaded()]}
 
 
-@router.delete("/api/delete")
+@router.delete("/api/delete", openapi_extra=request_body(ModelRef))
 async def delete(request: Request, parts: Parts) -> Response:
     body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
     name = parts.store.get(body.ref).name
