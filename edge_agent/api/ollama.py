@@ -20,6 +20,7 @@ from starlette.background import BackgroundTask
 from edge_agent import __version__
 from edge_agent.api.auth import authenticate
 from edge_agent.api.body import apply_controls, read_json, validate
+from edge_agent.api.openapi import request_body
 from edge_agent.api.pull import catalog_installs, pull_progress
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.engine.catalog import InstalledModel, normalize_name
@@ -348,7 +349,7 @@ async def version() -> dict[str, str]:
     return {"version": OLLAMA_API_VERSION, "edge_agent": __version__}
 
 
-@router.post("/api/chat")
+@router.post("/api/chat", openapi_extra=request_body(ChatBody))
 async def chat(request: Request, parts: Parts) -> Response:
     body = validate(ChatBody, await read_json(request, parts.settings.server.max_body_bytes))
     _check_common(body, body.model)
@@ -376,7 +377,7 @@ async def chat(request: Request, parts: Parts) -> Response:
     return await _run(parts, req, keep_alive, body.stream, chat=True)
 
 
-@router.post("/api/generate")
+@router.post("/api/generate", openapi_extra=request_body(GenerateBody))
 async def generate(request: Request, parts: Parts) -> Response:
     body = validate(GenerateBody, await read_json(request, parts.settings.server.max_body_bytes))
     _check_common(body, body.model)
@@ -400,7 +401,7 @@ async def generate(request: Request, parts: Parts) -> Response:
     return await _run(parts, req, keep_alive, body.stream, chat=False)
 
 
-@router.post("/api/embed")
+@router.post("/api/embed", openapi_extra=request_body(EmbedBody))
 async def embed(request: Request, parts: Parts) -> Response:
     body = validate(EmbedBody, await read_json(request, parts.settings.server.max_body_bytes))
     inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else \
@@ -433,7 +434,7 @@ def _shorten(vectors: list[list[float]], dims: int) -> list[list[float]]:
     return out
 
 
-@router.post("/api/embeddings")
+@router.post("/api/embeddings", openapi_extra=request_body(EmbeddingsBody))
 async def embeddings(request: Request, parts: Parts) -> Response:
     body = validate(EmbeddingsBody,
                     await read_json(request, parts.settings.server.max_body_bytes))
@@ -463,7 +464,7 @@ async def tags(parts: Parts) -> dict[str, Any]:
     ]}
 
 
-@router.post("/api/show")
+@router.post("/api/show", openapi_extra=request_body(ModelRef))
 async def show(request: Request, parts: Parts) -> dict[str, Any]:
     body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
     # Outside the scope: 403 on the name alone, as for generation, so nothing says whether
@@ -509,7 +510,7 @@ async def ps(parts: Parts) -> dict[str, Any]:
     return {"models": [_ps_row(m) for m in parts.registry.loaded()]}
 
 
-@router.delete("/api/delete")
+@router.delete("/api/delete", openapi_extra=request_body(ModelRef))
 async def delete(request: Request, parts: Parts) -> Response:
     body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
     _tenant(request).check_manage(f"deleting '{normalize_name(body.ref)}'")
@@ -525,7 +526,7 @@ async def delete(request: Request, parts: Parts) -> Response:
     return Response(status_code=200)
 
 
-@router.post("/api/pull")
+@router.post("/api/pull", openapi_extra=request_body(PullBody))
 async def pull(request: Request, parts: Parts) -> Response:
     body = validate(PullBody, await read_json(request, parts.settings.server.max_body_bytes))
     _tenant(request).check_manage(f"pulling '{normalize_name(body.ref)}'")

@@ -26,6 +26,7 @@ from starlette.background import BackgroundTask
 from edge_agent.api.auth import authenticate
 from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.errors import openai_body
+from edge_agent.api.openapi import request_body
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.engine.catalog import InstalledModel
 from edge_agent.engine.request import (
@@ -273,7 +274,7 @@ def _fingerprint(parts: AppParts, model: str) -> str:
     return "fp_" + parts.store.get(model).digest[:12]
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", openapi_extra=request_body(ChatBody))
 async def chat_completions(request: Request, parts: Parts) -> Response:
     body = validate(ChatBody, await read_json(request, parts.settings.server.max_body_bytes))
     req = _chat_request(body)
@@ -359,7 +360,7 @@ async def _ending_in_error_event(events: AsyncIterator[bytes]) -> AsyncIterator[
         yield _sse(openai_body(_edge(exc)))
 
 
-@router.post("/completions")
+@router.post("/completions", openapi_extra=request_body(CompletionBody))
 async def completions(request: Request, parts: Parts) -> Response:
     body = validate(CompletionBody,
                     await read_json(request, parts.settings.server.max_body_bytes))
@@ -460,7 +461,7 @@ async def completions(request: Request, parts: Parts) -> Response:
                              background=BackgroundTask(parts.service.release, first))
 
 
-@router.post("/embeddings")
+@router.post("/embeddings", openapi_extra=request_body(EmbeddingBody))
 async def embeddings(request: Request, parts: Parts) -> Response:
     body = validate(EmbeddingBody, await read_json(request, parts.settings.server.max_body_bytes))
     inputs: list[str | list[int]]
