@@ -238,8 +238,9 @@ class ModelScheduler:
             with self._embed_lock:
                 if self.stats.embedding_jobs >= max(1, self._max_queue):
                     raise ServiceUnavailable(
-                        f"{self.stats.embedding_jobs} embedding requests are waiting for this "
-                        "model; retry later", retry_after=self._embed_wait())
+                        f"the embedding queue for this model is full "
+                        f"({self.stats.embedding_jobs} requests); retry later",
+                        retry_after=self._embed_wait())
                 self.stats.embedding_jobs += 1
             self.queue.put_side(job)
             return
