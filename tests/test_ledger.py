@@ -119,7 +119,7 @@ def test_kill_9_during_traffic_keeps_every_row_acknowledged_before_the_window(
     state = clone_state(model_cache, tmp_path / "state")
     port = free_port()
     env = {**os.environ, "EDGE_AGENT_RUNTIME__CONTEXT_LENGTH": "256",
-           "EDGE_AGENT_TELEMETRY__HARDWARE": "false"}
+           "EDGE_AGENT_TELEMETRY__HARDWARE": "false", "EDGE_AGENT_RUNTIME__THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--state-dir",
                              str(state), "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -154,7 +154,10 @@ def test_kill_9_during_traffic_keeps_every_row_acknowledged_before_the_window(
         workers = [threading.Thread(target=traffic, args=(w,)) for w in range(3)]
         for w in workers:
             w.start()
-        time.sleep(3)
+        busy_until = time.monotonic() + 60  # enough rows whatever the box's speed
+        while len(acknowledged) < 15 and time.monotonic() < busy_until:
+            time.sleep(0.1)
+        time.sleep(0.5)
         killed_at = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
