@@ -1,0 +1,423 @@
+"""Shared by the fuzz tests: a server on which fuzzing stays cheap, what a response may be
+(documented status, dialect's error shape), and the failures that are known and tracked.
+
+The server is the real app with the real default model, tuned so that no generated request
+costs more than a few tokens: the open tenant `local` has an output ceiling that clamps
+(`max_tokens`/`num_predict` of any size give at most `MAX_OUTPUT` tokens) and the context is
+short, so a long prompt is a quick 400. llama.cpp gets one thread: on a box whose cores are
+all busy (the test client, other tests), two threads waiting for each other at every
+barrier made a one-token embedding take seconds instead of 0.1 s. Nothing is mocked.
+
+`KNOWN` lists failures that issue 10 describes and that are fixed elsewhere; each names its
+item. A 5xx (or an error inside a 200 stream) on a request that one of them matches is
+counted, not failed; a request that would kill or wedge the server (`withhold`) is not sent
+at all, since every later case would fail with it. Once the fixes are in, empty the list:
+every case is then sent and every 5xx fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+import httpx
+from fastapi import FastAPI
+
+from edge_agent import __version__
+from edge_agent.api import ollama, openai, ops
+from edge_agent.config import load_settings
+from edge_agent.engine.registry import FOREVER, parse_keep_alive
+from edge_agent.errors import EdgeAgentError
+from tests.conftest import DEFAULT_MODEL, LiveServer, clone_state, free_port, start_server
+
+MAX_OUTPUT = 4  # output tokens per request, at most
+REQUEST_TIMEOUT_S = 30.0  # a request taking longer is a hang
+# The statuses the API documents, in the dialect's error shape when not 200.
+DOCUMENTED = frozenset({200, 400, 401, 403, 404, 413, 429, 503})
+VOCAB = 49152  # the default model's vocabulary (checked against the loaded model)
+INT32 = 2**31
+# Fields whose value becomes a llama.cpp grammar.
+GRAMMAR_FIELDS = ("response_format", "format", "tools")
+REPEAT_KEYS = frozenset({"minLength", "maxLength", "minItems", "maxItems"})
+REPEAT_LIMIT = 1000
+EMBEDDING_INPUTS = 64  # more in one request: item 4 (the official schema allows 2,048)
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def start_fuzz_server(model_cache: Path, state: Path) -> LiveServer:
+    settings = load_settings(None, state_dir=clone_state(model_cache, state), **{
+        "server.port": free_port(), "server.max_body_bytes": 64 * 1024,
+        "runtime.context_length": 512, "runtime.threads": 1, "telemetry.hardware": False,
+        "tenants.local.max_output_tokens": MAX_OUTPUT,
+        "tenants.local.output_limit": "clamp"})
+    live = start_server(settings)
+    vocab = {m.worker.model.n_vocab for m in live.app.state.parts.registry.loaded()}
+    assert vocab == {VOCAB}, f"the default model's vocabulary is {vocab}, not {VOCAB}"
+    return live
+
+
+def own_openapi_document() -> dict[str, Any]:
+    """The document the server serves at /openapi.json, built without a server so that the
+    operations are known when tests are collected (the schemathesis tests check that the
+    live server serves the same)."""
+    app = FastAPI(title="edge-agent", version=__version__)
+    for router in (ops.router, ollama.router, openai.router):
+        app.include_router(router)
+    return app.openapi()
+
+
+# -- the known failures ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Known:
+    item: int  # of issue 10
+    what: str
+    matches: Callable[[str, str, Any], bool]  # (method, path, body)
+    withhold: bool = False  # sending it would abort, exhaust or wedge the server
+
+
+def _walk(node: Any, depth: int = 0) -> Iterator[tuple[Any, Any, int]]:
+    """(key, value, depth) for every value under `node`, keys of objects included."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield None, k, depth + 1
+            yield k, v, depth + 1
+            yield from _walk(v, depth + 1)
+    elif isinstance(node, list):
+        for v in node:
+            yield None, v, depth + 1
+            yield from _walk(v, depth + 1)
+
+
+def _grammar_parts(body: Any) -> list[Any]:
+    if not isinstance(body, dict):
+        return []
+    return [body[k] for k in GRAMMAR_FIELDS if k in body]
+
+
+def _token_ids(path: str, body: Any) -> list[float]:
+    """Numbers the server takes as token ids: a completion's prompt, an embedding's input,
+    a generate's context."""
+    if not isinstance(body, dict):
+        return []
+    key = {"/v1/completions": "prompt", "/v1/embeddings": "input",
+           "/api/generate": "context"}.get(path)
+    value = body.get(key) if key else None
+    if not isinstance(value, list):
+        return []
+    flat = [x for v in value for x in (v if isinstance(v, list) else [v])]
+    return [x for x in flat if isinstance(x, (int, float)) and not isinstance(x, bool)]
+
+
+def _ids_beyond_int32(method: str, path: str, body: Any) -> bool:
+    return any(not -INT32 <= x < INT32 for x in _token_ids(path, body))
+
+
+def _ids_outside_vocab(method: str, path: str, body: Any) -> bool:
+    return any(not 0 <= x < VOCAB for x in _token_ids(path, body))
+
+
+def _nul_in_grammar(method: str, path: str, body: Any) -> bool:
+    return any(isinstance(v, str) and "\x00" in v
+               for part in _grammar_parts(body) for _, v, _ in _walk({"": part}))
+
+
+def _huge_repetition(method: str, path: str, body: Any) -> bool:
+    for part in _grammar_parts(body):
+        for k, v, _ in _walk({"": part}):
+            if k in REPEAT_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                    and abs(v) > REPEAT_LIMIT:
+                return True
+            if k == "pattern" and isinstance(v, str) and any(
+                    int(n) > REPEAT_LIMIT for m in _QUANTIFIER.finditer(v)
+                    for n in m.groups() if n):
+                return True
+    return False
+
+
+def _huge_bound(method: str, path: str, body: Any) -> bool:
+    return any(isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2**63
+               for part in _grammar_parts(body) for _, v, _ in _walk({"": part}))
+
+
+def _lone_surrogate(method: str, path: str, body: Any) -> bool:
+    texts = [path] + [v for _, v, _ in _walk({"": body}) if isinstance(v, str)]
+    return any("\ud800" <= ch <= "\udfff" for t in texts for ch in t)
+
+
+@dataclass(frozen=True)
+class Deep:
+    """A body with a value nested `depth` levels deep, sent as it is written here: Python's
+    own encoder stops near 1,000 levels."""
+
+    depth: int
+
+    def content(self) -> bytes:
+        return (b'{"model": "' + DEFAULT_MODEL.encode() + b'", "messages": '
+                + b"[" * self.depth + b"]" * self.depth + b"}")
+
+
+def _deep(method: str, path: str, body: Any) -> bool:
+    if isinstance(body, Deep):
+        return body.depth > 100
+    return any(d > 100 for _, _, d in _walk(body))
+
+
+def _long_model_name(method: str, path: str, body: Any) -> bool:
+    """A name whose manifest file name (percent-encoded, `.json`) is over 255 bytes."""
+    names = [unquote(path.removeprefix("/v1/models/"))] if path.startswith("/v1/models/") \
+        else []
+    if isinstance(body, dict):
+        names += [body[k] for k in ("model", "name") if isinstance(body.get(k), str)]
+    for name in names:
+        name = name.strip()
+        name = name if ":" in name else f"{name}:latest"
+        if len(quote(name.encode("utf-8", "surrogatepass"), safe="")) + len(".json") > 255:
+            return True
+    return False
+
+
+def _many_embedding_inputs(method: str, path: str, body: Any) -> bool:
+    inputs = body.get("input") if isinstance(body, dict) else None
+    return path in ("/api/embed", "/v1/embeddings") and isinstance(inputs, list) and \
+        len(inputs) > EMBEDDING_INPUTS
+
+
+def _deletes_default_model(method: str, path: str, body: Any) -> bool:
+    return method == "DELETE" and isinstance(body, dict) and any(
+        isinstance(body.get(k), str) and body[k].strip().lower() in (DEFAULT_MODEL, "smollm2")
+        for k in ("model", "name"))
+
+
+KNOWN: list[Known] = [
+    Known(1, "token id beyond int32 wedges the scheduler", _ids_beyond_int32, withhold=True),
+    Known(1, "token id outside the vocabulary: 500 from llama_decode", _ids_outside_vocab),
+    Known(2, "NUL in a grammar schema aborts the process", _nul_in_grammar, withhold=True),
+    Known(3, "huge repetition count in a schema exhausts memory", _huge_repetition,
+          withhold=True),
+    Known(4, f"more than {EMBEDDING_INPUTS} embedding inputs hold the scheduler for minutes",
+          _many_embedding_inputs, withhold=True),
+    Known(8, "schema bound of 2^63 or more", _huge_bound),
+    Known(8, "lone surrogate in a string", _lone_surrogate),
+    Known(8, "JSON nested deeper than 100", _deep),
+    Known(8, "model name over 255 bytes once encoded", _long_model_name),
+    Known(10, "any client may delete the default model", _deletes_default_model,
+          withhold=True),
+]
+
+
+UNLOADS = "item 10: keep_alive under 60 s (unloads the model)"
+PAST_9999 = "new: keep_alive past the year 9999 (GET /api/ps 500s until the next load)"
+_LAST_SECOND = 253402300799.0  # 9999-12-31T23:59:59Z, the last time datetime can show
+
+
+def tame_keep_alive(body: Any) -> tuple[Any, str | None]:
+    """The body without a `keep_alive` that would make every later case slow or fail, and
+    why it was dropped (counted, see `Tally.tamed`).
+
+    Any client may unload the default model (item 10); the next request then waits seconds
+    for it to load again, and a fuzz run would spend most of its time reloading. And a
+    `keep_alive` whose expiry lies past the year 9999 (1e12, NaN, Infinity) is accepted,
+    after which `GET /api/ps` is a 500 for every client until the model's expiry is set
+    again (`datetime.fromtimestamp` overflows; found by these runs, not in issue 10). Once
+    those are fixed, drop this."""
+    if not isinstance(body, dict) or "keep_alive" not in body:
+        return body, None
+    try:
+        seconds = parse_keep_alive(body["keep_alive"])
+    except EdgeAgentError:
+        return body, None
+    if seconds is None or seconds == FOREVER:
+        return body, None
+    reason = UNLOADS if 0 <= seconds < 60 else \
+        PAST_9999 if not seconds < _LAST_SECOND - time.time() else None
+    if reason is None:
+        return body, None
+    return {k: v for k, v in body.items() if k != "keep_alive"}, reason
+
+
+def known_for(method: str, path: str, body: Any) -> list[Known]:
+    return [k for k in KNOWN if k.matches(method.upper(), path, body)]
+
+
+def trace(method: str, path: str, body: Any = None, *, status: int | None = None,
+          reply: bytes = b"", seconds: float = 0.0, withheld: str | None = None) -> None:
+    """With FUZZ_TRACE=file, each request is appended to the file before it is sent (and
+    its answer after): a request that kills the process (and the test run with it) is then
+    the file's last."""
+    target = os.environ.get("FUZZ_TRACE")
+    if target:
+        entry = {"method": method, "path": path, "body": body} if status is None else \
+            {"status": status, "s": round(seconds, 3),
+             "reply": reply[:300].decode("utf-8", "replace")}
+        if withheld:
+            entry["withheld"] = withheld
+        with open(target, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")
+
+
+# -- what a response may be ------------------------------------------------------------------
+
+def sets_deadline(body: Any, headers: dict[str, Any] | None = None) -> bool:
+    return (isinstance(body, dict) and body.get("timeout_ms") is not None) or any(
+        k.lower() == "x-timeout-ms" for k in (headers or {}))
+
+
+def is_openai(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def error_shape_problem(path: str, payload: Any) -> str | None:
+    """None when `payload` is an error in the dialect's shape: OpenAI
+    `{"error": {"message", "type", "param", "code"}}` under /v1, Ollama `{"error": "..."}`."""
+    if not isinstance(payload, dict) or set(payload) != {"error"}:
+        return f"error body is not {{'error': ...}}: {str(payload)[:200]}"
+    err = payload["error"]
+    if not is_openai(path):
+        return None if isinstance(err, str) and err else f"Ollama error is not a string: {err!r}"
+    if not isinstance(err, dict) or set(err) != {"message", "type", "param", "code"}:
+        return f"OpenAI error has the wrong keys: {str(err)[:200]}"
+    if not isinstance(err["message"], str) or not isinstance(err["type"], str):
+        return f"OpenAI error message/type are not strings: {err!r}"
+    if not all(err[k] is None or isinstance(err[k], str) for k in ("param", "code")):
+        return f"OpenAI error param/code are neither strings nor null: {err!r}"
+    return None
+
+
+@dataclass
+class Verdict:
+    status: int
+    server_error: str | None = None  # a 5xx, or an error event inside a 200 stream
+    problem: str | None = None  # undocumented status or wrong shape: always a failure
+
+
+def judge(path: str, status: int, content_type: str, content: bytes, *,
+          other_method: bool = False, deadline: bool = False) -> Verdict:
+    """`other_method`: the request used a method the route does not serve (405 then).
+    `deadline`: the client set its own deadline (`timeout_ms`, `X-Timeout-Ms`), so a 504
+    saying it passed is the documented answer, not a server error."""
+    verdict = Verdict(status)
+    if status == 504 and deadline:
+        pass
+    elif status >= 500:
+        verdict.server_error = f"{status}: {content[:300]!r}"
+    elif status not in DOCUMENTED and not (other_method and status == 405):
+        verdict.problem = f"undocumented status {status}: {content[:300]!r}"
+    if status != 200:
+        try:
+            payload = json.loads(content)
+        except ValueError:
+            verdict.problem = f"{status} without a JSON body: {content[:300]!r}"
+            return verdict
+        verdict.problem = verdict.problem or error_shape_problem(path, payload)
+        return verdict
+    if content_type.startswith(("text/event-stream", "application/x-ndjson")):
+        for payload in _stream_payloads(content_type, content):
+            if isinstance(payload, dict) and "error" in payload:
+                verdict.problem = error_shape_problem(path, payload)
+                verdict.server_error = f"error inside a 200 stream: {str(payload)[:300]}"
+    elif content_type.startswith("application/json"):
+        try:
+            json.loads(content)
+        except ValueError:
+            verdict.problem = f"200 whose JSON does not parse: {content[:300]!r}"
+    return verdict
+
+
+def _stream_payloads(content_type: str, content: bytes) -> Iterator[Any]:
+    for line in content.decode("utf-8", "replace").splitlines():
+        if content_type.startswith("text/event-stream"):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            line = line[6:]
+        if line.strip():
+            try:
+                yield json.loads(line)
+            except ValueError:
+                yield {"error": f"stream line is not JSON: {line[:200]}"}
+
+
+# -- the server afterwards -------------------------------------------------------------------
+
+def scheduler_problems(live: LiveServer) -> list[str]:
+    """Every loaded model's scheduler thread is alive and still generates."""
+    problems = []
+    for m in live.app.state.parts.registry.loaded():
+        thread = m.worker._thread
+        if not thread.is_alive():
+            problems.append(f"the scheduler thread of {m.info.name} is dead")
+    t0 = time.monotonic()
+    try:
+        r = httpx.post(f"{live.base_url}/api/generate", timeout=REQUEST_TIMEOUT_S, json={
+            "model": DEFAULT_MODEL, "prompt": "Hello", "stream": False,
+            "options": {"num_predict": 2, "temperature": 0}})
+        if r.status_code != 200:
+            problems.append(f"a plain generation afterwards got {r.status_code}: {r.text[:200]}")
+    except httpx.HTTPError as exc:
+        problems.append(f"a plain generation afterwards failed after "
+                        f"{time.monotonic() - t0:.1f} s: {exc!r}")
+    if not any(m.worker._thread.is_alive() for m in live.app.state.parts.registry.loaded()):
+        problems.append("no scheduler thread is running after a generation")
+    return problems
+
+
+# -- counts, for the report --------------------------------------------------------------------
+
+@dataclass
+class Tally:
+    """Per operation: cases sent and by status, known 5xx by item, cases withheld."""
+
+    sent: Counter[str] = field(default_factory=Counter)
+    statuses: defaultdict[str, Counter[int]] = field(default_factory=lambda: defaultdict(Counter))
+    known: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    withheld: defaultdict[str, Counter[str]] = field(
+        default_factory=lambda: defaultdict(Counter))
+    seconds: Counter[str] = field(default_factory=Counter)
+    nulls_dropped: defaultdict[str, Counter[str]] = field(
+        default_factory=lambda: defaultdict(Counter))
+    tamed: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    reconnects: Counter[str] = field(default_factory=Counter)  # see test_fuzz_hypothesis
+    previous_status: int = 0
+
+    def lines(self) -> list[str]:
+        ops = sorted(set(self.sent) | set(self.withheld))
+        only_405 = [op for op in ops if set(self.statuses[op]) == {405}
+                    and not self.withheld[op]]
+        out = []
+        if only_405:
+            n = sum(self.sent[op] for op in only_405)
+            out.append(f"{n} cases with a method the route does not serve, on "
+                       f"{len(only_405)} method/route pairs: all 405")
+        for op in ops:
+            if op in only_405:
+                continue
+            statuses = ", ".join(f"{s}: {n}" for s, n in sorted(self.statuses[op].items()))
+            line = f"{op}: {self.sent[op]} sent ({statuses}) in {self.seconds[op]:.1f} s"
+            if self.known[op]:
+                line += "; known 5xx " + ", ".join(f"{k}: {n}" for k, n in
+                                                  sorted(self.known[op].items()))
+            if self.nulls_dropped[op]:
+                line += "; nulls dropped " + ", ".join(f"{k}: {n}" for k, n in
+                                                      sorted(self.nulls_dropped[op].items()))
+            if self.reconnects[op]:
+                line += f"; connection reset after a 5xx: {self.reconnects[op]}"
+            if self.tamed[op]:
+                line += "; keep_alive dropped " + ", ".join(f"{k}: {n}" for k, n in
+                                                           sorted(self.tamed[op].items()))
+            if self.withheld[op]:
+                line += "; withheld " + ", ".join(f"{k}: {n}" for k, n in
+                                                 sorted(self.withheld[op].items()))
+            out.append(line)
+        return out
+
+
+def label(k: Known) -> str:
+    return f"item {k.item} ({k.what})"
