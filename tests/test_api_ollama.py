@@ -186,3 +186,13 @@ def test_context_overflow_is_refused_not_truncated(live_server: LiveServer) -> N
 def test_delete_unknown_model_is_404(live_server: LiveServer) -> None:
     r = httpx.request("DELETE", f"{live_server.base_url}/api/delete", json={"model": "nope:1"})
     assert r.status_code == 404 and set(r.json()) == {"error"}
+
+
+@pytest.mark.integration
+def test_embed_with_no_input_is_an_empty_answer(live_server: LiveServer) -> None:
+    r = httpx.post(f"{live_server.base_url}/api/embed",
+                   json={"model": DEFAULT_MODEL, "input": [], "dimensions": 1}, timeout=60)
+    assert r.status_code == 200 and r.json()["embeddings"] == []
+    missing = httpx.post(f"{live_server.base_url}/api/embed",
+                         json={"model": "nope:1", "input": []}, timeout=60)
+    assert missing.status_code == 404 and set(missing.json()) == {"error"}

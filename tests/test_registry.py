@@ -84,3 +84,13 @@ def test_a_loading_model_answers_503_when_configured_not_to_wait(model_cache: Pa
         await registry.close()
 
     asyncio.run(scenario())
+
+
+def test_keep_alive_past_a_century_is_forever_and_nan_is_refused() -> None:
+    from edge_agent.engine.registry import FOREVER, parse_keep_alive
+    from edge_agent.errors import InvalidRequest
+
+    assert parse_keep_alive(1e12) == FOREVER and parse_keep_alive(float("inf")) == FOREVER
+    assert parse_keep_alive("1e12") == FOREVER and parse_keep_alive(300) == 300.0
+    with pytest.raises(InvalidRequest):
+        parse_keep_alive(float("nan"))

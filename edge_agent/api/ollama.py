@@ -407,6 +407,11 @@ async def embed(request: Request, parts: Parts) -> Response:
     inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else \
         list(body.input)
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
+    if not inputs:  # as Ollama: nothing to embed is an empty answer, not an error
+        _tenant(request).check_model(normalize_name(body.model))
+        return JSONResponse({"model": parts.store.get(body.model).name, "embeddings": [],
+                             "total_duration": 0, "load_duration": 0,
+                             "prompt_eval_count": 0}, headers=headers)
     result = await parts.service.embed(
         EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate,
                          dialect="ollama", tenant=request.state.tenant),

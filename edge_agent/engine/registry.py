@@ -34,6 +34,8 @@ FOREVER = float("inf")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
+_CENTURY_S = 100 * 365 * 86400.0
+
 
 def parse_keep_alive(value: object) -> float | None:
     """Ollama's keep_alive: seconds or a Go duration ("5m", "1h30m"); negative = forever."""
@@ -42,7 +44,7 @@ def parse_keep_alive(value: object) -> float | None:
     if isinstance(value, bool):
         raise InvalidRequest("keep_alive must be a duration or a number", param="keep_alive")
     if isinstance(value, (int, float)):
-        return FOREVER if value < 0 else float(value)
+        return _bounded(FOREVER if value < 0 else float(value))
     if isinstance(value, str):
         text = value.strip()
         negative = text.startswith("-")
@@ -55,8 +57,16 @@ def parse_keep_alive(value: object) -> float | None:
                 raise InvalidRequest(f"keep_alive '{value}' is not a duration",
                                      param="keep_alive") from None
             seconds = sum(float(n) * _UNIT_S[u] for n, u in parts)
-        return FOREVER if negative and seconds > 0 else seconds
+        return _bounded(FOREVER if negative and seconds > 0 else seconds)
     raise InvalidRequest("keep_alive must be a duration or a number", param="keep_alive")
+
+
+def _bounded(seconds: float) -> float:
+    """NaN is no duration; anything past a century (1e12, Infinity) means forever, as a
+    negative value does: an expiry past the year 9999 cannot be shown by /api/ps."""
+    if seconds != seconds:
+        raise InvalidRequest("keep_alive must be a number, not NaN", param="keep_alive")
+    return FOREVER if seconds > _CENTURY_S else seconds
 
 
 @dataclass
