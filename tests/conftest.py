@@ -43,6 +43,12 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return state
 
 
+@pytest.fixture(scope="module")
+def model_path(model_cache: Path) -> Path:
+    """The default model's GGUF, for tests that build their own llama.cpp objects."""
+    return ModelStore(model_cache).get(DEFAULT_MODEL).blob_path(model_cache)
+
+
 def clone_state(src: Path, dest: Path) -> Path:
     """A fresh state dir sharing the cached blobs by hard link (no 100 MB copies)."""
     shutil.copytree(src, dest, copy_function=_link_or_copy)

@@ -8,25 +8,23 @@ short, so a long prompt is a quick 400. llama.cpp gets one thread: on a box whos
 all busy (the test client, other tests), two threads waiting for each other at every
 barrier made a one-token embedding take seconds instead of 0.1 s. Nothing is mocked.
 
-`KNOWN` lists failures that issue 10 describes and that are fixed elsewhere; each names its
-item. A 5xx (or an error inside a 200 stream) on a request that one of them matches is
+`KNOWN` lists failures that an open issue describes and that are not fixed yet; each names
+its issue. A 5xx (or an error inside a 200 stream) on a request that one of them matches is
 counted, not failed; a request that would kill or wedge the server (`withhold`) is not sent
-at all, since every later case would fail with it. Once the fixes are in, empty the list:
-every case is then sent and every 5xx fails.
+at all, since every later case would fail with it. Once a fix is in, its entry goes: every
+case is then sent and every 5xx fails. The list is empty.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote
 
 import httpx
 from fastapi import FastAPI
@@ -43,13 +41,6 @@ REQUEST_TIMEOUT_S = 30.0  # a request taking longer is a hang
 # The statuses the API documents, in the dialect's error shape when not 200.
 DOCUMENTED = frozenset({200, 400, 401, 403, 404, 413, 429, 503})
 VOCAB = 49152  # the default model's vocabulary (checked against the loaded model)
-INT32 = 2**31
-# Fields whose value becomes a llama.cpp grammar.
-GRAMMAR_FIELDS = ("response_format", "format", "tools")
-REPEAT_KEYS = frozenset({"minLength", "maxLength", "minItems", "maxItems"})
-REPEAT_LIMIT = 1000
-EMBEDDING_INPUTS = 64  # more in one request: item 4 (the official schema allows 2,048)
-_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 def start_fuzz_server(model_cache: Path, state: Path) -> LiveServer:
@@ -78,79 +69,10 @@ def own_openapi_document() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Known:
-    item: int  # of issue 10
+    issue: int  # the issue that describes it
     what: str
     matches: Callable[[str, str, Any], bool]  # (method, path, body)
     withhold: bool = False  # sending it would abort, exhaust or wedge the server
-
-
-def _walk(node: Any, depth: int = 0) -> Iterator[tuple[Any, Any, int]]:
-    """(key, value, depth) for every value under `node`, keys of objects included."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield None, k, depth + 1
-            yield k, v, depth + 1
-            yield from _walk(v, depth + 1)
-    elif isinstance(node, list):
-        for v in node:
-            yield None, v, depth + 1
-            yield from _walk(v, depth + 1)
-
-
-def _grammar_parts(body: Any) -> list[Any]:
-    if not isinstance(body, dict):
-        return []
-    return [body[k] for k in GRAMMAR_FIELDS if k in body]
-
-
-def _token_ids(path: str, body: Any) -> list[float]:
-    """Numbers the server takes as token ids: a completion's prompt, an embedding's input,
-    a generate's context."""
-    if not isinstance(body, dict):
-        return []
-    key = {"/v1/completions": "prompt", "/v1/embeddings": "input",
-           "/api/generate": "context"}.get(path)
-    value = body.get(key) if key else None
-    if not isinstance(value, list):
-        return []
-    flat = [x for v in value for x in (v if isinstance(v, list) else [v])]
-    return [x for x in flat if isinstance(x, (int, float)) and not isinstance(x, bool)]
-
-
-def _ids_beyond_int32(method: str, path: str, body: Any) -> bool:
-    return any(not -INT32 <= x < INT32 for x in _token_ids(path, body))
-
-
-def _ids_outside_vocab(method: str, path: str, body: Any) -> bool:
-    return any(not 0 <= x < VOCAB for x in _token_ids(path, body))
-
-
-def _nul_in_grammar(method: str, path: str, body: Any) -> bool:
-    return any(isinstance(v, str) and "\x00" in v
-               for part in _grammar_parts(body) for _, v, _ in _walk({"": part}))
-
-
-def _huge_repetition(method: str, path: str, body: Any) -> bool:
-    for part in _grammar_parts(body):
-        for k, v, _ in _walk({"": part}):
-            if k in REPEAT_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool) \
-                    and abs(v) > REPEAT_LIMIT:
-                return True
-            if k == "pattern" and isinstance(v, str) and any(
-                    int(n) > REPEAT_LIMIT for m in _QUANTIFIER.finditer(v)
-                    for n in m.groups() if n):
-                return True
-    return False
-
-
-def _huge_bound(method: str, path: str, body: Any) -> bool:
-    return any(isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2**63
-               for part in _grammar_parts(body) for _, v, _ in _walk({"": part}))
-
-
-def _lone_surrogate(method: str, path: str, body: Any) -> bool:
-    texts = [path] + [v for _, v, _ in _walk({"": body}) if isinstance(v, str)]
-    return any("\ud800" <= ch <= "\udfff" for t in texts for ch in t)
 
 
 @dataclass(frozen=True)
@@ -165,39 +87,7 @@ class Deep:
                 + b"[" * self.depth + b"]" * self.depth + b"}")
 
 
-def _deep(method: str, path: str, body: Any) -> bool:
-    if isinstance(body, Deep):
-        return body.depth > 100
-    return any(d > 100 for _, _, d in _walk(body))
-
-
-def _long_model_name(method: str, path: str, body: Any) -> bool:
-    """A name whose manifest file name (percent-encoded, `.json`) is over 255 bytes."""
-    names = [unquote(path.removeprefix("/v1/models/"))] if path.startswith("/v1/models/") \
-        else []
-    if isinstance(body, dict):
-        names += [body[k] for k in ("model", "name") if isinstance(body.get(k), str)]
-    for name in names:
-        name = name.strip()
-        name = name if ":" in name else f"{name}:latest"
-        if len(quote(name.encode("utf-8", "surrogatepass"), safe="")) + len(".json") > 255:
-            return True
-    return False
-
-
-def _many_embedding_inputs(method: str, path: str, body: Any) -> bool:
-    inputs = body.get("input") if isinstance(body, dict) else None
-    return path in ("/api/embed", "/v1/embeddings") and isinstance(inputs, list) and \
-        len(inputs) > EMBEDDING_INPUTS
-
-
-def _deletes_default_model(method: str, path: str, body: Any) -> bool:
-    return method == "DELETE" and isinstance(body, dict) and any(
-        isinstance(body.get(k), str) and body[k].strip().lower() in (DEFAULT_MODEL, "smollm2")
-        for k in ("model", "name"))
-
-
-KNOWN: list[Known] = []  # every failure issue 10 listed is fixed: every case is sent
+KNOWN: list[Known] = []
 
 
 UNLOADS = "keep_alive under 60 s (would unload a model the run keeps using)"
@@ -401,4 +291,4 @@ class Tally:
 
 
 def label(k: Known) -> str:
-    return f"item {k.item} ({k.what})"
+    return f"issue {k.issue} ({k.what})"

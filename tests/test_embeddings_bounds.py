@@ -15,7 +15,6 @@ import numpy as np
 import openai
 import pytest
 
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.request import EmbeddingResult
 from edge_agent.engine.runtime import EmbeddingContext, LlamaModel
 from edge_agent.engine.scheduler import EmbeddingJob, ModelScheduler
@@ -27,11 +26,6 @@ pytestmark = pytest.mark.integration
 # One llama.cpp thread: the behaviour tested does not depend on it, and on a box whose cores
 # are shared, two barrier-synchronised threads can make each decode many times slower.
 THREADS = 1
-
-
-@pytest.fixture(scope="module")
-def model_path(model_cache: Path) -> Path:
-    return ModelStore(model_cache).get(DEFAULT_MODEL).blob_path(model_cache)
 
 
 @pytest.fixture

@@ -13,20 +13,12 @@ import numpy as np
 import pytest
 
 from edge_agent.engine.admission import AdmissionQueue
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.request import DoneEvent, ErrorEvent, Event, SamplingParams, TokenEvent
 from edge_agent.engine.runtime import BatchContext, LlamaModel
 from edge_agent.engine.scheduler import GenerationJob, ModelScheduler
 from edge_agent.errors import ServiceUnavailable
-from tests.conftest import DEFAULT_MODEL
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def model_path(model_cache: Path) -> Path:
-    store = ModelStore(model_cache)
-    return store.get(DEFAULT_MODEL).blob_path(model_cache)
 
 
 def _logits(ctx: BatchContext, row: int, n_vocab: int) -> np.ndarray:

@@ -12,12 +12,10 @@ from pathlib import Path
 import llama_cpp as ll
 import pytest
 
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.request import DoneEvent, ErrorEvent, Event, SamplingParams
 from edge_agent.engine.runtime import LlamaModel
 from edge_agent.engine.scheduler import GenerationJob, ModelScheduler, _Slot
 from edge_agent.errors import EdgeAgentError
-from tests.conftest import DEFAULT_MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -40,11 +38,6 @@ class _Collector:
             event = self.events.get(timeout=timeout)
             if isinstance(event, (DoneEvent, ErrorEvent)):
                 return event
-
-
-@pytest.fixture(scope="module")
-def model_path(model_cache: Path) -> Path:
-    return ModelStore(model_cache).get(DEFAULT_MODEL).blob_path(model_cache)
 
 
 @pytest.fixture
