@@ -21,10 +21,6 @@ from edge_agent.errors import InvalidRequest
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def _tool_names(tools: list[dict[str, Any]]) -> list[str]:
-    return [t["function"]["name"] for t in tools]
-
-
 def tool_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
     """One schema for all the calls the model may make; each tool's parameters are first
     converted alone, so that a schema the grammar cannot take is refused naming its tool."""
