@@ -26,6 +26,7 @@ run: $(VENV)/.run-deps
 check: $(VENV)/.test-deps
 	$(BIN)/ruff check edge_agent tests
 	$(BIN)/mypy edge_agent
+	$(BIN)/lint-imports
 
 test: check
 	$(BIN)/pytest

@@ -20,8 +20,8 @@ from edge_agent.api.state import AppParts
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore, normalize_name
 from edge_agent.engine.registry import ModelRegistry
-from edge_agent.engine.service import GenerationService
 from edge_agent.errors import EdgeAgentError
+from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.keys import KeyStore
 from edge_agent.governance.redaction import Detectors, MetadataRedactor, Redactor, device_key
 from edge_agent.governance.tenants import Governor

@@ -240,8 +240,8 @@ class Settings(BaseSettings):
     @classmethod
     def _model_name(cls, name: str) -> str:
         """Held to the rule every model name meets, so a typo stops the start with one line."""
-        from edge_agent.engine.catalog import normalize_name
         from edge_agent.errors import InvalidRequest
+        from edge_agent.names import normalize_name
 
         try:
             normalize_name(name)

@@ -12,6 +12,7 @@
     ├── ServiceUnavailable               503 (Retry-After): queue full, model loading
     ├── RequestTimeout                   504
     ├── BodyTimeout                      408 the request body did not arrive in time
+    ├── ClientDisconnected               499 the client left before its answer was ready
     └── ModelFileError                   a model file is missing, corrupt or not GGUF
             (500 when met while serving; the CLI reports it as a failed check)
 
@@ -109,6 +110,14 @@ class BodyTimeout(EdgeAgentError):
     status_code = 408
     error_type = "invalid_request_error"
     code = "request_timeout"
+
+
+class ClientDisconnected(EdgeAgentError):
+    """The client left before its answer was ready (nginx's 499; nobody reads the body)."""
+
+    status_code = 499
+    error_type = "client_closed_request"
+    code = "client_closed_request"
 
 
 class ModelFileError(EdgeAgentError):

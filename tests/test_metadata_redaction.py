@@ -15,7 +15,7 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from edge_agent.engine.service import GenerationService
+from edge_agent.gateway.privacy import RequestPrivacy
 from edge_agent.governance.redaction import (
     LONG_MODEL_NAME,
     Detectors,
@@ -114,12 +114,12 @@ def test_the_lenient_pass_finds_everything_the_strict_one_does(redactor: Redacto
 
 def test_responses_get_the_lenient_pass_prompts_the_strict_one(redactor: Redactor) -> None:
     rows: list[tuple[str, dict[str, Any]]] = []
-    service = GenerationService(None, redactor=redactor, keep_content=True,  # type: ignore[arg-type]
-                                record=lambda table, row: rows.append((table, row)))
+    privacy = RequestPrivacy(redactor, keep_content=True,
+                             record=lambda table, row: rows.append((table, row)))
     text = "Call 49 3012345678 or +33 123 456789."
-    assert service._redact_and_log(text, "response", 0, "assistant") == \
+    assert privacy.redact_and_log(text, "response", 0, "assistant") == \
         "Call <PHONE> or <PHONE>."
-    assert service._redact_and_log(text, "prompt", 0, "user") == text  # strict: unchanged
+    assert privacy.redact_and_log(text, "prompt", 0, "user") == text  # strict: unchanged
     spans = [row for table, row in rows if table == REDACTIONS]
     assert [(s["direction"], s["detector"]) for s in spans] == [
         ("response", "loose-phone"), ("response", "loose-phone")]

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.prompt import tokenize_pieces
 from edge_agent.engine.runtime import LlamaModel
-from edge_agent.engine.service import tokenize_pieces
 from edge_agent.engine.templates import ChatTemplate
 from tests.conftest import DEFAULT_MODEL, LiveServer
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from edge_agent.api.body import MAX_JSON_DEPTH, check_values
+from edge_agent.engine.prompt import bounded_sampling as _bounded
 from edge_agent.engine.request import SamplingParams
-from edge_agent.engine.service import _bounded
 from edge_agent.errors import InvalidRequest
 from tests.conftest import DEFAULT_MODEL, LiveServer
 

@@ -1,1 +1,1 @@
-"""HTTP adapters, one module per dialect; both thin over `engine.service`."""
+"""HTTP adapters, one module per dialect; both thin over `gateway/`."""

@@ -16,3 +16,8 @@ async def authenticate(request: Request) -> TenantContext:
     request.state.tenant = ctx
     note(tenant=ctx.name, key_prefix=ctx.key_prefix)
     return ctx
+
+
+def tenant_of(request: Request) -> TenantContext | None:
+    """The tenant `authenticate` found for this request (None where no route needed one)."""
+    return getattr(request.state, "tenant", None)

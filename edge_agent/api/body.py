@@ -142,7 +142,6 @@ def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | N
     """Scheduling controls common to both dialects: `X-Priority: interactive|batch` and a
     deadline from `X-Timeout-Ms` (or the OpenAI body's `timeout_ms`; the smaller wins)."""
     req.dialect = "openai" if request.url.path.startswith("/v1/") else "ollama"
-    req.tenant = getattr(request.state, "tenant", None)
     priority = request.headers.get("x-priority")
     if priority is not None:
         priority = priority.strip().lower()

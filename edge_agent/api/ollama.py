@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
 from edge_agent import __version__
-from edge_agent.api.auth import authenticate
+from edge_agent.api.auth import authenticate, tenant_of
 from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.openapi import request_body
 from edge_agent.api.pull import catalog_installs, pull_progress
@@ -269,10 +269,11 @@ def _keep_alive(request: Request, parts: AppParts, model: str, value: object
     return seconds, {}
 
 
-async def _run(parts: AppParts, req: GenerationRequest, keep_alive: tuple[float | None,
-               dict[str, str]], stream: bool, chat: bool) -> Response:
+async def _run(request: Request, parts: AppParts, req: GenerationRequest,
+               keep_alive: tuple[float | None, dict[str, str]], stream: bool, chat: bool
+               ) -> Response:
     seconds, extra_headers = keep_alive
-    prepared = await parts.service.prepare(req, keep_alive=seconds)
+    prepared = await parts.service.prepare(req, tenant=tenant_of(request), keep_alive=seconds)
     name = prepared.model.info.name
 
     def message(text: str, done: DoneEvent | None = None) -> dict[str, Any]:
@@ -374,7 +375,7 @@ async def chat(request: Request, parts: Parts) -> Response:
     _apply_options(req, body.options)
     apply_controls(request, req)
     keep_alive = _keep_alive(request, parts, body.model, body.keep_alive)
-    return await _run(parts, req, keep_alive, body.stream, chat=True)
+    return await _run(request, parts, req, keep_alive, body.stream, chat=True)
 
 
 @router.post("/api/generate", openapi_extra=request_body(GenerateBody))
@@ -398,7 +399,7 @@ async def generate(request: Request, parts: Parts) -> Response:
     _apply_options(req, body.options)
     apply_controls(request, req)
     keep_alive = _keep_alive(request, parts, body.model, body.keep_alive)
-    return await _run(parts, req, keep_alive, body.stream, chat=False)
+    return await _run(request, parts, req, keep_alive, body.stream, chat=False)
 
 
 @router.post("/api/embed", openapi_extra=request_body(EmbedBody))
@@ -414,8 +415,8 @@ async def embed(request: Request, parts: Parts) -> Response:
                              "prompt_eval_count": 0}, headers=headers)
     result = await parts.service.embed(
         EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate,
-                         dialect="ollama", tenant=request.state.tenant),
-        keep_alive=seconds, disconnected=request.is_disconnected)
+                         dialect="ollama"),
+        tenant=tenant_of(request), keep_alive=seconds, disconnected=request.is_disconnected)
     vectors = result.vectors
     if body.dimensions is not None:
         vectors = _shorten(vectors, body.dimensions)
@@ -449,9 +450,8 @@ async def embeddings(request: Request, parts: Parts) -> Response:
         return JSONResponse({"embedding": []})
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
     result = await parts.service.embed(
-        EmbeddingRequest(model=body.model, inputs=[body.prompt], dialect="ollama",
-                         tenant=request.state.tenant),
-        keep_alive=seconds, disconnected=request.is_disconnected)
+        EmbeddingRequest(model=body.model, inputs=[body.prompt], dialect="ollama"),
+        tenant=tenant_of(request), keep_alive=seconds, disconnected=request.is_disconnected)
     return JSONResponse({"embedding": result.vectors[0]}, headers=headers)
 
 

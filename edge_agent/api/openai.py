@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
-from edge_agent.api.auth import authenticate
+from edge_agent.api.auth import authenticate, tenant_of
 from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.errors import openai_body
 from edge_agent.api.openapi import request_body
@@ -37,9 +37,9 @@ from edge_agent.engine.request import (
     TokenEvent,
     ToolCallEvent,
 )
-from edge_agent.engine.service import PreparedGeneration
 from edge_agent.engine.structured import ANY_JSON_OBJECT
 from edge_agent.errors import EdgeAgentError, InvalidRequest, UnsupportedParameter
+from edge_agent.gateway.service import PreparedGeneration
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 log = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ async def chat_completions(request: Request, parts: Parts) -> Response:
     body = validate(ChatBody, await read_json(request, parts.settings.server.max_body_bytes))
     req = _chat_request(body)
     apply_controls(request, req, body.timeout_ms)
-    prepared = await parts.service.prepare(req)
+    prepared = await parts.service.prepare(req, tenant=tenant_of(request))
     ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
     head = {"id": ident, "created": created, "model": prepared.model.info.name,
             "system_fingerprint": "fp_" + prepared.model.info.digest[:12]}
@@ -398,7 +398,7 @@ async def completions(request: Request, parts: Parts) -> Response:
 
     async def prepare(i: int) -> PreparedGeneration:
         try:
-            return await parts.service.prepare(requests[i])
+            return await parts.service.prepare(requests[i], tenant=tenant_of(request))
         except InvalidRequest as exc:
             if exc.param == "prompt" and len(requests) > 1:
                 exc.param = f"prompt.{i}"  # which of the prompts
@@ -474,8 +474,8 @@ async def embeddings(request: Request, parts: Parts) -> Response:
     if not inputs or any(x == "" or x == [] for x in inputs):
         raise InvalidRequest("input must not be empty", param="input")
     result = await parts.service.embed(EmbeddingRequest(model=body.model, inputs=inputs,
-                                                        dialect="openai",
-                                                        tenant=request.state.tenant),
+                                                        dialect="openai"),
+                                       tenant=tenant_of(request),
                                        disconnected=request.is_disconnected)
     dims = len(result.vectors[0])
     if body.dimensions is not None and body.dimensions != dims:

@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.registry import ModelRegistry
-from edge_agent.engine.service import GenerationService
+from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.tenants import Governor
 from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.telemetry.metrics import Metrics

@@ -11,11 +11,14 @@ import asyncio
 import logging
 import os
 import re
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
+from edge_agent.engine.request import EmbeddingResult, Event, Generation, GenerationSpec
 from edge_agent.engine.runtime import (
     LlamaModel,
     default_threads,
@@ -23,7 +26,12 @@ from edge_agent.engine.runtime import (
     resolve_flash_attn,
     resolve_gpu_layers,
 )
-from edge_agent.engine.scheduler import ModelScheduler
+from edge_agent.engine.scheduler import (
+    EmbeddingJob,
+    GenerationJob,
+    ModelScheduler,
+    ThreadEmitter,
+)
 from edge_agent.engine.templates import ChatTemplate
 from edge_agent.errors import InvalidRequest, ServiceUnavailable
 
@@ -87,6 +95,47 @@ class LoadedModel:
     @property
     def size_vram(self) -> int:
         return self.memory if self.worker.model.n_gpu_layers > 0 else 0
+
+    # -- the narrow interface the request path uses (gateway/): nothing else of the worker
+    @property
+    def n_ctx(self) -> int:
+        """Tokens per sequence: the most one request's prompt and answer may take."""
+        return self.worker.n_ctx
+
+    @property
+    def embed_ctx(self) -> int:
+        return self.worker.embed_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self.worker.model.n_vocab
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return self.worker.model.tokenize(text, add_special=add_special,
+                                          parse_special=parse_special)
+
+    def special_texts(self, text: str) -> set[str]:
+        return self.worker.model.special_texts(text)
+
+    def generate(self, spec: GenerationSpec, loop: asyncio.AbstractEventLoop
+                 ) -> Generation:
+        """Queue a generation; its events arrive on the returned queue, in the loop."""
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        job = GenerationJob(prompt=spec.prompt, params=spec.params, grammar=spec.grammar,
+                            max_tokens=spec.max_tokens, stops=spec.stops,
+                            emit=ThreadEmitter(loop, events), priority=spec.priority,
+                            load_ns=spec.load_ns, cache_key=spec.cache_key)
+        self.worker.submit(job)
+        return Generation(events=events, cancelled=job.cancelled,
+                          submitted_ns=job.submitted_ns)
+
+    def embed(self, inputs: list[list[int]], truncated: int,
+              done: Callable[[EmbeddingResult | Exception], None]) -> threading.Event:
+        """Queue an embedding; `done` is called once, from the worker thread. Setting the
+        returned event stops the work at its next chunk."""
+        job = EmbeddingJob(inputs=inputs, truncated_tokens=truncated, done=done)
+        self.worker.submit(job)
+        return job.cancelled
 
 
 def _total_ram() -> int:

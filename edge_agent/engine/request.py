@@ -6,11 +6,10 @@ below them (templates, limits, scheduling, llama.cpp) sees only these types.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from edge_agent.governance.tenants import TenantContext
+from typing import Any, Literal
 
 ToolChoice = Literal["auto", "none", "required"] | str  # a str other than those: a function name
 
@@ -55,7 +54,6 @@ class GenerationRequest:
     num_ctx: int | None = None  # Ollama's load-time size, as sent; the box's context applies
     priority: Literal["interactive", "batch"] | None = None  # None: the tenant's default
     dialect: str = ""  # "openai" or "ollama", for metrics and logs
-    tenant: TenantContext | None = None
     max_tokens_param: str = "max_tokens"  # how the dialect names it, for errors
     timeout_s: float | None = None  # deadline from submission; None: the operator's default
     cache_key: str | None = None  # a client's prompt-cache hint: prefer the slot it used last
@@ -68,7 +66,31 @@ class EmbeddingRequest:
     inputs: list[str | list[int]]
     truncate: bool = False
     dialect: str = ""
-    tenant: TenantContext | None = None
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What the engine is asked to run: the prompt's tokens and every limit already
+    decided (the request path's job); the engine only schedules it."""
+
+    prompt: list[int]
+    params: SamplingParams
+    grammar: str | None
+    max_tokens: int
+    stops: list[str]
+    priority: Literal["interactive", "batch"] = "interactive"
+    load_ns: int = 0  # how long the request waited for its model to load
+    cache_key: str | None = None
+
+
+@dataclass
+class Generation:
+    """A queued generation, as its caller holds it: the events (exactly one DoneEvent or
+    ErrorEvent last) and the switch that cancels it at the next step."""
+
+    events: asyncio.Queue[Event]
+    cancelled: threading.Event
+    submitted_ns: int
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,81 @@
+"""What of a request's text the box keeps, and what the model sees of it.
+
+Redaction of prompts (when the tenant wants the model to see them redacted, or when content
+is kept) and of answers (when content is kept): each span goes to the redaction log, the
+redacted text (only) to the content table. A client's end-user id is kept as a keyed
+digest. Never a raw value: not in the ledger, not in a log line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import time
+from collections.abc import Callable
+from typing import Any
+
+from edge_agent.engine.request import GenerationRequest
+from edge_agent.governance.redaction import Redactor
+from edge_agent.governance.tenants import TenantContext
+from edge_agent.ledger.store import CONTENTS, REDACTIONS
+from edge_agent.logs import current_request_id
+
+Record = Callable[[str, dict[str, Any]], None]
+
+
+class RequestPrivacy:
+    def __init__(self, redactor: Redactor | None, *, keep_content: bool = False,
+                 record: Record | None = None) -> None:
+        self.redactor = redactor
+        self.keep_content = keep_content  # store redacted text (retention.content_hours > 0)
+        self.record = record
+
+    def redact_prompt(self, req: GenerationRequest, tenant: TenantContext | None
+                      ) -> GenerationRequest:
+        """Returns the request the model will see (redacted when the tenant says so)."""
+        policy = tenant.policy if tenant is not None else None
+        hide = bool(policy and policy.redact_prompt)
+        if self.redactor is None or not (hide or self.keep_content):
+            return req
+        texts = [(m["role"], str(m.get("content") or "")) for m in req.messages] \
+            if req.messages is not None else [("user", req.prompt or "")]
+        redacted = [self.redact_and_log(text, "prompt", i, role)
+                    for i, (role, text) in enumerate(texts)]
+        if not hide:
+            return req
+        if req.messages is not None:
+            messages = [{**m, "content": r} for m, r in zip(req.messages, redacted, strict=True)]
+            return dataclasses.replace(req, messages=messages)
+        return dataclasses.replace(req, prompt=redacted[0])
+
+    def keep_answer(self, text: str) -> None:
+        """An answer, redacted, into the content table (when content is kept)."""
+        if self.redactor is not None and self.keep_content:
+            self.redact_and_log(text, "response", 0, "assistant")
+
+    def redact_and_log(self, text: str, direction: str, index: int, role: str) -> str:
+        assert self.redactor is not None
+        # Model output gets the lenient pass too: over-redaction is cheap there.
+        redacted, spans = self.redactor.redact(text, lenient=direction == "response")
+        if self.record is None:
+            return redacted
+        request_id = current_request_id()
+        for span in spans:
+            self.record(REDACTIONS, {
+                "request_id": request_id, "direction": direction, "message_index": index,
+                "entity_type": span.entity, "detector": span.detector,
+                "detector_version": span.detector_version, "operator": span.operator,
+                "start": span.start, "end": span.end,
+                "policy_version": self.redactor.policy_version})
+        if self.keep_content:
+            self.record(CONTENTS, {"request_id": request_id, "direction": direction,
+                                   "message_index": index, "role": role, "text": redacted,
+                                   "ts": time.time()})
+        return redacted
+
+    def end_user_digest(self, value: str) -> str:
+        """A client's end-user id (`user`, `safety_identifier`) as the ledger keeps it: a
+        digest keyed per device, so one user's requests correlate and the id never shows."""
+        key = self.redactor.key if self.redactor is not None else b""
+        return hmac.new(key, value.encode("utf-8", "replace"), hashlib.sha256).hexdigest()[:24]

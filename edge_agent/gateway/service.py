@@ -1,0 +1,214 @@
+"""A generation request's way through the box: refuse early, then run and observe.
+
+`prepare` does everything that can refuse a request (scope 403, quota 429, bad parameter
+400, context 400, unknown model 404, queue full 503) before any response starts; `stream`
+yields the events, enforces the deadline, reads tool calls out of a tool-mode answer, and
+ends with exactly one observation (access line / ledger row, metrics, quota charge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from edge_agent.engine.catalog import normalize_name
+from edge_agent.engine.prompt import grammar_for, sampling_for, stops_for, tool_mode
+from edge_agent.engine.registry import LoadedModel, ModelRegistry
+from edge_agent.engine.request import (
+    DoneEvent,
+    EmbeddingRequest,
+    EmbeddingResult,
+    ErrorEvent,
+    Event,
+    Generation,
+    GenerationRequest,
+    GenerationSpec,
+    TokenEvent,
+)
+from edge_agent.engine.structured import ToolAnswerReader
+from edge_agent.errors import EdgeAgentError, RequestTimeout
+from edge_agent.gateway import embeddings
+from edge_agent.gateway.limits import Fit, fit, requested_output, window_for
+from edge_agent.gateway.observe import Observer, Served, as_edge_error
+from edge_agent.gateway.privacy import Record, RequestPrivacy
+from edge_agent.governance.redaction import Redactor
+from edge_agent.governance.tenants import Governor, TenantContext
+from edge_agent.logs import note
+from edge_agent.telemetry.metrics import Metrics
+
+
+@dataclass
+class PreparedGeneration:
+    model: LoadedModel
+    request: GenerationRequest
+    generation: Generation
+    served: Served
+    tool_mode: bool
+    deadline: float | None  # loop time
+    fit: Fit
+    released: bool = False
+
+    def headers(self) -> dict[str, str]:
+        """The context served, and where governance made the request smaller than asked,
+        that too (both dialects)."""
+        out = {"X-Edge-Context": str(self.fit.window)} if self.fit.window else {}
+        if self.fit.truncated_tokens:
+            out["X-Edge-Truncated"] = str(self.fit.truncated_tokens)
+        if self.fit.clamped:
+            out["X-Edge-Clamped"] = str(self.fit.max_tokens)
+        return out
+
+
+class GenerationService:
+    def __init__(self, registry: ModelRegistry, *, default_timeout_s: float | None = None,
+                 metrics: Metrics | None = None, governor: Governor | None = None,
+                 redactor: Redactor | None = None, keep_content: bool = False,
+                 record: Record | None = None) -> None:
+        self.registry = registry
+        self.governor = governor
+        self.default_timeout_s = default_timeout_s
+        self.privacy = RequestPrivacy(redactor, keep_content=keep_content, record=record)
+        self.observer = Observer(metrics, governor, self.privacy)
+
+    async def prepare(self, req: GenerationRequest, *, tenant: TenantContext | None = None,
+                      keep_alive: float | None = None) -> PreparedGeneration:
+        """Everything that can refuse the request, done before any response starts; on
+        success the job is queued."""
+        loop = asyncio.get_running_loop()
+        deadline = self._deadline(loop, req.timeout_s)
+        note(model=req.model, dialect=req.dialect)
+        if req.end_user:
+            note(end_user=self.privacy.end_user_digest(req.end_user))
+        self._govern(tenant, req.model)
+        req = self.privacy.redact_prompt(req, tenant)
+        model, load_ns = await self.registry.acquire(req.model, keep_alive)
+        try:
+            # A new schema's grammar is checked in a child process (0.1-0.3 s): off the loop.
+            grammar = await asyncio.to_thread(grammar_for, req)
+            spec, fitted = self._plan(req, tenant, model, load_ns, grammar)
+            if deadline is not None and loop.time() >= deadline:
+                raise RequestTimeout("the request timed out before it was queued")
+            generation = model.generate(spec, loop)
+        except BaseException:
+            await self.registry.release(model)
+            raise
+        served = Served(model=model.info.name, digest=model.info.digest, dialect=req.dialect,
+                        tenant=tenant, submitted_ns=generation.submitted_ns, load_ns=load_ns,
+                        constrained=grammar is not None)
+        return PreparedGeneration(model=model, request=req, generation=generation,
+                                  served=served, tool_mode=tool_mode(req), deadline=deadline,
+                                  fit=fitted)
+
+    def _deadline(self, loop: asyncio.AbstractEventLoop, asked: float | None) -> float | None:
+        timeout = asked or self.default_timeout_s
+        if asked and self.default_timeout_s:
+            timeout = min(asked, self.default_timeout_s)  # clients may only ask less
+        return loop.time() + timeout if timeout else None
+
+    @staticmethod
+    def _plan(req: GenerationRequest, tenant: TenantContext | None, model: LoadedModel,
+              load_ns: int, grammar: str | None) -> tuple[GenerationSpec, Fit]:
+        policy = tenant.policy if tenant is not None else None
+        window = window_for(model.n_ctx, policy)
+        requested, clamped = requested_output(req, policy)
+        sampling = sampling_for(req, model, window)
+        fitted = fit(req, model, policy, window=window, requested=requested, clamped=clamped)
+        priority = req.priority or (policy.priority if policy else "interactive")
+        note(truncated_tokens=fitted.truncated_tokens, clamped=int(fitted.clamped))
+        spec = GenerationSpec(prompt=fitted.tokens, params=sampling, grammar=grammar,
+                              max_tokens=fitted.max_tokens, stops=stops_for(req, model),
+                              priority=priority, load_ns=load_ns, cache_key=req.cache_key)
+        return spec, fitted
+
+    def _govern(self, tenant: TenantContext | None, model: str) -> None:
+        """Scope (403) and rate/quota (429), before a model is loaded or a slot taken."""
+        if tenant is None:
+            return
+        tenant.check_model(normalize_name(model))
+        if self.governor is not None:
+            self.governor.admit(tenant)
+
+    async def stream(self, prepared: PreparedGeneration, *, tool_deltas: bool = False
+                     ) -> AsyncIterator[Event]:
+        """Runs the job; the events end with exactly one DoneEvent or ErrorEvent.
+
+        In tool mode the answer's JSON is read as it comes: its answer text arrives as
+        TokenEvents, and with `tool_deltas` a call arrives as ToolCallEvents as soon as its
+        name is known (OpenAI's streamed shape); the DoneEvent carries the parsed calls.
+        Leaving the iteration early (client gone) cancels the job at its next step; passing
+        the deadline does too, and ends the events with a RequestTimeout error.
+        """
+        loop = asyncio.get_running_loop()
+        generation = prepared.generation
+        first_token_ns = 0
+        reader = ToolAnswerReader() if prepared.tool_mode else None
+        try:
+            while True:
+                if prepared.deadline is None:
+                    event = await generation.events.get()
+                else:
+                    try:
+                        event = await asyncio.wait_for(generation.events.get(),
+                                                       prepared.deadline - loop.time())
+                    except asyncio.TimeoutError:
+                        generation.cancelled.set()
+                        event = ErrorEvent(RequestTimeout("the request passed its deadline"))
+                if isinstance(event, TokenEvent):
+                    first_token_ns = first_token_ns or time.perf_counter_ns()
+                    if reader is None:
+                        yield event
+                        continue
+                    for part in reader.feed(event.text):  # tool answers are JSON: read them
+                        if isinstance(part, str):
+                            yield TokenEvent(part)
+                        elif tool_deltas:
+                            yield part
+                    continue
+                failed = None
+                if isinstance(event, DoneEvent) and reader is not None:
+                    event, failed = _as_tool_answer(event, reader)
+                self.observer.end(prepared.served, event, first_token_ns, failed)
+                yield event
+                return
+        finally:
+            generation.cancelled.set()
+            await self.release(prepared)
+
+    async def release(self, prepared: PreparedGeneration) -> None:
+        """Hand the model back; safe to call twice (a response that never started streaming
+        is released by its background task)."""
+        if not prepared.released:
+            prepared.released = True
+            prepared.generation.cancelled.set()
+            await self.registry.release(prepared.model)
+
+    async def complete(self, prepared: PreparedGeneration) -> DoneEvent:
+        async for event in self.stream(prepared):
+            if isinstance(event, DoneEvent):
+                return event
+            if isinstance(event, ErrorEvent):
+                raise as_edge_error(event.error)
+        raise EdgeAgentError("generation ended without a result")
+
+    async def embed(self, req: EmbeddingRequest, *, tenant: TenantContext | None = None,
+                    keep_alive: float | None = None,
+                    disconnected: Callable[[], Awaitable[bool]] | None = None
+                    ) -> EmbeddingResult:
+        """See `gateway.embeddings.embed`; scope and quota are checked first."""
+        note(model=req.model, dialect=req.dialect)
+        embeddings.check_count(req, self.registry.settings.runtime.max_embedding_inputs)
+        self._govern(tenant, req.model)
+        return await embeddings.embed(self.registry, req, keep_alive=keep_alive,
+                                      disconnected=disconnected)
+
+
+def _as_tool_answer(event: DoneEvent, reader: ToolAnswerReader) -> tuple[DoneEvent, bool]:
+    """The end of a tool-mode answer: its text and calls, never the internal JSON; and
+    whether it failed to complete (the structured-failure flag)."""
+    answer = reader.finish()
+    done = dataclasses.replace(event, text=answer.content, tool_calls=answer.calls,
+                               reason="tool_calls" if answer.calls else event.reason)
+    return done, not answer.complete
