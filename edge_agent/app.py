@@ -25,7 +25,8 @@ from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.keys import KeyStore
 from edge_agent.governance.redaction import Detectors, MetadataRedactor, Redactor, device_key
 from edge_agent.governance.tenants import Governor
-from edge_agent.ledger.store import REQUESTS, open_ledger, purge
+from edge_agent.ledger.retention import purge_expired
+from edge_agent.ledger.store import REQUESTS
 from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.logs import RequestContext
 from edge_agent.telemetry.hardware import HardwareSampler, default_readers
@@ -118,21 +119,13 @@ async def _purge_hourly(settings: Settings) -> None:
     """Retention: request rows older than `retention.ledger_days` go, every hour."""
     while True:
         try:
-            removed = await asyncio.to_thread(purge_ledger, settings)
+            removed = await asyncio.to_thread(purge_expired, settings.state_dir / "ledger.db",
+                                              settings.retention)
             if removed:
                 log.info("ledger purge removed %d rows", removed)
         except Exception:
             log.exception("ledger purge failed")
         await asyncio.sleep(PURGE_INTERVAL_S)
-
-
-def purge_ledger(settings: Settings) -> int:
-    db = open_ledger(settings.state_dir / "ledger.db")
-    try:
-        return purge(db, older_than_s=settings.retention.ledger_days * 86400,
-                     content_older_than_s=settings.retention.content_hours * 3600)
-    finally:
-        db.close()
 
 
 async def _reap(registry: ModelRegistry, governor: Governor) -> None:

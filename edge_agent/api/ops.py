@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import tempfile
 
 from fastapi import APIRouter, Request, Response
@@ -13,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.engine.catalog import normalize_name
 from edge_agent.errors import ModelNotFound, Unauthorized
+from edge_agent.netaddr import is_loopback
 
 router = APIRouter()
 
@@ -51,17 +51,9 @@ async def ready(parts: Parts) -> Response:
     return JSONResponse({"status": "ready", "reasons": []})
 
 
-def _loopback(request: Request) -> bool:
-    host = request.client.host if request.client else ""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 @router.get("/metrics")
 async def metrics(request: Request, parts: Parts) -> Response:
-    if not _loopback(request):
+    if not is_loopback(request.client.host if request.client else ""):
         key = parts.settings.server.metrics_key
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not key or not hmac.compare_digest(given.encode(), key.encode()):
