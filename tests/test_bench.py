@@ -1,16 +1,21 @@
 """The benchmark's load driver, with a stand-in peer (the peers themselves are real
-servers, exercised by `make bench`)."""
+servers, exercised by `make bench`); its targets, one table; and what it ships."""
 
 from __future__ import annotations
 
+import ast
 import math
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import edge_agent
+import edge_agent.bench
+from edge_agent.bench.observability import REDACTION_SAMPLES, redaction_samples
 from edge_agent.bench.peers import Sample
 from edge_agent.bench.run import request_scaling, run_levels
+from edge_agent.bench.targets import BY_KEY, TARGETS, report
 from edge_agent.engine.catalog import ModelStore
 from tests.conftest import DEFAULT_MODEL
 
@@ -61,3 +66,97 @@ def test_request_shaped_ceiling_runs_the_real_engine(model_cache: Path) -> None:
         # Three requests at once: faster in aggregate than one, never three times as fast
         # (each of their prompts costs what one alone costs).
         assert math.isfinite(ratio) and 1.0 < ratio < 3.0
+
+
+# -- targets: one table, judged in one place ------------------------------------------------
+BENCH = Path(edge_agent.bench.__file__).parent
+PACKAGE = Path(edge_agent.__file__).parent
+
+
+def _target_keys(tree: ast.AST) -> list[ast.expr]:
+    """The key argument of every `report(echo, key, …)` and `target(key)` call."""
+    keys = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "report":
+                keys.append(node.args[1])
+            elif node.func.id == "target":
+                keys.append(node.args[0])
+    return keys
+
+
+def test_every_target_the_bench_prints_comes_from_the_table() -> None:
+    """The scenarios name targets by key only; every key is in the table, and every entry
+    of the table is used."""
+    used: set[str] = set()
+    for path in sorted(BENCH.glob("*.py")):
+        if path.name == "targets.py":
+            continue
+        source = path.read_text()
+        tree = ast.parse(source)
+        for key in _target_keys(tree):
+            assert isinstance(key, ast.Constant) and key.value in BY_KEY, (
+                path.name, ast.unparse(key))
+            used.add(key.value)
+        # Nothing else judges: no ok/MISSED of its own, no figure compared with a number.
+        assert "MISSED" not in source, path.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(op, ast.Lt | ast.LtE | ast.Gt | ast.GtE) for op in node.ops):
+                sides = [node.left, *node.comparators]
+                number = any(isinstance(c, ast.Constant) and isinstance(c.value, int | float)
+                             for c in sides)
+                counted = any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                              and c.func.id == "len" for c in sides)
+                assert not number or counted, (path.name, ast.unparse(node))
+    assert used == set(BY_KEY)
+    assert len(BY_KEY) == len(TARGETS)  # no key twice
+
+
+def test_a_figure_is_judged_and_printed_against_its_target() -> None:
+    lines: list[str] = []
+    assert report(lines.append, "single.tokens_per_s_ratio", 0.95)
+    assert not report(lines.append, "single.tokens_per_s_ratio", 0.94)
+    assert report(lines.append, "concurrency.ttft_growth", 5.0, top=8, one=1)
+    assert not report(lines.append, "concurrency.ttft_growth", 5.01, top=8, one=1)
+    assert report(lines.append, "ledger.rows_per_s", 12345.6, rows=20000)
+    assert lines[0].split() == ["tokens/s,", "edge-agent", "/", "in-process", "0.95x", ">=",
+                                "0.95", "ok"]
+    assert lines[1].endswith("MISSED")
+    assert "TTFT p50, c=8 / c=1" in lines[2] and lines[3].endswith("MISSED")
+    assert "ledger writer, 20000 rows" in lines[4] and "12,346/s" in lines[4]
+    assert lines[4].split()[-3:] == [">=", "5,000/s", "ok"]
+    shown = {t.key: t.shown for t in TARGETS}
+    assert shown["telemetry.sampling_core_percent"] == "<= 1%"
+    assert shown["telemetry.scrape_ms"] == "<= 20 ms"
+    assert shown["governance.redaction_mb_s"] == ">= 5 MB/s"
+    assert shown["prefix.ratio"] == "<= 0.1"
+
+
+def test_the_package_reads_nothing_from_tests() -> None:
+    """A wheel has no tests/: no module of edge_agent imports from it or names a path in
+    it (docstrings and comments may mention it)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)
+                      and isinstance(n.value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert not any(a.name.split(".")[0] == "tests" for a in node.names), path
+            elif isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] != "tests", path
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and id(node) not in docstrings):
+                text = node.value.replace("\\", "/")
+                assert text != "tests" and "tests/" not in text, (path, text[:80])
+
+
+def test_the_labelled_redaction_samples_ship_with_the_bench() -> None:
+    samples = redaction_samples()
+    assert len(samples) >= 200
+    assert all(isinstance(s["text"], str) and isinstance(s["entities"], list)
+               for s in samples)
+    assert {e["type"] for s in samples for e in s["entities"]} >= {"EMAIL", "CARD"}
+    # The tests' fixture is the same file.
+    fixture = Path(__file__).parent / "fixtures" / "redaction.jsonl"
+    assert fixture.resolve() == (BENCH / REDACTION_SAMPLES).resolve()

@@ -1,5 +1,6 @@
 """The benchmark scenarios. Every figure is a median or percentile over several requests,
-and every target is a ratio between peers measured in this same run on this machine."""
+and every target is a ratio between peers measured in this same run on this machine; the
+targets themselves are in `targets.py`."""
 
 from __future__ import annotations
 
@@ -24,10 +25,14 @@ from edge_agent.bench.peers import (
     LlamaCppServerPeer,
     Sample,
 )
+from edge_agent.bench.targets import report, target
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.runtime import BatchContext, LlamaModel, resolve_flash_attn
 
 Echo = Callable[[str], None]
+# The worst step a long prompt's chunks may make, in normal steps: the chunked-prefill
+# target, from which the least chunked TTFT follows (ChunkCost.floor).
+STEP_STALL = target("chunked_prefill.worst_step_ratio").bound
 TOPICS = ["a lighthouse keeper", "a bakery at dawn", "a lost umbrella", "the night train",
           "a garden robot", "a chess club", "a mountain village", "an old radio"]
 
@@ -132,10 +137,6 @@ def _no_eos(path: Path) -> dict[str, Any]:
     return {"logit_bias": {str(t): -100 for t in sorted(eog)}}
 
 
-def _line(echo: Echo, label: str, value: float, target: str, ok: bool) -> None:
-    echo(f"  {label:<62} {value:>7.2f}x  {target:<10} {'ok' if ok else 'MISSED'}")
-
-
 def bench_single(state_dir: Path, path: Path, model: str, *, threads: int, context: int,
                  requests: int, max_tokens: int, extra: dict[str, Any], echo: Echo
                  ) -> dict[str, Any]:
@@ -164,8 +165,8 @@ def bench_single(state_dir: Path, path: Path, model: str, *, threads: int, conte
     for load, t in ((a, tps[0]), (b, tps[1])):
         echo(f"  {load.peer:<32} {statistics.median(t):>12.1f} {load.ttft_p50 * 1000:>8.1f} "
              f"{load.tpot_p50 * 1000:>8.2f}")
-    _line(echo, "tokens/s, edge-agent / in-process", ratio_tps, ">= 0.95", ratio_tps >= 0.95)
-    _line(echo, "TTFT, edge-agent / in-process", ratio_ttft, "<= 1.2", ratio_ttft <= 1.2)
+    report(echo, "single.tokens_per_s_ratio", ratio_tps)
+    report(echo, "single.ttft_ratio", ratio_ttft)
     return {"tokens_per_s_ratio": ratio_tps, "ttft_ratio": ratio_ttft,
             "edge_tokens_per_s": statistics.median(tps[0]),
             "in_process_tokens_per_s": statistics.median(tps[1])}
@@ -258,10 +259,12 @@ class ChunkCost:
     cost: float  # the prompt in small chunks over the prompt in 512-token passes
     slowdown: float  # a rows pass right after a chunk over one after another rows pass
 
-    def floor(self, stall: float = 4.0) -> float:
+    def floor(self, stall: float | None = None) -> float:
         """The least chunked / unchunked TTFT that steps held to `stall` x a normal step
-        allow: each step keeps one rows pass (slowed by the chunk before it), so the
-        prompt gets at most (stall - slowdown) / stall of the time, at `cost` a token."""
+        (by default the worst-step target) allow: each step keeps one rows pass (slowed by
+        the chunk before it), so the prompt gets at most (stall - slowdown) / stall of the
+        time, at `cost` a token."""
+        stall = STEP_STALL if stall is None else stall
         return self.cost * stall / (stall - self.slowdown)
 
 
@@ -339,7 +342,7 @@ def bench_concurrency(state_dir: Path, path: Path, model: str, *, threads: int, 
                                               "tpot_p50_ms": r.tpot_p50 * 1000}
                                           for c, r in edge.items()}}
     scale = edge[top].tokens_per_s / edge[one].tokens_per_s
-    _line(echo, f"aggregate tokens/s, c={top} / c={one}", scale, ">= 1.8", scale >= 1.8)
+    report(echo, "concurrency.scale", scale, top=top, one=one)
     ceiling = engine_scaling(path, threads=threads, rows=top)
     echo(f"  {'  the same ratio for llama.cpp alone, decode steps only':<62} "
          f"{ceiling:>7.2f}x")
@@ -351,13 +354,12 @@ def bench_concurrency(state_dir: Path, path: Path, model: str, *, threads: int, 
     echo(f"  {f'  llama.cpp alone on these requests ({prefill} new prompt tokens)':<62} "
          f"{shaped:>7.2f}x  no HTTP, no sampling")
     ttft = edge[top].ttft_p50 / edge[one].ttft_p50
-    _line(echo, f"TTFT p50, c={top} / c={one}", ttft, "<= 5", ttft <= 5)
+    report(echo, "concurrency.ttft_growth", ttft, top=top, one=one)
     out.update(scale=scale, engine_scale=ceiling, request_scale=shaped,
                ttft_growth=ttft)
     if peers:
         vs = edge[top].tokens_per_s / results["peer-no-interrupt"][top].tokens_per_s
-        _line(echo, f"aggregate tokens/s at c={top}, edge-agent / peer (interrupt off)", vs,
-              ">= 2.5", vs >= 2.5)
+        report(echo, "concurrency.vs_peer", vs, top=top)
         cut = results["peer-default"][top]
         asked = len(cut.samples) * max_tokens
         echo(f"  peer with defaults at c={top}: {cut.delivered} of {asked} tokens delivered "
@@ -382,7 +384,7 @@ def bench_prefix(state_dir: Path, model: str, *, threads: int, context: int, ech
     echo(f"prefix reuse (system prompt of ~{warm[0].cached_tokens} cached tokens)")
     echo(f"  cold TTFT {cold.ttft_s * 1000:.0f} ms, warm TTFT p50 "
          f"{statistics.median(s.ttft_s for s in warm) * 1000:.0f} ms")
-    _line(echo, "TTFT, shared prefix / cold", ratio, "<= 0.1", ratio <= 0.1)
+    report(echo, "prefix.ratio", ratio)
     return {"ratio": ratio, "cached_tokens": warm[0].cached_tokens}
 
 
@@ -435,15 +437,13 @@ def bench_chunked_prefill(state_dir: Path, path: Path, model: str, *, threads: i
              f"{ttft * 1000:.0f} ms chunked, {figures['unchunked'][2] * 1000:.0f} ms unchunked")
         stall = worst / normal
         slow = ttft / figures["unchunked"][2]
-        _line(echo, f"worst step / normal step (flash_attn = {flash_attn})", stall, "<= 4",
-              stall <= 4)
-        _line(echo, f"long prompt TTFT, chunked / unchunked (flash_attn = {flash_attn})", slow,
-              "<= 2", slow <= 2)
+        report(echo, "chunked_prefill.worst_step_ratio", stall, flash_attn=flash_attn)
+        report(echo, "chunked_prefill.ttft_ratio", slow, flash_attn=flash_attn)
         cost = chunk_cost(path, long_prompt, threads=threads, flash_attn=flash_attn, chunk=16)
         echo(f"    llama.cpp alone: the prompt in 16-token chunks costs {cost.cost:.2f}x its "
              f"cost in 512-token passes; 7 rows run {cost.slowdown:.2f}x slower after a chunk")
-        echo(f"    so with every step at exactly 4x, the TTFT could be no less than "
-             f"{cost.floor():.2f}x")
+        echo(f"    so with every step at exactly {STEP_STALL:g}x, the TTFT could be no less "
+             f"than {cost.floor():.2f}x")
         out[flash_attn] = {"worst_step_ratio": stall, "ttft_ratio": slow,
                            "chunk_cost_ratio": cost.cost, "rows_slowdown": cost.slowdown,
                            "ttft_floor": cost.floor()}

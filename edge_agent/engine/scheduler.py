@@ -6,7 +6,9 @@ bounded chunk of embedding input in a context of its own; new jobs take free seq
 between steps and finished ones leave. Each sequence keeps its KV cells after its job, so a
 later prompt that starts the same way (a system prompt, a growing chat) reuses them — from
 its own sequence, or copied from another. Only this thread calls llama.cpp for this model;
-the event loop only reads the counters in `stats`.
+the event loop only reads the counters in `stats`. What goes into a step (which rows, how
+many prompt and embedding tokens) is decided by the pure rules of `steppolicy`, from the
+costs this thread measures.
 
 A failure inside a step ends only the request(s) it can be traced to, with an error event,
 and frees their sequences; the thread and every other request go on.
@@ -45,29 +47,20 @@ from edge_agent.engine.runtime import (
     normalised_mean,
 )
 from edge_agent.engine.stepcost import PrefillCost
+from edge_agent.engine.steppolicy import (
+    DETERMINISTIC_MAX_ROWS,
+    MIN_PREFILL_CHUNK,
+    Prompt,
+    StepPolicy,
+    copy_source,
+    last_chunk,
+    prefill_spans,
+    shortest_short,
+)
 from edge_agent.engine.textstream import TextStream
 from edge_agent.errors import EdgeAgentError, ServiceUnavailable
 
 log = logging.getLogger(__name__)
-
-# Copying another sequence's cells costs about a millisecond per few hundred cells;
-# below this many shared tokens, recomputing is as cheap.
-MIN_COPY_TOKENS = 8
-# However tight the stall budget, a prompt advances at least this much per step, and a
-# prompt this short goes in whole: a burst of short chats then gets first tokens one
-# prompt per step instead of a few tokens each per step.
-MIN_PREFILL_CHUNK = 8
-SHORT_PROMPT = 48
-# On this class of CPU, llama.cpp's matmuls take one path for 1–7 rows and another from
-# 8 on; deterministic mode keeps every decode under that, and never mixes in prefill.
-DETERMINISTIC_MAX_ROWS = 7
-# A sequence that has just finished a long prompt costs the next rows pass about this many
-# prompt tokens at its depth (see ModelScheduler._last_chunk).
-JOIN_COST_TOKENS = 2.0
-# Embedding tokens a step carries however little room the stall bound leaves: embeddings
-# always advance, and nobody waits for their first token, so a single token will do (a
-# decode's fixed cost makes a token of a tiny chunk dear; the measured cost includes it).
-MIN_EMBED_CHUNK = 1
 
 
 @dataclass
@@ -147,6 +140,12 @@ class _Slot:
         self.cache_key: str | None = None  # the hint of the job that last used it
 
 
+def _prompt(slot: _Slot) -> Prompt:
+    """What the step policy sees of a sequence being prefilled."""
+    return Prompt(seq=slot.seq, pending=len(slot.pending), total=slot.prefill_total,
+                  cells=len(slot.tokens))
+
+
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -180,8 +179,8 @@ class ModelScheduler:
         self.slots = [_Slot(i) for i in range(parallel)]
         self.queue: AdmissionQueue[GenerationJob, EmbeddingJob] = AdmissionQueue(
             max_queue, aging_s)
-        self.prefill_chunk = prefill_chunk
-        self.max_step_stall = max_step_stall
+        self.policy = StepPolicy(max_step_stall=max_step_stall, prefill_chunk=prefill_chunk,
+                                 n_batch=self.ctx.n_batch, parallel=parallel)
         # Measured costs, for the prefill budget: a rows pass by row count in steps that
         # follow no prompt pass (the step a stream sees when nobody prefills), and one
         # prompt token of prefill.
@@ -381,11 +380,9 @@ class ModelScheduler:
         reused = 0
         if not self.deterministic:  # exact repeatability needs identical prefill chunking
             own = _common_prefix(slot.tokens, prompt, limit)
-            src, best = slot, own
-            for other in self.slots:
-                n = _common_prefix(other.tokens, prompt, limit)
-                if n > best + MIN_COPY_TOKENS:
-                    src, best = other, n
+            i, best = copy_source(own, [_common_prefix(other.tokens, prompt, limit)
+                                        for other in self.slots])
+            src = slot if i is None else self.slots[i]
             if src is not slot:
                 if self.ctx.copy_prefix(src.seq, slot.seq, best):
                     slot.tokens = prompt[:best]
@@ -431,8 +428,7 @@ class ModelScheduler:
             if prefilling:
                 self._decode([], prefilling[:1], self.ctx.n_batch)
         else:
-            shortest = min((len(s.pending) for s in prefilling
-                            if s.prefill_total <= SHORT_PROMPT), default=0)
+            shortest = shortest_short(_prompt(s) for s in prefilling)
             if shortest and decoding and self._rows_may_wait(decoding, shortest):
                 self._decode([], prefilling, shortest)
                 rows = -1  # the rows sat this step out for the prompt: no embedding either
@@ -449,48 +445,19 @@ class ModelScheduler:
         self._step_s = 0.9 * self._step_s + 0.1 * elapsed
 
     def _rows_may_wait(self, decoding: list[_Slot], prompt_tokens: int) -> bool:
-        """Whether running rows can sit out one step while a short prompt goes in alone.
-
-        During a burst of chats this gets each new client its first token a whole rows
-        pass sooner, while no running stream waits longer between two tokens than
-        `max_step_stall` times a decode step of a full batch."""
-        if self.max_step_stall <= 0:
-            return False
-        full = self._decode_s.get(len(self.slots)) or max(self._decode_s.values(),
-                                                          default=0.01 * len(self.slots))
+        """Whether running rows can sit out one step while a short prompt goes in alone
+        (StepPolicy.rows_may_wait, with the time since the oldest row's last token)."""
         waited = time.perf_counter() - min(s.last_token_at for s in decoding)
-        cost = prompt_tokens * self._prefill_cost.per_token(prompt_tokens / 2)
-        return waited + cost <= self.max_step_stall * full
+        return self.policy.rows_may_wait(waited_s=waited, prompt_tokens=prompt_tokens,
+                                         decode_s=self._decode_s,
+                                         per_token=self._prefill_cost.per_token)
 
     def _prefill_budget(self, rows: int, shortest: int, rows_s: float, depth: int) -> int:
         """Prompt tokens this step may carry after a rows pass of `rows` sequences that
-        took `rows_s`: as many as keep the gap between two tokens of a running stream
-        (this prompt pass plus the next rows pass) within `max_step_stall` times its gap
-        when nobody prefills, so one client's long prompt delays the others by a bounded
-        factor; capped by `prefill_chunk`. `depth`: the cells the first prompt to
-        advance already holds (deeper tokens cost more).
-
-        The bound is taken against the rows pass as measured with no prompt work around
-        it: after a prompt pass the same rows run 10–25% slower (the prompt's weights and
-        cells have pushed theirs out of cache), and that slowdown counts against the
-        budget because this step's own rows pass is subtracted as measured."""
-        room = self.ctx.n_batch - rows
-        if rows == 0:
-            # A burst of short chats: one whole prompt per step, shortest first, so each
-            # client gets its first token after its own prefill rather than everyone's.
-            return shortest if 0 < shortest <= SHORT_PROMPT else room
-        budget = room
-        if self.max_step_stall > 0:
-            plain = self._decode_s.get(rows, rows_s)
-            seconds = self.max_step_stall * plain - rows_s
-            allowed = seconds / self._prefill_cost.per_token(depth)
-            # Priced again at the middle of the chunk it allows.
-            allowed = seconds / self._prefill_cost.per_token(depth + allowed / 2)
-            floor = shortest if 0 < shortest <= SHORT_PROMPT else MIN_PREFILL_CHUNK
-            budget = max(floor, int(allowed))
-        if self.prefill_chunk > 0:
-            budget = min(budget, self.prefill_chunk)
-        return min(budget, room)
+        took `rows_s` (StepPolicy.prefill_budget, at the measured costs)."""
+        return self.policy.prefill_budget(rows=rows, shortest=shortest, rows_s=rows_s,
+                                          depth=depth, decode_s=self._decode_s,
+                                          per_token=self._prefill_cost.per_token)
 
     def _decode(self, decoding: list[_Slot], prefilling: list[_Slot], budget: int | None,
                 shortest: int = 0) -> None:
@@ -505,41 +472,21 @@ class ModelScheduler:
         if decoding:
             rows_s = self._decode_rows(decoding)
             self._flush()  # their tokens go out now, not after the prefill pass
-        order = sorted(prefilling, key=lambda s: len(s.pending))  # shortest first
+        prompts = [_prompt(s) for s in prefilling]
         if budget is None:
-            depth = len(order[0].tokens) if order else 0
+            # The cells of the prompt that goes first: the shortest (the first of them).
+            depth = min(prompts, key=lambda p: p.pending).cells if prompts else 0
             budget = self._prefill_budget(len(decoding), shortest, rows_s, depth)
-        spans: dict[int, int] = {}
-        for slot in order:
-            if budget <= 0:
-                break
-            take = min(budget, len(slot.pending))
-            if spans and take < len(slot.pending) and slot.prefill_total <= SHORT_PROMPT:
-                continue  # a fragment of a short prompt earns nobody a token sooner
-            if decoding and take == len(slot.pending) and slot.prefill_total > SHORT_PROMPT:
-                take = self._last_chunk(slot, take, budget)
-            spans[slot.seq] = take
-            budget -= take
+        spans = prefill_spans(prompts, budget, rows=bool(decoding),
+                              per_token=self._prefill_cost.per_token)
         self._prefilled_last_step = bool(spans)
         if spans:
             self._prefill([s for s in prefilling if s.seq in spans], spans)
 
     def _last_chunk(self, slot: _Slot, take: int, budget: int) -> int:
-        """How much of a long prompt's remaining `take` tokens to prefill in a step whose
-        budget is `budget` tokens, running rows being there.
-
-        The step that completes a long prompt also makes the next rows pass one row longer,
-        and that row sits deep: with 7 rows of ~35 ms, a prompt finishing 1,300 cells deep
-        made the next pass 55 ms, so the gap the running streams saw overshot the stall
-        bound by half a normal step. That row costs about two prompt tokens at its depth;
-        when they do not fit beside the rest, the prompt stops one token short and
-        finishes in the next step, whose remainder leaves room for the new row."""
-        depth = len(slot.tokens) + take
-        join = JOIN_COST_TOKENS * self._prefill_cost.per_token(depth)
-        per_token = self._prefill_cost.per_token(len(slot.tokens) + take / 2)
-        if take + join / per_token <= budget or take <= 1:
-            return take
-        return take - 1
+        """How much of `slot`'s remaining `take` prompt tokens to prefill in a step whose
+        budget is `budget`, rows running (steppolicy.last_chunk, at the measured cost)."""
+        return last_chunk(take, budget, len(slot.tokens), self._prefill_cost.per_token)
 
     def _decode_rows(self, decoding: list[_Slot]) -> float:
         """Decode and sample the rows; the seconds it took, sampling included."""
@@ -685,28 +632,19 @@ class ModelScheduler:
             self._end_embedding(run, EdgeAgentError("the embedding request was cancelled"))
 
     def _embed_chunk(self) -> int:
-        """Embedding tokens per pass while no generation runs: a prompt chunk's worth, so a
-        request that arrives waits at most about one prompt chunk for its first step."""
-        return self.prefill_chunk or self.ctx.n_batch
+        """Embedding tokens per pass while no generation runs (StepPolicy.embed_chunk)."""
+        return self.policy.embed_chunk
 
     def _embed_budget(self, rows: int) -> tuple[int, float | None]:
         """Embedding tokens, and seconds, this step may spend after its rows pass (`rows`
-        sequences) and its prompt pass: as much as keeps the gap between two tokens of a
-        running stream within `max_step_stall` times its gap when nobody prefills, as for a
-        prompt; at least MIN_EMBED_CHUNK tokens, so that embeddings always advance. With
-        only prompts in the step, whose clients wait for a first token: that least."""
-        cap = self._embed_chunk()
-        if rows == 0:
-            return MIN_EMBED_CHUNK, 0.0
-        if self.max_step_stall <= 0:
-            return cap, None
-        plain = self._decode_s.get(rows, self._rows_s)
-        seconds = self.max_step_stall * plain - self._rows_s - self._prompt_s
+        sequences) and its prompt pass (StepPolicy.embed_budget), priced by the cost of
+        embedding chunks beside running streams once one was measured, else of prompt
+        tokens."""
         cost = self._embed_cost if self._embed_cost_seen else self._prefill_cost
-        depth = self._embeddings[0].pos
-        allowed = seconds / cost.per_token(depth)
-        allowed = seconds / cost.per_token(depth + max(0.0, allowed) / 2)
-        return min(cap, max(MIN_EMBED_CHUNK, int(allowed))), max(0.0, seconds)
+        return self.policy.embed_budget(rows=rows, rows_s=self._rows_s,
+                                        prompt_s=self._prompt_s,
+                                        depth=self._embeddings[0].pos,
+                                        decode_s=self._decode_s, per_token=cost.per_token)
 
     def _embed_pass(self, budget: int, seconds: float | None) -> None:
         """Up to `budget` tokens of embedding input, one chunk of one input per decode, and

@@ -1,0 +1,88 @@
+"""Every target the bench judges a figure against, in one table.
+
+A target's key is where its figure sits in the bench's result (`edge-agent bench --json`),
+section and name; the scenarios print and judge through `report`, so a bound changes here
+and nowhere else. Ratios are between peers measured in the same run on the same machine;
+the few absolute figures (a share of a core, milliseconds, rows or megabytes a second)
+are costs of edge-agent's own code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str  # "<section>.<figure>", as in the bench's result
+    description: str  # the printed label; may name {fields} that `report` fills in
+    op: Literal[">=", "<="]
+    bound: float
+    unit: str = "x"  # "x": a ratio
+
+    def met(self, value: float) -> bool:
+        return value >= self.bound if self.op == ">=" else value <= self.bound
+
+    @property
+    def shown(self) -> str:
+        """The target as printed: ">= 0.95", "<= 20 ms", ">= 5,000/s", "<= 1%"."""
+        if self.unit == "x":
+            return f"{self.op} {self.bound:,g}"
+        space = " " if self.unit[:1].isalpha() else ""
+        return f"{self.op} {self.bound:,g}{space}{self.unit}"
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("single.tokens_per_s_ratio", "tokens/s, edge-agent / in-process", ">=", 0.95),
+    Target("single.ttft_ratio", "TTFT, edge-agent / in-process", "<=", 1.2),
+    Target("concurrency.scale", "aggregate tokens/s, c={top} / c={one}", ">=", 1.8),
+    Target("concurrency.ttft_growth", "TTFT p50, c={top} / c={one}", "<=", 5),
+    Target("concurrency.vs_peer",
+           "aggregate tokens/s at c={top}, edge-agent / peer (interrupt off)", ">=", 2.5),
+    Target("prefix.ratio", "TTFT, shared prefix / cold", "<=", 0.1),
+    Target("chunked_prefill.worst_step_ratio",
+           "worst step / normal step (flash_attn = {flash_attn})", "<=", 4),
+    Target("chunked_prefill.ttft_ratio",
+           "long prompt TTFT, chunked / unchunked (flash_attn = {flash_attn})", "<=", 2),
+    Target("telemetry.sampling_core_percent",
+           "hardware sampling, share of one core at the 5 s default", "<=", 1, "%"),
+    Target("telemetry.scrape_ms", "/metrics render, 4 models + 2 GPUs of series (median)",
+           "<=", 20, "ms"),
+    Target("telemetry.ttft_ratio", "TTFT, metrics on / off", "<=", 1.1),
+    Target("ledger.rows_per_s", "ledger writer, {rows} rows through the batching thread",
+           ">=", 5000, "/s"),
+    # Per entity type, on the labelled samples (redaction.jsonl beside this module).
+    Target("governance.recall", "redaction recall, each entity type", ">=", 0.95, ""),
+    Target("governance.precision", "redaction precision, each entity type", ">=", 0.90, ""),
+    Target("governance.redaction_mb_s",
+           "redaction, mixed text (1 identifier per 5 sentences), one core", ">=", 5, "MB/s"),
+    Target("governance.added_ttft_ms",
+           "added per request: auth + scope + quota + redaction + ledger rows (median)",
+           "<=", 1, "ms"),
+)
+
+BY_KEY: dict[str, Target] = {t.key: t for t in TARGETS}
+
+
+def target(key: str) -> Target:
+    return BY_KEY[key]
+
+
+def verdict(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
+
+
+def report(echo: Callable[[str], None], key: str, value: float, **fields: object) -> bool:
+    """Prints `value` against its target, ok or MISSED, and says whether it was met.
+    `fields` fill the description's {placeholders}."""
+    t = BY_KEY[key]
+    if t.unit == "x":
+        shown = f"{value:.2f}"
+    else:
+        shown = f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
+    ok = t.met(value)
+    label = t.description.format(**fields)
+    echo(f"  {label:<62} {shown:>7}{t.unit:<2} {t.shown:<10} {verdict(ok)}")
+    return ok
