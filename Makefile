@@ -6,7 +6,7 @@ STATE  ?= ./var
 # Compile llama.cpp with both cores; pip caches the built wheel afterwards.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: run test check unit bench clean
+.PHONY: run test check unit bench clean system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,20 @@ check: $(VENV)/.test-deps
 	$(BIN)/mypy edge_agent
 	$(BIN)/lint-imports
 
-test: check
+# The fleet tests start their own Mosquitto and PostgreSQL from the installed binaries.
+system-deps:
+	@missing=""; \
+	command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto"; \
+	command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+		|| missing="$$missing postgresql"; \
+	if [ -n "$$missing" ]; then \
+		echo "installing$$missing (Debian packages)"; \
+		sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \
+		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			$$sudo apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+test: check system-deps
 	$(BIN)/pytest
 
 unit: $(VENV)/.test-deps
