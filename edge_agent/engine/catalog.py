@@ -129,6 +129,7 @@ class ModelStore:
                 tx.add(m, by="upgrade")
                 if tx.switch(m.name, m.digest, by="upgrade"):
                     removed += tx.retain(m.name, self.keep_previous, by="upgrade")
+            manifests.clean(self.manifests)
             mirrored = {m.name: m.digest for m in found}
             for name in {*mirrored, *db.names()}:
                 active = tx.active_digest(name)

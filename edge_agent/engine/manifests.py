@@ -59,3 +59,11 @@ def write(folder: Path, model: InstalledModel) -> None:
 
 def drop(folder: Path, name: str) -> None:
     manifest_path(folder, name).unlink(missing_ok=True)
+
+
+def clean(folder: Path) -> None:
+    """Temporary files of writers killed mid-write (call under the write lock: nobody is
+    writing one then)."""
+    if folder.is_dir():
+        for tmp in folder.glob(".manifest-*.tmp"):
+            tmp.unlink(missing_ok=True)
