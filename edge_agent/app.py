@@ -18,7 +18,7 @@ from edge_agent.api import ollama, openai, ops
 from edge_agent.api.errors import install_error_handlers
 from edge_agent.api.state import AppParts
 from edge_agent.config import Settings
-from edge_agent.engine.catalog import ModelStore, normalize_name
+from edge_agent.engine.catalog import normalize_name
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.engine.service import GenerationService
@@ -47,10 +47,10 @@ def ensure_default_model(modelops: ModelOps, name: str) -> None:
 
 
 def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
-    store = ModelStore(settings.state_dir, settings.catalog_dir,
-                       keep_previous=settings.models.keep_previous)
+    modelops = ModelOps.for_settings(settings, protect_default=True)
+    store = modelops.store
     registry = ModelRegistry(settings, store)
-    modelops = ModelOps(store, registry, default_model=settings.default_model)
+    modelops.loader = registry  # load and unload go through the registry
     sampler = HardwareSampler(readers=[], interval_s=settings.telemetry.interval_s)
     metrics = Metrics(registry.loaded, sampler, lambda: parts.ledger) \
         if settings.telemetry.metrics else None

@@ -174,3 +174,41 @@ def _copy_checks(live: LiveServer, digest: str) -> None:
     done = httpx.post(url, json=body, headers={"Authorization": f"Bearer {admin}"})
     assert done.status_code == 200 and done.content == b""
     assert _ops(live).history("copy:two")[1].by == "operator:local"
+
+
+def test_with_no_room_for_the_new_version_new_requests_wait_for_the_old_one(
+        model_cache: Path, tmp_path: Path) -> None:
+    """max_loaded_models = 1: while the old version serves, the new one cannot load (503,
+    Retry-After); once the old one's last user is done it is unloaded and the new one
+    loads."""
+    import asyncio
+
+    from edge_agent.engine.registry import ModelRegistry
+    from edge_agent.errors import ServiceUnavailable
+
+    state = clone_state(model_cache, tmp_path / "state")
+    old, new = _second_digest(state, tmp_path)
+    settings = load_settings(None, state_dir=state, **{
+        "runtime.context_length": 256, "runtime.max_loaded_models": 1,
+        "runtime.threads": 1})
+    store = ModelStore(state)
+    registry = ModelRegistry(settings, store)
+    ops = ModelOps(ModelStore(state))  # the CLI's, beside the server's
+
+    async def scenario() -> None:
+        serving, _ = await registry.acquire(DEFAULT_MODEL)
+        assert serving.info.digest == old
+        ops.activate(DEFAULT_MODEL, new, by="cli:test")
+        with pytest.raises(ServiceUnavailable) as err:
+            await registry.acquire(DEFAULT_MODEL)
+        assert err.value.retry_after and "serving requests" in err.value.message
+        await registry.release(serving)  # superseded: unloaded at once
+        assert [m.info.digest for m in registry.loaded()] in ([], [new])
+        fresh, _ = await registry.acquire(DEFAULT_MODEL)
+        assert fresh.info.digest == new and registry.is_loaded(DEFAULT_MODEL)
+        await registry.release(fresh)
+        await registry.close()
+
+    asyncio.run(scenario())
+    store.close()
+    ops.close()

@@ -328,3 +328,21 @@ def test_modelops_imports_neither_the_scheduler_nor_llama_cpp() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_doctor_checks_the_versions_kept_beside_the_active_one(tmp_path: Path) -> None:
+    from edge_agent.doctor import run_checks
+
+    a, b = _ggufs(tmp_path, 2)
+    ops = _ops(tmp_path)
+    old = ops.import_file(a, NAME, by="x")
+    ops.import_file(b, NAME, by="x")
+    settings = load_settings(None, state_dir=tmp_path / "state")
+    kept = f"model {NAME}@{old.digest[:12]}"
+    checks = {c.name: c for c in run_checks(settings)}
+    assert checks[f"model {NAME}"].status == "ok" and checks[kept].status == "ok"
+    assert "kept for rollback" in checks[kept].detail
+    blob = _blob(ops, old.digest)
+    blob.write_bytes(blob.read_bytes()[:-1] + b"\x01")
+    checks = {c.name: c for c in run_checks(settings)}
+    assert checks[kept].status == "warn" and "digest" in checks[kept].detail

@@ -227,6 +227,7 @@ class ModelStore:
             raise ModelNotFound(f"model '{name}' not found", param="model")
         with db.transaction() as tx:
             removed = self._switch(tx, key, digest, by=by, action=action)
+            self._mirror(tx, key)
             model = tx.active(key)
         self._drop_blobs(removed)
         assert model is not None
@@ -244,6 +245,7 @@ class ModelStore:
                 raise Conflict(f"model '{key}' has no earlier version installed to roll back "
                                "to", param="model")
             removed = self._switch(tx, key, target, by=by, action=ROLLBACK)
+            self._mirror(tx, key)
             model = tx.active(key)
         self._drop_blobs(removed)
         assert model is not None
@@ -251,11 +253,11 @@ class ModelStore:
 
     def _switch(self, tx: Txn, name: str, digest: str, *, by: str, action: str
                 ) -> list[InstalledModel]:
+        """The pointer moved, then the retention of `keep_previous`; the caller writes the
+        mirror before the transaction ends."""
         if not tx.switch(name, digest, by=by, action=action):
             return []
-        removed = tx.retain(name, self.keep_previous, by=by)
-        self._mirror(tx, name)
-        return removed
+        return tx.retain(name, self.keep_previous, by=by)
 
     def copy(self, source: str, destination: str, *, by: str = "local") -> InstalledModel:
         """`destination` becomes a name for the active version of `source` (the blob is
@@ -374,7 +376,7 @@ class ModelStore:
         by: str,
         activate: bool,
     ) -> InstalledModel:
-        x = extras or ManifestExtras(tier="experimental")
+        x = extras or ManifestExtras()
         template = x.chat_template or info.chat_template
         template_source = x.template_source if x.chat_template else (
             "gguf" if template else "none")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from edge_agent.config import Settings
 from edge_agent.engine.catalog import (
     CatalogEntry,
     InstalledModel,
@@ -79,6 +80,21 @@ class ModelOps:
         self.store = store
         self.loader = loader
         self.default_model = normalize_name(default_model) if default_model else None
+
+    @classmethod
+    def for_settings(cls, settings: Settings, loader: Loader | None = None, *,
+                     protect_default: bool = False) -> ModelOps:
+        """The store the settings describe (state dir, catalog, `models.keep_previous`).
+        The CLI: `ModelOps.for_settings(settings)`; the server passes its registry and
+        protects the default model."""
+        store = ModelStore(settings.state_dir, settings.catalog_dir,
+                           keep_previous=settings.models.keep_previous)
+        return cls(store, loader,
+                   default_model=settings.default_model if protect_default else None)
+
+    def close(self) -> None:
+        """Closes models.db (it opens again on next use)."""
+        self.store.close()
 
     # -- reading ---------------------------------------------------------------------------
     def catalog(self) -> dict[str, CatalogEntry]:
