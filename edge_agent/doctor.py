@@ -54,9 +54,28 @@ def run_checks(settings: Settings) -> list[Check]:
         except EdgeAgentError as exc:
             checks.append(Check("fail", f"model {m.name}", exc.message,
                                 f"edge-agent models rm {m.name}, then pull or import it again"))
+        checks += _other_versions(store, m.name)
     checks.append(_ledger(state / "ledger.db"))
     checks += _llama_and_gpu(settings)
     checks.append(_port(settings))
+    return checks
+
+
+def _other_versions(store: ModelStore, name: str) -> list[Check]:
+    """Versions kept beside the active one (for a rollback, or installed for a later
+    activation): a broken one does not stop serving, so it warns."""
+    checks = []
+    for v in store.versions(name):
+        if v.active:
+            continue
+        label = f"model {name}@{v.digest[:12]}"
+        kind = "kept for rollback" if v.last_active is not None else "installed, never active"
+        try:
+            store.verify(v.model)
+            checks.append(Check("ok", label, f"{kind}; sha256 and GGUF header verified"))
+        except EdgeAgentError as exc:
+            checks.append(Check("warn", label, f"{kind}; {exc.message}",
+                                "remove this version, or install the file again"))
     return checks
 
 

@@ -7,6 +7,8 @@
     ├── Unauthorized                     401
     ├── Forbidden                        403
     ├── ModelNotFound                    404 model_not_found
+    ├── Conflict                         409 the model's state forbids it (removing the
+    │                                        active version, rolling back with no earlier one)
     ├── PayloadTooLarge                  413
     ├── RateLimited                      429 (Retry-After)
     ├── ServiceUnavailable               503 (Retry-After): queue full, model loading
@@ -78,6 +80,12 @@ class ModelNotFound(EdgeAgentError):
     status_code = 404
     error_type = "invalid_request_error"
     code = "model_not_found"
+
+
+class Conflict(EdgeAgentError):
+    status_code = 409
+    error_type = "invalid_request_error"
+    code = "conflict"
 
 
 class PayloadTooLarge(EdgeAgentError):

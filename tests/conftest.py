@@ -39,7 +39,9 @@ def free_port() -> int:
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A state dir holding the real default model, pulled once per session."""
     state = tmp_path_factory.mktemp("model-cache")
-    ModelStore(state).pull(DEFAULT_MODEL)
+    store = ModelStore(state)
+    store.pull(DEFAULT_MODEL)
+    store.close()  # models.db checkpointed: clones copy one file
     return state
 
 
@@ -50,12 +52,18 @@ def model_path(model_cache: Path) -> Path:
 
 
 def clone_state(src: Path, dest: Path) -> Path:
-    """A fresh state dir sharing the cached blobs by hard link (no 100 MB copies)."""
-    shutil.copytree(src, dest, copy_function=_link_or_copy)
+    """A fresh state dir sharing the cached blobs by hard link (no 100 MB copies); the
+    rest (models.db, manifests) is copied, so the clone's changes stay its own. SQLite's
+    shared-memory index is left behind: the clone's first connection rebuilds it."""
+    shutil.copytree(src, dest, copy_function=_link_or_copy,
+                    ignore=shutil.ignore_patterns("*-shm"))
     return dest
 
 
 def _link_or_copy(src: str, dst: str) -> None:
+    if Path(src).parent.name != "blobs":
+        shutil.copy2(src, dst)
+        return
     try:
         Path(dst).hardlink_to(src)
     except OSError:

@@ -6,6 +6,7 @@ that would change behaviour and are not supported are refused by name, never ign
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -36,7 +37,6 @@ from edge_agent.engine.structured import ANY_JSON_OBJECT
 from edge_agent.errors import (
     EdgeAgentError,
     InvalidRequest,
-    ServiceUnavailable,
     UnsupportedParameter,
 )
 from edge_agent.governance.tenants import TenantContext
@@ -165,6 +165,11 @@ class ModelRef(_Body):
         if not (self.model or self.name):
             raise InvalidRequest("missing required parameter: 'model'", param="model")
         return self.model or self.name or ""
+
+
+class CopyBody(_Body):
+    source: str
+    destination: str
 
 
 class PullBody(ModelRef):
@@ -327,12 +332,11 @@ async def _load_only(request: Request, parts: AppParts, model: str, keep_alive: 
     _tenant(request).check_reach(name)
     unload = parse_keep_alive(keep_alive) == 0
     seconds, headers = _keep_alive(request, parts, name, keep_alive)
-    parts.store.get(name)
+    parts.ops.show(name)
     if unload and not headers:
-        await parts.registry.unload(name)
+        await parts.ops.unload(name)
     elif not unload:
-        loaded, _ = await parts.registry.acquire(name, seconds)
-        await parts.registry.release(loaded)
+        await parts.ops.load(name, seconds)
     body: dict[str, Any] = {"model": model, "created_at": _now(), "done": True,
                             "done_reason": "unload" if unload else "load"}
     body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
@@ -465,7 +469,7 @@ async def tags(parts: Parts) -> dict[str, Any]:
     return {"models": [
         {"name": m.name, "model": m.name, "modified_at": _iso(m.installed_at), "size": m.size,
          "digest": m.digest, "details": _details(m)}
-        for m in parts.store.installed()
+        for m in parts.ops.installed()  # each name's active version
     ]}
 
 
@@ -475,7 +479,7 @@ async def show(request: Request, parts: Parts) -> dict[str, Any]:
     # Outside the scope: 403 on the name alone, as for generation, so nothing says whether
     # such a model is installed.
     _tenant(request).check_reach(normalize_name(body.ref))
-    m = parts.store.get(body.ref)
+    m = parts.ops.show(body.ref)  # the active version
     params = "\n".join(
         f"{k} {json.dumps(x)}" for k, v in m.parameters.items()
         for x in (v if isinstance(v, list) else [v]))
@@ -487,12 +491,13 @@ async def show(request: Request, parts: Parts) -> dict[str, Any]:
         info[f"{m.architecture}.embedding_length"] = m.embedding_length
     served = _served_context(request, parts, m)
     info["edge.served_context_length"] = served
+    info["edge.digest"] = m.digest  # the active version's (clients' typed model_info)
     params = "\n".join(filter(None, [params, f"num_ctx {served}"]))
     capabilities = ["completion", "embedding"] + (["tools"] if m.chat_template else [])
     return {"license": m.license, "modelfile": f"# source: {m.origin}\nFROM {m.name}\n",
             "parameters": params, "template": m.chat_template or "", "details": _details(m),
             "model_info": info, "capabilities": capabilities,
-            "modified_at": _iso(m.installed_at)}
+            "modified_at": _iso(m.installed_at), "digest": m.digest}
 
 
 def _served_context(request: Request, parts: AppParts, m: InstalledModel) -> int:
@@ -519,24 +524,43 @@ async def ps(parts: Parts) -> dict[str, Any]:
 async def delete(request: Request, parts: Parts) -> Response:
     body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
     _tenant(request).check_manage(f"deleting '{normalize_name(body.ref)}'")
-    name = parts.store.get(body.ref).name
-    if _is_default(parts, name):
-        raise InvalidRequest(f"model '{name}' is the default model and cannot be deleted; "
-                             "set default_model to another model and restart first",
-                             param="model")
-    if parts.registry.is_loaded(name) and not await parts.registry.unload(name):
-        raise ServiceUnavailable(f"model '{name}' is serving requests; try again",
-                                 retry_after=1.0)
-    parts.store.remove(name)
+    # 404, then the default model (400), then serving requests (503): as ModelOps decides.
+    await parts.ops.delete(body.ref, by=_operator(request))
     return Response(status_code=200)
+
+
+@router.post("/api/copy", openapi_extra=request_body(CopyBody))
+async def copy(request: Request, parts: Parts) -> Response:
+    """Ollama's copy: `destination` becomes a second name for the digest `source` serves
+    (the blob is shared; an existing destination switches to it). 200 with no body."""
+    body = validate(CopyBody, await read_json(request, parts.settings.server.max_body_bytes))
+    source = _name(body.source, "source")
+    destination = _name(body.destination, "destination")
+    _tenant(request).check_manage(f"copying '{source}' to '{destination}'")
+    await asyncio.to_thread(parts.ops.copy, source, destination, by=_operator(request))
+    return Response(status_code=200)
+
+
+def _name(name: str, param: str) -> str:
+    try:
+        return normalize_name(name)
+    except InvalidRequest as exc:
+        exc.param = param
+        raise
+
+
+def _operator(request: Request) -> str:
+    """Who changed a model, as its history records it."""
+    return f"operator:{_tenant(request).name}"
 
 
 @router.post("/api/pull", openapi_extra=request_body(PullBody))
 async def pull(request: Request, parts: Parts) -> Response:
     body = validate(PullBody, await read_json(request, parts.settings.server.max_body_bytes))
     _tenant(request).check_manage(f"pulling '{normalize_name(body.ref)}'")
-    install = catalog_installs(request.app, parts.store).start(body.ref)  # 404 first
-    progress = pull_progress(parts.store, install, body.ref)
+    install = catalog_installs(request.app, parts.ops).start(  # 404 first
+        body.ref, by=_operator(request))
+    progress = pull_progress(parts.ops, install, body.ref)
     if not body.stream:
         async for _ in progress:
             pass

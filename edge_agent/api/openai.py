@@ -494,15 +494,17 @@ async def embeddings(request: Request, parts: Parts) -> Response:
 
 
 def _model_obj(m: InstalledModel) -> dict[str, Any]:
+    """OpenAI's model object; `digest` (the active version's sha256) is an extra field,
+    which OpenAI's clients keep as it is."""
     return {"id": m.name, "object": "model", "created": int(m.installed_at),
-            "owned_by": "edge-agent"}
+            "owned_by": "edge-agent", "digest": m.digest}
 
 
 @router.get("/models")
 async def list_models(parts: Parts) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_obj(m) for m in parts.store.installed()]}
+    return {"object": "list", "data": [_model_obj(m) for m in parts.ops.installed()]}
 
 
 @router.get("/models/{model_id:path}")
 async def get_model(model_id: str, parts: Parts) -> dict[str, Any]:
-    return _model_obj(parts.store.get(model_id))
+    return _model_obj(parts.ops.show(model_id))

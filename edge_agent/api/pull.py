@@ -7,7 +7,9 @@ thread; an installed model is reported present at once. The progress objects are
 
 Owns the installs in progress, one per name: a second pull of a name being installed
 follows the running install instead of copying the file again. Never touches an installed
-model: `ModelStore.pull` stages beside the blobs and renames into place.
+model: the install (`ModelOps.install_catalog`) stages beside the blobs and renames into
+place. A name already installed is reported present, whichever of its versions is active:
+an app pulling at start-up never undoes an operator's switch or a rollout.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
+from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -43,11 +46,17 @@ class CatalogInstall:
 
 
 class CatalogInstalls:
-    def __init__(self, store: ModelStore) -> None:
-        self.store = store
+    def __init__(self, ops: ModelOps | ModelStore) -> None:
+        """`ops`: the app's ModelOps (a bare store works too, for tests of the bookkeeping)."""
+        self.store = ops
         self._running: dict[str, CatalogInstall] = {}
 
-    def start(self, name: str) -> CatalogInstall | None:
+    def _install(self, key: str, install: CatalogInstall, by: str) -> InstalledModel:
+        if isinstance(self.store, ModelOps):
+            return self.store.install_catalog(key, install.progress, by=by)
+        return self.store.pull(key, install.progress, by=by)
+
+    def start(self, name: str, by: str = "install") -> CatalogInstall | None:
         """The install of `name`, started now or already running; None when the model is
         installed. A name neither installed nor in the catalog is a 404, raised here so
         that it comes before any progress is streamed."""
@@ -62,8 +71,7 @@ class CatalogInstalls:
             raise ModelNotFound(f"model '{name}' not found: it is neither installed nor in "
                                 "this box's catalog", param="model")
         install = CatalogInstall(key, entry.sha256, entry.size)
-        install.task = asyncio.create_task(
-            asyncio.to_thread(self.store.pull, key, install.progress))
+        install.task = asyncio.create_task(asyncio.to_thread(self._install, key, install, by))
         install.task.add_done_callback(lambda task: self._finished(key, task))
         self._running[key] = install
         return install
@@ -75,11 +83,11 @@ class CatalogInstalls:
             log.warning("installing %s failed: %s", key, exc)
 
 
-def catalog_installs(app: FastAPI, store: ModelStore) -> CatalogInstalls:
+def catalog_installs(app: FastAPI, ops: ModelOps) -> CatalogInstalls:
     """The app's installs in progress, made on the first pull."""
     installs: CatalogInstalls | None = getattr(app.state, "catalog_installs", None)
     if installs is None:
-        installs = app.state.catalog_installs = CatalogInstalls(store)
+        installs = app.state.catalog_installs = CatalogInstalls(ops)
     return installs
 
 
@@ -88,12 +96,12 @@ def _layer(digest: str, total: int, completed: int) -> dict[str, Any]:
             "completed": completed}
 
 
-async def pull_progress(store: ModelStore, install: CatalogInstall | None, name: str
+async def pull_progress(ops: ModelOps, install: CatalogInstall | None, name: str
                         ) -> AsyncIterator[dict[str, Any]]:
     """Ollama's progress objects for one pull; a failed install raises its error."""
     yield {"status": "pulling manifest"}
     if install is None:
-        model = store.get(name)
+        model = ops.show(name)
         yield _layer(model.digest, model.size, model.size)
     else:
         shown = -1

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.tenants import Governor
@@ -22,6 +23,7 @@ class AppParts:
     store: ModelStore
     registry: ModelRegistry
     service: GenerationService
+    ops: ModelOps  # every model-lifecycle handler goes through it
     metrics: Metrics | None = None
     governor: Governor | None = None
     ledger: LedgerWriter | None = None  # set while the app runs

@@ -1,85 +1,51 @@
-"""The model catalog: what models exist (models/*.toml) and which are installed (blobs).
+"""The model catalog (models/*.toml) and the store of installed versions (blobs).
 
-Owns `<state-dir>/blobs/sha256-<hex>` and `<state-dir>/manifests/*.json`. A blob enters
-the store only after its sha256 matches and its GGUF header has been read in a bounded
-child process (`gguf_probe`), so llama.cpp is never handed an unverified file.
+Owns `<state-dir>/blobs/sha256-<hex>` and what changes them: installing (from a catalog
+package, a local file, a verified download), switching a name's active version, copying,
+removing. A blob enters the store only after its sha256 matches and its GGUF header has
+been read in a bounded child process (`gguf_probe`), so llama.cpp is never handed an
+unverified file; it leaves when no version of any name references it.
+
+Which versions are installed and which one is active is `models.db` (`versions`); the
+`manifests/` folder mirrors the active ones (`manifests`). Every change is one transaction
+of `models.db` whose write lock also orders the blob and manifest files it touches, across
+threads and processes (the CLI beside the server).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.metadata
 import importlib.resources
 import os
-import tempfile
+import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
-from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from edge_agent.engine import manifests
 from edge_agent.engine.gguf_probe import GGUFInfo, open_regular, precheck_open, probe
-from edge_agent.errors import ModelFileError, ModelNotFound
+from edge_agent.engine.records import CatalogEntry, InstalledModel, ManifestExtras, PackageSource
+from edge_agent.engine.staging import (
+    Progress,
+    Staging,
+    copy_hashing,
+    materialize,
+    sha256_file,
+)
+from edge_agent.engine.versions import (
+    ACTIVATE,
+    COPY,
+    MODELS_DB,
+    ROLLBACK,
+    HistoryEntry,
+    Txn,
+    Version,
+    VersionDB,
+)
+from edge_agent.errors import Conflict, InvalidRequest, ModelFileError, ModelNotFound
 from edge_agent.names import MAX_NAME_CHARS, normalize_name
 
-__all__ = ["MAX_NAME_CHARS", "normalize_name"]  # where callers have always found them
-
-Progress = Callable[[int, int], None]
-_CHUNK = 1 << 20
-
-
-class PackageSource(BaseModel):
-    """A GGUF shipped inside a Python package: a file in its wheel, or a chunked assembly."""
-
-    model_config = ConfigDict(extra="forbid")
-    pypi: str
-    file: str | None = None
-    assemble: str | None = None
-
-
-class CatalogEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    description: str = ""
-    family: str = ""
-    parameter_size: str = ""
-    quantization: str = ""
-    context_length: int | None = None
-    license: str = ""
-    tier: str = "experimental"
-    sha256: str
-    size: int
-    chat_template: str | None = None
-    source: PackageSource
-    parameters: dict[str, Any] = Field(default_factory=dict)
-
-
-class InstalledModel(BaseModel):
-    """What the store knows about an installed model; written as its manifest."""
-
-    name: str
-    digest: str
-    size: int
-    origin: str
-    installed_at: float
-    architecture: str
-    family: str
-    parameter_size: str
-    quantization: str
-    context_length: int | None
-    embedding_length: int | None
-    chat_template: str | None
-    template_source: str
-    has_fim: bool
-    license: str = ""
-    tier: str = "experimental"
-    parameters: dict[str, Any] = Field(default_factory=dict)
-
-    def blob_path(self, state_dir: Path) -> Path:
-        return state_dir / "blobs" / f"sha256-{self.digest}"
+# What callers have always imported from here.
+__all__ = ["MAX_NAME_CHARS", "CatalogEntry", "InstalledModel", "ManifestExtras", "ModelStore",
+           "PackageSource", "Progress", "normalize_name", "packaged_catalog_dir", "sha256_file"]
 
 
 def packaged_catalog_dir() -> Path:
@@ -89,17 +55,24 @@ def packaged_catalog_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "models"
 
 
-def sha256_file(path: Path, progress: Progress | None = None) -> str:
-    with os.fdopen(open_regular(path), "rb") as fh:
-        return _hash_copy(fh, None, progress)
-
-
 class ModelStore:
-    def __init__(self, state_dir: Path, catalog_dir: Path | None = None) -> None:
+    """Installed versions, their blobs and the active pointer of each name.
+
+    `get(name)` and `installed()` answer with active versions, so most callers never see
+    versions at all. `keep_previous`: after an activation, versions of the name that were
+    active once are kept up to this many (the most recently active); versions never active
+    are kept until removed explicitly.
+    """
+
+    def __init__(self, state_dir: Path, catalog_dir: Path | None = None, *,
+                 keep_previous: int = 1) -> None:
         self.state_dir = state_dir
         self.catalog_dir = catalog_dir or packaged_catalog_dir()
         self.blobs = state_dir / "blobs"
         self.manifests = state_dir / "manifests"
+        self.keep_previous = keep_previous
+        self._db: VersionDB | None = None
+        self._open_lock = threading.Lock()
 
     # -- catalog ---------------------------------------------------------------------------
     def catalog(self) -> dict[str, CatalogEntry]:
@@ -112,27 +85,122 @@ class ModelStore:
             entries[normalize_name(entry.name)] = entry
         return entries
 
-    # -- installed models ------------------------------------------------------------------
-    def _manifest_path(self, name: str) -> Path:
-        return self.manifests / f"{quote(name, safe='')}.json"
+    # -- models.db -------------------------------------------------------------------------
+    def _versions(self, create: bool = False) -> VersionDB | None:
+        """The database, opened (and the manifests upgraded into it) on first use. Reading
+        a state dir that holds nothing creates nothing: None then."""
+        if self._db is None:
+            with self._open_lock:
+                if self._db is None:
+                    found = manifests.read_all(self.manifests)
+                    path = self.state_dir / MODELS_DB
+                    if not (create or found or path.exists()):
+                        return None
+                    db = VersionDB(path)
+                    self._upgrade(db, found)
+                    self._db = db
+        return self._db
 
+    def close(self) -> None:
+        """Closes models.db (opened again on next use)."""
+        with self._open_lock:
+            db, self._db = self._db, None
+        if db is not None:
+            db.close()
+
+    def _writable(self) -> VersionDB:
+        db = self._versions(create=True)
+        assert db is not None
+        return db
+
+    def _upgrade(self, db: VersionDB, found: list[InstalledModel]) -> None:
+        """Manifests the database does not know (a state dir from before it, a file written
+        by an older tool) become versions, active at once as they were; then the mirror
+        is brought in line with the pointers (a crash may have left it behind)."""
+        removed: list[InstalledModel] = []
+        with db.transaction() as tx:
+            for m in found:
+                try:
+                    key = normalize_name(m.name)
+                except InvalidRequest:
+                    continue
+                if key != m.name or tx.version(m.name, m.digest) is not None:
+                    continue
+                tx.add(m, by="upgrade")
+                if tx.switch(m.name, m.digest, by="upgrade"):
+                    removed += tx.retain(m.name, self.keep_previous, by="upgrade")
+            manifests.clean(self.manifests)
+            mirrored = {m.name: m.digest for m in found}
+            for name in {*mirrored, *db.names()}:
+                active = tx.active_digest(name)
+                if mirrored.get(name) != active:
+                    self._mirror(tx, name)
+        self._drop_blobs(removed)
+
+    def _mirror(self, tx: Txn, name: str) -> None:
+        """The manifest file of `name`, written inside the transaction that changes it."""
+        model = tx.active(name)
+        if model is None:
+            manifests.drop(self.manifests, name)
+        else:
+            manifests.write(self.manifests, model)
+
+    def _drop_blobs(self, removed: list[InstalledModel]) -> None:
+        """Blobs that no version of any name references any more. Under the write lock: an
+        install of the same digest renames its blob into place under it too."""
+        digests = {m.digest for m in removed}
+        if not digests:
+            return
+        with self._writable().transaction() as tx:
+            for digest in digests:
+                if not tx.referenced(digest):
+                    (self.blobs / f"sha256-{digest}").unlink(missing_ok=True)
+
+    def _manifest_path(self, name: str) -> Path:
+        return manifests.manifest_path(self.manifests, name)
+
+    # -- installed models ------------------------------------------------------------------
     def installed(self) -> list[InstalledModel]:
-        if not self.manifests.is_dir():
-            return []
-        models = [
-            InstalledModel.model_validate_json(p.read_text())
-            for p in sorted(self.manifests.glob("*.json"))
-        ]
-        return sorted(models, key=lambda m: m.name)
+        """The active version of every name."""
+        db = self._versions()
+        return db.actives() if db else []
 
     def get(self, name: str) -> InstalledModel:
-        path = self._manifest_path(normalize_name(name))
-        if not path.is_file():
+        """The active version of `name` (read from models.db at each call)."""
+        key = normalize_name(name)  # a malformed name is a 400 even in an empty store
+        db = self._versions()
+        model = db.active(key) if db else None
+        if model is None:
             raise ModelNotFound(f"model '{name}' not found", param="model")
-        return InstalledModel.model_validate_json(path.read_text())
+        return model
 
     def is_installed(self, name: str) -> bool:
-        return self._manifest_path(normalize_name(name)).is_file()
+        key = normalize_name(name)
+        db = self._versions()
+        return db is not None and db.active_digest(key) is not None
+
+    def active_digest(self, name: str) -> str | None:
+        key = normalize_name(name)
+        db = self._versions()
+        return db.active_digest(key) if db else None
+
+    def versions(self, name: str) -> list[Version]:
+        """Every installed version of `name`, the active one first."""
+        key = normalize_name(name)
+        db = self._versions()
+        return db.versions(key) if db else []
+
+    def history(self, name: str | None = None, limit: int | None = None
+                ) -> list[HistoryEntry]:
+        key = normalize_name(name) if name is not None else None
+        db = self._versions()
+        return db.history(key, limit) if db else []
+
+    def active_since(self, name: str) -> tuple[float, str] | None:
+        """When the active version of `name` became active, and by whom."""
+        key = normalize_name(name)
+        db = self._versions()
+        return db.active_since(key) if db else None
 
     def verify(self, model: InstalledModel, progress: Progress | None = None) -> GGUFInfo:
         """Full check of an installed blob: present, same size, same sha256, valid header."""
@@ -148,22 +216,105 @@ class ModelStore:
             raise ModelFileError(f"{model.name}: blob digest {actual[:12]} != {model.digest[:12]}")
         return probe(blob)
 
-    def remove(self, name: str) -> InstalledModel:
-        model = self.get(name)
-        self._manifest_path(model.name).unlink()
-        if not any(m.digest == model.digest for m in self.installed()):
-            model.blob_path(self.state_dir).unlink(missing_ok=True)
+    # -- switching and removing ------------------------------------------------------------
+    def activate(self, name: str, digest: str, *, by: str = "local",
+                 action: str = ACTIVATE) -> InstalledModel:
+        """Point `name` at its installed version `digest` (a full digest), in one
+        transaction; the versions beyond `keep_previous` go in the same one."""
+        key = normalize_name(name)
+        db = self._versions()
+        if db is None:
+            raise ModelNotFound(f"model '{name}' not found", param="model")
+        with db.transaction() as tx:
+            removed = self._switch(tx, key, digest, by=by, action=action)
+            self._mirror(tx, key)
+            model = tx.active(key)
+        self._drop_blobs(removed)
+        assert model is not None
         return model
 
+    def rollback(self, name: str, *, by: str = "local") -> InstalledModel:
+        """Back to the version that was active most recently before the current one."""
+        key = normalize_name(name)
+        db = self._versions()
+        with (db or self._writable()).transaction() as tx:
+            if tx.active_digest(key) is None:
+                raise ModelNotFound(f"model '{name}' not found", param="model")
+            target = tx.previous_digest(key)
+            if target is None:
+                raise Conflict(f"model '{key}' has no earlier version installed to roll back "
+                               "to", param="model")
+            removed = self._switch(tx, key, target, by=by, action=ROLLBACK)
+            self._mirror(tx, key)
+            model = tx.active(key)
+        self._drop_blobs(removed)
+        assert model is not None
+        return model
+
+    def _switch(self, tx: Txn, name: str, digest: str, *, by: str, action: str
+                ) -> list[InstalledModel]:
+        """The pointer moved, then the retention of `keep_previous`; the caller writes the
+        mirror before the transaction ends."""
+        if not tx.switch(name, digest, by=by, action=action):
+            return []
+        return tx.retain(name, self.keep_previous, by=by)
+
+    def copy(self, source: str, destination: str, *, by: str = "local") -> InstalledModel:
+        """`destination` becomes a name for the active version of `source` (the blob is
+        shared); an existing destination switches to it, as Ollama's copy replaces."""
+        dest = normalize_name(destination)
+        src = self.get(source)
+        if dest == src.name:
+            return src
+        model = src.model_copy(update={"name": dest, "installed_at": time.time()})
+        with self._writable().transaction() as tx:
+            tx.add(model, by=by, action=COPY, detail=f"from {src.name}")
+            removed = self._switch(tx, dest, model.digest, by=by, action=ACTIVATE)
+            self._mirror(tx, dest)
+        self._drop_blobs(removed)
+        return model
+
+    def remove(self, name: str, digest: str | None = None, *, by: str = "local"
+               ) -> InstalledModel:
+        """Every version of `name` (digest None), or one version. The active version of a
+        name that has others is refused (409): activate another one first, or remove the
+        whole name. The blobs go when no version of any name references them."""
+        key = normalize_name(name)
+        db = self._versions()
+        if db is None:
+            raise ModelNotFound(f"model '{name}' not found", param="model")
+        with db.transaction() as tx:
+            digests = tx.digests(key)
+            if not digests or (digest is not None and digest not in digests):
+                what = f"model '{name}'" if digest is None else \
+                    f"version sha256:{digest[:12]} of model '{key}'"
+                raise ModelNotFound(f"{what} not found", param="model")
+            active = tx.active_digest(key)
+            if digest is not None and digest == active and len(digests) > 1:
+                raise Conflict(f"sha256:{digest[:12]} is the active version of '{key}': "
+                               "activate another version first, or remove the whole name",
+                               param="digest")
+            shown = tx.active(key) if digest is None else tx.version(key, digest)
+            if digest is None or digest == active:
+                # Before the commit: a manifest left behind by a crash would bring the
+                # name back as an upgrade on the next open.
+                manifests.drop(self.manifests, key)
+                removed = tx.drop(key, by=by)
+            else:
+                removed = tx.drop(key, digest, by=by)
+        self._drop_blobs(removed)
+        return shown or removed[0]
+
     # -- installing ------------------------------------------------------------------------
-    def pull(self, name: str, progress: Progress | None = None) -> InstalledModel:
+    def pull(self, name: str, progress: Progress | None = None, *, by: str = "local",
+             activate: bool = True) -> InstalledModel:
         """Install a catalog entry from the package that ships it (no network needed)."""
         key = normalize_name(name)
         entry = self.catalog().get(key)
         if entry is None:
             raise ModelNotFound(f"model '{name}' is not in the catalog", param="model")
         with self._staging() as tmp:
-            self._materialize(entry.source, tmp, progress)
+            materialize(entry.source, tmp, progress)
             if tmp.stat().st_size != entry.size:
                 raise ModelFileError(
                     f"{entry.name}: package {entry.source.pypi} gave {tmp.stat().st_size} bytes, "
@@ -177,49 +328,41 @@ class ModelStore:
                 )
             info = probe(tmp)
             return self._commit(tmp, digest, key, info, origin=f"pypi:{entry.source.pypi}",
-                                entry=entry)
+                                extras=entry.extras(), by=by, activate=activate)
 
     def import_file(
-        self, path: Path, name: str, progress: Progress | None = None
+        self, path: Path, name: str, progress: Progress | None = None, *, by: str = "local",
+        activate: bool = True, expected_digest: str | None = None,
+        expected_size: int | None = None, extras: ManifestExtras | None = None,
+        origin: str | None = None,
     ) -> InstalledModel:
         """Copy any local GGUF into the store under `name`, after checking its header.
 
         The source is opened once, as a regular file (a FIFO or device is refused, never
         waited on); its header is walked before gigabytes are copied, and the full read in
         the bounded child is of the staged copy, so the bytes checked are the bytes kept.
+        With `expected_digest` (a verified download) the staged copy must hash to it.
         """
         key = normalize_name(name)
         with os.fdopen(open_regular(path), "rb") as src:
             precheck_open(src, path)
             src.seek(0)
             with self._staging() as tmp:
-                digest = _copy_hashing(src, tmp, progress)
+                digest = copy_hashing(src, tmp, progress)
+                size = tmp.stat().st_size
+                if expected_size is not None and size != expected_size:
+                    raise ModelFileError(f"{path}: {size} bytes, expected {expected_size}")
+                if expected_digest is not None and digest != expected_digest:
+                    raise ModelFileError(f"{path}: sha256 {digest[:12]}, expected "
+                                         f"{expected_digest[:12]}")
                 info = probe(tmp, label=path)
-                return self._commit(tmp, digest, key, info, origin=f"import:{path.name}",
-                                    entry=None)
+                return self._commit(tmp, digest, key, info,
+                                    origin=origin or f"import:{path.name}", extras=extras,
+                                    by=by, activate=activate)
 
-    def _materialize(self, source: PackageSource, dest: Path, progress: Progress | None) -> None:
-        try:
-            dist = importlib.metadata.distribution(source.pypi)
-        except importlib.metadata.PackageNotFoundError as exc:
-            raise ModelFileError(
-                f"package {source.pypi} is not installed (pip install {source.pypi})"
-            ) from exc
-        if source.file:
-            located = Path(str(dist.locate_file(source.file)))
-            if not located.is_file():
-                raise ModelFileError(f"{source.pypi} has no file {source.file}")
-            with os.fdopen(open_regular(located), "rb") as src:
-                _copy_hashing(src, dest, progress)
-        elif source.assemble:
-            module = importlib.import_module(source.assemble)
-            module.assemble(output_path=dest, overwrite=True)
-        else:
-            raise ModelFileError(f"catalog source for {source.pypi} names no file")
-
-    def _staging(self) -> _Staging:
+    def _staging(self) -> Staging:
         self.blobs.mkdir(parents=True, exist_ok=True)
-        return _Staging(self.blobs)
+        return Staging(self.blobs)
 
     def _commit(
         self,
@@ -229,12 +372,14 @@ class ModelStore:
         info: GGUFInfo,
         *,
         origin: str,
-        entry: CatalogEntry | None,
+        extras: ManifestExtras | None,
+        by: str,
+        activate: bool,
     ) -> InstalledModel:
-        template = entry.chat_template if entry and entry.chat_template else info.chat_template
-        template_source = (
-            "catalog" if entry and entry.chat_template else ("gguf" if template else "none")
-        )
+        x = extras or ManifestExtras()
+        template = x.chat_template or info.chat_template
+        template_source = x.template_source if x.chat_template else (
+            "gguf" if template else "none")
         model = InstalledModel(
             name=name,
             digest=digest,
@@ -242,61 +387,28 @@ class ModelStore:
             origin=origin,
             installed_at=time.time(),
             architecture=info.architecture,
-            family=(entry.family if entry and entry.family else info.architecture),
-            parameter_size=(entry.parameter_size if entry else "") or info.parameter_size,
-            quantization=(entry.quantization if entry else "") or info.quantization,
+            family=x.family or info.architecture,
+            parameter_size=x.parameter_size or info.parameter_size,
+            quantization=x.quantization or info.quantization,
             context_length=info.context_length,
             embedding_length=info.embedding_length,
             chat_template=template,
             template_source=template_source,
             has_fim=info.has_fim,
-            license=entry.license if entry else "",
-            tier=entry.tier if entry else "experimental",
-            parameters=dict(entry.parameters) if entry else {},
+            license=x.license,
+            tier=x.tier,
+            parameters=dict(x.parameters),
         )
-        blob = model.blob_path(self.state_dir)
-        os.replace(tmp, blob)
-        self.manifests.mkdir(parents=True, exist_ok=True)
-        manifest = self._manifest_path(name)
-        staged = manifest.with_suffix(".tmp")
-        staged.write_text(model.model_dump_json(indent=2))
-        os.replace(staged, manifest)
+        removed: list[InstalledModel] = []
+        with self._writable().transaction() as tx:
+            # Renamed into place under the write lock: a removal that finds the digest
+            # unreferenced cannot delete it between this rename and the row below.
+            os.replace(tmp, model.blob_path(self.state_dir))
+            tx.add(model, by=by)
+            if activate:
+                removed = self._switch(tx, name, digest, by=by, action=ACTIVATE)
+            self._mirror(tx, name)
+        self._drop_blobs(removed)
         return model
 
 
-class _Staging:
-    """A temporary file beside the blobs (same filesystem, so the final rename is atomic)."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.path: Path | None = None
-
-    def __enter__(self) -> Path:
-        fd, name = tempfile.mkstemp(prefix=".incoming-", dir=self.folder)
-        os.close(fd)
-        self.path = Path(name)
-        return self.path
-
-    def __exit__(self, *exc: object) -> None:
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-
-
-def _copy_hashing(src: BinaryIO, dest: Path, progress: Progress | None) -> str:
-    with dest.open("wb") as fout:
-        return _hash_copy(src, fout, progress)
-
-
-def _hash_copy(src: BinaryIO, dest: BinaryIO | None, progress: Progress | None) -> str:
-    """sha256 of an open file, copied to `dest` on the way when one is given."""
-    digest = hashlib.sha256()
-    total = os.fstat(src.fileno()).st_size
-    done = 0
-    while block := src.read(_CHUNK):
-        digest.update(block)
-        if dest is not None:
-            dest.write(block)
-        done += len(block)
-        if progress:
-            progress(done, total)
-    return digest.hexdigest()

@@ -3,6 +3,14 @@
 Owns every `ModelScheduler`. Loading (digest check, header probe, llama.cpp load) runs in a
 thread so the event loop keeps answering; concurrent requests for a model that is being
 loaded wait for the same load.
+
+A loaded model is one version of a name: keyed by (name, digest). `acquire(name)` reads the
+name's active digest from `models.db` at each call (a cheap read; the CLI may switch it from
+another process), so after a switch new requests load and use the new version while
+requests already running finish on the old one, which is unloaded when its last user
+releases it (or by `reap_expired` once idle). Both count against `max_loaded_models` and the
+memory budget while both are loaded: with no room for the new version while the old one
+still serves, a new request gets 503 with Retry-After, as for any model that does not fit.
 """
 
 from __future__ import annotations
@@ -138,6 +146,10 @@ class LoadedModel:
         return job.cancelled
 
 
+def _key(info: InstalledModel) -> tuple[str, str]:
+    return info.name, info.digest
+
+
 def _total_ram() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
@@ -151,34 +163,39 @@ class ModelRegistry:
         self.store = store
         rt = settings.runtime
         self.memory_budget = rt.memory_budget or int(0.8 * _total_ram())
-        self._loaded: dict[str, LoadedModel] = {}
-        self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
+        self._loaded: dict[tuple[str, str], LoadedModel] = {}
+        self._loading: dict[tuple[str, str], asyncio.Task[LoadedModel]] = {}
+        self._background: set[asyncio.Task[None]] = set()
 
     def loaded(self) -> list[LoadedModel]:
         return list(self._loaded.values())
 
     def is_loaded(self, name: str) -> bool:
-        return normalize_name(name) in self._loaded
+        """Some version of `name` is loaded (right after a switch, maybe the old one)."""
+        key = normalize_name(name)
+        return any(k[0] == key for k in self._loaded)
 
     def is_loading(self, name: str) -> bool:
-        return normalize_name(name) in self._loading
+        key = normalize_name(name)
+        return any(k[0] == key for k in self._loading)
 
     async def acquire(
         self, name: str, keep_alive: float | None = None
     ) -> tuple[LoadedModel, int]:
-        """The loaded model and how long this call waited for it to load (ns)."""
-        key = normalize_name(name)
-        self.store.get(key)  # 404 before any waiting
+        """The name's active version, loaded, and how long this call waited for it to load
+        (ns)."""
+        info = self.store.get(name)  # the pointer, read now; 404 before any waiting
+        key = _key(info)
         start = time.perf_counter_ns()
         model = self._loaded.get(key)
         if model is None:
             task = self._loading.get(key)
             if task is None:
-                task = asyncio.create_task(self._load(key))
+                task = asyncio.create_task(self._load(info))
                 self._loading[key] = task
                 task.add_done_callback(lambda _t: self._loading.pop(key, None))
             elif not self.settings.runtime.load_wait:
-                raise ServiceUnavailable(f"model '{key}' is loading; retry shortly",
+                raise ServiceUnavailable(f"model '{info.name}' is loading; retry shortly",
                                          retry_after=2.0)
             model = await asyncio.shield(task)
         model.in_use += 1
@@ -193,28 +210,65 @@ class ModelRegistry:
         model.last_used = time.monotonic()
         if model.in_use > 0:
             return
-        if model.keep_alive <= 0:
-            await self.unload(model.info.name)
+        if model.keep_alive <= 0 or self._superseded(model):
+            await self._unload(model)
         else:
             model.expires_at = time.time() + model.keep_alive
 
-    async def unload(self, name: str) -> bool:
+    def _superseded(self, model: LoadedModel) -> bool:
+        """No longer the active version of its name (switched, or removed)."""
+        return self.store.active_digest(model.info.name) != model.info.digest
+
+    async def unload(self, name: str, digest: str | None = None) -> bool:
+        """Unloads the loaded versions of `name` (or the one `digest`) that serve nothing.
+        True when one was loaded and none is left; False when none was loaded or one is
+        still serving requests (it stays)."""
         key = normalize_name(name)
-        model = self._loaded.get(key)
-        if model is None or model.in_use > 0:
+        matching = [m for k, m in self._loaded.items()
+                    if k[0] == key and (digest is None or k[1] == digest)]
+        for model in matching:
+            await self._unload(model)
+        return bool(matching) and all(_key(m.info) not in self._loaded for m in matching)
+
+    async def _unload(self, model: LoadedModel) -> bool:
+        key = _key(model.info)
+        if self._loaded.get(key) is not model or model.in_use > 0:
             return False
         del self._loaded[key]
         await asyncio.to_thread(model.worker.close)
-        log.info("unloaded %s", key)
+        log.info("unloaded %s (sha256:%s)", key[0], key[1][:12])
+        if model.keep_alive == FOREVER and self._superseded(model):
+            self._reload(model.info.name)
         return True
 
+    def _reload(self, name: str) -> None:
+        """A pinned model (the default) that was switched to another version: its new
+        version is loaded now, not by the next request, so the box stays ready."""
+        if self.is_loaded(name) or self.is_loading(name) or not self.store.is_installed(name):
+            return
+
+        async def load() -> None:
+            try:
+                model, _ = await self.acquire(name)
+                await self.release(model)
+            except Exception as exc:
+                log.error("%s not loaded after its switch: %s", name, exc)
+
+        task = asyncio.get_running_loop().create_task(load())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def reap_expired(self) -> None:
+        """Unloads idle models whose keep_alive ran out, and idle versions that are no
+        longer active (switched by this process or another)."""
         now = time.time()
         for model in list(self._loaded.values()):
-            if model.in_use == 0 and model.expires_at <= now:
-                await self.unload(model.info.name)
+            if model.in_use == 0 and (model.expires_at <= now or self._superseded(model)):
+                await self._unload(model)
 
     async def close(self) -> None:
+        for reload in list(self._background):
+            reload.cancel()
         for task in list(self._loading.values()):
             try:
                 await task
@@ -243,10 +297,12 @@ class ModelRegistry:
     def served_context(self, info: InstalledModel) -> int:
         """Tokens per request the box serves `info` with: the loaded model's window, or
         what a load would give it (the configured context, capped by the trained one)."""
-        loaded = self._loaded.get(info.name)
+        loaded = self._loaded.get(_key(info))
         return loaded.worker.n_ctx if loaded is not None else self._planned_context(info)
 
     async def _make_room(self, key: str, need: int) -> None:
+        """Evicts idle models, least recently used first, until `need` fits. A version
+        still serving after a switch counts like any model serving requests."""
         limit = self.settings.runtime.max_loaded_models
         while self._loaded and (
             len(self._loaded) >= limit
@@ -259,23 +315,24 @@ class ModelRegistry:
                     retry_after=5.0)
             victim = min(idle, key=lambda m: m.last_used)
             log.info("evicting %s to make room for %s", victim.info.name, key)
-            await self.unload(victim.info.name)
+            await self._unload(victim)
         if need > self.memory_budget:
             raise ServiceUnavailable(
                 f"'{key}' needs {need / 2**20:.0f} MiB, over the memory budget of "
                 f"{self.memory_budget / 2**20:.0f} MiB", retry_after=60.0)
 
-    async def _load(self, key: str) -> LoadedModel:
-        info = self.store.get(key)
+    async def _load(self, info: InstalledModel) -> LoadedModel:
+        key = info.name
         # Digest + header on every load: a blob may rot on disk after it was installed.
         gguf = await asyncio.to_thread(self.store.verify, info)
         _, _, parallel, n_ctx, _ = self._plan(info)
         need = info.size + gguf.kv_bytes_per_token() * parallel * n_ctx
         await self._make_room(key, need)
         loaded = await asyncio.to_thread(self._load_blocking, info, need)
-        self._loaded[key] = loaded
-        log.info("loaded %s (%d x %d context, gpu layers %d, ~%d MiB)", key, parallel,
-                 loaded.worker.n_ctx, loaded.worker.model.n_gpu_layers, need // 2**20)
+        self._loaded[_key(info)] = loaded
+        log.info("loaded %s sha256:%s (%d x %d context, gpu layers %d, ~%d MiB)", key,
+                 info.digest[:12], parallel, loaded.worker.n_ctx,
+                 loaded.worker.model.n_gpu_layers, need // 2**20)
         return loaded
 
     def _load_blocking(self, info: InstalledModel, memory: int) -> LoadedModel:

