@@ -17,6 +17,7 @@ import pytest
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.prompt import tokenize_pieces
 from edge_agent.engine.runtime import LlamaModel
+from edge_agent.engine.staging import materialize
 from edge_agent.engine.templates import ChatTemplate
 from tests.conftest import DEFAULT_MODEL, LiveServer
 
@@ -47,7 +48,7 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LlamaModel
     store = ModelStore(tmp_path_factory.mktemp("gemma"))
     entry = store.catalog()["gemma3:270m"]
     path = store.state_dir / "gemma.gguf"
-    store._materialize(entry.source, path, None)
+    materialize(entry.source, path, None)
     model = LlamaModel(path, n_gpu_layers=0)
     assert entry.chat_template
     yield model, ChatTemplate(entry.chat_template, bos_token="<bos>", eos_token="<eos>")
