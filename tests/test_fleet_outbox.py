@@ -359,3 +359,45 @@ def test_outbox_throughput_figure(path: Path, capsys: pytest.CaptureFixture[str]
         print(f"\noutbox: {n / appended:,.0f} rows/s appended+flushed (batches of 100), "
               f"{n / drained:,.0f} rows/s pending+mark_sent+ack, "
               f"{size}-byte rows, synchronous=FULL")
+
+
+def test_stats_report_depth_bytes_and_age(path: Path) -> None:
+    now = [1000.0]
+    box = Outbox(path, device=DEVICE, boot_id=boot(), max_bytes=1 << 20, clock=lambda: now[0])
+    assert box.stats()[:4] == (0, 0, 0.0, 0)
+    box.append("metrics", "metrics", {"n": 1})
+    now[0] = 1010.0
+    assert box.stats().oldest_age_s == 10.0  # buffered rows count too
+    box.flush()
+    box.append("events", "audit", {"n": 2}, commit=True)
+    now[0] = 1030.0
+    stats = box.stats()
+    assert (stats.depth, stats.oldest_age_s, stats.buffered) == (2, 30.0, 0)
+    assert stats.bytes == sum(r.size for r in box.pending(10))
+    box.close()
+
+
+def test_producers_on_many_threads_get_gap_free_seqs(path: Path) -> None:
+    import threading
+
+    box = Outbox(path, device=DEVICE, boot_id=boot(), max_bytes=1 << 30)
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def produce() -> None:
+        for i in range(500):
+            seq = box.append("metrics", "metrics", {"i": i})
+            with lock:
+                got.append(seq)
+
+    threads = [threading.Thread(target=produce) for _ in range(4)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        box.flush()  # the owner thread commits meanwhile
+    for t in threads:
+        t.join()
+    box.flush()
+    assert sorted(got) == list(range(1, 2001))
+    assert [s for _, s, _ in committed(path)] == list(range(1, 2001))  # committed in order
+    box.close()
