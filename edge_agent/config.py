@@ -7,7 +7,8 @@ environment or the file anywhere else.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
+from urllib.parse import urlsplit
 
 import tomllib
 from pydantic import (
@@ -15,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -197,6 +199,119 @@ class RuntimeSettings(_Section):
     )
 
 
+class BrokerAddress(NamedTuple):
+    """Where the fleet link connects: `mqtt://host:port` (plain) or `mqtts://` (TLS)."""
+
+    host: str
+    port: int
+    tls: bool
+
+
+_BROKER_SCHEMES = {"mqtt": (1883, False), "mqtts": (8883, True)}
+
+
+def parse_broker(url: str) -> BrokerAddress:
+    """`mqtt://host[:port]` (1883) or `mqtts://host[:port]` (8883); ValueError for anything
+    else. Credentials never go in the URL (they would show in logs and `config show`):
+    `username` and `password_file` carry them."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:  # a port that is not a number or out of range
+        raise ValueError(f"broker {url!r}: {exc}") from None
+    if parts.scheme not in _BROKER_SCHEMES:
+        raise ValueError(f"broker {url!r} must start with mqtt:// or mqtts:// (TLS)")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"broker {url!r} holds credentials: set fleet.username and "
+                         "fleet.password_file instead")
+    if not parts.hostname:
+        raise ValueError(f"broker {url!r} names no host")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"broker {url!r} must be only scheme://host[:port]")
+    default_port, tls = _BROKER_SCHEMES[parts.scheme]
+    return BrokerAddress(parts.hostname, port or default_port, tls)
+
+
+class FleetSettings(_Section):
+    """[fleet]: the link to a central fleet controller over MQTT (off by default)."""
+
+    enabled: bool = Field(
+        False, description="Connect to the fleet broker. Serving never waits on the link: "
+        "with the broker unreachable the box serves as without it.")
+    broker: str = Field(
+        "mqtt://127.0.0.1:1883",
+        description="mqtt://host[:port] (1883) or mqtts://host[:port] (TLS, 8883).")
+    fleet_id: str | None = Field(
+        None, description="The fleet this box belongs to ([A-Za-z0-9_-], 1-64 characters); "
+        "required when enabled.")
+    device_id: str | None = Field(
+        None, description="This box's id in the fleet and its broker user name "
+        "([A-Za-z0-9_-], 1-64 characters, not 'all'); required when enabled.")
+    username: str | None = Field(
+        None, description="Broker user name (usually the device id); unset: none sent.")
+    password_file: Path | None = Field(
+        None, description="File holding the broker password (first line); needs username.")
+    client_cert: Path | None = Field(
+        None, description="PEM client certificate for mqtts:// (with client_key).")
+    client_key: Path | None = Field(
+        None, description="PEM private key of client_cert.")
+    ca_file: Path | None = Field(
+        None, description="PEM CA bundle the broker's certificate is checked against "
+        "(mqtts://); unset: the system's.")
+    command_key_file: Path | None = Field(
+        None, description="The controller's ed25519 public key (PEM). Commands are "
+        "verified against it; unset: every command is refused (bad_signature).")
+    metrics_interval_s: float = Field(
+        60.0, gt=0, description="Seconds between metrics messages.")
+    ledger_interval_s: float = Field(
+        60.0, gt=0, description="Seconds between ledger summaries.")
+    outbox_max_bytes: int = Field(
+        64 * 1024 * 1024, ge=64 * 1024,
+        description="Bytes the outbox may hold; past it the oldest metrics rows are dropped "
+        "(and the drop reported). Audit rows are never dropped.")
+    keepalive_s: int = Field(30, ge=5, le=65535, description="MQTT keep-alive in seconds.")
+    reconnect_min_s: float = Field(
+        1.0, gt=0, description="First reconnect delay; doubled per failure, with jitter.")
+    reconnect_max_s: float = Field(120.0, gt=0, description="Longest reconnect delay.")
+
+    @field_validator("fleet_id", "device_id")
+    @classmethod
+    def _id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Checked even while disabled: a bad id is a mistake to report before it is used."""
+        from edge_agent.names import check_fleet_id
+
+        if value is None:
+            return None
+        return check_fleet_id("fleet" if info.field_name == "fleet_id" else "device", value)
+
+    @field_validator("broker")
+    @classmethod
+    def _broker(cls, url: str) -> str:
+        parse_broker(url)
+        return url.strip()
+
+    @model_validator(mode="after")
+    def _complete(self) -> FleetSettings:
+        if self.enabled:
+            for name in ("fleet_id", "device_id"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"fleet.{name} is required when fleet.enabled is true")
+        if self.password_file is not None and self.username is None:
+            raise ValueError("fleet.password_file needs fleet.username")
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("fleet.client_cert and fleet.client_key go together")
+        tls = parse_broker(self.broker).tls
+        if not tls and (self.client_cert is not None or self.ca_file is not None):
+            raise ValueError("fleet.client_cert and fleet.ca_file need an mqtts:// broker")
+        if self.reconnect_min_s > self.reconnect_max_s:
+            raise ValueError("fleet.reconnect_min_s is above fleet.reconnect_max_s")
+        return self
+
+    @property
+    def broker_address(self) -> BrokerAddress:
+        return parse_broker(self.broker)
+
+
 class ModelOverride(_Section):
     """Per-model settings under [models."name:tag"]; unset fields fall back to [runtime]."""
 
@@ -265,6 +380,7 @@ class Settings(BaseSettings):
         default_factory=RetentionSettings)  # type: ignore[arg-type]
     redaction: RedactionSettings = Field(
         default_factory=RedactionSettings)  # type: ignore[arg-type]
+    fleet: FleetSettings = Field(default_factory=FleetSettings)  # type: ignore[arg-type]
     models: ModelsSettings = Field(default_factory=ModelsSettings)  # type: ignore[arg-type]
     tenants: dict[str, TenantPolicy] = Field(
         default_factory=dict, description="Tenant policies; API keys name their tenant.")

@@ -1,7 +1,8 @@
-"""Model names: the one rule every name a client or an operator gives must meet.
+"""Names: the one rule every model name a client or an operator gives must meet, and the
+one rule for fleet and device ids.
 
-Below everything else (config validates `default_model` with it), so it imports only the
-error tree.
+Below everything else (config validates `default_model` and `[fleet]` ids with it), so it
+imports only the error tree.
 """
 
 from __future__ import annotations
@@ -52,3 +53,29 @@ def _shown(name: str) -> str:
     reaches a response or a terminal) and cut to 40 characters."""
     text = ascii(name[:41])[1:-1]
     return f"'{text[:40]}...'" if len(text) > 40 else f"'{text}'"
+
+
+# Fleet and device ids become a topic level and a broker user name. Mosquitto's per-device
+# ACL (`pattern readwrite edge/v1/+/%u/#`) substitutes the user name into the pattern: a
+# `/` in it reaches into another device's tree, `+` and `#` are wildcards. So ids are plain
+# `[A-Za-z0-9_-]`, 1 to 64 characters, and `all` is kept for fleet-wide commands.
+# `edge_agent.fleet.ids` re-exports this as `check_id`; config uses it from here because
+# config sits below the fleet link.
+FLEET_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+RESERVED_DEVICE_IDS = frozenset({"all"})
+
+
+def check_fleet_id(kind: str, value: str) -> str:
+    """`value` if it may be a `kind` id ("fleet", "device"); else ValueError saying why."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{kind} id is empty")
+    if len(value) > 64:
+        raise ValueError(f"{kind} id {value[:64]!r}... is {len(value)} characters; at most 64")
+    if not FLEET_ID.fullmatch(value):
+        bad = next(c for c in value if not FLEET_ID.fullmatch(c))
+        raise ValueError(
+            f"{kind} id {ascii(value)} holds {ascii(bad)}: use only letters, digits, '-' and "
+            "'_' (a '/', '+' or '#' would break the broker's per-device access rules)")
+    if kind == "device" and value in RESERVED_DEVICE_IDS:
+        raise ValueError(f"device id {value!r} is reserved for fleet-wide commands")
+    return value

@@ -1,0 +1,321 @@
+"""Signed commands on the device: the gate every command passes before it may run, and
+the one place that runs them.
+
+    {"v":1,"id":"<uuid4 hex>","fleet":"f1","device":"store-042"|"all","type":"ping",
+     "seq":12,"issued_at":...,"expires_at":...,"args":{...},"sig":"<base64 ed25519>"}
+
+`CommandGate.receive(payload, topic)` checks, in this order, and refuses with the first
+reason that applies (`CommandRefused.reason`):
+
+1. size <= 64 KiB (`oversized`), before anything is parsed;
+2. strict JSON with exactly the fields above, each of its type (`malformed`) — but a
+   missing or non-text `sig` is left to step 4;
+3. fleet is this box's, device is this box's or `all`, and the topic it came on is that
+   same device's (or `all`'s) `cmd` topic (`wrong_device`);
+4. the controller's signature (`bad_signature`);
+5. a command id already stored: a redelivery — its stored outcome is re-published and it
+   is not run again. This comes before expiry and seq on purpose: a redelivered command
+   has a seq no longer above the last, and may be past its expiry by now;
+6. not past `expires_at` + CLOCK_SKEW_S (`expired`);
+7. a registered handler for its type (`unknown_type`);
+8. seq above the last accepted in its stream — this device's own, or `all` (`replay`).
+
+An accepted command is committed to fleet.db BEFORE `receive` returns; only then may the
+link send the PUBACK (paho `manual_ack=True`). Every outcome of `receive` means "send the
+PUBACK now"; `receive` raises only when fleet.db cannot be written, and then the PUBACK
+must not be sent. Refusals from step 6 on are stored under the command's id (it is
+authentic); earlier ones are not — an unauthenticated message must not be able to occupy
+the id of a real command to come.
+
+`execute(command)` runs an accepted command's handler once and records its outcome once
+(ok / refused / failed). A handler raises CommandRefused to refuse (e.g. `malformed`
+args); any other exception is recorded as `failed` with the exception's type and never
+reaches the caller. This module never publishes: the link turns `Result.body()` into a
+`cmd/result` outbox row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from edge_agent.fleet import topics
+from edge_agent.fleet.envelope import loads
+from edge_agent.fleet.refusals import (
+    EXPIRED,
+    MALFORMED,
+    OVERSIZED,
+    REASONS,
+    REPLAY,
+    UNKNOWN_TYPE,
+    WRONG_DEVICE,
+    CommandRefused,
+)
+from edge_agent.fleet.signing import verify
+from edge_agent.fleet.state import FAILED, OK, REFUSED, FleetState, StoredCommand
+
+__all__ = ["CLOCK_SKEW_S", "MAX_COMMAND_BYTES", "REASONS", "Command", "CommandGate",
+           "CommandRefused", "Delivery", "Handler", "Result", "ping"]
+
+MAX_COMMAND_BYTES = 64 * 1024
+# A box's clock may lag the controller's by seconds (NTP not yet synced after boot); a
+# command is still taken this long after its expiry. Replay is stopped by seq, not by this.
+CLOCK_SKEW_S = 30.0
+_FIELDS = frozenset({"v", "id", "fleet", "device", "type", "seq", "issued_at", "expires_at",
+                     "args", "sig"})
+_COMMAND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_TYPE = re.compile(r"[a-z][a-z0-9_.-]{0,63}")
+
+
+@dataclass(frozen=True)
+class Command:
+    id: str
+    fleet: str
+    device: str  # this box's id, or "all"
+    type: str
+    seq: int
+    issued_at: float
+    expires_at: float
+    args: dict[str, Any]
+    stream: str  # whose seq: the device's id, or "all"
+    payload: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Result:
+    id: str | None  # None when the payload held no readable id
+    type: str | None
+    status: str  # ok | refused | failed
+    reason: str | None
+    result: dict[str, Any] | None
+
+    def body(self) -> dict[str, Any]:
+        """The `cmd/result` outbox body."""
+        return {"id": self.id, "type": self.type, "status": self.status,
+                "reason": self.reason, "result": self.result}
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What `receive` decided. Always: send the PUBACK now. Then publish `result` if set
+    (a refusal, or a redelivered command's stored outcome), and run `execute(command)`
+    if `execute`."""
+
+    command: Command | None
+    result: Result | None
+    execute: bool
+
+
+Handler = Callable[[Command], "Mapping[str, Any] | None"]
+"""Runs one command; returns the result's JSON object (or None). Raises CommandRefused to
+refuse it; any other exception makes it `failed`. Called once per command id."""
+
+
+def ping(command: Command) -> dict[str, Any]:
+    return {"pong": True, "ts": time.time()}
+
+
+def _refused(exc: CommandRefused, command_id: str | None = None,
+             type_: str | None = None) -> Result:
+    return Result(command_id, type_, REFUSED, exc.reason,
+                  {"message": exc.message} if exc.message else None)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_time(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def parse(payload: bytes) -> dict[str, Any]:
+    """The command object in `payload`, every field checked; CommandRefused (oversized,
+    malformed) otherwise. Signature, device and freshness are not checked here."""
+    if len(payload) > MAX_COMMAND_BYTES:
+        raise CommandRefused(OVERSIZED, f"{len(payload)} bytes; at most {MAX_COMMAND_BYTES}")
+    try:
+        obj = loads(payload, MAX_COMMAND_BYTES)
+    except ValueError as exc:
+        raise CommandRefused(MALFORMED, str(exc)[:200]) from None
+    if not isinstance(obj, dict):
+        raise CommandRefused(MALFORMED, "not a JSON object")
+    # `sig` may be missing or of any type here: that is the signature check's refusal
+    # (bad_signature), so an unsigned command is reported as unsigned.
+    missing, unknown = _FIELDS - {"sig"} - set(obj), set(obj) - _FIELDS
+    if missing or unknown:
+        raise CommandRefused(MALFORMED, f"fields: missing {sorted(missing)}, "
+                                        f"unknown {sorted(unknown)[:10]}")
+    checks = [
+        ("v", _is_int(obj["v"]) and obj["v"] == 1),
+        ("id", isinstance(obj["id"], str) and bool(_COMMAND_ID.fullmatch(obj["id"]))),
+        ("fleet", isinstance(obj["fleet"], str)),
+        ("device", isinstance(obj["device"], str)),
+        ("type", isinstance(obj["type"], str) and bool(_TYPE.fullmatch(obj["type"]))),
+        ("seq", _is_int(obj["seq"]) and obj["seq"] >= 1),
+        ("issued_at", _is_time(obj["issued_at"])),
+        ("expires_at", _is_time(obj["expires_at"])),
+        ("args", isinstance(obj["args"], dict)),
+    ]
+    bad = [name for name, ok in checks if not ok]
+    if bad:
+        raise CommandRefused(MALFORMED, f"bad field(s): {', '.join(bad)}")
+    if obj["expires_at"] <= obj["issued_at"]:
+        raise CommandRefused(MALFORMED, "expires_at is not after issued_at")
+    return obj
+
+
+class CommandGate:
+    def __init__(self, state: FleetState, *, fleet: str, device: str,
+                 public_key: Ed25519PublicKey | None, handlers: Mapping[str, Handler],
+                 clock: Callable[[], float] = time.time, skew_s: float = CLOCK_SKEW_S) -> None:
+        self.state = state
+        self.fleet = fleet
+        self.device = device
+        self.public_key = public_key
+        self.handlers = dict(handlers)
+        self._clock = clock
+        self.skew_s = skew_s
+        # Ids handed out for execution and not finished: a redelivery meanwhile is not
+        # handed out again.
+        self._handed_out: set[str] = set()
+        self._lock = threading.Lock()
+        self._execute_lock = threading.Lock()  # one command at a time: they are rare
+
+    def receive(self, payload: bytes, topic: str) -> Delivery:
+        """Checks a command and stores it before returning (module docstring)."""
+        payload = bytes(payload)
+        obj: Any = None
+        try:
+            obj = parse(payload)
+            self._check_addressee(obj, topic)
+            verify(obj, self.public_key)
+        except CommandRefused as exc:  # unauthenticated: reported, never stored
+            return Delivery(None, _refused(exc, *_best_effort_names(obj, payload)), False)
+        command = _command(obj, payload)
+        stored = self.state.command(command.id)
+        if stored is not None:
+            return self._redelivered(command, stored)
+        try:
+            self._check_fresh(command)
+        except CommandRefused as exc:
+            result = {"message": exc.message} if exc.message else None
+            if not self.state.refuse(command.id, command.stream, command.seq, command.type,
+                                     payload, exc.reason, result):
+                return self._redelivered(command, self.state.command(command.id))
+            return Delivery(command, _refused(exc, command.id, command.type), False)
+        if not self.state.accept(command.id, command.stream, command.seq, command.type,
+                                 payload):
+            return self._redelivered(command, self.state.command(command.id))
+        with self._lock:
+            self._handed_out.add(command.id)
+        return Delivery(command, None, True)
+
+    def execute(self, command: Command) -> Result:
+        """Runs an accepted command's handler and records the outcome, once: a command
+        that already has an outcome is not run again (its stored outcome is returned).
+        ValueError for a command `receive` did not accept. Blocks while another command
+        runs."""
+        with self._execute_lock:
+            try:
+                stored = self.state.command(command.id)
+                if stored is None:
+                    raise ValueError(f"command {command.id} was not accepted; not running it")
+                if stored.status is not None:
+                    return _stored_result(stored)
+                result = self._run(command)
+                if not self.state.record_result(command.id, result.status, result.reason,
+                                                result.result):
+                    again = self.state.command(command.id)
+                    return _stored_result(again) if again is not None else result
+                return result
+            finally:
+                with self._lock:
+                    self._handed_out.discard(command.id)
+
+    def resume(self) -> list[Command]:
+        """Commands stored but never finished (the process stopped in between): the link
+        executes them at start. Every command type is idempotent, so running one whose
+        handler was cut short is safe."""
+        commands = [_command(parse(s.payload), s.payload) for s in self.state.unfinished()]
+        with self._lock:
+            self._handed_out.update(c.id for c in commands)
+        return commands
+
+    def _run(self, command: Command) -> Result:
+        handler = self.handlers.get(command.type)
+        if handler is None:  # unregistered since it was accepted (a restart, a resume)
+            return Result(command.id, command.type, REFUSED, UNKNOWN_TYPE, None)
+        try:
+            out = handler(command)
+            result = dict(out) if out is not None else None
+            json.dumps(result, allow_nan=False)  # recorded and published as JSON
+        except CommandRefused as exc:
+            return _refused(exc, command.id, command.type)
+        except Exception as exc:  # a handler's bug never reaches the link's thread
+            return Result(command.id, command.type, FAILED, type(exc).__name__, None)
+        return Result(command.id, command.type, OK, None, result)
+
+    def _check_addressee(self, obj: dict[str, Any], topic: str) -> None:
+        if obj["fleet"] != self.fleet or obj["device"] not in (self.device, topics.ALL):
+            raise CommandRefused(WRONG_DEVICE, "command is addressed to another box")
+        try:
+            where = topics.parse(topic)
+        except ValueError:
+            raise CommandRefused(WRONG_DEVICE, "not a command topic") from None
+        if (where.kind != topics.CMD or where.fleet != self.fleet
+                or where.device != obj["device"]):
+            raise CommandRefused(WRONG_DEVICE, "command came on another box's topic")
+
+    def _check_fresh(self, command: Command) -> None:
+        if self._clock() > command.expires_at + self.skew_s:
+            raise CommandRefused(EXPIRED)
+        if command.type not in self.handlers:
+            raise CommandRefused(UNKNOWN_TYPE, f"no handler for {command.type!r}")
+        last = self.state.last_seq(command.stream)
+        if command.seq <= last:
+            raise CommandRefused(REPLAY, f"seq {command.seq} is not above {last}")
+
+    def _redelivered(self, command: Command, stored: StoredCommand | None) -> Delivery:
+        if stored is not None and stored.status is not None:
+            return Delivery(command, _stored_result(stored), False)
+        # Stored without an outcome: handed out already (its result comes when it has run),
+        # or the process stopped before it ran (run it now).
+        with self._lock:
+            if command.id in self._handed_out:
+                return Delivery(command, None, False)
+            self._handed_out.add(command.id)
+        return Delivery(command, None, True)
+
+
+def _command(obj: dict[str, Any], payload: bytes) -> Command:
+    return Command(obj["id"], obj["fleet"], obj["device"], obj["type"], obj["seq"],
+                   float(obj["issued_at"]), float(obj["expires_at"]), obj["args"],
+                   obj["device"], payload)
+
+
+def _stored_result(stored: StoredCommand) -> Result:
+    return Result(stored.id, stored.type, stored.status or FAILED, stored.reason,
+                  stored.result)
+
+
+def _best_effort_names(obj: Any, payload: bytes) -> tuple[str | None, str | None]:
+    """The id and type of a refused command, for its result, if they are readable."""
+    if obj is None and len(payload) <= MAX_COMMAND_BYTES:
+        try:
+            obj = loads(payload, MAX_COMMAND_BYTES)
+        except ValueError:
+            return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    cid, ctype = obj.get("id"), obj.get("type")
+    return (cid if isinstance(cid, str) and _COMMAND_ID.fullmatch(cid) else None,
+            ctype if isinstance(ctype, str) and _TYPE.fullmatch(ctype) else None)
