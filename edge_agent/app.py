@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from edge_agent import __version__
-from edge_agent.api import ollama, openai, ops
+from edge_agent.api import ollama, ollama_models, openai, ops
 from edge_agent.api.errors import install_error_handlers
 from edge_agent.api.state import AppParts
 from edge_agent.config import Settings
@@ -106,6 +106,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
                        scrub=MetadataRedactor(redactor, store.is_installed))
     app.include_router(ops.router)
     app.include_router(ollama.router)
+    app.include_router(ollama_models.router)
     app.include_router(openai.router)
     return app
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi.routing import APIRoute
 
-from edge_agent.api import ollama, openai
+from edge_agent.api import ollama, ollama_models, openai
 from edge_agent.api.auth import authenticate
 from edge_agent.api.errors import is_openai_path
 from edge_agent.config import load_settings
@@ -42,7 +42,7 @@ def governed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveSer
 def _authenticated_routes() -> list[tuple[str, str]]:
     """Every route of both dialects' routers (each router requires authentication)."""
     routes = []
-    for router in (ollama.router, openai.router):
+    for router in (ollama.router, ollama_models.router, openai.router):
         assert any(d.dependency is authenticate for d in router.dependencies)
         for route in router.routes:
             assert isinstance(route, APIRoute)

@@ -26,7 +26,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from edge_agent.api import ollama, openai
+from edge_agent.api import ollama, ollama_models, openai
 from edge_agent.api.openapi import body_schema
 from edge_agent.app import create_app
 from edge_agent.config import load_settings
@@ -58,8 +58,8 @@ BODIES = {
     ("post", "/api/generate"): ollama.GenerateBody,
     ("post", "/api/embed"): ollama.EmbedBody,
     ("post", "/api/embeddings"): ollama.EmbeddingsBody,
-    ("post", "/api/show"): ollama.ModelRef,
-    ("delete", "/api/delete"): ollama.ModelRef,
+    ("post", "/api/show"): ollama_models.ModelRef,
+    ("delete", "/api/delete"): ollama_models.ModelRef,
     ("post", "/v1/chat/completions"): openai.ChatBody,
     ("post", "/v1/completions"): openai.CompletionBody,
     ("post", "/v1/embeddings"): openai.EmbeddingBody,

@@ -68,11 +68,20 @@ def _ollama(live: LiveServer, key: str | None, **body: object) -> httpx.Response
                       headers=_auth(key) if key else {})
 
 
-def _ledger(live: LiveServer) -> list[sqlite3.Row]:
-    live.app.state.parts.ledger.flush()
-    db = sqlite3.connect(live.settings.state_dir / "ledger.db")
-    db.row_factory = sqlite3.Row
-    return list(db.execute("SELECT * FROM requests ORDER BY ts"))
+def _ledger(live: LiveServer, *answered: httpx.Response) -> list[sqlite3.Row]:
+    """The rows, once those of the `answered` requests are there (a row is queued after
+    the response's last byte, so it may trail the client by a moment)."""
+    want = {r.headers["x-request-id"] for r in answered}
+    deadline = time.monotonic() + 10
+    while True:
+        live.app.state.parts.ledger.flush()
+        db = sqlite3.connect(live.settings.state_dir / "ledger.db")
+        db.row_factory = sqlite3.Row
+        rows = list(db.execute("SELECT * FROM requests ORDER BY ts"))
+        db.close()
+        if want <= {r["trace_id"] for r in rows} or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)
 
 
 @pytest.mark.integration
@@ -87,8 +96,9 @@ def test_missing_or_bad_keys_get_401_in_both_dialects(
     assert r.status_code == 401 and set(r.json()) == {"error"}
     assert httpx.get(f"{live.base_url}/api/tags").status_code == 401
     assert httpx.get(f"{live.base_url}/health").status_code == 200  # liveness stays open
-    assert _chat(live, keys["shop"]).status_code == 200
-    rows = [r for r in _ledger(live) if r["status"] == 401]
+    last = _chat(live, keys["shop"])
+    assert last.status_code == 200
+    rows = [r for r in _ledger(live, last) if r["status"] == 401]
     assert len(rows) >= 3 and all(r["error_type"] == "authentication_error" for r in rows)
 
 
@@ -100,7 +110,8 @@ def test_model_outside_the_tenants_scope_is_403(
     assert r.status_code == 403 and r.json()["error"]["param"] == "model"
     r = _ollama(live, keys["kiosk"], model="gemma3:270m")
     assert r.status_code == 403 and "not allowed" in r.json()["error"]
-    row = [r for r in _ledger(live) if r["status"] == 403][-1]
+    answered = r
+    row = [r for r in _ledger(live, answered) if r["status"] == 403][-1]
     assert row["tenant"] == "kiosk" and row["key_prefix"] == keys["kiosk"].split("_")[1]
 
 
@@ -115,7 +126,8 @@ def test_rate_limit_gives_429_with_retry_after(
     assert "2 requests per minute" in r.json()["error"]
     r = _chat(live, keys["kiosk"])
     assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
-    assert [r["tenant"] for r in _ledger(live) if r["status"] == 429][-1] == "kiosk"
+    answered = r
+    assert [r["tenant"] for r in _ledger(live, answered) if r["status"] == 429][-1] == "kiosk"
 
 
 @pytest.mark.integration
@@ -133,7 +145,7 @@ def test_output_ceiling_refuses_or_clamps_and_says_so(
     unasked = _chat(live, keys["shop"], max_tokens=None, logit_bias={"2": -100, "0": -100})
     assert unasked.json()["usage"]["completion_tokens"] == 20  # the ceiling, no header
     assert "X-Edge-Clamped" not in unasked.headers
-    row = [r for r in _ledger(live) if r["clamped"] == 1][-1]
+    row = [r for r in _ledger(live, unasked) if r["clamped"] == 1][-1]
     assert row["tenant"] == "tight"
 
 
@@ -154,7 +166,8 @@ def test_over_long_prompt_is_refused_or_loses_its_oldest_turns(
     assert r.status_code == 200
     dropped = int(r.headers["X-Edge-Truncated"])
     assert dropped > 0 and r.json()["usage"]["prompt_tokens"] + 4 <= 96
-    row = [r for r in _ledger(live) if r["truncated_tokens"]][-1]
+    answered = r
+    row = [r for r in _ledger(live, answered) if r["truncated_tokens"]][-1]
     assert row["truncated_tokens"] == dropped and row["tenant"] == "tight"
     r = _ollama(live, keys["tight"], prompt="word " * 200)  # no turns to drop: refused
     assert r.status_code == 400 and "context window is 96" in r.json()["error"]

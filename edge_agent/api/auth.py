@@ -21,3 +21,9 @@ async def authenticate(request: Request) -> TenantContext:
 def tenant_of(request: Request) -> TenantContext | None:
     """The tenant `authenticate` found for this request (None where no route needed one)."""
     return getattr(request.state, "tenant", None)
+
+
+def authenticated(request: Request) -> TenantContext:
+    """The tenant of a route behind `authenticate` (there is always one)."""
+    ctx: TenantContext = request.state.tenant
+    return ctx

@@ -2,11 +2,11 @@
 
 Thin: parse and validate, build a `GenerationRequest`, encode events as NDJSON. Options
 that would change behaviour and are not supported are refused by name, never ignored.
+The model-management routes (tags, show, ps, pull, copy, delete) are `ollama_models`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -19,13 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
 from edge_agent import __version__
-from edge_agent.api.auth import authenticate, tenant_of
+from edge_agent.api.auth import authenticate, authenticated, tenant_of
 from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.openapi import request_body
-from edge_agent.api.pull import catalog_installs, pull_progress
 from edge_agent.api.state import AppParts, Parts
-from edge_agent.engine.catalog import InstalledModel, normalize_name
-from edge_agent.engine.registry import FOREVER, LoadedModel, parse_keep_alive
+from edge_agent.engine.catalog import normalize_name
+from edge_agent.engine.registry import parse_keep_alive
 from edge_agent.engine.request import (
     DoneEvent,
     EmbeddingRequest,
@@ -35,11 +34,9 @@ from edge_agent.engine.request import (
 )
 from edge_agent.engine.structured import ANY_JSON_OBJECT
 from edge_agent.errors import (
-    EdgeAgentError,
     InvalidRequest,
     UnsupportedParameter,
 )
-from edge_agent.governance.tenants import TenantContext
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +50,12 @@ PINNED_HEADER = "X-Edge-Pinned"
 router = APIRouter(dependencies=[Depends(authenticate)])
 
 
-class _Body(BaseModel):
+# Unknown fields are refused by name (never silently ignored), as for every body here.
+class StrictBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Options(_Body):
+class Options(StrictBody):
     num_predict: int | None = None
     temperature: float | None = Field(None, ge=0)
     top_k: int | None = Field(None, ge=0)
@@ -101,7 +99,7 @@ _NO_OP = {"mirostat": 0, "tfs_z": 1.0, "numa": False, "low_vram": False, "f16_kv
 _OPERATOR = ("num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap")
 
 
-class Message(_Body):
+class Message(StrictBody):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = ""
     images: list[str] | None = None
@@ -110,7 +108,7 @@ class Message(_Body):
     tool_name: str | None = None
 
 
-class _GenerateCommon(_Body):
+class _GenerateCommon(StrictBody):
     model: str
     format: str | dict[str, Any] | None = None
     options: Options | None = None
@@ -139,7 +137,7 @@ class GenerateBody(_GenerateCommon):
     steps: int | None = None
 
 
-class EmbedBody(_Body):
+class EmbedBody(StrictBody):
     model: str
     input: str | list[str]
     truncate: bool = True
@@ -148,43 +146,15 @@ class EmbedBody(_Body):
     dimensions: int | None = Field(None, gt=0)
 
 
-class EmbeddingsBody(_Body):
+class EmbeddingsBody(StrictBody):
     model: str
     prompt: str = ""
     options: Options | None = None
     keep_alive: str | float | None = None
 
 
-class ModelRef(_Body):
-    model: str | None = None
-    name: str | None = None  # the older spelling
-    verbose: bool | None = None
-
-    @property
-    def ref(self) -> str:
-        if not (self.model or self.name):
-            raise InvalidRequest("missing required parameter: 'model'", param="model")
-        return self.model or self.name or ""
-
-
-class CopyBody(_Body):
-    source: str
-    destination: str
-
-
-class PullBody(ModelRef):
-    insecure: bool | None = None  # no registry is contacted: nothing to trust or not
-    stream: bool = True
-
-
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-def _iso(ts: float) -> str:
-    if ts == FOREVER:
-        ts = 253402300799.0  # 9999-12-31: Ollama's "never"
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def _apply_options(req: GenerationRequest, options: Options | None) -> None:
@@ -248,11 +218,6 @@ def _tool_calls(done: DoneEvent) -> list[dict[str, Any]]:
     return [{"function": {"name": c.name, "arguments": c.arguments}} for c in done.tool_calls]
 
 
-def _tenant(request: Request) -> TenantContext:
-    ctx: TenantContext = request.state.tenant
-    return ctx
-
-
 def _is_default(parts: AppParts, name: str) -> bool:
     return normalize_name(name) == normalize_name(parts.settings.default_model)
 
@@ -269,7 +234,7 @@ def _keep_alive(request: Request, parts: AppParts, model: str, value: object
     if _is_default(parts, model):
         return None, {PINNED_HEADER: "true"}
     if seconds == 0:
-        _tenant(request).check_manage(f"unloading '{normalize_name(model)}' (keep_alive 0)",
+        authenticated(request).check_manage(f"unloading '{normalize_name(model)}' (keep_alive 0)",
                                       param="keep_alive")
     return seconds, {}
 
@@ -329,7 +294,7 @@ async def _load_only(request: Request, parts: AppParts, model: str, keep_alive: 
     an operator key, decided before the store is looked at); the default model's unload
     is ignored."""
     name = normalize_name(model)
-    _tenant(request).check_reach(name)
+    authenticated(request).check_reach(name)
     unload = parse_keep_alive(keep_alive) == 0
     seconds, headers = _keep_alive(request, parts, name, keep_alive)
     parts.ops.show(name)
@@ -413,7 +378,7 @@ async def embed(request: Request, parts: Parts) -> Response:
         list(body.input)
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
     if not inputs:  # as Ollama: nothing to embed is an empty answer, not an error
-        _tenant(request).check_model(normalize_name(body.model))
+        authenticated(request).check_model(normalize_name(body.model))
         return JSONResponse({"model": parts.store.get(body.model).name, "embeddings": [],
                              "total_duration": 0, "load_duration": 0,
                              "prompt_eval_count": 0}, headers=headers)
@@ -449,7 +414,7 @@ async def embeddings(request: Request, parts: Parts) -> Response:
     body = validate(EmbeddingsBody,
                     await read_json(request, parts.settings.server.max_body_bytes))
     if not body.prompt:
-        _tenant(request).check_reach(normalize_name(body.model))
+        authenticated(request).check_reach(normalize_name(body.model))
         parts.store.get(body.model)
         return JSONResponse({"embedding": []})
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
@@ -457,123 +422,3 @@ async def embeddings(request: Request, parts: Parts) -> Response:
         EmbeddingRequest(model=body.model, inputs=[body.prompt], dialect="ollama"),
         tenant=tenant_of(request), keep_alive=seconds, disconnected=request.is_disconnected)
     return JSONResponse({"embedding": result.vectors[0]}, headers=headers)
-
-
-def _details(m: InstalledModel) -> dict[str, Any]:
-    return {"parent_model": "", "format": "gguf", "family": m.family, "families": [m.family],
-            "parameter_size": m.parameter_size, "quantization_level": m.quantization}
-
-
-@router.get("/api/tags")
-async def tags(parts: Parts) -> dict[str, Any]:
-    return {"models": [
-        {"name": m.name, "model": m.name, "modified_at": _iso(m.installed_at), "size": m.size,
-         "digest": m.digest, "details": _details(m)}
-        for m in parts.ops.installed()  # each name's active version
-    ]}
-
-
-@router.post("/api/show", openapi_extra=request_body(ModelRef))
-async def show(request: Request, parts: Parts) -> dict[str, Any]:
-    body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
-    # Outside the scope: 403 on the name alone, as for generation, so nothing says whether
-    # such a model is installed.
-    _tenant(request).check_reach(normalize_name(body.ref))
-    m = parts.ops.show(body.ref)  # the active version
-    params = "\n".join(
-        f"{k} {json.dumps(x)}" for k, v in m.parameters.items()
-        for x in (v if isinstance(v, list) else [v]))
-    info: dict[str, Any] = {"general.architecture": m.architecture,
-                            "general.parameter_count": m.parameter_size}
-    if m.context_length:
-        info[f"{m.architecture}.context_length"] = m.context_length  # trained
-    if m.embedding_length:
-        info[f"{m.architecture}.embedding_length"] = m.embedding_length
-    served = _served_context(request, parts, m)
-    info["edge.served_context_length"] = served
-    info["edge.digest"] = m.digest  # the active version's (clients' typed model_info)
-    params = "\n".join(filter(None, [params, f"num_ctx {served}"]))
-    capabilities = ["completion", "embedding"] + (["tools"] if m.chat_template else [])
-    return {"license": m.license, "modelfile": f"# source: {m.origin}\nFROM {m.name}\n",
-            "parameters": params, "template": m.chat_template or "", "details": _details(m),
-            "model_info": info, "capabilities": capabilities,
-            "modified_at": _iso(m.installed_at), "digest": m.digest}
-
-
-def _served_context(request: Request, parts: AppParts, m: InstalledModel) -> int:
-    """The context this caller's requests get: the model's window on this box, capped by
-    the tenant's `max_context_tokens`."""
-    served = parts.registry.served_context(m)
-    tenant = getattr(request.state, "tenant", None)
-    cap = tenant.policy.max_context_tokens if tenant is not None else None
-    return min(served, cap) if cap else served
-
-
-def _ps_row(m: LoadedModel) -> dict[str, Any]:
-    return {"name": m.info.name, "model": m.info.name, "size": m.size, "digest": m.info.digest,
-            "details": _details(m.info), "expires_at": _iso(m.expires_at),
-            "size_vram": m.size_vram, "context_length": m.worker.n_ctx}
-
-
-@router.get("/api/ps")
-async def ps(parts: Parts) -> dict[str, Any]:
-    return {"models": [_ps_row(m) for m in parts.registry.loaded()]}
-
-
-@router.delete("/api/delete", openapi_extra=request_body(ModelRef))
-async def delete(request: Request, parts: Parts) -> Response:
-    body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
-    _tenant(request).check_manage(f"deleting '{normalize_name(body.ref)}'")
-    # 404, then the default model (400), then serving requests (503): as ModelOps decides.
-    await parts.ops.delete(body.ref, by=_operator(request))
-    return Response(status_code=200)
-
-
-@router.post("/api/copy", openapi_extra=request_body(CopyBody))
-async def copy(request: Request, parts: Parts) -> Response:
-    """Ollama's copy: `destination` becomes a second name for the digest `source` serves
-    (the blob is shared; an existing destination switches to it). 200 with no body."""
-    body = validate(CopyBody, await read_json(request, parts.settings.server.max_body_bytes))
-    source = _name(body.source, "source")
-    destination = _name(body.destination, "destination")
-    _tenant(request).check_manage(f"copying '{source}' to '{destination}'")
-    await asyncio.to_thread(parts.ops.copy, source, destination, by=_operator(request))
-    return Response(status_code=200)
-
-
-def _name(name: str, param: str) -> str:
-    try:
-        return normalize_name(name)
-    except InvalidRequest as exc:
-        exc.param = param
-        raise
-
-
-def _operator(request: Request) -> str:
-    """Who changed a model, as its history records it."""
-    return f"operator:{_tenant(request).name}"
-
-
-@router.post("/api/pull", openapi_extra=request_body(PullBody))
-async def pull(request: Request, parts: Parts) -> Response:
-    body = validate(PullBody, await read_json(request, parts.settings.server.max_body_bytes))
-    _tenant(request).check_manage(f"pulling '{normalize_name(body.ref)}'")
-    install = catalog_installs(request.app, parts.ops).start(  # 404 first
-        body.ref, by=_operator(request))
-    progress = pull_progress(parts.ops, install, body.ref)
-    if not body.stream:
-        async for _ in progress:
-            pass
-        return JSONResponse({"status": "success"})
-
-    async def lines() -> AsyncIterator[bytes]:
-        try:
-            async for obj in progress:
-                yield (json.dumps(obj) + "\n").encode()
-        except EdgeAgentError as exc:
-            yield (json.dumps({"error": exc.message}) + "\n").encode()
-        except Exception:  # the stream still ends with an error object, not a cut
-            log.exception("pull of %s failed", body.ref)
-            yield b'{"error": "internal server error"}\n'
-
-    return StreamingResponse(lines(), media_type=NDJSON)
