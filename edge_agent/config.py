@@ -6,6 +6,7 @@ environment or the file anywhere else.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 from urllib.parse import urlsplit
@@ -273,6 +274,47 @@ class FleetSettings(_Section):
     reconnect_min_s: float = Field(
         1.0, gt=0, description="First reconnect delay; doubled per failure, with jitter.")
     reconnect_max_s: float = Field(120.0, gt=0, description="Longest reconnect delay.")
+    # -- model rollouts: signed releases (TUF), their transfer and their activation
+    tuf_root_file: Path | None = Field(
+        None, description="The release repository's root metadata (root.json) provisioned "
+        "with the box; the only release metadata trusted without a signature chain. Unset: "
+        "rollouts are refused.")
+    artifacts_url: str | None = Field(
+        None, description="Where release metadata and model files are served (the "
+        "controller's `fleet serve`, or any HTTP server / object store with Range), e.g. "
+        "http://controller:8480/releases/.")
+    max_download_bytes_per_s: int | None = Field(
+        None, ge=1024, description="Cap on a model download's rate; unset: as fast as the "
+        "link allows.")
+    download_headroom_bytes: int = Field(
+        1 << 30, ge=0, description="Free disk a download must leave besides the file itself.")
+    maintenance_window: str | None = Field(
+        None, description='Local time when a staged release may be activated, "HH:MM-HH:MM" '
+        '(may wrap midnight, e.g. "22:00-05:00"); unset: any time.')
+    defer_while_busy: bool = Field(
+        False, description="Activate only when the model's queue is empty, up to "
+        "defer_deadline_s after staging.")
+    defer_deadline_s: float = Field(
+        3600.0, gt=0, description="Longest a busy model defers an activation.")
+    rollout_max_failures: int = Field(
+        3, ge=1, description="Attempts of a FAILED rollout (transfer, verification) before it "
+        "stays FAILED.")
+
+    @field_validator("maintenance_window")
+    @classmethod
+    def _window(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_window(value)
+        return value
+
+    @field_validator("artifacts_url")
+    @classmethod
+    def _artifacts(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", value):
+            raise ValueError(f"fleet.artifacts_url {value!r} is not an http(s) URL")
+        return value if value.endswith("/") else value + "/"
 
     @field_validator("fleet_id", "device_id")
     @classmethod
@@ -310,6 +352,21 @@ class FleetSettings(_Section):
     @property
     def broker_address(self) -> BrokerAddress:
         return parse_broker(self.broker)
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """A maintenance window "HH:MM-HH:MM" as (start, end) minutes after local midnight; an
+    end before the start wraps past midnight. ValueError when malformed."""
+    m = re.fullmatch(r"\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*", text)
+    if not m:
+        raise ValueError(f'maintenance window {text!r} is not "HH:MM-HH:MM"')
+    h1, m1, h2, m2 = (int(g) for g in m.groups())
+    if h1 > 23 or h2 > 23 or m1 > 59 or m2 > 59:
+        raise ValueError(f"maintenance window {text!r} holds a time past 23:59")
+    start, end = h1 * 60 + m1, h2 * 60 + m2
+    if start == end:
+        raise ValueError(f"maintenance window {text!r} is empty")
+    return start, end
 
 
 class ModelOverride(_Section):
