@@ -157,6 +157,7 @@ class Ingest:
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
+        client.on_subscribe = self._on_subscribe
         return client
 
     def start(self) -> None:
@@ -191,6 +192,15 @@ class Ingest:
         # for a new subscription: a resumed session already queued every change for us.
         client.subscribe(topics.CONTROLLER_FILTER, options=SubscribeOptions(
             qos=1, noLocal=True, retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB))
+
+    def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any,
+                      properties: Any) -> None:
+        # Connected means subscribed: a message published before the SUBACK of a first
+        # session would not reach us (a resumed session queued it anyway).
+        if any(reason.is_failure for reason in reasons):
+            log.error("fleet: the broker refused the subscription to %s: %s (is this user "
+                      "the controller in the ACL?)", topics.CONTROLLER_FILTER, reasons)
+            return
         self._connected.set()
         self._metrics.connected.set(1)
 
