@@ -83,7 +83,7 @@ def fleet() -> None:
 @click.option("--host", help="Address of /metrics and the read API (default 127.0.0.1).")
 @click.option("--port", type=click.IntRange(0, 65535), help="Their port (default 9464).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-              default="info", show_default=True)
+              default="info", show_default=True, help="Log level.")
 def fleet_serve(broker: str | None, username: str | None, password_file: Path | None,
                 ca_file: Path | None, host: str | None, port: int | None,
                 log_level: str) -> None:
@@ -95,6 +95,10 @@ def fleet_serve(broker: str | None, username: str | None, password_file: Path | 
     settings = _settings(**{"broker.url": broker, "broker.username": username,
                             "broker.password_file": password_file, "broker.ca_file": ca_file,
                             "http.host": host, "http.port": port})
+    if settings.broker.username and settings.broker.password_file is None:
+        raise BadUsage(f"no broker password for user {settings.broker.username}: pass "
+                       "--password-file (credentials/<user>.txt from fleet broker-config) or "
+                       "set broker.password_file")
     settings.broker_password()  # an unreadable password file stops the start, with its name
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -78,6 +78,11 @@ class BrokerSettings(_Section):
         1000, ge=1, le=65535, description="Messages the broker may have in flight to the "
         "controller; each is acknowledged to the broker only once it is committed.")
 
+    @field_validator("username")
+    @classmethod
+    def _username(cls, name: str | None) -> str | None:
+        return name or None  # "" in a TOML file: connect without a user name
+
     @field_validator("url")
     @classmethod
     def _url(cls, url: str) -> str:
