@@ -56,11 +56,10 @@ def _settings(**flags: Any) -> ControllerSettings:
                                     db=meta.get(f"{_META}db"), **flags)
 
 
-def _open_existing() -> FleetStore:
+def _open_existing(settings: ControllerSettings) -> FleetStore:
     """The controller's store, for reading; the CLI never creates a SQLite one."""
     from edge_agent.fleet.controller.store import DB_FILE, open_store
 
-    settings = _settings()
     if settings.db is None and not (settings.state_dir / DB_FILE).exists():
         raise CheckFailed(f"no controller store at {settings.state_dir / DB_FILE} "
                           "(edge-agent fleet serve creates it)")
@@ -122,7 +121,7 @@ def _ago(ts: float | None) -> str:
 @json_option()
 def fleet_devices(as_json: bool) -> None:
     """Devices: online or offline, last seen, versions, active models."""
-    store = _open_existing()
+    store = _open_existing(_settings())
     try:
         devices = store.devices()
     finally:
@@ -153,6 +152,7 @@ def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
     """A device's latest metrics message (or every device's with --all)."""
     from edge_agent.fleet.ids import check_id
 
+    settings = _settings()
     if (device is None) == (not all_devices):
         raise BadUsage("name one DEVICE, or --all")
     if device is not None:
@@ -160,7 +160,7 @@ def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
             check_id("device", device)
         except ValueError as exc:
             raise BadUsage(str(exc)) from None
-    store = _open_existing()
+    store = _open_existing(settings)
     try:
         names = [device] if device else [d["device"] for d in store.devices()]
         if device and store.device(device) is None:
@@ -201,9 +201,11 @@ def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
               help="CA for client certificates on the TLS listener (optional).")
 @click.option("--bind", default="127.0.0.1", show_default=True,
               help="Address of the plain listener (passwords cross it in clear).")
-@click.option("--port", type=click.IntRange(1, 65535), default=1883, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=1883, show_default=True,
+              help="Port of the plain listener.")
 @click.option("--tls-bind", default="", help="Address of the TLS listener (default: all).")
-@click.option("--tls-port", type=click.IntRange(1, 65535), default=8883, show_default=True)
+@click.option("--tls-port", type=click.IntRange(1, 65535), default=8883, show_default=True,
+              help="Port of the TLS listener.")
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False),
               default=Path("/var/lib/mosquitto"), show_default=True,
               help="Mosquitto's persistence folder.")
