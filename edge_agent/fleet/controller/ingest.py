@@ -158,6 +158,7 @@ class Ingest:
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
         client.on_subscribe = self._on_subscribe
+        client.on_connect_fail = self._on_connect_fail
         return client
 
     def start(self) -> None:
@@ -203,6 +204,10 @@ class Ingest:
             return
         self._connected.set()
         self._metrics.connected.set(1)
+
+    def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
+        b = self._settings.broker.address
+        log.warning("fleet: cannot reach the broker at %s:%s; retrying", b.host, b.port)
 
     def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any,
                        properties: Any) -> None:

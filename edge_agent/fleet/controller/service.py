@@ -53,7 +53,10 @@ def serve(settings: ControllerSettings, *, log_level: str = "warning") -> bool:
     try:
         controller.ingest.start()
         server = controller.http_server(log_level=log_level)
-        server.run()
+        try:
+            server.run()
+        except SystemExit:  # uvicorn exits when it cannot bind; the caller words it
+            pass
         return bool(server.started)
     finally:
         controller.close()

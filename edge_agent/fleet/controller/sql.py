@@ -65,8 +65,6 @@ SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 _DEVICE_COLUMNS = ("device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, "
                    "last_birth, last_death")
-# Seqs looked up per statement when deduplicating (well under both drivers' limits).
-_LOOKUP_CHUNK = 500
 # last_seen only moves forward (GREATEST is PostgreSQL's, max() SQLite's: CASE is both's).
 _LATER = "CASE WHEN excluded.last_seen > devices.last_seen THEN excluded.last_seen " \
          "ELSE devices.last_seen END"
@@ -80,6 +78,11 @@ class Exec(Protocol):
     def run(self, sql: str, params: Sequence[Any] = ()) -> int: ...
 
     def many(self, sql: str, params: Sequence[Sequence[Any]]) -> None: ...
+
+    def inserted(self, sql: str, params: Sequence[Sequence[Any]]) -> list[bool]:
+        """Run an `INSERT … ON CONFLICT DO NOTHING RETURNING …` per row; for each row,
+        whether it was inserted."""
+        ...
 
 
 def _dumps(value: Any) -> str:
@@ -110,23 +113,20 @@ class SQLStore:
         groups: dict[tuple[str, str], list[Inbound]] = defaultdict(list)
         for msg in batch:
             groups[(msg.device, msg.boot_id)].append(msg)
+        for (device, boot_id), msgs in groups.items():
+            acks.ranges.setdefault(device, {})[boot_id] = to_ranges(m.seq for m in msgs)
         with self._tx() as db:
-            fresh: list[Inbound] = []
-            for (device, boot_id), msgs in groups.items():
-                seen = self._stored_seqs(db, device, boot_id, {m.seq for m in msgs})
-                for msg in msgs:
-                    if msg.seq in seen:
-                        acks.duplicates += 1
-                    else:
-                        seen.add(msg.seq)
-                        fresh.append(msg)
-                acks.ranges.setdefault(device, {})[boot_id] = to_ranges(m.seq for m in msgs)
-            # ON CONFLICT too: another controller on the same PostgreSQL may race us.
-            db.many("INSERT INTO messages (device, boot_id, seq, fleet, kind, class, ts, "
-                    "received, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                    [(m.device, m.boot_id, m.seq, m.fleet, m.kind, m.cls, m.ts, m.received,
-                      _dumps(m.body)) for m in fresh])
-            for msg in fresh:
+            # The insert is the dedupe: a row already there (or earlier in this batch, or
+            # written by another controller on the same PostgreSQL) conflicts, and is not new.
+            new = db.inserted(
+                "INSERT INTO messages (device, boot_id, seq, fleet, kind, class, ts, received, "
+                "body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING seq",
+                [(m.device, m.boot_id, m.seq, m.fleet, m.kind, m.cls, m.ts, m.received,
+                  _dumps(m.body)) for m in batch])
+            for msg, fresh in zip(batch, new, strict=True):
+                if not fresh:
+                    acks.duplicates += 1
+                    continue
                 acks.stored += 1
                 acks.stored_by_kind[msg.kind] = acks.stored_by_kind.get(msg.kind, 0) + 1
                 self._side_effects(db, msg)
@@ -139,18 +139,6 @@ class SQLStore:
                     f"last_seen = {_LATER}",
                     [(m.device, m.fleet, m.received, m.received) for m in last.values()])
         return acks
-
-    @staticmethod
-    def _stored_seqs(db: Exec, device: str, boot_id: str, seqs: set[int]) -> set[int]:
-        found: set[int] = set()
-        ordered = sorted(seqs)
-        for i in range(0, len(ordered), _LOOKUP_CHUNK):
-            chunk = ordered[i:i + _LOOKUP_CHUNK]
-            marks = ", ".join("?" * len(chunk))
-            found.update(row[0] for row in db.rows(
-                f"SELECT seq FROM messages WHERE device = ? AND boot_id = ? AND seq IN ({marks})",
-                [device, boot_id, *chunk]))
-        return found
 
     def _side_effects(self, db: Exec, msg: Inbound) -> None:
         """What a new message means beyond itself: a dropped-metrics report, a command's

@@ -120,6 +120,10 @@ class _SQLiteExec:
         if params:
             self._conn.executemany(sql, params)
 
+    def inserted(self, sql: str, params: Sequence[Sequence[Any]]) -> list[bool]:
+        # sqlite3's executemany takes no RETURNING; in-process statements cost microseconds.
+        return [self._conn.execute(sql, row).fetchone() is not None for row in params]
+
 
 class SQLiteStore(SQLStore):
     """`controller.db` in the state dir. One connection shared by the ingest thread and
@@ -188,6 +192,18 @@ class _PostgresExec:
         if params:
             with self._conn.cursor() as cur:
                 cur.executemany(sql.replace("?", "%s"), params)  # type: ignore[arg-type]
+
+    def inserted(self, sql: str, params: Sequence[Sequence[Any]]) -> list[bool]:
+        if not params:
+            return []
+        # One pipelined round trip for the batch; one result set (0 or 1 row) per row.
+        with self._conn.cursor() as cur:
+            cur.executemany(sql.replace("?", "%s"), params, returning=True)  # type: ignore[arg-type]
+            out = []
+            while True:
+                out.append(cur.fetchone() is not None)
+                if not cur.nextset():
+                    return out
 
 
 def _where(url: str) -> str:
