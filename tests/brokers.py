@@ -138,11 +138,14 @@ class Mosquitto:
         self.out = self.root / "broker"
         self.data = self.root / "data"
         self.data.mkdir(parents=True, exist_ok=True)
-        tls = None
+        self.started = False
         if self.tls:
             self.ca = make_tls(self.root / "tls")
             self.tls_port = free_port()
-            tls = TLSFiles(self.ca.server_cert, self.ca.server_key)
+        self._configure()
+
+    def _configure(self) -> None:
+        tls = None if self.ca is None else TLSFiles(self.ca.server_cert, self.ca.server_key)
         self.plan = BrokerPlan(
             fleet=self.fleet, devices=self.devices, controller_user=self.controller_user,
             port=self.port, tls=tls, tls_bind="127.0.0.1", tls_port=self.tls_port,
@@ -177,14 +180,28 @@ class Mosquitto:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def start(self, timeout: float = 15.0) -> Mosquitto:
-        self.proc = subprocess.Popen([self.binary, "-c", str(self.conf)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_port(self.port, timeout, self.proc)
-            if self.tls_port:
-                wait_port(self.tls_port, timeout, self.proc)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}\n{self.log()}") from None
+        """Start (again, after `kill()`: same port, same data). A first start whose port
+        was taken meanwhile moves to free ports and rewrites the config."""
+        for attempt in range(5):
+            self.proc = subprocess.Popen([self.binary, "-c", str(self.conf)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_port(self.port, timeout, self.proc)
+                if self.tls_port:
+                    wait_port(self.tls_port, timeout, self.proc)
+                # Someone else may be the one answering on the port: a broker that could
+                # not bind exits within milliseconds.
+                time.sleep(0.2)
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"mosquitto exited ({self.proc.returncode})")
+                self.started = True
+                return self
+            except RuntimeError as exc:
+                self.kill()
+                if self.started or "in use" not in self.log() or attempt == 4:
+                    raise RuntimeError(f"{exc}\n{self.log()}") from None
+                self.port, self.tls_port = free_port(), free_port() if self.tls_port else 0
+                self._configure()
         return self
 
     def kill(self) -> None:
@@ -250,15 +267,19 @@ class Postgres:
                              "-U", self.superuser, "-E", "UTF8", "--no-sync")
             if done.returncode:
                 raise RuntimeError(f"initdb failed: {done.stderr or done.stdout}")
-        options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -F "
-                   "-c synchronous_commit=off -c full_page_writes=off")
-        done = self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",
-                         str(self.root / "postgres.log"), "-o", options, "-w", "-t", "60",
-                         "start")
-        if done.returncode:
-            log = (self.root / "postgres.log")
-            raise RuntimeError(f"pg_ctl start failed: {done.stderr or done.stdout}\n"
-                               f"{log.read_text() if log.exists() else ''}")
+        log = self.root / "postgres.log"
+        for attempt in range(5):
+            options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -F "
+                       "-c synchronous_commit=off -c full_page_writes=off")
+            log.unlink(missing_ok=True)
+            done = self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",
+                             str(log), "-o", options, "-w", "-t", "60", "start")
+            if not done.returncode:
+                return self
+            text = log.read_text() if log.exists() else ""
+            if "already in use" not in text or attempt == 4:
+                raise RuntimeError(f"pg_ctl start failed: {done.stderr or done.stdout}\n{text}")
+            self.port = free_port()  # taken between free_port() and the bind: another one
         return self
 
     def stop(self, mode: str = "fast") -> None:

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real default model in a session state dir, and a live server.
+"""Shared fixtures: the real default model in a session state dir, and a live server;
+for the fleet link, a private Mosquitto and a private PostgreSQL (tests/brokers.py).
 
 The server is the real app under uvicorn on a free port, in a thread of the test process,
 so tests can drive it with the official clients and still look at its scheduler state.

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from edge_agent.cli import main
 from edge_agent.config import ConfigError
 from edge_agent.fleet.controller.api import create_app
-from edge_agent.fleet.controller.ingest import Rejected, inbound, status
+from edge_agent.fleet.controller.ingest import Ingest, Rejected, inbound, status
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.records import Inbound, merge_ranges
 from edge_agent.fleet.controller.service import Controller
@@ -97,8 +97,10 @@ def controller(request: pytest.FixtureRequest, mosquitto: Mosquitto,
     """A controller in this process on the session's broker, storing in SQLite, then in
     PostgreSQL (a fresh database each time)."""
     db = request.getfixturevalue("postgres_url") if request.param == "postgres" else None
+    # A client id of its own, and no session left behind on the shared broker.
     running = Controller.open(settings_for(
-        mosquitto, tmp_path / "ctl", db=db, **{"broker.client_id": f"ctl-{os.urandom(4).hex()}"}))
+        mosquitto, tmp_path / "ctl", db=db, **{"broker.client_id": f"ctl-{os.urandom(4).hex()}",
+                                              "broker.session_expiry_s": 0}))
     running.ingest.start()
     assert running.ingest.wait_connected(10)
     yield running
@@ -188,7 +190,8 @@ def test_what_breaks_the_protocol_is_dropped_counted_and_survived(
     assert counter(m, "edge_fleet_messages_rejected_total", reason="envelope") == 1
     assert counter(m, "edge_fleet_messages_rejected_total", reason="status") == 1
     assert counter(m, "edge_fleet_messages_ignored_total") == 1
-    assert [d["device"] for d in controller.store.devices()] == [A]
+    known = [d["device"] for d in controller.store.devices()]
+    assert A in known and "store.x" not in known and B not in known
 
 
 @pytest.mark.broker
@@ -236,6 +239,10 @@ def test_birth_and_death_with_the_bdseq_rule_and_the_will(
     found = store.device(B)
     assert found is not None and found["bdseq"] == 9 and found["last_death"] is not None
     assert counter(controller.metrics, "edge_fleet_status_messages_total", type="death") >= 2
+    clear = MQTTClient(mosquitto, B)  # leave no retained status on the shared broker
+    assert not clear.connect().is_failure
+    clear.publish(topic, b"", retain=True)
+    clear.close()
 
 
 @pytest.mark.broker
@@ -266,6 +273,65 @@ def test_a_controller_restart_and_a_broker_kill_lose_nothing_published_meanwhile
         assert again.store.gaps(A, BOOT) == []
     finally:
         again.close()
+
+
+class FlakyStore(SQLiteStore):
+    """A SQLite store that can be made unreachable, or made to refuse one seq."""
+
+    down = False
+    poison: int | None = None
+
+    def ingest(self, batch: Any) -> Any:
+        if self.down:
+            raise OSError("database unreachable")
+        if any(m.seq == self.poison for m in batch):
+            raise ValueError("a value the database refuses")
+        return super().ingest(batch)
+
+    def counts(self) -> tuple[int, int]:
+        if self.down:
+            raise OSError("database unreachable")
+        return super().counts()
+
+
+@pytest.fixture
+def flaky(mosquitto: Mosquitto, tmp_path: Path) -> Iterator[tuple[Controller, FlakyStore]]:
+    settings = settings_for(mosquitto, tmp_path / "ctl", **{
+        "broker.client_id": f"ctl-{os.urandom(4).hex()}", "broker.session_expiry_s": 0})
+    store = FlakyStore(tmp_path / "flaky.db")
+    metrics = ControllerMetrics(store)
+    running = Controller(settings, store, metrics, Ingest(settings, store, metrics))
+    running.ingest.start()
+    assert running.ingest.wait_connected(10)
+    yield running, store
+    running.close()
+
+
+@pytest.mark.broker
+def test_nothing_is_acked_while_the_store_is_down_and_all_of_it_after(
+        device: MQTTClient, flaky: tuple[Controller, FlakyStore]) -> None:
+    controller, store = flaky
+    store.down = True
+    for seq in range(1, 51):
+        device.client.publish(f"edge/v1/{FLEET}/{A}/metrics", envelope(seq), qos=1)
+    assert not device.wait(lambda: bool(device.received(f"edge/v1/{FLEET}/{A}/ack")), 1.5)
+    assert counter(controller.metrics, "edge_fleet_store_errors_total") >= 1
+    store.down = False
+    assert Acked(device).covers(1, 50)
+    assert store.stored_ranges(A, BOOT) == [[1, 50]]
+
+
+@pytest.mark.broker
+def test_a_message_the_store_refuses_does_not_hold_back_the_others(
+        device: MQTTClient, flaky: tuple[Controller, FlakyStore]) -> None:
+    controller, store = flaky
+    store.poison = 13
+    for seq in range(1, 31):
+        device.client.publish(f"edge/v1/{FLEET}/{A}/metrics", envelope(seq), qos=1)
+    acked = Acked(device)
+    assert device.wait(lambda: acked.ranges() == [[1, 12], [14, 30]], 15), acked.ranges()
+    assert store.gaps(A, BOOT) == [[13, 13]]  # lost, and the gap check says so
+    assert counter(controller.metrics, "edge_fleet_messages_rejected_total", reason="store") == 1
 
 
 # -- the HTTP side and the CLI ------------------------------------------------------------

@@ -228,3 +228,21 @@ def test_an_unreachable_postgres_is_one_clear_error() -> None:
 def test_open_store_refuses_other_urls(tmp_path: Path) -> None:
     with pytest.raises(FleetStoreError, match="--db"):
         open_store("mysql://x/y", tmp_path)
+
+
+def test_device_text_the_databases_would_refuse_is_made_safe(store: FleetStore) -> None:
+    """NUL (PostgreSQL text refuses it), nested values and huge numbers from a device must
+    not fail a commit: a failed commit would hold back every other device's messages."""
+    result = {"id": "c1", "type": {"x": 1}, "status": "failed", "reason": "bad\x00byte",
+              "result": {"err": "nul\x00inside"}}
+    store.ingest([msg(1, kind="cmd/result", body=result),
+                  msg(2, kind="events", body={"text": "nul\x00inside"})])
+    got = store.command_results("c1")[0]
+    assert got["reason"] == "bad\ufffdbyte" and got["type"] == '{"x":1}'
+    assert got["result"] == {"err": "nul\x00inside"}
+    assert store.messages("d1", kind="events")[0]["body"] == {"text": "nul\x00inside"}
+    store.birth("f1", "d1", birth(1) | {"boot_id": "a\x00b"}, 1.0)
+    with pytest.raises(ValueError):
+        store.record_dropped("d1", {BOOT: [[1, 2**63]]}, 0.0)
+    assert store.ingest([msg(3, kind="events", body={"event": "outbox.dropped",
+                                                     "ranges": {BOOT: [[1, 2**70]]}})]).stored == 1

@@ -34,7 +34,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edge_agent.fleet import topics
 from edge_agent.fleet.controller.metrics import ControllerMetrics
-from edge_agent.fleet.controller.records import Inbound
+from edge_agent.fleet.controller.records import MAX_SEQ, Acks, Inbound
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import FleetStore
 
@@ -85,8 +85,8 @@ def inbound(topic: topics.Topic, payload: bytes, received: float) -> Inbound:
         problems.append("kind differs from the topic's")
     if not isinstance(env.get("boot_id"), str) or not BOOT_ID.fullmatch(env["boot_id"]):
         problems.append("bad boot_id")
-    if not _int(env.get("seq")) or env["seq"] < 1:
-        problems.append("seq must be an integer >= 1")
+    if not _int(env.get("seq")) or not 1 <= env["seq"] <= MAX_SEQ:
+        problems.append("seq must be an integer from 1 to 2**63-1")
     if env.get("class") not in CLASSES:
         problems.append("class must be audit or metrics")
     ts = env.get("ts")
@@ -107,7 +107,8 @@ def status(topic: topics.Topic, payload: bytes) -> dict[str, Any]:
     msg = _strict_json_object(payload)
     if (msg.get("v") != 1 or msg.get("type") not in ("birth", "death")
             or msg.get("device") != topic.device or msg.get("fleet") != topic.fleet
-            or not _int(msg.get("bdseq")) or msg["bdseq"] < 0):
+            or not _int(msg.get("bdseq")) or not 0 <= msg["bdseq"] <= MAX_SEQ
+            or not isinstance(msg.get("boot_id", ""), str)):
         raise Rejected("status", "a status needs v 1, type birth|death, the topic's device "
                        "and fleet, and an integer bdseq")
     return msg
@@ -266,22 +267,58 @@ class Ingest:
 
     def _commit(self, batch: list[_Item]) -> None:
         envelopes = [i.envelope for i in batch if i.envelope is not None]
-        delay = 0.1
+        delay, failures = 0.1, 0
         while True:
             started = time.monotonic()
             try:
-                acks = self._store.ingest(envelopes)
-                for item in batch:
-                    if item.status is not None and item.topic is not None:
-                        self._apply_status(item.topic, item.status, item.received)
+                if failures >= 2 and self._store_answers():
+                    # The database answers yet refuses this batch: one message at a time,
+                    # so one message it cannot take does not stall every other device.
+                    acks = self._one_by_one(batch)
+                else:
+                    acks = self._store.ingest(envelopes)
+                    for item in batch:
+                        if item.status is not None and item.topic is not None:
+                            self._apply_status(item.topic, item.status, item.received)
                 break
             except Exception:  # the database is away: keep the batch, ack nothing, retry
+                failures += 1
                 self._metrics.store_errors.inc()
                 log.exception("fleet: the store failed a batch of %d; retrying", len(batch))
                 if self._stopping.is_set() and not self._connected.is_set():
                     return  # unacked: the broker gives it to us again next time
                 time.sleep(delay)
                 delay = min(delay * 2, _RETRY_MAX_S)
+        self._done(batch, envelopes, acks, started)
+
+    def _store_answers(self) -> bool:
+        try:
+            self._store.counts()
+        except Exception:
+            return False
+        return True
+
+    def _one_by_one(self, batch: list[_Item]) -> Acks:
+        """Each message in its own transaction; one the store refuses while it answers is
+        dropped and counted (`rejected{reason="store"}`), not acknowledged to its device."""
+        total = Acks()
+        for item in batch:
+            try:
+                if item.envelope is not None:
+                    total.add(self._store.ingest([item.envelope]))
+                elif item.status is not None and item.topic is not None:
+                    self._apply_status(item.topic, item.status, item.received)
+            except Exception:
+                if not self._store_answers():
+                    raise  # the database went away after all: the whole batch again
+                self._metrics.rejected.labels("store").inc()
+                log.exception("fleet: the store refused a message from %s; dropped",
+                              item.topic.device if item.topic else "?")
+        return total
+
+    def _done(self, batch: list[_Item], envelopes: list[Inbound], acks: Acks,
+              started: float) -> None:
+        """After a commit: metrics, then each device's ack, then the broker's PUBACKs."""
         now = self._clock()
         m = self._metrics
         m.batches.inc()

@@ -15,6 +15,8 @@ from typing import Any
 Ranges = list[list[int]]
 """Inclusive, sorted, disjoint, non-adjacent `[first, last]` seq ranges."""
 
+MAX_SEQ = 2**63 - 1  # a BIGINT: a larger seq from a device is refused, not a failed commit
+
 
 @dataclass(frozen=True)
 class Inbound:
@@ -41,6 +43,17 @@ class Acks:
     stored: int = 0
     duplicates: int = 0
     stored_by_kind: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: Acks) -> None:
+        """Fold another ingest's acks into these (ranges merged per device and boot)."""
+        for device, by_boot in other.ranges.items():
+            mine = self.ranges.setdefault(device, {})
+            for boot_id, ranges in by_boot.items():
+                mine[boot_id] = merge_ranges(mine.get(boot_id, []) + ranges)
+        self.stored += other.stored
+        self.duplicates += other.duplicates
+        for kind, count in other.stored_by_kind.items():
+            self.stored_by_kind[kind] = self.stored_by_kind.get(kind, 0) + count
 
     def payload(self, device: str) -> bytes:
         """The ack message for `device` (compact JSON, as on the wire)."""
@@ -97,7 +110,7 @@ def check_ranges(value: Any) -> Ranges:
     for item in value:
         if (not isinstance(item, list) or len(item) != 2
                 or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)
-                or not 1 <= item[0] <= item[1]):
+                or not 1 <= item[0] <= item[1] <= MAX_SEQ):
             raise ValueError(f"bad range {item!r}")
         out.append([item[0], item[1]])
     return merge_ranges(out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -27,6 +28,8 @@ from edge_agent.fleet.controller.records import (
 )
 
 log = logging.getLogger(__name__)
+
+COMMAND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # Schema steps, in order; each runs once, in one transaction, on either database. Types are
 # the ones both understand (SQLite maps BIGINT to INTEGER, DOUBLE PRECISION to REAL).
@@ -86,7 +89,18 @@ class Exec(Protocol):
 
 
 def _dumps(value: Any) -> str:
+    """Compact JSON; control characters (NUL included, which PostgreSQL text refuses)
+    come out escaped."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _text(value: Any, limit: int = 1000) -> str | None:
+    """A device's free-text field as a column value: a string without NUL, or the JSON of
+    anything else; bounded."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else _dumps(value)
+    return text.replace("\x00", "\ufffd")[:limit]
 
 
 class SQLStore:
@@ -210,7 +224,7 @@ class SQLStore:
                    f"NULL) ON CONFLICT (device) DO UPDATE SET fleet = excluded.fleet, online = 1, "
                    f"bdseq = excluded.bdseq, boot_id = excluded.boot_id, birth = excluded.birth, "
                    f"last_birth = excluded.last_birth, last_seen = {_LATER}",
-                   [device, fleet, int(message["bdseq"]), message.get("boot_id"),
+                   [device, fleet, int(message["bdseq"]), _text(message.get("boot_id"), 64),
                     _dumps(dict(message)), received, received, received])
 
     def death(self, fleet: str, device: str, message: Mapping[str, Any], received: float) -> bool:
@@ -301,12 +315,13 @@ class SQLStore:
     @staticmethod
     def _insert_result(db: Exec, device: str, body: Mapping[str, Any], received: float) -> int:
         cid, status = body.get("id"), body.get("status")
-        if not isinstance(cid, str) or status not in ("ok", "refused", "failed"):
+        if not isinstance(cid, str) or not COMMAND_ID.fullmatch(cid) or status not in (
+                "ok", "refused", "failed"):
             raise ValueError("a command result needs an id and a status ok|refused|failed")
         result = body.get("result")
         return db.run("INSERT INTO command_results (id, device, type, status, reason, result, "
                       "received) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                      [cid, device, body.get("type"), status, body.get("reason"),
+                      [cid, device, _text(body.get("type")), status, _text(body.get("reason")),
                        None if result is None else _dumps(result), received])
 
     def command_results(self, command_id: str) -> list[dict[str, Any]]:
