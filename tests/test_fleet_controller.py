@@ -390,13 +390,15 @@ def test_fleet_devices_and_metrics_print_the_device(tmp_path: Path) -> None:
 # -- the real process --------------------------------------------------------------------
 
 def _serve(broker: Mosquitto, state: Path, port: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "edge_agent", "fleet", "serve", "--state-dir", str(state),
-         "--broker", broker.url, "--username", "controller",
-         "--password-file", str(broker.password_file("controller")), "--port", str(port),
-         "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=open(state.parent / "serve.log", "ab"),  # noqa: SIM115
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    """`edge-agent fleet serve` as its own process (its log in serve.log beside the state)."""
+    with open(state.parent / "serve.log", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "edge_agent", "fleet", "serve", "--state-dir", str(state),
+             "--broker", broker.url, "--username", "controller",
+             "--password-file", str(broker.password_file("controller")), "--port", str(port),
+             "--log-level", "warning"],
+            stdout=subprocess.DEVNULL, stderr=log,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
 
 
 def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
