@@ -159,9 +159,11 @@ def postgres_server() -> Iterator[Postgres]:
     if bindir is None:
         pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) in PATH, /usr/local/bin "
                     "or /usr/lib/postgresql/*/bin")
-    server = Postgres(bindir).start()
-    yield server
-    server.remove()
+    server = Postgres(bindir)
+    try:
+        yield server.start()
+    finally:
+        server.remove()
 
 
 @pytest.fixture
