@@ -211,10 +211,11 @@ class BrokerAddress(NamedTuple):
 _BROKER_SCHEMES = {"mqtt": (1883, False), "mqtts": (8883, True)}
 
 
-def parse_broker(url: str) -> BrokerAddress:
+def parse_broker(url: str, *, credentials: str = "fleet.username and fleet.password_file"
+                 ) -> BrokerAddress:
     """`mqtt://host[:port]` (1883) or `mqtts://host[:port]` (8883); ValueError for anything
     else. Credentials never go in the URL (they would show in logs and `config show`):
-    `username` and `password_file` carry them."""
+    the settings named by `credentials` carry them."""
     try:
         parts = urlsplit(url.strip())
         port = parts.port
@@ -223,8 +224,7 @@ def parse_broker(url: str) -> BrokerAddress:
     if parts.scheme not in _BROKER_SCHEMES:
         raise ValueError(f"broker {url!r} must start with mqtt:// or mqtts:// (TLS)")
     if parts.username is not None or parts.password is not None:
-        raise ValueError(f"broker {url!r} holds credentials: set fleet.username and "
-                         "fleet.password_file instead")
+        raise ValueError(f"broker {url!r} holds credentials: set {credentials} instead")
     if not parts.hostname:
         raise ValueError(f"broker {url!r} names no host")
     if parts.path not in ("", "/") or parts.query or parts.fragment:

@@ -15,7 +15,6 @@ that are not strict JSON, envelopes or status messages missing what the protocol
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import queue
@@ -32,7 +31,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from edge_agent.fleet import topics
+from edge_agent.fleet import envelope, topics
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.records import MAX_SEQ, Acks, Inbound
 from edge_agent.fleet.controller.settings import ControllerSettings
@@ -54,15 +53,11 @@ class Rejected(ValueError):
 
 
 def _strict_json_object(payload: bytes) -> dict[str, Any]:
-    """UTF-8 JSON, one object, no NaN/Infinity (they are not JSON). Stands in for
-    `edge_agent.fleet.envelope.decode` until that module is merged."""
-
-    def refuse(constant: str) -> Any:
-        raise ValueError(f"{constant} is not JSON")
-
+    """UTF-8 JSON, one object, no NaN/Infinity, no duplicate keys, within the envelope's
+    size limit (the same strict reader the box writes with)."""
     try:
-        value = json.loads(payload.decode("utf-8"), parse_constant=refuse)
-    except (UnicodeDecodeError, ValueError) as exc:
+        value = envelope.loads(payload, envelope.MAX_BYTES)
+    except ValueError as exc:
         raise Rejected("json", f"not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise Rejected("json", "not a JSON object")

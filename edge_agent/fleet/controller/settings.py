@@ -19,42 +19,21 @@ from `broker.password_file` when connecting, and a database URL's password is ne
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 from urllib.parse import urlsplit
 
 import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from edge_agent.config import ConfigError
+from edge_agent.config import BrokerAddress, ConfigError, parse_broker
 
 DEFAULT_CONFIG_FILE = Path("/etc/edge-agent-fleet/controller.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/edge-agent-fleet")
 
 
-class BrokerAddress(NamedTuple):
-    host: str
-    port: int
-    tls: bool
-
-
 def broker_address(url: str) -> BrokerAddress:
-    """`mqtt://host[:port]` (1883) or `mqtts://host[:port]` (TLS, 8883); ValueError else.
-    Credentials never go in the URL (they would show in logs)."""
-    try:
-        parts = urlsplit(url.strip())
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"broker {url!r}: {exc}") from None
-    schemes = {"mqtt": (1883, False), "mqtts": (8883, True)}
-    if parts.scheme not in schemes:
-        raise ValueError(f"broker {url!r} must start with mqtt:// or mqtts:// (TLS)")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError(f"broker {url!r} holds credentials: use broker.username and "
-                         "broker.password_file")
-    if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"broker {url!r} must be only scheme://host[:port]")
-    default_port, tls = schemes[parts.scheme]
-    return BrokerAddress(parts.hostname, port or default_port, tls)
+    """The agent's rule for broker URLs (`config.parse_broker`), worded for the controller."""
+    return parse_broker(url, credentials="broker.username and broker.password_file")
 
 
 class _Section(BaseModel):
