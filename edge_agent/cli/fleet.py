@@ -1,6 +1,5 @@
 """`edge-agent fleet`: the central side of the fleet link — run the controller, see the
-devices and their metrics, provision the broker. (`fleet keygen` and `fleet send` join this
-group with the command-signing module.)
+devices and their metrics, provision the broker, send signed commands.
 
 The controller has its own settings (`--config`, default
 /etc/edge-agent-fleet/controller.toml if present) and state dir, apart from the agent's.
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from edge_agent.cli.common import BadUsage, CheckFailed, F
+from edge_agent.cli.common import EXIT_CHECK_FAILED, BadUsage, CheckFailed, F
 from edge_agent.cli.output import echo_json, json_option, table
 
 if TYPE_CHECKING:
@@ -258,3 +257,101 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
                f"  broker = \"{scheme}://<broker host>:{listen}\"\n  fleet_id = \"{fleet_id}\"\n"
                f"  device_id = \"<its id>\"\n  username = \"<its id>\"\n"
                f"  password_file = \"/etc/edge-agent/fleet.password\"")
+
+
+@fleet.command("send")
+@controller_options
+@click.argument("device", required=False)
+@click.argument("type_", metavar="TYPE")
+@click.option("--all", "all_devices", is_flag=True,
+              help="The whole fleet (its `all` stream); waits for every online device.")
+@click.option("--fleet", "fleet_id", help="The fleet (default: the device's, as it reported).")
+@click.option("--arg", "args", multiple=True, metavar="KEY=VALUE",
+              help="A command argument; VALUE is read as JSON when it parses, else text.")
+@click.option("--args-json", help="All arguments as one JSON object.")
+@click.option("--key", "key_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="The signing key (default: command_key_file in the controller config).")
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=30.0,
+              show_default=True, help="Seconds to wait for results (0: do not wait).")
+@click.option("--broker", help="mqtt://host[:port] or mqtts://host[:port].")
+@click.option("--username", help="The controller's broker user (default controller).")
+@click.option("--password-file", type=click.Path(path_type=Path, dir_okay=False),
+              help="File holding that user's password.")
+@json_option()
+@click.pass_context
+def fleet_send(ctx: click.Context, device: str | None, type_: str, all_devices: bool,
+               fleet_id: str | None, args: tuple[str, ...], args_json: str | None,
+               key_file: Path | None, wait_s: float, broker: str | None,
+               username: str | None, password_file: Path | None, as_json: bool) -> None:
+    """Sign a command (ping, rebirth, config.patch, ledger.purge, keys.revoke …), publish it
+    to DEVICE (or --all) and print the results the boxes send back (exit 1 unless every
+    awaited box answered ok). Results are stored by the running `fleet serve`."""
+    from edge_agent.fleet.controller import commands
+    from edge_agent.fleet.signing import load_private
+
+    settings = _settings(**{"broker.url": broker, "broker.username": username,
+                            "broker.password_file": password_file})
+    if all_devices == (device is not None):
+        raise BadUsage("name one DEVICE or --all")
+    key_path = key_file or settings.command_key_file
+    if key_path is None:
+        raise BadUsage("no signing key: pass --key or set command_key_file "
+                       "(edge-agent fleet keygen makes one)")
+    key = load_private(key_path)
+    store = _open_existing(settings)
+    try:
+        target = commands.ALL if all_devices else str(device)
+        fleet_name = fleet_id or _fleet_of(store, device)
+        sent = commands.send(settings, store, key, fleet=fleet_name, device=target,
+                             type_=type_, args=_command_args(args, args_json),
+                             ttl_s=settings.command_ttl_s)
+        results = commands.wait(store, sent, wait_s) if wait_s else []
+    finally:
+        store.close()
+    missing = sorted(set(sent.expected) - {r["device"] for r in results})
+    if as_json:
+        echo_json({"command": sent.command, "results": results, "missing": missing})
+    else:
+        click.echo(f"sent {type_} {sent.command['id']} (seq {sent.command['seq']}) to "
+                   f"{target} in fleet {fleet_name}")
+        for r in results:
+            detail = r["reason"] or json.dumps(r["result"], sort_keys=True)
+            click.echo(f"{r['device']:<24} {r['status']:<8} {detail}")
+        for name in missing:
+            click.echo(f"{name:<24} {'no answer' if wait_s else 'not awaited'}")
+    if wait_s and (missing or any(r["status"] != "ok" for r in results)):
+        ctx.exit(EXIT_CHECK_FAILED)
+
+
+def _fleet_of(store: FleetStore, device: str | None) -> str:
+    """The fleet a device reported in; for --all, the one fleet the store knows."""
+    if device is not None:
+        row = store.device(device)
+        if row is None:
+            raise CheckFailed(f"device {device!r} has never reported to this controller")
+        return str(row["fleet"])
+    fleets = {str(d["fleet"]) for d in store.devices()}
+    if len(fleets) != 1:
+        raise BadUsage(f"--all needs --fleet (this controller knows {len(fleets)} fleets)")
+    return fleets.pop()
+
+
+def _command_args(pairs: tuple[str, ...], raw: str | None) -> dict[str, Any]:
+    args: dict[str, Any] = {}
+    if raw is not None:
+        try:
+            parsed = json.loads(raw)
+        except ValueError as exc:
+            raise BadUsage(f"--args-json is not JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise BadUsage("--args-json must be a JSON object")
+        args.update(parsed)
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise BadUsage(f"--arg {pair!r} is not KEY=VALUE")
+        try:
+            args[key] = json.loads(value)
+        except ValueError:
+            args[key] = value
+    return args

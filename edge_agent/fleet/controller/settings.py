@@ -97,6 +97,10 @@ class ControllerSettings(_Section):
     broker: BrokerSettings = Field(default_factory=BrokerSettings)  # type: ignore[arg-type]
     http: HTTPSettings = Field(default_factory=HTTPSettings)  # type: ignore[arg-type]
     ingest: IngestSettings = Field(default_factory=IngestSettings)  # type: ignore[arg-type]
+    command_key_file: Path | None = Field(
+        None, description="The controller's ed25519 private key (PEM, from `fleet keygen`) "
+        "that signs commands; boxes hold its public half as fleet.command_key_file.")
+    command_ttl_s: float = Field(300.0, gt=0, description="Seconds a sent command stays valid.")
 
     @field_validator("state_dir")
     @classmethod

@@ -1,0 +1,140 @@
+"""Signed commands from the controller: build, sign, record, publish, collect the results.
+
+A command is signed with the controller's ed25519 key (`fleet keygen`), carries a
+per-stream sequence (`<fleet>/<device>` or `<fleet>/all`, kept by the store) and an expiry,
+and is recorded before it is published, so `fleet send` and the read API agree on what
+was sent. Results come back through the boxes' outboxes and the running `fleet serve`
+ingest; this module only reads them from the store. It never executes anything itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from paho.mqtt.enums import CallbackAPIVersion
+
+from edge_agent.errors import EdgeAgentError, InvalidRequest, ServiceUnavailable
+from edge_agent.fleet import topics
+from edge_agent.fleet.commands import MAX_COMMAND_BYTES
+from edge_agent.fleet.controller.settings import ControllerSettings
+from edge_agent.fleet.controller.store import FleetStore
+from edge_agent.fleet.envelope import dumps
+from edge_agent.fleet.ids import check_id
+from edge_agent.fleet.signing import sign
+
+ALL = topics.ALL
+DEFAULT_TTL_S = 300.0
+
+
+@dataclass(frozen=True)
+class Sent:
+    command: dict[str, Any]
+    expected: list[str]  # devices whose result is awaited (online ones for `all`)
+
+
+def stream(fleet: str, device: str) -> str:
+    """The store's name for a command sequence: one per device, one for the whole fleet."""
+    return f"{fleet}/{device}"
+
+
+def build(store: FleetStore, key: Ed25519PrivateKey, *, fleet: str, device: str,
+          type_: str, args: Mapping[str, Any] | None = None, ttl_s: float = DEFAULT_TTL_S,
+          clock: Callable[[], float] = time.time) -> dict[str, Any]:
+    """A signed command with the stream's next seq (taken, so never reused)."""
+    check_id("fleet", fleet)
+    if device != ALL:
+        check_id("device", device)
+    if ttl_s <= 0:
+        raise InvalidRequest("a command's time to live must be positive", param="ttl")
+    now = clock()
+    command = {"v": 1, "id": uuid.uuid4().hex, "fleet": fleet, "device": device,
+               "type": type_, "seq": store.next_command_seq(stream(fleet, device)),
+               "issued_at": round(now, 3), "expires_at": round(now + ttl_s, 3),
+               "args": dict(args or {})}
+    signed = sign(command, key)
+    if len(dumps(signed)) > MAX_COMMAND_BYTES:
+        raise InvalidRequest(f"the command is over {MAX_COMMAND_BYTES} bytes", param="args")
+    return signed
+
+
+def targets(store: FleetStore, fleet: str, device: str) -> list[str]:
+    """Whose results to wait for: the device, or every online device of the fleet."""
+    if device != ALL:
+        return [device]
+    return sorted(d["device"] for d in store.devices()
+                  if d.get("fleet") == fleet and d.get("online"))
+
+
+def publish(settings: ControllerSettings, command: Mapping[str, Any], *,
+            timeout_s: float = 10.0) -> None:
+    """One QoS 1 publish on the command's topic, with the controller's broker credentials
+    and a client id of its own (the ingest's session is not disturbed); returns once the
+    broker has acknowledged it. ServiceUnavailable when the broker cannot be reached."""
+    broker = settings.broker
+    address = broker.address
+    client = mqtt.Client(CallbackAPIVersion.VERSION2,
+                         client_id=f"edge-fleet-send-{uuid.uuid4().hex[:8]}",
+                         protocol=mqtt.MQTTv5)
+    if broker.username:
+        client.username_pw_set(broker.username, settings.broker_password())
+    if address.tls:
+        client.tls_set(ca_certs=str(broker.ca_file) if broker.ca_file else None,
+                       certfile=str(broker.client_cert) if broker.client_cert else None,
+                       keyfile=str(broker.client_key) if broker.client_key else None)
+    connected = threading.Event()
+    refused: list[str] = []
+
+    def on_connect(c: mqtt.Client, u: Any, flags: Any, reason: Any, props: Any) -> None:
+        if reason.is_failure:
+            refused.append(str(reason))
+        connected.set()
+
+    client.on_connect = on_connect
+    try:
+        client.connect(address.host, address.port, keepalive=30)
+    except OSError as exc:
+        raise ServiceUnavailable(f"broker {broker.url} unreachable: {exc}") from None
+    client.loop_start()
+    try:
+        if not connected.wait(timeout_s) or refused:
+            raise ServiceUnavailable(f"broker {broker.url} refused the controller: "
+                                     f"{refused[0] if refused else 'no answer'}")
+        topic = topics.topic(str(command["fleet"]), str(command["device"]), topics.CMD)
+        info = client.publish(topic, dumps(dict(command)), qos=1)
+        info.wait_for_publish(timeout_s)
+        if not info.is_published():
+            raise ServiceUnavailable(f"broker {broker.url} did not acknowledge the command")
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def send(settings: ControllerSettings, store: FleetStore, key: Ed25519PrivateKey, *,
+         fleet: str, device: str, type_: str, args: Mapping[str, Any] | None = None,
+         ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time) -> Sent:
+    """Sign, record, publish. The results arrive later (see `wait`)."""
+    if device != ALL and store.device(device) is None:
+        raise EdgeAgentError(f"device {device!r} has never reported to this controller")
+    command = build(store, key, fleet=fleet, device=device, type_=type_, args=args,
+                    ttl_s=ttl_s, clock=clock)
+    store.record_command(command, clock())
+    publish(settings, command)
+    return Sent(command, targets(store, fleet, device))
+
+
+def wait(store: FleetStore, sent: Sent, timeout_s: float, *, poll_s: float = 0.2,
+         clock: Callable[[], float] = time.monotonic) -> list[dict[str, Any]]:
+    """The results stored so far, once every expected device answered or at the timeout."""
+    deadline = clock() + timeout_s
+    while True:
+        results = store.command_results(str(sent.command["id"]))
+        if {r["device"] for r in results} >= set(sent.expected) or clock() >= deadline:
+            return results
+        time.sleep(poll_s)
