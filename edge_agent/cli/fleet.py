@@ -261,8 +261,7 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
 
 @fleet.command("send")
 @controller_options
-@click.argument("device", required=False)
-@click.argument("type_", metavar="TYPE")
+@click.argument("words", nargs=-1, required=True, metavar="DEVICE|--all TYPE")
 @click.option("--all", "all_devices", is_flag=True,
               help="The whole fleet (its `all` stream); waits for every online device.")
 @click.option("--fleet", "fleet_id", help="The fleet (default: the device's, as it reported).")
@@ -279,7 +278,7 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
               help="File holding that user's password.")
 @json_option()
 @click.pass_context
-def fleet_send(ctx: click.Context, device: str | None, type_: str, all_devices: bool,
+def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
                fleet_id: str | None, args: tuple[str, ...], args_json: str | None,
                key_file: Path | None, wait_s: float, broker: str | None,
                username: str | None, password_file: Path | None, as_json: bool) -> None:
@@ -291,8 +290,9 @@ def fleet_send(ctx: click.Context, device: str | None, type_: str, all_devices: 
 
     settings = _settings(**{"broker.url": broker, "broker.username": username,
                             "broker.password_file": password_file})
-    if all_devices == (device is not None):
-        raise BadUsage("name one DEVICE or --all")
+    if len(words) != (1 if all_devices else 2):
+        raise BadUsage("name one DEVICE (or --all), then the command's TYPE")
+    device, type_ = (None, words[0]) if all_devices else (words[0], words[1])
     key_path = key_file or settings.command_key_file
     if key_path is None:
         raise BadUsage("no signing key: pass --key or set command_key_file "
