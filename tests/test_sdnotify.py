@@ -199,7 +199,7 @@ def test_keep_alive_pings_at_the_interval(receiver: tuple[str, Receiver]) -> Non
     asyncio.run(for_a_while())
     time.sleep(0.1)
     pings = [at for at, line in rx.lines() if line == "WATCHDOG=1"]
-    assert 9 <= len(pings) <= 12, pings  # every 50 ms: half of WATCHDOG_USEC
+    assert 6 <= len(pings) <= 12, pings  # every 50 ms, half of WATCHDOG_USEC: 11 when idle
 
 
 # --- the real server ------------------------------------------------------------------------
@@ -280,13 +280,13 @@ def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out: dict[str, Any] = {"tokens": 0}
     first = threading.Event()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    request = {"model": DEFAULT_MODEL, "prompt": "Count to one hundred:", "logit_bias": NO_EOS}
 
-    def stream() -> None:
-        body = {"model": DEFAULT_MODEL, "prompt": "Count to one hundred:", "max_tokens": 200,
-                "stream": True, "logit_bias": NO_EOS}
+    def stream(max_tokens: int) -> None:
         try:
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
-                              timeout=60) as r:
+            with httpx.stream("POST", url, json={**request, "max_tokens": max_tokens,
+                                                 "stream": True}, timeout=60) as r:
                 for line in r.iter_lines():
                     if line == "data: [DONE]":
                         out["done"] = time.monotonic()
@@ -301,7 +301,12 @@ def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
 
     try:
         rx.wait_for("READY=1", 180)
-        client = threading.Thread(target=stream)
+        # A stream of about 3 s at this machine's present speed: it outlasts the stop's first
+        # moments and ends well within the 10 s drain (GRACEFUL_SHUTDOWN_S), loaded or not.
+        began = time.monotonic()
+        httpx.post(url, json={**request, "max_tokens": 16}, timeout=60).raise_for_status()
+        rate = 16 / (time.monotonic() - began)
+        client = threading.Thread(target=stream, args=(max(16, min(256, int(rate * 3))),))
         client.start()
         assert first.wait(60)
         term_at = time.monotonic()
@@ -321,5 +326,6 @@ def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
     assert out["done"] > stopping_at and out["finish"] == "length"  # ran on past the stop
     with sqlite3.connect(state / "ledger.db") as db:
         rows = db.execute("SELECT endpoint, status FROM requests").fetchall()
-    assert any(endpoint.endswith("/completions") and status == 200
-               for endpoint, status in rows), rows
+    # The warm-up's row and the drained stream's, written by the flush at the stop.
+    assert [status for endpoint, status in rows if endpoint.endswith("/completions")] == [
+        200, 200], rows
