@@ -28,12 +28,14 @@ check: $(VENV)/.test-deps
 	$(BIN)/mypy edge_agent
 	$(BIN)/lint-imports
 
-# The fleet tests start their own Mosquitto and PostgreSQL from the installed binaries.
+# The fleet tests start their own Mosquitto and PostgreSQL from the installed binaries; the
+# unit tests read systemd/ with systemd-analyze (systemd need not be running: it only reads).
 system-deps:
 	@missing=""; \
 	command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto"; \
 	command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 		|| missing="$$missing postgresql"; \
+	command -v systemd-analyze >/dev/null 2>&1 || missing="$$missing systemd"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing$$missing (Debian packages)"; \
 		sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \

@@ -24,6 +24,11 @@ running tasks as well as connections. `GuardedH11Protocol` adds what is missing:
 
 Everything runs on the event loop: a timer per connection, no thread, no polling of idle
 connections.
+
+Under systemd (`Type=notify`), `SupervisedServer` reports to it through `edge_agent.sdnotify`:
+STATUS= lines while the default model loads, READY=1 once the port is bound and `/ready`'s
+check passes, WATCHDOG=1 from the event loop for the server's whole life, STOPPING=1 when
+the drain begins. Without $NOTIFY_SOCKET it is plain uvicorn.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import socket
 import struct
 import termios
 import time
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import h11
@@ -45,13 +51,18 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from edge_agent.api.errors import error_response
+from edge_agent.api.ops import readiness_problems
 from edge_agent.config import ServerSettings, Settings
 from edge_agent.errors import BodyTimeout, ServiceUnavailable
+from edge_agent.sdnotify import Notifier, announce_ready, keep_alive
 
 log = logging.getLogger(__name__)
 
 # A request head (request line and headers) larger than this is refused with a 400.
 MAX_HEAD_BYTES = 16 * 1024
+# Running requests get this long to finish after SIGTERM; then they are cancelled and the
+# lifespan closes the models and flushes the ledger. systemd/edge-agent.service gives the
+# whole stop TimeoutStopSec=30, the rest of it for that close.
 GRACEFUL_SHUTDOWN_S = 10
 _CLOSE = (b"connection", b"close")
 _TCP_BYTES_ACKED = 120  # offsetof(struct tcp_info, tcpi_bytes_acked), Linux >= 4.2
@@ -76,9 +87,58 @@ def uvicorn_config(app: Any, settings: Settings, *, log_level: str | None = None
 
 def serve(app: Any, settings: Settings) -> bool:
     """Runs until SIGINT/SIGTERM; False when the server could not start (port taken …)."""
-    server = uvicorn.Server(uvicorn_config(app, settings))
+    server = build_server(app, settings)
     server.run()
     return server.started
+
+
+def build_server(app: Any, settings: Settings, *, environ: Mapping[str, str] | None = None,
+                 log_level: str | None = None) -> SupervisedServer:
+    """The server `serve` runs: `app` (from `create_app`) under `uvicorn_config`, reporting
+    to systemd when `environ` (default: this process's) names a NOTIFY_SOCKET."""
+    parts = app.state.parts
+    server = settings.server
+    return SupervisedServer(
+        uvicorn_config(app, settings, log_level=log_level), Notifier.from_environ(environ),
+        problems=lambda: readiness_problems(parts),
+        serving=f"serving on {server.host}:{server.port}, default model "
+                f"{settings.default_model} loaded")
+
+
+class SupervisedServer(uvicorn.Server):
+    """uvicorn's Server, telling systemd how it stands (see the module's docstring)."""
+
+    def __init__(self, config: Config, notifier: Notifier, *,
+                 problems: Callable[[], list[str]], serving: str) -> None:
+        super().__init__(config)
+        self.notifier = notifier
+        self._problems = problems
+        self._serving = serving
+        self._announcer: asyncio.Task[None] | None = None
+        self._pinger: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.notifier.status(f"starting: opening the ledger, binding {self.config.host}:"
+                             f"{self.config.port}")
+        await super().startup(sockets)
+        if self.started:  # bound: from here on readiness is the app's to report
+            self._announcer = asyncio.create_task(
+                announce_ready(self.notifier, self._problems, serving=self._serving))
+            self._pinger = asyncio.create_task(keep_alive(self.notifier))
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._announcer is not None:  # a stop during start-up must not end in READY=1
+            self._announcer.cancel()
+        self.notifier.stopping(f"stopping: draining {len(self.server_state.connections)} "
+                               f"connections (up to {GRACEFUL_SHUTDOWN_S} s), then "
+                               "flushing the ledger")
+        try:
+            await super().shutdown(sockets)  # the pings go on: a long drain is no hang
+        finally:
+            tasks = [t for t in (self._announcer, self._pinger) if t is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def guarded_protocol(server: ServerSettings) -> type[GuardedH11Protocol]:

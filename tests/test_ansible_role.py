@@ -1,0 +1,309 @@
+"""The Ansible role in ansible/roles/edge_agent, run for real against this machine.
+
+A wheelhouse is built from this checkout (`pip wheel .[default-model]`: pip's cache holds the
+llama-cpp-python wheel built for this machine, so nothing compiles), then `ansible-playbook`
+runs the role on localhost (`ansible_connection=local`) into a scratch prefix: its paths are
+variables, and the service user is the one running the tests (`edge_agent_create_user:
+false`), so nothing outside the scratch directory changes. The first run converges and
+`edge-agent doctor` passes; the second reports changed=0; `--check --diff` after it reports
+no change either. The service part (daemon-reload, enable, start, /ready) runs only where
+systemd is PID 1; elsewhere the role says why it skipped it, and that is checked.
+
+Also: argument_specs and defaults name the same variables, the role's unit template renders
+to systemd/edge-agent.service with the defaults, its drop-ins are systemd/'s, and
+`ansible-lint` (production profile) passes on ansible/.
+"""
+
+from __future__ import annotations
+
+import grp
+import hashlib
+import json
+import os
+import pwd
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import DEFAULT_MODEL, free_port
+from tests.ggufgen import write_tiny_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSIBLE = ROOT / "ansible"
+ROLE = ANSIBLE / "roles" / "edge_agent"
+BIN = Path(sys.executable).parent
+BROKER_PASSWORD = "s3cret-broker-pass-1f6b"
+RECAP = re.compile(r"^localhost\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+"
+                   r"failed=(\d+)", re.M)
+
+
+def _tool(name: str) -> str:
+    found = BIN / name
+    if not found.exists():
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
+    return str(found)
+
+
+def ansible_env(home: Path) -> dict[str, str]:
+    """The tools' environment: this venv first on PATH, Ansible's state in `home`, and no
+    PIP_* of the machine's (the wheelhouse alone must be enough)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "ANSIBLE_"))}
+    env.update({
+        "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
+        "ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles"),
+        "ANSIBLE_HOME": str(home),
+        "ANSIBLE_LOCAL_TEMP": str(home / "tmp"),
+        "ANSIBLE_NOCOLOR": "1",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    })
+    return env
+
+
+# --- the role's files ------------------------------------------------------------------------
+
+def test_argument_specs_and_defaults_name_the_same_variables() -> None:
+    specs = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())
+    options = specs["argument_specs"]["main"]["options"]
+    defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    assert set(options) == set(defaults)
+    assert all(name.startswith("edge_agent_") for name in options)
+    assert all(spec.get("description") and spec.get("type") for spec in options.values())
+    internal = yaml.safe_load((ROLE / "vars" / "main.yml").read_text())
+    assert all(name.startswith("_edge_agent_") for name in internal)
+
+
+def test_tasks_main_only_dispatches_the_phases_in_order() -> None:
+    tasks = yaml.safe_load((ROLE / "tasks" / "main.yml").read_text())
+    assert [t["ansible.builtin.import_tasks"] for t in tasks] == [
+        "preflight.yml", "install.yml", "configure.yml", "models.yml", "service.yml",
+        "verify.yml"]
+    assert all(t.get("tags") for t in tasks)
+
+
+@pytest.mark.parametrize("dropin", ["nvidia.conf", "jetson.conf"])
+def test_the_role_ships_systemds_drop_ins(dropin: str) -> None:
+    assert ((ROLE / "files" / dropin).read_bytes()
+            == (ROOT / "systemd" / "edge-agent.service.d" / dropin).read_bytes())
+
+
+def test_the_unit_template_renders_to_systemds_unit(tmp_path: Path) -> None:
+    """With the defaults, the unit the role installs is systemd/edge-agent.service byte for
+    byte (rendered by Ansible's own template module)."""
+    out = tmp_path / "edge-agent.service"
+    result = subprocess.run(
+        [_tool("ansible"), "localhost", "-c", "local", "-i", "localhost,",
+         "-e", f"ansible_python_interpreter={sys.executable}",
+         "-e", f"@{ROLE / 'defaults' / 'main.yml'}", "-e", f"@{ROLE / 'vars' / 'main.yml'}",
+         "-m", "ansible.builtin.template",
+         "-a", f"src={ROLE / 'templates' / 'edge-agent.service.j2'} dest={out}"],
+        capture_output=True, text=True, timeout=120, env=ansible_env(tmp_path / "home"),
+        check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert out.read_text() == (ROOT / "systemd" / "edge-agent.service").read_text()
+
+
+@pytest.mark.provision
+def test_ansible_lint_production_profile_passes(tmp_path: Path) -> None:
+    result = subprocess.run([_tool("ansible-lint"), "--profile", "production", "--offline"],
+                            cwd=ANSIBLE, capture_output=True, text=True, timeout=600,
+                            env=ansible_env(tmp_path / "home"), check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Profile 'production' was required, and it passed" in result.stderr + result.stdout
+
+
+# --- the role run against this machine --------------------------------------------------------
+
+@dataclass
+class Run:
+    output: str
+    seconds: float
+    ok: int = 0
+    changed: int = 0
+    failed: int = 0
+
+    @classmethod
+    def of(cls, result: subprocess.CompletedProcess[str], seconds: float) -> Run:
+        output = result.stdout + result.stderr
+        recap = RECAP.search(output)
+        assert result.returncode == 0 and recap, output[-6000:]
+        ok, changed, unreachable, failed = map(int, recap.groups())
+        assert unreachable == 0
+        return cls(output, seconds, ok, changed, failed)
+
+
+@dataclass
+class Provisioned:
+    scratch: Path
+    vars: dict[str, object]
+    runs: dict[str, Run] = field(default_factory=dict)
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.scratch / "opt" / "bin" / "edge-agent"), *args, "--config",
+             str(self.scratch / "etc" / "config.toml")],
+            capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """edge-agent's wheel and all its dependencies, as a technician carries them."""
+    where = tmp_path_factory.mktemp("wheelhouse")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet",
+                             "--disable-pip-version-check", f"{ROOT}[default-model]", "-w",
+                             str(where)],
+                            capture_output=True, text=True, timeout=1800, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    print(f"wheelhouse: pip wheel took {time.monotonic() - started:.1f} s")
+    assert list(where.glob("edge_agent-*.whl")) and list(where.glob("llama_cpp_python-*.whl"))
+    return where
+
+
+@pytest.fixture(scope="module")
+def provisioned(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Provisioned:
+    scratch = tmp_path_factory.mktemp("box")
+    (scratch / "cache").mkdir()
+    tiny = write_tiny_gguf(scratch / "cache" / "tiny.gguf", context_length=128)
+    # The base interpreter, as a box's /usr/bin/python3: the wheels were built for it.
+    python = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    systemd_is_pid1 = Path("/run/systemd/system").is_dir()
+    variables: dict[str, object] = {
+        "edge_agent_wheelhouse": str(wheelhouse),
+        "edge_agent_python": str(python),
+        "edge_agent_prefix": str(scratch / "opt"),
+        "edge_agent_config_dir": str(scratch / "etc"),
+        "edge_agent_state_dir": str(scratch / "state"),
+        "edge_agent_systemd_dir": str(scratch / "systemd"),
+        "edge_agent_key_drop_dir": str(scratch / "keys"),
+        # The user running the tests, existing already: nothing is created outside scratch.
+        "edge_agent_user": _whoami(), "edge_agent_group": _group(),
+        "edge_agent_create_user": False,
+        "edge_agent_port": free_port(),
+        "edge_agent_gpu": "none",
+        "edge_agent_min_free_disk_mb": 256,
+        "edge_agent_catalog_models": [DEFAULT_MODEL],
+        "edge_agent_models": [{"name": "tiny:1", "src": str(tiny)}],
+        "edge_agent_tenants": {"shop": {"models": ["*"], "max_output_tokens": 256}},
+        "edge_agent_fleet_id": "f1",
+        "edge_agent_fleet_broker": "mqtts://broker.example:8883",
+        "edge_agent_fleet_username": "box1",
+        "edge_agent_fleet_password": BROKER_PASSWORD,
+        "edge_agent_fleet_ca_cert": "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----",
+        "edge_agent_fleet_command_key":
+            "-----BEGIN PUBLIC KEY-----\nMCow\n-----END PUBLIC KEY-----",
+        # Where systemd runs, the test still must not start a service on the machine: that
+        # takes a disposable VM. Where it does not, the role itself skips and says why.
+        **({"edge_agent_service_enabled": False} if systemd_is_pid1 else {}),
+    }
+    (scratch / "vars.json").write_text(json.dumps(variables))
+    (scratch / "inventory").write_text(
+        f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n")
+    (scratch / "play.yml").write_text(
+        "- name: Provision this machine into a scratch prefix\n"
+        "  hosts: all\n  roles:\n    - role: edge_agent\n")
+    env = ansible_env(scratch / "ansible-home")
+    box = Provisioned(scratch, variables)
+    for name, extra in [("first", []), ("second", []), ("check", ["--check", "--diff"])]:
+        started = time.monotonic()
+        result = subprocess.run(
+            [_tool("ansible-playbook"), "-i", str(scratch / "inventory"),
+             str(scratch / "play.yml"), "-e", f"@{scratch / 'vars.json'}", *extra],
+            capture_output=True, text=True, timeout=900, env=env, check=False)
+        box.runs[name] = Run.of(result, time.monotonic() - started)
+        print(f"ansible-playbook, {name} run: {box.runs[name].seconds:.1f} s, "
+              f"ok={box.runs[name].ok} changed={box.runs[name].changed}")
+    return box
+
+
+def _whoami() -> str:
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+def _group() -> str:
+    return grp.getgrgid(os.getgid()).gr_name
+
+
+@pytest.mark.provision
+def test_the_first_run_converges_and_doctor_passes(provisioned: Provisioned) -> None:
+    first = provisioned.runs["first"]
+    assert first.failed == 0 and first.changed > 0
+    assert "doctor: " in first.output
+    doctor = provisioned.cli("doctor", "--json")
+    checks = json.loads(doctor.stdout)
+    assert doctor.returncode == 0 and not [c for c in checks if c["status"] == "fail"], checks
+    models = {m["name"]: m for m in json.loads(provisioned.cli("models", "list", "--json").stdout)
+              if m["installed"]}
+    assert set(models) == {DEFAULT_MODEL, "tiny:1"}
+    tiny = provisioned.scratch / "cache" / "tiny.gguf"
+    assert models["tiny:1"]["digest"] == hashlib.sha256(tiny.read_bytes()).hexdigest()
+    assert not list((provisioned.scratch / "state" / "incoming").iterdir())
+
+
+@pytest.mark.provision
+def test_the_second_run_changes_nothing(provisioned: Provisioned) -> None:
+    second = provisioned.runs["second"]
+    assert second.changed == 0, [line for line in second.output.splitlines()
+                                 if line.startswith("changed:")]
+
+
+@pytest.mark.provision
+def test_check_diff_after_it_reports_no_change(provisioned: Provisioned) -> None:
+    check = provisioned.runs["check"]
+    assert check.changed == 0, check.output[-4000:]
+    assert "--- before" not in check.output
+
+
+@pytest.mark.provision
+def test_one_key_per_tenant_dropped_once_mode_0600(provisioned: Provisioned) -> None:
+    keys = json.loads(provisioned.cli("keys", "list", "--json").stdout)
+    assert [(k["tenant"], k["revoked"]) for k in keys] == [("shop", None)]
+    dropped = provisioned.scratch / "keys" / "localhost.shop.key"
+    assert stat.S_IMODE(dropped.stat().st_mode) == 0o600
+    key = dropped.read_text().strip()
+    assert keys[0]["prefix"] in key
+    for run in provisioned.runs.values():  # shown once: in the file, nowhere in the logs
+        assert key not in run.output and BROKER_PASSWORD not in run.output
+
+
+@pytest.mark.provision
+def test_the_secrets_are_readable_by_the_service_group_only(provisioned: Provisioned) -> None:
+    etc = provisioned.scratch / "etc"
+    assert stat.S_IMODE((etc / "config.toml").stat().st_mode) == 0o640
+    assert stat.S_IMODE((etc / "fleet").stat().st_mode) == 0o750
+    assert (etc / "fleet" / "password").read_text() == BROKER_PASSWORD + "\n"
+    for name in ("password", "ca.pem", "command-key.pem"):
+        assert stat.S_IMODE((etc / "fleet" / name).stat().st_mode) == 0o640
+    assert not (etc / "fleet" / "client.key").exists()
+    config = (etc / "config.toml").read_text()
+    assert f'password_file = "{etc}/fleet/password"' in config
+    assert BROKER_PASSWORD not in config
+
+
+@pytest.mark.provision
+def test_the_service_part_runs_only_under_systemd(provisioned: Provisioned) -> None:
+    unit = (provisioned.scratch / "systemd" / "edge-agent.service").read_text()
+    assert f"ExecStart={provisioned.scratch}/opt/bin/edge-agent serve --config " in unit
+    assert f"ReadWritePaths={provisioned.scratch}/state" in unit
+    assert not (provisioned.scratch / "systemd" / "edge-agent.service.d").exists()
+    said = re.search(r'"msg": "(service not managed: [^"]*)"', provisioned.runs["first"].output)
+    assert said, "the role must say why it did not manage the service"
+    print(said.group(1))
+    if not Path("/run/systemd/system").is_dir():
+        assert "not systemd (systemd is not PID 1)" in said.group(1)
+
+
+def test_gitignore_keeps_the_technicians_material_out() -> None:
+    ignored = (ANSIBLE / ".gitignore").read_text().split()
+    assert {"keys/", "wheelhouse/", "models/", "pki/"} <= set(ignored)
+    assert shutil.which("git") is None or not subprocess.run(
+        ["git", "ls-files", "ansible/keys", "ansible/wheelhouse"], cwd=ROOT,
+        capture_output=True, text=True, check=False).stdout
