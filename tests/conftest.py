@@ -10,9 +10,10 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from edge_agent.app import create_app
 from edge_agent.config import Settings, load_settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.server import uvicorn_config
+from tests.brokers import Mosquitto, Postgres, find_mosquitto, find_postgres_bin
 
 DEFAULT_MODEL = "smollm2:135m"
 # The default model's end-of-generation tokens, biased away where a test needs a long output.
@@ -122,3 +124,54 @@ def live_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
     live = start_server(settings)
     yield live
     live.stop()
+
+
+# -- The fleet link's real servers (tests/brokers.py) ----------------------------------------
+
+@pytest.fixture(scope="session")
+def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
+    """The session's broker, configured by `fleet broker-config` for fleet `f1` and the
+    devices in `tests.brokers.DEVICES`, with a TLS listener (CA made in the test). Shared:
+    never kill it; take `mosquitto_factory` for a broker of your own."""
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    broker = Mosquitto(tmp_path_factory.mktemp("mosquitto"), tls=True).start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def mosquitto_factory(tmp_path: Path) -> Iterator[Callable[..., Mosquitto]]:
+    """Brokers of the test's own (`make(devices=..., tls=...)`, not started), stopped at the
+    end: for the tests that kill the broker and start it again on the same port and data."""
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    made: list[Mosquitto] = []
+
+    def make(**kwargs: Any) -> Mosquitto:
+        broker = Mosquitto(tmp_path / f"broker{len(made)}", **kwargs)
+        made.append(broker)
+        return broker
+
+    yield make
+    for broker in made:
+        broker.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Postgres]:
+    """A private PostgreSQL for the session (initdb + pg_ctl in a temp dir), skipped with
+    the reason where the server binaries are not installed."""
+    bindir = find_postgres_bin()
+    if bindir is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) in PATH, /usr/local/bin "
+                    "or /usr/lib/postgresql/*/bin")
+    server = Postgres(bindir).start()
+    yield server
+    server.remove()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: Postgres) -> str:
+    """A fresh, empty database on the session's PostgreSQL."""
+    return postgres_server.create_database()

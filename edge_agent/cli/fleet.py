@@ -1,0 +1,254 @@
+"""`edge-agent fleet`: the central side of the fleet link — run the controller, see the
+devices and their metrics, provision the broker. (`fleet keygen` and `fleet send` join this
+group with the command-signing module.)
+
+The controller has its own settings (`--config`, default
+/etc/edge-agent-fleet/controller.toml if present) and state dir, apart from the agent's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from edge_agent.cli.common import BadUsage, CheckFailed, F
+from edge_agent.cli.output import echo_json, json_option, table
+
+if TYPE_CHECKING:
+    from edge_agent.fleet.controller.settings import ControllerSettings
+    from edge_agent.fleet.controller.store import FleetStore
+
+_META = "edge_agent.fleet."
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    ctx.meta[f"{_META}{param.name}"] = value
+    return value
+
+
+def controller_options(fn: F) -> F:
+    """--config, --state-dir and --db on a controller command; `_settings()` reads them."""
+    for option in (
+        click.option("--db", expose_value=False, callback=_remember,
+                     help="postgresql://… (default: SQLite in the state dir)."),
+        click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False),
+                     expose_value=False, callback=_remember,
+                     help="Controller state dir (default /var/lib/edge-agent-fleet)."),
+        click.option("--config", type=click.Path(path_type=Path, dir_okay=False),
+                     expose_value=False, callback=_remember,
+                     help="Controller TOML file (default /etc/edge-agent-fleet/"
+                          "controller.toml if present)."),
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _settings(**flags: Any) -> ControllerSettings:
+    from edge_agent.fleet.controller.settings import load_controller_settings
+
+    meta = click.get_current_context().meta
+    return load_controller_settings(meta.get(f"{_META}config"),
+                                    state_dir=meta.get(f"{_META}state_dir"),
+                                    db=meta.get(f"{_META}db"), **flags)
+
+
+def _open_existing() -> FleetStore:
+    """The controller's store, for reading; the CLI never creates a SQLite one."""
+    from edge_agent.fleet.controller.store import DB_FILE, open_store
+
+    settings = _settings()
+    if settings.db is None and not (settings.state_dir / DB_FILE).exists():
+        raise CheckFailed(f"no controller store at {settings.state_dir / DB_FILE} "
+                          "(edge-agent fleet serve creates it)")
+    return open_store(settings.db, settings.state_dir)
+
+
+@click.group()
+def fleet() -> None:
+    """The fleet controller: ingest, devices, metrics, broker provisioning."""
+
+
+@fleet.command("serve")
+@controller_options
+@click.option("--broker", help="mqtt://host[:port] or mqtts://host[:port].")
+@click.option("--username", help="The controller's broker user (default controller).")
+@click.option("--password-file", type=click.Path(path_type=Path, dir_okay=False),
+              help="File holding the broker password.")
+@click.option("--ca-file", type=click.Path(path_type=Path, dir_okay=False),
+              help="PEM CA the broker's certificate is checked against (mqtts://).")
+@click.option("--host", help="Address of /metrics and the read API (default 127.0.0.1).")
+@click.option("--port", type=click.IntRange(0, 65535), help="Their port (default 9464).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+def fleet_serve(broker: str | None, username: str | None, password_file: Path | None,
+                ca_file: Path | None, host: str | None, port: int | None,
+                log_level: str) -> None:
+    """Ingest every device's messages into the store, acknowledge them, serve /metrics."""
+    import logging
+
+    from edge_agent.fleet.controller.service import serve
+
+    settings = _settings(**{"broker.url": broker, "broker.username": username,
+                            "broker.password_file": password_file, "broker.ca_file": ca_file,
+                            "http.host": host, "http.port": port})
+    settings.broker_password()  # an unreadable password file stops the start, with its name
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not serve(settings, log_level="warning" if log_level != "debug" else "debug"):
+        raise CheckFailed(f"the controller's HTTP server did not start on "
+                          f"{settings.http.host}:{settings.http.port} (see the log above)")
+
+
+def _ago(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    age = max(0.0, time.time() - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if age >= size:
+            return f"{age / size:.0f}{unit} ago"
+    return f"{age:.0f}s ago"
+
+
+@fleet.command("devices")
+@controller_options
+@json_option()
+def fleet_devices(as_json: bool) -> None:
+    """Devices: online or offline, last seen, versions, active models."""
+    store = _open_existing()
+    try:
+        devices = store.devices()
+    finally:
+        store.close()
+    if as_json:
+        echo_json(devices)
+        return
+    table([("DEVICE", "<20"), ("FLEET", "<12"), ("STATUS", "<8"), ("LAST SEEN", "<10"),
+           ("AGENT", "<8"), ("LLAMA.CPP", "<10"), ("ACTIVE MODELS", "")],
+          ([d["device"], d["fleet"], "online" if d["online"] else "offline",
+            _ago(d["last_seen"]), d["agent_version"] or "-", d["llama_cpp_version"] or "-",
+            ",".join(d["active_models"]) or "-"] for d in devices))
+
+
+def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [kv for key, sub in value.items()
+                for kv in _flatten(sub, f"{prefix}.{key}" if prefix else str(key))]
+    return [(prefix, json.dumps(value) if isinstance(value, (list, type(None))) else value)]
+
+
+@fleet.command("metrics")
+@controller_options
+@click.argument("device", required=False)
+@click.option("--all", "all_devices", is_flag=True, help="Every device's latest metrics.")
+@json_option()
+def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
+    """A device's latest metrics message (or every device's with --all)."""
+    from edge_agent.fleet.ids import check_id
+
+    if (device is None) == (not all_devices):
+        raise BadUsage("name one DEVICE, or --all")
+    if device is not None:
+        try:
+            check_id("device", device)
+        except ValueError as exc:
+            raise BadUsage(str(exc)) from None
+    store = _open_existing()
+    try:
+        names = [device] if device else [d["device"] for d in store.devices()]
+        if device and store.device(device) is None:
+            raise CheckFailed(f"no device {device!r} in the controller store")
+        latest: list[dict[str, Any]] = [
+            {"device": name, "metrics": store.latest_metrics(name)} for name in names]
+    finally:
+        store.close()
+    if as_json:
+        echo_json(latest if all_devices else latest[0])
+        return
+    for entry in latest:
+        found = entry["metrics"]
+        if found is None:
+            click.echo(f"{entry['device']}: no metrics yet")
+            continue
+        click.echo(f"{entry['device']}  (boot {found['boot_id'][:8]}, seq {found['seq']}, "
+                   f"{_ago(found['ts'])})")
+        for key, value in _flatten(found["body"]):
+            click.echo(f"  {key:<40} {value}")
+
+
+@fleet.command("broker-config")
+@click.option("--devices", "devices_file", required=True,
+              type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="Text file: one device id per line (# comments, blank lines ignored).")
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Folder for passwd, acl, mosquitto.conf and credentials/.")
+@click.option("--fleet", "fleet_id", default="default", show_default=True,
+              help="The fleet id the devices are configured with.")
+@click.option("--controller-user", default="controller", show_default=True,
+              help="The controller's broker user (read-write edge/v1/#).")
+@click.option("--tls-cert", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="Server certificate (PEM): adds a TLS listener.")
+@click.option("--tls-key", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="Its private key (PEM).")
+@click.option("--ca", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="CA for client certificates on the TLS listener (optional).")
+@click.option("--bind", default="127.0.0.1", show_default=True,
+              help="Address of the plain listener (passwords cross it in clear).")
+@click.option("--port", type=click.IntRange(1, 65535), default=1883, show_default=True)
+@click.option("--tls-bind", default="", help="Address of the TLS listener (default: all).")
+@click.option("--tls-port", type=click.IntRange(1, 65535), default=8883, show_default=True)
+@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False),
+              default=Path("/var/lib/mosquitto"), show_default=True,
+              help="Mosquitto's persistence folder.")
+@click.option("--autosave-interval", type=click.IntRange(1), default=60, show_default=True,
+              help="Seconds between Mosquitto's saves of its queues.")
+@click.option("--conf-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="Where passwd and acl will be on the broker host (default: --out).")
+@json_option()
+def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller_user: str,
+                        tls_cert: Path | None, tls_key: Path | None, ca: Path | None,
+                        bind: str, port: int, tls_bind: str, tls_port: int, data_dir: Path,
+                        autosave_interval: int, conf_dir: Path | None, as_json: bool) -> None:
+    """Write a Mosquitto passwd, ACL and config for a fleet, and each device's password."""
+    from edge_agent.fleet.controller.broker import (
+        BrokerPlan,
+        TLSFiles,
+        check_plan,
+        read_devices,
+        write_broker_config,
+    )
+
+    if (tls_cert is None) != (tls_key is None):
+        raise BadUsage("--tls-cert and --tls-key go together")
+    if ca is not None and tls_cert is None:
+        raise BadUsage("--ca needs --tls-cert and --tls-key")
+    tls = None if tls_cert is None or tls_key is None else TLSFiles(
+        tls_cert.absolute(), tls_key.absolute(), ca.absolute() if ca else None)
+    plan = BrokerPlan(fleet=fleet_id, devices=read_devices(devices_file),
+                      controller_user=controller_user, bind=bind, port=port, tls=tls,
+                      tls_bind=tls_bind, tls_port=tls_port, data_dir=data_dir.absolute(),
+                      autosave_interval=autosave_interval,
+                      conf_dir=conf_dir.absolute() if conf_dir else None)
+    check_plan(plan)  # before anything is written
+    files = write_broker_config(plan, out)
+    summary = {"fleet": fleet_id, "devices": list(plan.devices), "passwd": str(files.passwd),
+               "acl": str(files.acl), "conf": str(files.conf),
+               "credentials": {u: str(p) for u, p in files.credentials.items()},
+               "new_passwords": files.new_passwords}
+    if as_json:
+        echo_json(summary)
+        return
+    click.echo(f"fleet {fleet_id}: {len(plan.devices)} devices and user {controller_user}; "
+               f"{len(files.new_passwords)} new passwords")
+    for path in (files.passwd, files.acl, files.conf):
+        click.echo(f"wrote {path}")
+    click.echo(f"wrote {out.absolute() / 'credentials'}/<user>.txt (mode 0600): copy each "
+               "device's file to its box, as fleet.password_file")
+    scheme, listen = ("mqtts", tls_port) if tls else ("mqtt", port)
+    click.echo(f"\non each box ([fleet] in its config.toml):\n  enabled = true\n"
+               f"  broker = \"{scheme}://<broker host>:{listen}\"\n  fleet_id = \"{fleet_id}\"\n"
+               f"  device_id = \"<its id>\"\n  username = \"<its id>\"\n"
+               f"  password_file = \"/etc/edge-agent/fleet.password\"")

@@ -1,0 +1,79 @@
+"""The controller's HTTP side: `/metrics` for Prometheus and a small read-only JSON API.
+
+    GET /metrics                  Prometheus text (the controller's own registry)
+    GET /healthz                  {"broker_connected": bool, "store": "ok"|"error"}
+    GET /devices                  {"devices": [device, ...]}
+    GET /devices/{id}             one device (404 if unknown)
+    GET /devices/{id}/metrics     {"device": id, "metrics": [newest first]} (?limit=1..1000)
+
+An app factory only (no module-level app): `fleet serve` builds it with the store and the
+ingest it runs. It never writes: commands go through `fleet send`, which signs them. It
+listens on 127.0.0.1 unless told otherwise (`http.host`); it has no authentication of its
+own, so put it behind one before exposing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from edge_agent import __version__
+from edge_agent.fleet.controller.metrics import ControllerMetrics
+from edge_agent.fleet.controller.store import FleetStore
+from edge_agent.fleet.ids import check_id
+
+
+def _problem(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def create_app(store: FleetStore, metrics: ControllerMetrics, *,
+               broker_connected: Callable[[], bool] = lambda: False) -> FastAPI:
+    app = FastAPI(title="edge-agent fleet controller", version=__version__,
+                  docs_url=None, redoc_url=None)
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz")
+    def healthz() -> Any:
+        try:
+            store.counts()
+            state = "ok"
+        except Exception:  # the answer is the health check's point, not an error page
+            state = "error"
+        body = {"broker_connected": broker_connected(), "store": state}
+        return JSONResponse(body, status_code=200 if state == "ok" else 503)
+
+    @app.get("/devices")
+    def devices() -> dict[str, Any]:
+        return {"devices": store.devices()}
+
+    @app.get("/devices/{device_id}", response_model=None)
+    def device(device_id: str) -> dict[str, Any] | JSONResponse:
+        try:
+            check_id("device", device_id)
+        except ValueError as exc:
+            return _problem(400, str(exc))
+        found = store.device(device_id)
+        return found if found is not None else _problem(404, f"no device {device_id!r}")
+
+    @app.get("/devices/{device_id}/metrics", response_model=None)
+    def device_metrics(device_id: str, limit: int = Query(1, ge=1, le=1000)
+                       ) -> dict[str, Any] | JSONResponse:
+        try:
+            check_id("device", device_id)
+        except ValueError as exc:
+            return _problem(400, str(exc))
+        if store.device(device_id) is None:
+            return _problem(404, f"no device {device_id!r}")
+        return {"device": device_id,
+                "metrics": store.messages(device_id, kind="metrics", limit=limit,
+                                          newest_first=True)}
+
+    return app

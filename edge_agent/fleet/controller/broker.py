@@ -1,0 +1,224 @@
+"""Provisioning a Mosquitto broker for a fleet: `passwd`, `acl`, `mosquitto.conf`, and one
+credentials file per device (what `edge-agent fleet broker-config` writes).
+
+The devices file is plain text: one device id per line; blank lines and `#` comments are
+ignored. Every id goes through `ids.check_id`; one bad or repeated id refuses the whole run
+(naming its line), since a half-written ACL is worse than none.
+
+The ACL gives each device explicit `topic` lines under its own `user` block — its tree
+`edge/v1/{fleet}/{id}/#` read-write and `edge/v1/{fleet}/all/cmd` read — and the
+controller user `edge/v1/#`. Explicit lines rather than `pattern … %u`: a user added to the
+password file by hand with a `/` in its name would reach into another device's tree
+through `%u`; with explicit lines a user the ACL does not name can do nothing.
+
+Passwords: generated (URL-safe random) unless `credentials/<user>.txt` already holds one,
+so re-running after adding a device does not change everyone's password (delete a file to
+rotate it). Hashed with `mosquitto_passwd -U` when it is installed, else in the same
+PBKDF2-SHA512 `$7$` format Mosquitto 2 writes. Every file is written atomically; the
+password file and the credentials are mode 0600. This module never starts a broker.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge_agent.config import ConfigError
+from edge_agent.fleet import topics
+from edge_agent.fleet.ids import check_id
+
+# Mosquitto 2's password hash: PBKDF2-SHA512, 101 iterations, 12-byte salt, 64-byte key.
+HASH_ITERATIONS = 101
+SECRET_MODE = 0o600
+PUBLIC_MODE = 0o644
+PASSWD, ACL, CONF, CREDENTIALS = "passwd", "acl", "mosquitto.conf", "credentials"
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    cert: Path
+    key: Path
+    ca: Path | None = None  # for client certificates; unset: passwords only
+
+
+@dataclass(frozen=True)
+class BrokerPlan:
+    """What the broker serves: one fleet, its devices and the controller's user."""
+
+    fleet: str
+    devices: tuple[str, ...]
+    controller_user: str = "controller"
+    bind: str = "127.0.0.1"  # the plain listener: loopback unless asked (passwords in clear)
+    port: int = 1883
+    tls: TLSFiles | None = None
+    tls_bind: str = ""  # "" = every address
+    tls_port: int = 8883
+    data_dir: Path = Path("/var/lib/mosquitto")
+    autosave_interval: int = 60
+    # The controller's queue while it restarts: Mosquitto's default (1000) drops the rest.
+    max_queued_messages: int = 100_000
+    conf_dir: Path | None = None  # where passwd/acl will be on the broker host; default out
+
+    def users(self) -> tuple[str, ...]:
+        return (*self.devices, self.controller_user)
+
+
+@dataclass
+class BrokerFiles:
+    out: Path
+    passwd: Path
+    acl: Path
+    conf: Path
+    credentials: dict[str, Path] = field(default_factory=dict)
+    new_passwords: list[str] = field(default_factory=list)  # users whose password is new
+
+
+def read_devices(path: Path) -> tuple[str, ...]:
+    """The device ids of a devices file; ConfigError naming the line of the first bad one."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the devices file {path}: {exc}") from exc
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(lines, start=1):
+        value = raw.split("#", 1)[0].strip()
+        if not value:
+            continue
+        try:
+            check_id("device", value)
+        except ValueError as exc:
+            raise ConfigError(f"{path}:{number}: {exc}; nothing was written") from None
+        if value in seen:
+            raise ConfigError(f"{path}:{number}: device id {value!r} repeats line "
+                              f"{seen[value]}; nothing was written")
+        seen[value] = number
+    if not seen:
+        raise ConfigError(f"{path} lists no device")
+    return tuple(seen)
+
+
+def check_plan(plan: BrokerPlan) -> None:
+    """ConfigError unless every id is one the ACL can hold safely."""
+    try:
+        check_id("fleet", plan.fleet)
+        check_id("controller user", plan.controller_user)
+        for device in plan.devices:
+            check_id("device", device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if plan.controller_user in plan.devices:
+        raise ConfigError(f"the controller user {plan.controller_user!r} is also a device id")
+
+
+def hash_password(password: str, *, salt: bytes | None = None) -> str:
+    """A Mosquitto 2 password-file hash (`$7$101$<salt>$<key>`, base64)."""
+    salt = secrets.token_bytes(12) if salt is None else salt
+    key = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, HASH_ITERATIONS, 64)
+    return (f"$7${HASH_ITERATIONS}${base64.b64encode(salt).decode()}"
+            f"${base64.b64encode(key).decode()}")
+
+
+def acl_text(plan: BrokerPlan) -> str:
+    lines = ["# edge-agent fleet broker-config: per-user rules; a user not named here gets "
+             "nothing.", f"user {plan.controller_user}", f"topic readwrite {topics.PREFIX}/#", ""]
+    everyone = topics.topic(plan.fleet, topics.ALL, topics.CMD)
+    for device in plan.devices:
+        lines += [f"user {device}",
+                  f"topic readwrite {topics.PREFIX}/{plan.fleet}/{device}/#",
+                  f"topic read {everyone}", ""]
+    return "\n".join(lines)
+
+
+def conf_text(plan: BrokerPlan, conf_dir: Path) -> str:
+    lines = [
+        "# edge-agent fleet broker-config: Mosquitto 2 for one fleet.",
+        "per_listener_settings false",
+        "allow_anonymous false",
+        f"password_file {conf_dir / PASSWD}",
+        f"acl_file {conf_dir / ACL}",
+        "# The controller connects with clean_start false: its queue must outlive a restart.",
+        "persistence true",
+        f"persistence_location {str(plan.data_dir).rstrip('/')}/",
+        f"autosave_interval {plan.autosave_interval}",
+        f"max_queued_messages {plan.max_queued_messages}",
+        "",
+        f"listener {plan.port} {plan.bind}".rstrip(),
+        "protocol mqtt",
+    ]
+    if plan.tls is not None:
+        lines += ["", f"listener {plan.tls_port} {plan.tls_bind}".rstrip(), "protocol mqtt",
+                  f"certfile {plan.tls.cert}", f"keyfile {plan.tls.key}"]
+        if plan.tls.ca is not None:
+            lines.append(f"cafile {plan.tls.ca}")
+    return "\n".join(lines) + "\n"
+
+
+def atomic_write(path: Path, data: bytes, mode: int) -> None:
+    """Write beside `path` with `mode` from the start, fsync, then rename over it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _passwd_lines(passwords: dict[str, str], out: Path, tool: str | None) -> str:
+    if tool is None:
+        return "".join(f"{user}:{hash_password(pw)}\n" for user, pw in passwords.items())
+    # One `mosquitto_passwd -U` over a plain-text file (0600, inside `out`) hashes every
+    # user in one process; a `-b` per user would start thousands of processes.
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=".passwd-plain.")
+    try:
+        os.fchmod(fd, SECRET_MODE)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.writelines(f"{user}:{pw}\n" for user, pw in passwords.items())
+        done = subprocess.run([tool, "-U", tmp], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise ConfigError(f"{tool} -U failed: {(done.stderr or done.stdout).strip()}")
+        return Path(tmp).read_text(encoding="utf-8")
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def find_passwd_tool() -> str | None:
+    return shutil.which("mosquitto_passwd") or next(
+        (p for p in ("/usr/bin/mosquitto_passwd", "/usr/sbin/mosquitto_passwd")
+         if os.access(p, os.X_OK)), None)
+
+
+def write_broker_config(plan: BrokerPlan, out: Path, *,
+                        passwd_tool: str | None = None, use_tool: bool = True) -> BrokerFiles:
+    """Write passwd, acl, mosquitto.conf and credentials/<user>.txt under `out`."""
+    check_plan(plan)
+    out = out.absolute()
+    creds = out / CREDENTIALS
+    creds.mkdir(parents=True, exist_ok=True, mode=0o700)
+    files = BrokerFiles(out, out / PASSWD, out / ACL, out / CONF)
+    passwords: dict[str, str] = {}
+    for user in plan.users():
+        path = creds / f"{user}.txt"
+        known = path.read_text(encoding="utf-8").strip() if path.is_file() else ""
+        if not known:
+            known = secrets.token_urlsafe(24)
+            atomic_write(path, f"{known}\n".encode(), SECRET_MODE)
+            files.new_passwords.append(user)
+        passwords[user] = known
+        files.credentials[user] = path
+    tool = (passwd_tool or find_passwd_tool()) if use_tool else None
+    atomic_write(files.passwd, _passwd_lines(passwords, out, tool).encode(), SECRET_MODE)
+    atomic_write(files.acl, acl_text(plan).encode(), PUBLIC_MODE)
+    atomic_write(files.conf, conf_text(plan, plan.conf_dir or out).encode(), PUBLIC_MODE)
+    return files

@@ -1,0 +1,183 @@
+"""The controller's settings: its own TOML file and state dir, apart from the agent's.
+
+Built once by `edge-agent fleet …` (defaults < TOML file < command-line flags) and passed
+down; nothing else reads the file. Secrets are never settings: the broker password is read
+from `broker.password_file` when connecting, and a database URL's password is never shown.
+
+    state_dir = "/var/lib/edge-agent-fleet"
+    db = "postgresql://fleet@db.example/fleet"   # unset: <state_dir>/controller.db
+    [broker]
+    url = "mqtts://broker.example:8883"
+    username = "controller"
+    password_file = "/etc/edge-agent-fleet/controller.password"
+    ca_file = "/etc/edge-agent-fleet/ca.pem"
+    [http]
+    host = "127.0.0.1"
+    port = 9464
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from edge_agent.config import ConfigError
+
+DEFAULT_CONFIG_FILE = Path("/etc/edge-agent-fleet/controller.toml")
+DEFAULT_STATE_DIR = Path("/var/lib/edge-agent-fleet")
+
+
+class BrokerAddress(NamedTuple):
+    host: str
+    port: int
+    tls: bool
+
+
+def broker_address(url: str) -> BrokerAddress:
+    """`mqtt://host[:port]` (1883) or `mqtts://host[:port]` (TLS, 8883); ValueError else.
+    Credentials never go in the URL (they would show in logs)."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"broker {url!r}: {exc}") from None
+    schemes = {"mqtt": (1883, False), "mqtts": (8883, True)}
+    if parts.scheme not in schemes:
+        raise ValueError(f"broker {url!r} must start with mqtt:// or mqtts:// (TLS)")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"broker {url!r} holds credentials: use broker.username and "
+                         "broker.password_file")
+    if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"broker {url!r} must be only scheme://host[:port]")
+    default_port, tls = schemes[parts.scheme]
+    return BrokerAddress(parts.hostname, port or default_port, tls)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BrokerSettings(_Section):
+    url: str = Field("mqtt://127.0.0.1:1883", description="mqtt://host[:port] or mqtts://…")
+    username: str | None = Field("controller", description="The controller's broker user.")
+    password_file: Path | None = Field(None, description="File holding its password.")
+    ca_file: Path | None = Field(None, description="PEM CA for mqtts:// (unset: system's).")
+    client_cert: Path | None = None
+    client_key: Path | None = None
+    client_id: str = Field("edge-fleet-controller",
+                           description="MQTT client id; the broker keeps its session by it.")
+    session_expiry_s: int = Field(
+        3600, ge=0, description="How long the broker keeps the controller's queue while it "
+        "is away (MQTT 5 session expiry).")
+    keepalive_s: int = Field(30, ge=5, le=65535)
+    receive_maximum: int = Field(
+        1000, ge=1, le=65535, description="Messages the broker may have in flight to the "
+        "controller; each is acknowledged to the broker only once it is committed.")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        broker_address(url)
+        return url.strip()
+
+    @model_validator(mode="after")
+    def _complete(self) -> BrokerSettings:
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("broker.client_cert and broker.client_key go together")
+        if not self.address.tls and (self.ca_file or self.client_cert):
+            raise ValueError("broker.ca_file and broker.client_cert need an mqtts:// url")
+        return self
+
+    @property
+    def address(self) -> BrokerAddress:
+        return broker_address(self.url)
+
+
+class HTTPSettings(_Section):
+    host: str = Field("127.0.0.1", description="Address of /metrics and the read API.")
+    port: int = Field(9464, ge=0, le=65535)
+
+
+class IngestSettings(_Section):
+    batch_max: int = Field(500, ge=1, description="Messages committed in one transaction.")
+    batch_wait_s: float = Field(0.05, gt=0, description="Longest wait to fill a batch.")
+
+
+class ControllerSettings(_Section):
+    state_dir: Path = Field(DEFAULT_STATE_DIR, description="controller.db lives here.")
+    db: str | None = Field(None, description="postgresql://… (unset: SQLite in state_dir).")
+    broker: BrokerSettings = Field(default_factory=BrokerSettings)  # type: ignore[arg-type]
+    http: HTTPSettings = Field(default_factory=HTTPSettings)  # type: ignore[arg-type]
+    ingest: IngestSettings = Field(default_factory=IngestSettings)  # type: ignore[arg-type]
+
+    @field_validator("state_dir")
+    @classmethod
+    def _absolute(cls, path: Path) -> Path:
+        return path.expanduser().absolute()
+
+    @field_validator("db")
+    @classmethod
+    def _db(cls, url: str | None) -> str | None:
+        if url is not None and urlsplit(url).scheme not in ("postgresql", "postgres", "sqlite"):
+            raise ValueError("db must be postgresql://… or sqlite:///path")
+        return url
+
+    def broker_password(self) -> str | None:
+        """The first line of broker.password_file; ConfigError if it cannot be read."""
+        path = self.broker.password_file
+        if path is None:
+            return None
+        try:
+            return path.read_text(encoding="utf-8").splitlines()[0].strip()
+        except (OSError, IndexError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read broker.password_file {path}: {exc}") from exc
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        if value is None:
+            continue
+        node = nested
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(
+            out.get(key), dict) else value
+    return out
+
+
+def load_controller_settings(config_file: Path | None = None,
+                             **flags: Any) -> ControllerSettings:
+    """Defaults < the TOML file (default /etc/edge-agent-fleet/controller.toml if present)
+    < `flags` (dotted keys, None = unset). ConfigError with one line naming the bad key."""
+    path = config_file
+    if path is None and DEFAULT_CONFIG_FILE.is_file():
+        path = DEFAULT_CONFIG_FILE
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from exc
+    try:
+        return ControllerSettings.model_validate(_merge(data, _nest(flags)))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "(root)"
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"invalid setting {key}{where}: {err['msg']}") from exc

@@ -1,0 +1,352 @@
+"""The controller store's behaviour, written once in the SQL that SQLite and PostgreSQL
+share: schema steps, ingest with dedupe, birth/death with the bdseq rule, gaps, commands.
+
+`SQLStore` owns the queries; a subclass (`store.SQLiteStore`, `store.PostgresStore`) owns
+only its connection: how a transaction starts and ends, and how `?` placeholders reach the
+driver. Nothing here may commit outside `_tx`, and nothing here speaks MQTT: `ingest`
+returns the acks, the caller publishes them after this function has committed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from edge_agent.fleet.controller.records import (
+    Acks,
+    Inbound,
+    Ranges,
+    check_ranges,
+    complement,
+    merge_ranges,
+    to_ranges,
+)
+
+log = logging.getLogger(__name__)
+
+# Schema steps, in order; each runs once, in one transaction, on either database. Types are
+# the ones both understand (SQLite maps BIGINT to INTEGER, DOUBLE PRECISION to REAL).
+# Bodies are JSON text so the two stores read back the same thing.
+SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("m001_devices_and_messages", (
+        """CREATE TABLE devices (
+            device TEXT PRIMARY KEY, fleet TEXT NOT NULL, online INTEGER NOT NULL DEFAULT 0,
+            bdseq BIGINT, boot_id TEXT, birth TEXT, first_seen DOUBLE PRECISION NOT NULL,
+            last_seen DOUBLE PRECISION NOT NULL, last_birth DOUBLE PRECISION,
+            last_death DOUBLE PRECISION)""",
+        """CREATE TABLE messages (
+            device TEXT NOT NULL, boot_id TEXT NOT NULL, seq BIGINT NOT NULL,
+            fleet TEXT NOT NULL, kind TEXT NOT NULL, class TEXT NOT NULL,
+            ts DOUBLE PRECISION NOT NULL, received DOUBLE PRECISION NOT NULL,
+            body TEXT NOT NULL, PRIMARY KEY (device, boot_id, seq))""",
+        "CREATE INDEX messages_by_kind ON messages (device, kind, ts)",
+        """CREATE TABLE dropped (
+            device TEXT NOT NULL, boot_id TEXT NOT NULL, first_seq BIGINT NOT NULL,
+            last_seq BIGINT NOT NULL, reported DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (device, boot_id, first_seq, last_seq))""",
+    )),
+    ("m002_commands", (
+        "CREATE TABLE command_streams (stream TEXT PRIMARY KEY, last_seq BIGINT NOT NULL)",
+        """CREATE TABLE commands (
+            id TEXT PRIMARY KEY, fleet TEXT NOT NULL, target TEXT NOT NULL,
+            type TEXT NOT NULL, seq BIGINT NOT NULL, issued_at DOUBLE PRECISION NOT NULL,
+            expires_at DOUBLE PRECISION NOT NULL, body TEXT NOT NULL,
+            recorded DOUBLE PRECISION NOT NULL)""",
+        """CREATE TABLE command_results (
+            id TEXT NOT NULL, device TEXT NOT NULL, type TEXT, status TEXT NOT NULL,
+            reason TEXT, result TEXT, received DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (id, device))""",
+    )),
+)
+
+_DEVICE_COLUMNS = ("device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, "
+                   "last_birth, last_death")
+# Seqs looked up per statement when deduplicating (well under both drivers' limits).
+_LOOKUP_CHUNK = 500
+# last_seen only moves forward (GREATEST is PostgreSQL's, max() SQLite's: CASE is both's).
+_LATER = "CASE WHEN excluded.last_seen > devices.last_seen THEN excluded.last_seen " \
+         "ELSE devices.last_seen END"
+
+
+class Exec(Protocol):
+    """A connection inside a transaction, with `?` placeholders."""
+
+    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
+
+    def run(self, sql: str, params: Sequence[Any] = ()) -> int: ...
+
+    def many(self, sql: str, params: Sequence[Sequence[Any]]) -> None: ...
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+class SQLStore:
+    """The store's behaviour over `_tx()` (a write transaction) and `_read()`."""
+
+    def _tx(self) -> AbstractContextManager[Exec]:
+        raise NotImplementedError
+
+    def _read(self) -> AbstractContextManager[Exec]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # -- ingest -------------------------------------------------------------------------
+
+    def ingest(self, batch: Sequence[Inbound]) -> Acks:
+        """Store each message once (dedupe on device, boot_id, seq) in ONE transaction; the
+        acks cover every message of the batch, duplicates included, and are valid only
+        once this returns (it has committed)."""
+        acks = Acks()
+        if not batch:
+            return acks
+        groups: dict[tuple[str, str], list[Inbound]] = defaultdict(list)
+        for msg in batch:
+            groups[(msg.device, msg.boot_id)].append(msg)
+        with self._tx() as db:
+            fresh: list[Inbound] = []
+            for (device, boot_id), msgs in groups.items():
+                seen = self._stored_seqs(db, device, boot_id, {m.seq for m in msgs})
+                for msg in msgs:
+                    if msg.seq in seen:
+                        acks.duplicates += 1
+                    else:
+                        seen.add(msg.seq)
+                        fresh.append(msg)
+                acks.ranges.setdefault(device, {})[boot_id] = to_ranges(m.seq for m in msgs)
+            # ON CONFLICT too: another controller on the same PostgreSQL may race us.
+            db.many("INSERT INTO messages (device, boot_id, seq, fleet, kind, class, ts, "
+                    "received, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    [(m.device, m.boot_id, m.seq, m.fleet, m.kind, m.cls, m.ts, m.received,
+                      _dumps(m.body)) for m in fresh])
+            for msg in fresh:
+                acks.stored += 1
+                acks.stored_by_kind[msg.kind] = acks.stored_by_kind.get(msg.kind, 0) + 1
+                self._side_effects(db, msg)
+            last: dict[str, Inbound] = {}
+            for msg in batch:
+                if msg.device not in last or msg.received > last[msg.device].received:
+                    last[msg.device] = msg
+            db.many(f"INSERT INTO devices (device, fleet, online, first_seen, last_seen) "
+                    f"VALUES (?, ?, 0, ?, ?) ON CONFLICT (device) DO UPDATE SET "
+                    f"last_seen = {_LATER}",
+                    [(m.device, m.fleet, m.received, m.received) for m in last.values()])
+        return acks
+
+    @staticmethod
+    def _stored_seqs(db: Exec, device: str, boot_id: str, seqs: set[int]) -> set[int]:
+        found: set[int] = set()
+        ordered = sorted(seqs)
+        for i in range(0, len(ordered), _LOOKUP_CHUNK):
+            chunk = ordered[i:i + _LOOKUP_CHUNK]
+            marks = ", ".join("?" * len(chunk))
+            found.update(row[0] for row in db.rows(
+                f"SELECT seq FROM messages WHERE device = ? AND boot_id = ? AND seq IN ({marks})",
+                [device, boot_id, *chunk]))
+        return found
+
+    def _side_effects(self, db: Exec, msg: Inbound) -> None:
+        """What a new message means beyond itself: a dropped-metrics report, a command's
+        result. Bad shapes are logged, never fatal: the message itself is stored."""
+        body = msg.body
+        try:
+            if msg.kind == "events" and body.get("event") == "outbox.dropped":
+                ranges = body.get("ranges")
+                if not isinstance(ranges, dict):
+                    raise ValueError("ranges must be an object")
+                self._insert_dropped(db, msg.device, ranges, msg.received)
+            elif msg.kind == "cmd/result":
+                self._insert_result(db, msg.device, body, msg.received)
+        except (ValueError, TypeError) as exc:
+            log.warning("fleet: %s from %s seq %s: %s", msg.kind, msg.device, msg.seq, exc)
+
+    # -- dropped metrics and gaps ---------------------------------------------------------
+
+    def record_dropped(self, device: str, ranges: Mapping[str, Any], reported: float) -> int:
+        """Seq ranges a device's outbox dropped (from an `outbox.dropped` event body's
+        `ranges`); returns how many ranges were new. ValueError for a bad shape."""
+        with self._tx() as db:
+            return self._insert_dropped(db, device, ranges, reported)
+
+    @staticmethod
+    def _insert_dropped(db: Exec, device: str, ranges: Mapping[str, Any], reported: float) -> int:
+        rows = [(device, str(boot_id), first, last, reported)
+                for boot_id, value in ranges.items() for first, last in check_ranges(value)]
+        new = 0
+        for row in rows:
+            new += db.run("INSERT INTO dropped (device, boot_id, first_seq, last_seq, reported) "
+                          "VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING", row)
+        return new
+
+    def dropped(self, device: str, boot_id: str) -> Ranges:
+        with self._read() as db:
+            return merge_ranges(db.rows(
+                "SELECT first_seq, last_seq FROM dropped WHERE device = ? AND boot_id = ?",
+                [device, boot_id]))
+
+    def stored_ranges(self, device: str, boot_id: str) -> Ranges:
+        """The seqs stored for (device, boot), as ranges (islands: seq - row_number is
+        constant along a run of consecutive seqs)."""
+        with self._read() as db:
+            return [[a, b] for a, b in db.rows(
+                "SELECT MIN(seq), MAX(seq) FROM (SELECT seq, seq - ROW_NUMBER() OVER "
+                "(ORDER BY seq) AS island FROM messages WHERE device = ? AND boot_id = ?) AS s "
+                "GROUP BY island ORDER BY 1", [device, boot_id])]
+
+    def gaps(self, device: str, boot_id: str) -> Ranges:
+        """Seqs of (device, boot) up to the highest known that are neither stored nor
+        reported dropped: what was lost."""
+        covered = merge_ranges(self.stored_ranges(device, boot_id) + self.dropped(device, boot_id))
+        return complement(covered, covered[-1][1]) if covered else []
+
+    def boots(self, device: str) -> list[str]:
+        with self._read() as db:
+            return [row[0] for row in db.rows(
+                "SELECT boot_id FROM messages WHERE device = ? GROUP BY boot_id "
+                "ORDER BY MIN(received)", [device])]
+
+    # -- birth and death ----------------------------------------------------------------
+
+    def birth(self, fleet: str, device: str, message: Mapping[str, Any], received: float) -> None:
+        """Online, with this session's bdseq and the birth's facts. A birth always wins:
+        births of one device arrive in the order it sent them (one topic, one publisher)."""
+        with self._tx() as db:
+            db.run(f"INSERT INTO devices ({_DEVICE_COLUMNS}) VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, "
+                   f"NULL) ON CONFLICT (device) DO UPDATE SET fleet = excluded.fleet, online = 1, "
+                   f"bdseq = excluded.bdseq, boot_id = excluded.boot_id, birth = excluded.birth, "
+                   f"last_birth = excluded.last_birth, last_seen = {_LATER}",
+                   [device, fleet, int(message["bdseq"]), message.get("boot_id"),
+                    _dumps(dict(message)), received, received, received])
+
+    def death(self, fleet: str, device: str, message: Mapping[str, Any], received: float) -> bool:
+        """Offline only if the death's bdseq is the current session's (a stale Will from an
+        older session leaves a newer one online); True if it marked the device offline."""
+        with self._tx() as db:
+            changed = db.run("UPDATE devices SET online = 0, last_death = ? "
+                             "WHERE device = ? AND bdseq = ?",
+                             [received, device, int(message["bdseq"])])
+            db.run(f"INSERT INTO devices (device, fleet, online, first_seen, last_seen, "
+                   f"last_death) VALUES (?, ?, 0, ?, ?, ?) ON CONFLICT (device) DO UPDATE SET "
+                   f"last_seen = {_LATER}", [device, fleet, received, received, received])
+            return changed > 0
+
+    # -- reading --------------------------------------------------------------------------
+
+    def devices(self) -> list[dict[str, Any]]:
+        with self._read() as db:
+            return [_device(row) for row in db.rows(
+                f"SELECT {_DEVICE_COLUMNS} FROM devices ORDER BY device")]
+
+    def device(self, device: str) -> dict[str, Any] | None:
+        with self._read() as db:
+            rows = db.rows(f"SELECT {_DEVICE_COLUMNS} FROM devices WHERE device = ?", [device])
+            if not rows:
+                return None
+            found = _device(rows[0])
+            found["messages"] = {kind: count for kind, count in db.rows(
+                "SELECT kind, COUNT(*) FROM messages WHERE device = ? GROUP BY kind ORDER BY kind",
+                [device])}
+            return found
+
+    def counts(self) -> tuple[int, int]:
+        """(devices known, devices online)."""
+        with self._read() as db:
+            total, online = db.rows("SELECT COUNT(*), COALESCE(SUM(online), 0) FROM devices")[0]
+            return int(total), int(online)
+
+    def latest_metrics(self, device: str) -> dict[str, Any] | None:
+        found = self.messages(device, kind="metrics", limit=1, newest_first=True)
+        return found[0] if found else None
+
+    def messages(self, device: str, *, kind: str | None = None, boot_id: str | None = None,
+                 since: float | None = None, limit: int = 100,
+                 newest_first: bool = False) -> list[dict[str, Any]]:
+        where, params = ["device = ?"], [device]
+        for column, value in (("kind", kind), ("boot_id", boot_id)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if since is not None:
+            where.append("ts >= ?")
+            params.append(since)  # type: ignore[arg-type]
+        order = "DESC" if newest_first else "ASC"
+        with self._read() as db:
+            rows = db.rows(f"SELECT device, fleet, boot_id, seq, kind, class, ts, received, body "
+                           f"FROM messages WHERE {' AND '.join(where)} "
+                           f"ORDER BY ts {order}, seq {order} LIMIT ?", [*params, int(limit)])
+        return [{"device": r[0], "fleet": r[1], "boot_id": r[2], "seq": r[3], "kind": r[4],
+                 "class": r[5], "ts": r[6], "received": r[7], "body": json.loads(r[8])}
+                for r in rows]
+
+    # -- commands -------------------------------------------------------------------------
+
+    def next_command_seq(self, stream: str) -> int:
+        """The next seq of a command stream (`<fleet>/<device>` or `<fleet>/all`): 1, 2, …"""
+        with self._tx() as db:
+            return int(db.rows(
+                "INSERT INTO command_streams (stream, last_seq) VALUES (?, 1) ON CONFLICT "
+                "(stream) DO UPDATE SET last_seq = command_streams.last_seq + 1 "
+                "RETURNING last_seq", [stream])[0][0])
+
+    def record_command(self, command: Mapping[str, Any], recorded: float) -> None:
+        """A signed command as sent (its id once; a second record of the same id is a no-op)."""
+        with self._tx() as db:
+            db.run("INSERT INTO commands (id, fleet, target, type, seq, issued_at, expires_at, "
+                   "body, recorded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                   [command["id"], command["fleet"], command["device"], command["type"],
+                    int(command["seq"]), float(command["issued_at"]),
+                    float(command["expires_at"]), _dumps(dict(command)), recorded])
+
+    def command_result(self, device: str, body: Mapping[str, Any], received: float) -> bool:
+        """A device's result for a command (the body of a `cmd/result` envelope); the first
+        result per (command, device) is kept. True if it was new."""
+        with self._tx() as db:
+            return self._insert_result(db, device, body, received) > 0
+
+    @staticmethod
+    def _insert_result(db: Exec, device: str, body: Mapping[str, Any], received: float) -> int:
+        cid, status = body.get("id"), body.get("status")
+        if not isinstance(cid, str) or status not in ("ok", "refused", "failed"):
+            raise ValueError("a command result needs an id and a status ok|refused|failed")
+        result = body.get("result")
+        return db.run("INSERT INTO command_results (id, device, type, status, reason, result, "
+                      "received) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                      [cid, device, body.get("type"), status, body.get("reason"),
+                       None if result is None else _dumps(result), received])
+
+    def command_results(self, command_id: str) -> list[dict[str, Any]]:
+        with self._read() as db:
+            rows = db.rows("SELECT id, device, type, status, reason, result, received FROM "
+                           "command_results WHERE id = ? ORDER BY device", [command_id])
+        return [{"id": r[0], "device": r[1], "type": r[2], "status": r[3], "reason": r[4],
+                 "result": None if r[5] is None else json.loads(r[5]), "received": r[6]}
+                for r in rows]
+
+
+def _device(row: tuple[Any, ...]) -> dict[str, Any]:
+    """A device row as the API and `fleet devices` show it (the birth's facts lifted)."""
+    (device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, last_birth,
+     last_death) = row
+    facts: dict[str, Any] = json.loads(birth) if birth else {}
+    models = facts.get("models")
+    if not isinstance(models, list):
+        models = []
+    return {
+        "device": device, "fleet": fleet, "online": bool(online), "bdseq": bdseq,
+        "boot_id": boot_id, "first_seen": first_seen, "last_seen": last_seen,
+        "last_birth": last_birth, "last_death": last_death,
+        "agent_version": facts.get("agent_version"),
+        "llama_cpp_version": facts.get("llama_cpp_version"),
+        "config_fingerprint": facts.get("config_fingerprint"),
+        "hardware": facts.get("hardware"), "tenants": facts.get("tenants"),
+        "models": models,
+        "active_models": [m.get("name") for m in models
+                          if isinstance(m, dict) and m.get("active")],
+    }

@@ -1,0 +1,237 @@
+"""`fleet broker-config` and what it gives a real Mosquitto: each device its own tree and
+its fleet's commands, the controller everything, nobody else anything."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from edge_agent.cli import main
+from edge_agent.config import ConfigError
+from edge_agent.fleet.controller.broker import (
+    BrokerPlan,
+    acl_text,
+    hash_password,
+    read_devices,
+    write_broker_config,
+)
+from tests.brokers import FLEET, Mosquitto, MQTTClient
+
+A, B = "store-a", "store-b"
+
+
+def test_a_bad_id_refuses_the_whole_run_naming_its_line(tmp_path: Path) -> None:
+    devices = tmp_path / "devices.txt"
+    devices.write_text("# the stores\nstore-1\n\nstoreB/x\nstore-3\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["fleet", "broker-config", "--devices", str(devices),
+                                       "--out", str(out), "--fleet", "f1"])
+    assert result.exit_code == 2, result.output
+    assert f"{devices}:4:" in result.output and "'/'" in result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("a\nb\na\n", "repeats line 1"), ("a\nall\n", "reserved"), ("# none\n", "no device"),
+    ("a\nb+c\n", "'+'"),
+])
+def test_the_devices_file_is_checked(tmp_path: Path, text: str, why: str) -> None:
+    path = tmp_path / "devices.txt"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        read_devices(path)
+    assert why in str(info.value)
+
+
+def test_a_bad_fleet_or_controller_user_is_refused(tmp_path: Path) -> None:
+    devices = tmp_path / "devices.txt"
+    devices.write_text("store-1\n")
+    runner = CliRunner()
+    for extra in (["--fleet", "f/1"], ["--controller-user", "store-1"],
+                  ["--controller-user", "a#"]):
+        result = runner.invoke(main, ["fleet", "broker-config", "--devices", str(devices),
+                                      "--out", str(tmp_path / "out"), *extra])
+        assert result.exit_code == 2, (extra, result.output)
+    assert not (tmp_path / "out").exists()
+
+
+def test_files_are_private_and_a_rerun_keeps_the_passwords(tmp_path: Path) -> None:
+    devices = tmp_path / "devices.txt"
+    devices.write_text("store-1\nstore-2\n")
+    out = tmp_path / "out"
+    args = ["fleet", "broker-config", "--devices", str(devices), "--out", str(out),
+            "--fleet", "f1", "--json"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    for path in (out / "passwd", out / "credentials" / "store-1.txt",
+                 out / "credentials" / "controller.txt"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    password = (out / "credentials" / "store-1.txt").read_text().strip()
+    assert len(password) >= 32
+    devices.write_text("store-1\nstore-2\nstore-3\n")
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0, again.output
+    assert '"store-3"' in again.output.split('"new_passwords"')[1]
+    assert (out / "credentials" / "store-1.txt").read_text().strip() == password
+    users = [line.split(":")[0] for line in (out / "passwd").read_text().splitlines()]
+    assert users == ["store-1", "store-2", "store-3", "controller"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_the_acl_names_each_device_its_tree_and_the_fleets_commands() -> None:
+    text = acl_text(BrokerPlan(fleet="f1", devices=("d1", "d2")))
+    assert "pattern" not in text  # explicit lines: no %u to reach through
+    block = text.split("user d1\n")[1].split("\n\n")[0]
+    assert block.splitlines() == ["topic readwrite edge/v1/f1/d1/#",
+                                  "topic read edge/v1/f1/all/cmd"]
+    assert "user controller\ntopic readwrite edge/v1/#" in text
+
+
+def test_our_hash_is_mosquittos_pbkdf2_format() -> None:
+    salt = bytes(range(12))
+    got = hash_password("secret", salt=salt)
+    _, kind, rounds, salt64, key64 = got.split("$")
+    assert (kind, rounds) == ("7", "101")
+    assert base64.b64decode(salt64) == salt
+    assert base64.b64decode(key64) == hashlib.pbkdf2_hmac("sha512", b"secret", salt, 101, 64)
+
+
+def test_the_conf_has_persistence_and_the_tls_listener(tmp_path: Path) -> None:
+    from edge_agent.fleet.controller.broker import TLSFiles
+
+    plan = BrokerPlan(fleet="f1", devices=("d1",), tls=TLSFiles(Path("/c.pem"), Path("/k.pem")),
+                      data_dir=tmp_path / "data", conf_dir=Path("/etc/mosquitto/edge"))
+    files = write_broker_config(plan, tmp_path / "out", use_tool=False)
+    conf = files.conf.read_text()
+    for line in ("per_listener_settings false", "allow_anonymous false", "persistence true",
+                 "password_file /etc/mosquitto/edge/passwd", "listener 1883 127.0.0.1",
+                 "listener 8883", "certfile /c.pem", "keyfile /k.pem",
+                 f"persistence_location {tmp_path / 'data'}/"):
+        assert line in conf.splitlines(), line
+
+
+# -- on a real Mosquitto ---------------------------------------------------------------
+
+
+
+@pytest.fixture
+def connect(mosquitto: Mosquitto) -> Iterator[Callable[..., MQTTClient]]:
+    made: list[MQTTClient] = []
+
+    def make(user: str | None, **kwargs: object) -> MQTTClient:
+        client = MQTTClient(mosquitto, user, **kwargs)  # type: ignore[arg-type]
+        made.append(client)
+        reason = client.connect()
+        assert not reason.is_failure, reason
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+@pytest.mark.broker
+def test_a_device_cannot_read_another_devices_topics(
+        mosquitto: Mosquitto, connect: Callable[..., MQTTClient]) -> None:
+    a, b, controller = connect(A), connect(B), connect("controller")
+    a.subscribe(f"edge/v1/{FLEET}/{B}/#", "edge/v1/#", f"edge/v1/{FLEET}/{A}/#")
+    assert b.publish(f"edge/v1/{FLEET}/{B}/metrics", b"b-secret") in (0, 16)
+    controller.publish(f"edge/v1/{FLEET}/{B}/cmd", b"b-command")
+    controller.publish(f"edge/v1/{FLEET}/{B}/ack", b"b-ack")
+    # A marker on A's own topic, published after: once it is there, anything of B routed
+    # to A would have arrived before it.
+    controller.publish(f"edge/v1/{FLEET}/{A}/cmd", b"marker")
+    assert a.wait(lambda: any(p == b"marker" for _, p, _ in a.received()))
+    assert [t for t, _, _ in a.received() if f"/{B}/" in t] == []
+
+
+@pytest.mark.broker
+def test_a_device_cannot_publish_into_another_devices_topics(
+        connect: Callable[..., MQTTClient]) -> None:
+    a, controller = connect(A), connect("controller")
+    controller.subscribe("edge/v1/#")
+    assert a.publish(f"edge/v1/{FLEET}/{B}/metrics", b"forged") == 0x87
+    assert a.publish(f"edge/v1/{FLEET}/{B}/status", b"forged", retain=True) == 0x87
+    assert a.publish(f"edge/v1/other/{A}/metrics", b"forged") == 0x87  # another fleet
+    assert a.client.is_connected()  # refused, not disconnected
+    assert a.publish(f"edge/v1/{FLEET}/{A}/metrics", b"mine") in (0, 16)
+    assert controller.wait(lambda: bool(controller.received(f"edge/v1/{FLEET}/{A}/")))
+    assert all(p != b"forged" for _, p, _ in controller.received())
+
+
+@pytest.mark.broker
+def test_a_device_reads_its_fleets_commands_but_cannot_send_them(
+        connect: Callable[..., MQTTClient]) -> None:
+    a, controller = connect(A), connect("controller")
+    a.subscribe(f"edge/v1/{FLEET}/all/cmd")
+    assert a.publish(f"edge/v1/{FLEET}/all/cmd", b"forged") == 0x87
+    controller.publish(f"edge/v1/{FLEET}/all/cmd", b"everyone")
+    assert a.wait(lambda: bool(a.received(f"edge/v1/{FLEET}/all/cmd")))
+    assert [p for _, p, _ in a.received()] == [b"everyone"]
+
+
+@pytest.mark.broker
+def test_the_controller_reads_everything(connect: Callable[..., MQTTClient]) -> None:
+    a, b, controller = connect(A), connect(B), connect("controller")
+    controller.subscribe("edge/v1/+/+/#")
+    a.publish(f"edge/v1/{FLEET}/{A}/events", b"a")
+    b.publish(f"edge/v1/{FLEET}/{B}/cmd/result", b"b")
+    assert controller.wait(lambda: len(controller.received()) >= 2)
+    assert sorted(t for t, _, _ in controller.received()) == [
+        f"edge/v1/{FLEET}/{A}/events", f"edge/v1/{FLEET}/{B}/cmd/result"]
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize(("user", "password"), [
+    (A, "wrong"), ("nobody", "x"), (None, None), (A, ""),
+])
+def test_a_wrong_password_an_unknown_user_or_none_is_refused(
+        mosquitto: Mosquitto, user: str | None, password: str | None) -> None:
+    client = MQTTClient(mosquitto, user, password=password)
+    try:
+        reason = client.connect()
+        assert reason.is_failure and reason.value in (0x86, 0x87), reason
+    finally:
+        client.close()
+
+
+@pytest.mark.broker
+def test_the_tls_listener_works_with_the_generated_ca(
+        mosquitto: Mosquitto, connect: Callable[..., MQTTClient]) -> None:
+    a = connect(A, tls=True)
+    a.subscribe(f"edge/v1/{FLEET}/{A}/cmd")
+    connect("controller", tls=True).publish(f"edge/v1/{FLEET}/{A}/cmd", b"over tls")
+    assert a.wait(lambda: bool(a.received()))
+
+
+@pytest.mark.broker
+def test_the_tls_listener_refuses_a_client_that_does_not_trust_its_ca(
+        mosquitto: Mosquitto, tmp_path: Path) -> None:
+    from tests.brokers import make_tls
+
+    other = make_tls(tmp_path / "other")
+    client = MQTTClient(mosquitto, A, tls=True, ca=other.ca_cert)
+    with pytest.raises(Exception, match="(?i)certificate"):
+        client.connect(timeout=5)
+    client.client.loop_stop()
+
+
+@pytest.mark.broker
+def test_the_broker_accepts_our_own_hashes_without_mosquitto_passwd(
+        mosquitto_factory: Callable[..., Mosquitto]) -> None:
+    broker = mosquitto_factory(passwd_tool=False).start()
+    assert "$7$101$" in broker.files.passwd.read_text()
+    good = MQTTClient(broker, A)
+    bad = MQTTClient(broker, A, password="wrong")
+    try:
+        assert not good.connect().is_failure
+        assert bad.connect().is_failure
+    finally:
+        good.close()
+        bad.close()

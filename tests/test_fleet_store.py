@@ -1,0 +1,230 @@
+"""The controller's store: the same tests on SQLite and on a private PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge_agent.fleet.controller.records import Inbound, complement, merge_ranges, to_ranges
+from edge_agent.fleet.controller.store import (
+    FleetStore,
+    FleetStoreError,
+    PostgresStore,
+    SQLiteStore,
+    open_store,
+)
+
+BOOT, BOOT2 = "a" * 32, "b" * 32
+
+
+def msg(seq: int, *, device: str = "d1", boot: str = BOOT, kind: str = "metrics",
+        body: dict[str, Any] | None = None, ts: float | None = None,
+        received: float = 1000.0) -> Inbound:
+    return Inbound("f1", device, kind, boot, seq, "metrics" if kind == "metrics" else "audit",
+                   float(seq) if ts is None else ts, body or {"n": seq}, received)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FleetStore]:
+    if request.param == "sqlite":
+        made: FleetStore = SQLiteStore(tmp_path / "controller.db")
+    else:
+        made = PostgresStore(request.getfixturevalue("postgres_url"))
+    yield made
+    made.close()
+
+
+def test_ranges() -> None:
+    assert to_ranges([1, 2, 3, 7, 5, 6, 9, 9]) == [[1, 3], [5, 7], [9, 9]]
+    assert merge_ranges([[5, 6], [1, 3], [2, 4], [8, 8]]) == [[1, 6], [8, 8]]
+    assert complement([[2, 3], [6, 7]], 9) == [[1, 1], [4, 5], [8, 9]]
+    assert complement([[1, 9]], 9) == []
+
+
+def test_ingest_stores_each_message_once_and_acks_duplicates_too(store: FleetStore) -> None:
+    first = store.ingest([msg(s) for s in (1, 2, 3, 5)] + [msg(1, device="d2")])
+    assert (first.stored, first.duplicates) == (5, 0)
+    assert first.ranges == {"d1": {BOOT: [[1, 3], [5, 5]]}, "d2": {BOOT: [[1, 1]]}}
+    again = store.ingest([msg(s) for s in (2, 3, 4, 4, 6)])
+    assert (again.stored, again.duplicates) == (2, 3)  # 4 and 6 new; 2, 3 and the 2nd 4 dups
+    assert again.ranges == {"d1": {BOOT: [[2, 4], [6, 6]]}}
+    assert again.payload("d1") == b'{"v":1,"acks":{"' + BOOT.encode() + b'":[[2,4],[6,6]]}}'
+    assert [m["seq"] for m in store.messages("d1", limit=100)] == [1, 2, 3, 4, 5, 6]
+    assert store.messages("d1", limit=1)[0]["body"] == {"n": 1}  # the first copy kept
+
+
+def test_the_same_seq_in_another_boot_is_another_message(store: FleetStore) -> None:
+    acks = store.ingest([msg(1), msg(1, boot=BOOT2)])
+    assert acks.stored == 2
+    assert acks.ranges["d1"] == {BOOT: [[1, 1]], BOOT2: [[1, 1]]}
+    assert store.boots("d1") == [BOOT, BOOT2]
+
+
+def test_gaps_are_seqs_neither_stored_nor_reported_dropped(store: FleetStore) -> None:
+    store.ingest([msg(s) for s in (1, 2, 5, 6, 9)])
+    assert store.gaps("d1", BOOT) == [[3, 4], [7, 8]]
+    dropped = {"event": "outbox.dropped", "class": "metrics", "count": 2, "bytes": 600,
+               "ranges": {BOOT: [[3, 4]]}}
+    store.ingest([msg(10, kind="events", body=dropped)])
+    assert store.dropped("d1", BOOT) == [[3, 4]]
+    assert store.gaps("d1", BOOT) == [[7, 8]]
+    assert store.record_dropped("d1", {BOOT: [[7, 8]]}, 1000.0) == 1
+    assert store.record_dropped("d1", {BOOT: [[7, 8]]}, 1000.0) == 0  # reported twice
+    assert store.gaps("d1", BOOT) == []
+    assert store.stored_ranges("d1", BOOT) == [[1, 2], [5, 6], [9, 10]]
+    assert store.gaps("nobody", BOOT) == []
+
+
+def test_a_dropped_report_for_a_boot_not_seen_yet_counts_once_stored(store: FleetStore) -> None:
+    dropped = {"event": "outbox.dropped", "ranges": {BOOT2: [[1, 5]]}}
+    store.ingest([msg(1, kind="events", body=dropped), msg(1, kind="events", body=dropped)])
+    store.ingest([msg(s, boot=BOOT2) for s in (6, 7)])
+    assert store.gaps("d1", BOOT2) == []
+
+
+def test_a_malformed_dropped_report_is_stored_but_changes_nothing(store: FleetStore) -> None:
+    bad = {"event": "outbox.dropped", "ranges": {BOOT: [[5, 1]]}}
+    assert store.ingest([msg(1, kind="events", body=bad)]).stored == 1
+    assert store.dropped("d1", BOOT) == []
+    with pytest.raises(ValueError):
+        store.record_dropped("d1", {BOOT: [[1, "x"]]}, 0.0)
+
+
+def birth(bdseq: int, **extra: Any) -> dict[str, Any]:
+    return {"v": 1, "type": "birth", "device": "d1", "fleet": "f1", "boot_id": BOOT,
+            "bdseq": bdseq, "ts": 1.0, "agent_version": "0.1.0", "llama_cpp_version": "0.3.36",
+            "models": [{"name": "smollm2:135m", "digest": "x", "active": True},
+                       {"name": "other", "digest": "y", "active": False}],
+            "tenants": ["default"], **extra}
+
+
+def death(bdseq: int) -> dict[str, Any]:
+    return {"v": 1, "type": "death", "device": "d1", "fleet": "f1", "boot_id": BOOT,
+            "bdseq": bdseq, "ts": 2.0}
+
+
+def test_birth_online_death_of_the_same_session_offline(store: FleetStore) -> None:
+    store.birth("f1", "d1", birth(12), 100.0)
+    found = store.device("d1")
+    assert found is not None
+    assert (found["online"], found["bdseq"], found["agent_version"]) == (True, 12, "0.1.0")
+    assert found["active_models"] == ["smollm2:135m"]
+    assert store.counts() == (1, 1)
+    assert store.death("f1", "d1", death(12), 200.0) is True
+    found = store.device("d1")
+    assert found is not None and found["online"] is False and found["last_seen"] == 200.0
+    assert store.counts() == (1, 0)
+
+
+def test_a_stale_death_leaves_the_newer_session_online(store: FleetStore) -> None:
+    store.birth("f1", "d1", birth(12), 100.0)
+    store.birth("f1", "d1", birth(13), 101.0)  # reconnected before the old Will fired
+    assert store.death("f1", "d1", death(12), 102.0) is False
+    found = store.device("d1")
+    assert found is not None and found["online"] is True and found["bdseq"] == 13
+    assert store.death("f1", "d1", death(13), 103.0) is True
+
+
+def test_a_death_first_makes_an_offline_device(store: FleetStore) -> None:
+    assert store.death("f1", "d9", death(3) | {"device": "d9"}, 50.0) is False
+    assert [(d["device"], d["online"]) for d in store.devices()] == [("d9", False)]
+
+
+def test_ingest_makes_devices_known_and_last_seen_moves_forward_only(store: FleetStore) -> None:
+    store.ingest([msg(1, received=500.0)])
+    store.ingest([msg(2, received=400.0)])
+    found = store.device("d1")
+    assert found is not None
+    assert (found["online"], found["last_seen"], found["first_seen"]) == (False, 500.0, 500.0)
+    assert found["messages"] == {"metrics": 2}
+
+
+def test_latest_metrics_is_the_newest_by_device_time(store: FleetStore) -> None:
+    store.ingest([msg(1, ts=30.0), msg(2, ts=10.0), msg(3, kind="events", ts=99.0)])
+    latest = store.latest_metrics("d1")
+    assert latest is not None and latest["seq"] == 1 and latest["body"] == {"n": 1}
+    assert store.latest_metrics("nobody") is None
+
+
+def test_command_streams_are_separate_and_monotonic(store: FleetStore) -> None:
+    assert [store.next_command_seq("f1/d1") for _ in range(3)] == [1, 2, 3]
+    assert store.next_command_seq("f1/all") == 1
+    assert store.next_command_seq("f1/d1") == 4
+
+
+def test_command_seq_is_unique_under_threads(store: FleetStore) -> None:
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def take() -> None:
+        for _ in range(20):
+            seq = store.next_command_seq("f1/all")
+            with lock:
+                got.append(seq)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(1, 81))
+
+
+def test_commands_and_their_results(store: FleetStore) -> None:
+    command = {"v": 1, "id": "c1", "fleet": "f1", "device": "all", "type": "ping", "seq": 1,
+               "issued_at": 10.0, "expires_at": 310.0, "args": {}, "sig": "x"}
+    store.record_command(command, 10.0)
+    store.record_command(command, 11.0)  # idempotent
+    result = {"id": "c1", "type": "ping", "status": "ok", "reason": None,
+              "result": {"pong": True}}
+    store.ingest([msg(1, kind="cmd/result", body=result),
+                  msg(1, device="d2", kind="cmd/result", body=result | {"status": "refused",
+                                                                         "reason": "expired",
+                                                                         "result": None})])
+    assert store.command_result("d1", result | {"status": "failed"}, 12.0) is False  # first kept
+    got = store.command_results("c1")
+    assert [(r["device"], r["status"], r["reason"], r["result"]) for r in got] == [
+        ("d1", "ok", None, {"pong": True}), ("d2", "refused", "expired", None)]
+
+
+def test_reopening_keeps_everything(tmp_path: Path) -> None:
+    first = open_store(None, tmp_path)
+    assert isinstance(first, SQLiteStore) and first.path == tmp_path / "controller.db"
+    first.ingest([msg(1)])
+    first.close()
+    again = open_store(f"sqlite://{tmp_path / 'controller.db'}", Path("/nonexistent"))
+    assert again.ingest([msg(1)]).duplicates == 1
+    again.close()
+
+
+@pytest.mark.postgres
+def test_postgres_reopening_keeps_everything_and_migrates_once(postgres_url: str) -> None:
+    first = PostgresStore(postgres_url)
+    first.ingest([msg(1)])
+    first.close()
+    again = open_store(postgres_url, Path("/nonexistent"))
+    assert again.ingest([msg(1)]).duplicates == 1
+    again.close()
+
+
+def test_an_unreadable_database_is_reported_and_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "controller.db"
+    path.write_bytes(b"not a database" * 100)
+    with pytest.raises(FleetStoreError, match="left as it is"):
+        SQLiteStore(path)
+    assert path.read_bytes() == b"not a database" * 100
+
+
+def test_an_unreachable_postgres_is_one_clear_error() -> None:
+    with pytest.raises(FleetStoreError, match="cannot reach") as info:
+        PostgresStore("postgresql://u:secret@127.0.0.1:1/x", connect_timeout=2)
+    assert "secret" not in str(info.value)
+
+
+def test_open_store_refuses_other_urls(tmp_path: Path) -> None:
+    with pytest.raises(FleetStoreError, match="--db"):
+        open_store("mysql://x/y", tmp_path)
