@@ -48,6 +48,11 @@ class Owner:
         self.sel = selectors.DefaultSelector()
         self.session: Session | None = None
         self.inflight: dict[int, int] = {}  # mid -> outbox row id
+        # At most this many QoS 1 messages without their PUBACK: our window, or less if the
+        # broker's CONNACK says so (MQTT 5 Receive Maximum; Mosquitto's is its
+        # max_inflight_messages, 20 unless configured). Exceeding it is a protocol error
+        # some brokers disconnect for.
+        self.window = link.options.window
         self.bdseq = 0
         self.last_ack = time.monotonic()
         # A PUBACK said nobody subscribed (the controller never connected, or its session
@@ -94,7 +99,8 @@ class Owner:
                     self._drop(session, lost or "connection lost")
                     next_connect, attempt = self._backoff(0 if stable else attempt)
                     continue
-                if session.established and not link._connected.is_set():
+                if session.established and not session.greeted:
+                    session.greeted = True
                     connected_at = now  # the backoff resets once this is stable_s old
                     self._on_connected(session)
             self.step(self.outbox.flush)
@@ -168,12 +174,12 @@ class Owner:
     def _on_connected(self, session: Session) -> None:
         link = self.link
         address = self.fleet.broker_address
-        link._connected.set()
         link._count("connects")
         link._forget_logged(("connect:", "connack:"))
-        log.info("fleet: connected to %s:%s as %s (bdseq %d)", address.host,
-                      address.port, link.device, self.bdseq)
+        log.info("fleet: connected to %s:%s as %s (bdseq %d)", address.host, address.port,
+                 link.device, self.bdseq)
         self.step(self._publish_birth)
+        # `connected` is set at the SUBACK: from then on a command sent to the box arrives.
         session.subscribe(topics.device_filter(link.fleet_id, link.device))
         self.step(self.outbox.resend_all)  # nothing is in flight on a new connection
         link.emit("events", AUDIT, {"event": "link.connected", "bdseq": self.bdseq,
@@ -194,7 +200,7 @@ class Owner:
         if was:
             link._count("disconnects")
             log.warning("fleet: lost the broker (%s); reconnecting, the box serves "
-                             "meanwhile", reason)
+                        "meanwhile", reason)
             link.emit("events", AUDIT, {"event": "link.disconnected", "reason": reason,
                                         "bdseq": self.bdseq})
 
@@ -211,9 +217,17 @@ class Owner:
                 if event.kind == "connack":
                     if event.ok:
                         session.established = True
+                        self.window = max(1, min(self.options.window, event.receive_max))
                     else:
+                        link._count("connect_failures")
                         lost = connack_error(event.reason, event.code).message
                         link._log_once(f"connack:{event.reason}", "fleet: %s", lost)
+                elif event.kind == "suback":
+                    link._connected.set()
+                    if not event.ok:
+                        link._log_once(f"suback:{event.reason}", "fleet: the broker refused "
+                                       "a subscription (%s): commands may not arrive",
+                                       event.reason)
                 elif event.kind == "disconnected":
                     lost = lost or event.reason or "connection lost"
                 elif event.kind == "puback":
@@ -273,7 +287,7 @@ class Owner:
         session = self.session
         if session is None:
             return
-        room = self.options.window - len(self.inflight)
+        room = self.window - len(self.inflight)
         while room > 0:
             rows = self.outbox.pending(limit=min(self.options.batch, room))
             if not rows:
@@ -290,14 +304,14 @@ class Owner:
             self.link._count("published", len(sent))
             if len(sent) < len(rows):
                 return
-            room = self.options.window - len(self.inflight)
+            room = self.window - len(self.inflight)
 
     def _resend_overdue(self) -> None:
         n = self.outbox.resend_all(older_than_s=self.options.ack_timeout_s)
         if n:
             self.link._count("resent", n)
-            log.info("fleet: %d messages unacknowledged for %.0f s; sending them "
-                               "again", n, self.options.ack_timeout_s)
+            log.info("fleet: %d messages unacknowledged for %.0f s; sending them again", n,
+                     self.options.ack_timeout_s)
 
     def _publish_birth(self) -> None:
         if self.session is None:
@@ -335,6 +349,6 @@ class Owner:
                 acked = acked or (event.kind == "puback" and event.mid == mid)
         if not acked:
             log.warning("fleet: the death message was not acknowledged in %.1f s",
-                                  self.options.death_wait_s)
+                        self.options.death_wait_s)
         session.disconnect()
         self.link._connected.clear()

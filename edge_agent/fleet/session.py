@@ -49,14 +49,16 @@ class LinkError(Exception):
 class Event:
     """What a paho callback saw, for the owner thread to act on.
 
-    kind: `connack` (ok, reason, code, session_present), `disconnected` (reason),
-    `puback` (mid, ok, reason, code), `message` (topic, payload, mid, qos)."""
+    kind: `connack` (ok, reason, code, session_present, receive_max), `disconnected` (reason),
+    `puback` (mid, ok, reason, code), `suback` (ok, reason), `message` (topic, payload,
+    mid, qos)."""
 
     kind: str
     ok: bool = True
     reason: str = ""
     code: int = 0
     session_present: bool = False
+    receive_max: int = 65535
     mid: int = 0
     qos: int = 0
     topic: str = ""
@@ -119,6 +121,7 @@ class Session:
         self.clean_start = clean_start
         self.events: deque[Event] = deque()
         self.established = False  # CONNACK success seen
+        self.greeted = False  # birth, subscription and resend done for this connection
         self._fd: int | None = None
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id,
                              protocol=mqtt.MQTTv5, manual_ack=True)
@@ -143,6 +146,7 @@ class Session:
         client.on_disconnect = self._on_disconnect
         client.on_publish = self._on_publish
         client.on_message = self._on_message
+        client.on_subscribe = self._on_subscribe
         self.client = client
 
     # -- paho's callbacks: append, nothing else ------------------------------------------
@@ -151,7 +155,8 @@ class Session:
                     properties: Any) -> None:
         self.events.append(Event("connack", ok=not reason.is_failure, reason=str(reason),
                                  code=int(reason.value),
-                                 session_present=bool(flags.session_present)))
+                                 session_present=bool(flags.session_present),
+                                 receive_max=int(getattr(properties, "ReceiveMaximum", 65535))))
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason: Any,
                        properties: Any) -> None:
@@ -162,6 +167,11 @@ class Session:
         # 0x10 "no matching subscribers" is a success; 0x87 not authorized is not.
         self.events.append(Event("puback", ok=not reason.is_failure, reason=str(reason),
                                  code=int(reason.value), mid=mid))
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: int, reasons: Any,
+                      properties: Any) -> None:
+        failed = [str(r) for r in reasons if r.is_failure]
+        self.events.append(Event("suback", ok=not failed, reason=", ".join(failed), mid=mid))
 
     def _on_message(self, client: Any, userdata: Any, message: mqtt.MQTTMessage) -> None:
         self.events.append(Event("message", topic=message.topic,
