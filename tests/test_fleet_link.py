@@ -21,6 +21,7 @@ from edge_agent.fleet.handlers import box_handlers, copy_patched
 from edge_agent.fleet.link import Link
 from edge_agent.fleet.overlay import OVERLAY_FILE
 from edge_agent.fleet.session import probe
+from edge_agent.fleet.state import FleetState
 from tests.brokers import FLEET, Mosquitto, MQTTClient, free_port
 from tests.fleetkit import (
     Controller,
@@ -192,6 +193,41 @@ def test_many_producers_at_once_lose_nothing(
     assert wait_until(lambda: drained(link), 30), (link.outbox_stats(), link.counts)
     assert_all_stored_once(controller, link, 2000)
     assert controller.count(DEV, "metrics") == 2000
+
+
+def test_what_went_to_nobody_goes_again_once_the_controller_is_there(
+        broker: Mosquitto, links: Callable[..., Link], tmp_path: Path) -> None:
+    """A controller that never connected has no session at the broker: the broker takes
+    the messages (PUBACK "no matching subscribers") and drops them. The first ack from the
+    controller, once it is there, makes the link send them all again, long before they
+    would be overdue."""
+    link = links(broker, tmp_path / "state", options=fast_options(ack_timeout_s=300))
+    assert link.wait_connected(10)
+    for i in range(100):
+        link.emit("metrics", "metrics", {"i": i})
+    assert wait_until(lambda: link.counts.get("published", 0) >= 101, 5)
+    ctl = Controller(broker, tmp_path / "controller").start()
+    try:
+        link.emit("metrics", "metrics", {"i": 100})
+        assert wait_until(lambda: drained(link), 10), (link.outbox_stats(), link.counts)
+        assert_all_stored_once(ctl, link, 102)
+    finally:
+        ctl.close()
+
+
+def test_a_command_stored_but_never_run_runs_at_the_next_start(
+        broker: Mosquitto, controller: Controller, links: Callable[..., Link],
+        tmp_path: Path) -> None:
+    signer = Signer(tmp_path)
+    state = tmp_path / "state"
+    command = signer.command(DEV, "ping")
+    stored = FleetState(state / "fleet.db")  # what a kill -9 after the PUBACK leaves
+    assert stored.accept(command["id"], DEV, command["seq"], "ping",
+                         json.dumps(command).encode())
+    stored.close()
+    links(broker, state, fleet=fleet_settings(broker, DEV, command_key_file=signer.public_path))
+    assert wait_until(lambda: controller.store.command_results(command["id"]), 10)
+    assert controller.store.command_results(command["id"])[0]["status"] == "ok"
 
 
 def test_signed_commands_run_once_and_their_results_reach_the_controller(
