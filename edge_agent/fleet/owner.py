@@ -15,12 +15,13 @@ import logging
 import random
 import selectors
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.fleet import birth, topics
 from edge_agent.fleet.commands import CommandGate
 from edge_agent.fleet.envelope import AUDIT, decode_ack
-from edge_agent.fleet.outbox import Outbox
+from edge_agent.fleet.outbox import Outbox, Row
 from edge_agent.fleet.session import Event, LinkError, Session, connack_error
 from edge_agent.fleet.state import FleetState
 
@@ -48,6 +49,7 @@ class Owner:
         self.sel = selectors.DefaultSelector()
         self.session: Session | None = None
         self.inflight: dict[int, int] = {}  # mid -> outbox row id
+        self.ready: deque[Row] = deque()  # marked sent, not yet handed to paho
         # At most this many QoS 1 messages without their PUBACK: our window, or less if the
         # broker's CONNACK says so (MQTT 5 Receive Maximum; Mosquitto's is its
         # max_inflight_messages, 20 unless configured). Exceeding it is a protocol error
@@ -196,6 +198,7 @@ class Owner:
                 self.sel.unregister(key.fileobj)
         self.session = None
         self.inflight.clear()
+        self.ready.clear()
         link._connected.clear()
         if was:
             link._count("disconnects")
@@ -266,6 +269,7 @@ class Owner:
             self.last_ack = time.monotonic()
             if self.unheard:  # the controller is back: what went to nobody goes again
                 self.unheard = False
+                self.ready.clear()  # offered again by `pending`, in order
                 self.link._count("resent", self.outbox.resend_all())
         for event in events:  # after the rows are gone: a lost ack comes again
             session.ack(event.mid, event.qos)
@@ -284,27 +288,31 @@ class Owner:
     # -- sending ------------------------------------------------------------------------
 
     def _publish_pending(self) -> None:
+        """Publishes outbox rows while the window has room. Rows are taken `batch` at a
+        time and marked sent in one commit before they go out (a window of 20 must not
+        mean a commit per 20 messages); those still waiting here when the connection
+        drops are offered again by the `resend_all` of the next connect."""
         session = self.session
         if session is None:
             return
-        room = self.window - len(self.inflight)
-        while room > 0:
-            rows = self.outbox.pending(limit=min(self.options.batch, room))
-            if not rows:
-                return
-            sent: list[int] = []
-            for row in rows:
-                mid = session.publish(
-                    topics.topic(self.link.fleet_id, self.link.device, row.kind), row.payload)
-                if mid is None:
+        sent = 0
+        while len(self.inflight) < self.window:
+            if not self.ready:
+                rows = self.outbox.pending(limit=self.options.batch)
+                if not rows:
                     break
-                self.inflight[mid] = row.id
-                sent.append(row.id)
-            self.outbox.mark_sent(sent)
-            self.link._count("published", len(sent))
-            if len(sent) < len(rows):
-                return
-            room = self.window - len(self.inflight)
+                self.outbox.mark_sent([row.id for row in rows])
+                self.ready.extend(rows)
+            row = self.ready[0]
+            mid = session.publish(
+                topics.topic(self.link.fleet_id, self.link.device, row.kind), row.payload)
+            if mid is None:
+                break
+            self.ready.popleft()
+            self.inflight[mid] = row.id
+            sent += 1
+        if sent:
+            self.link._count("published", sent)
 
     def _resend_overdue(self) -> None:
         n = self.outbox.resend_all(older_than_s=self.options.ack_timeout_s)
