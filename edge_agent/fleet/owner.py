@@ -60,6 +60,7 @@ class Owner:
         # A PUBACK said nobody subscribed (the controller never connected, or its session
         # expired): what was sent went nowhere, so it all goes again at the next ack.
         self.unheard = False
+        self.checked = self.forced = time.monotonic()
         self._status = topics.topic(link.fleet_id, link.device, topics.STATUS)
         self._ack = topics.topic(link.fleet_id, link.device, topics.ACK)
 
@@ -68,7 +69,6 @@ class Owner:
         sel.register(link._wake_r, selectors.EVENT_READ)
         attempt, next_connect = 0, time.monotonic()
         connack_by = connected_at = 0.0
-        last_check = last_forced = time.monotonic()
         while not link._stopping.is_set():
             now = time.monotonic()
             session = self.session
@@ -111,15 +111,7 @@ class Owner:
                 if link._rebirth.is_set():
                     link._rebirth.clear()
                     self.step(self._publish_birth)
-                if now - last_check >= min(5.0, self.options.ack_timeout_s / 4):
-                    last_check = now
-                    # Acks flowing: the controller is up, so a row unacked this long was lost
-                    # on the way. No acks at all: it is away and the broker's session for it
-                    # holds what was sent; resend only now and then, not a second backlog.
-                    alive_ctl = now - self.last_ack < self.options.ack_timeout_s
-                    if alive_ctl or now - last_forced >= 10 * self.options.ack_timeout_s:
-                        last_forced = now if not alive_ctl else last_forced
-                        self.step(self._resend_overdue)
+                self._check_overdue(now)
                 self._watch_writes(session)
         self._shutdown()
         sel.close()
@@ -180,6 +172,7 @@ class Owner:
         link._forget_logged(("connect:", "connack:"))
         log.info("fleet: connected to %s:%s as %s (bdseq %d)", address.host, address.port,
                  link.device, self.bdseq)
+        link._rebirth.clear()  # this birth answers any rebirth asked while offline
         self.step(self._publish_birth)
         # `connected` is set at the SUBACK: from then on a command sent to the box arrives.
         session.subscribe(topics.device_filter(link.fleet_id, link.device))
@@ -313,6 +306,21 @@ class Owner:
             sent += 1
         if sent:
             self.link._count("published", sent)
+
+    def _check_overdue(self, now: float) -> None:
+        """Rows sent more than `ack_timeout_s` ago and not acknowledged go again — when acks
+        are flowing (the controller is up, so such a row was lost on the way). With no acks
+        at all the controller is away and its broker session holds what was sent: then only
+        every tenth timeout, not a second backlog each time."""
+        timeout = self.options.ack_timeout_s
+        if now - self.checked < min(5.0, timeout / 4):
+            return
+        self.checked = now
+        if now - self.last_ack >= timeout:
+            if now - self.forced < 10 * timeout:
+                return
+            self.forced = now
+        self.step(self._resend_overdue)
 
     def _resend_overdue(self) -> None:
         n = self.outbox.resend_all(older_than_s=self.options.ack_timeout_s)
