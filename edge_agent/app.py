@@ -26,11 +26,11 @@ from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.keys import KeyStore
 from edge_agent.governance.redaction import Detectors, MetadataRedactor, Redactor, device_key
 from edge_agent.governance.tenants import Governor
-from edge_agent.ledger.retention import purge_expired
+from edge_agent.ledger.retention import purge_before, purge_expired
 from edge_agent.ledger.store import REQUESTS
 from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.logs import RequestContext
-from edge_agent.telemetry.hardware import HardwareSampler, default_readers
+from edge_agent.telemetry.hardware import HardwareSampler, NvmlReader, default_readers
 from edge_agent.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -85,9 +85,17 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
                  asyncio.create_task(_purge_hourly(settings))]
         if preload:
             tasks.append(asyncio.create_task(_preload(modelops, settings.default_model)))
+        # The link runs on its own threads and never holds the start back: with the broker
+        # unreachable the box serves exactly as without it.
+        link = start_fleet_link(settings, modelops, governor, sampler) \
+            if settings.fleet.enabled else None
+        app.state.fleet_link = link
         try:
             yield
         finally:
+            if link is not None:  # the server takes no more requests: say goodbye
+                await asyncio.to_thread(link.stop)
+                app.state.fleet_link = None
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -101,6 +109,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     app = FastAPI(title="edge-agent", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.parts = parts
+    app.state.fleet_link = None
     install_error_handlers(app)
     app.add_middleware(RequestContext, record=lambda row: record(REQUESTS, row),
                        scrub=MetadataRedactor(redactor, store.is_installed))
@@ -109,6 +118,61 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     app.include_router(ollama_models.router)
     app.include_router(openai.router)
     return app
+
+
+def start_fleet_link(settings: Settings, modelops: ModelOps, governor: Governor,
+                     sampler: HardwareSampler) -> Any:
+    """The fleet link (`edge_agent.fleet.link.Link`) with this box's command handlers,
+    started; None if it could not even be built (logged: the box serves without it)."""
+    try:
+        from edge_agent.fleet.birth import facts_source
+        from edge_agent.fleet.handlers import box_handlers, copy_patched
+        from edge_agent.fleet.link import Link
+
+        ledger = settings.state_dir / "ledger.db"
+
+        def purge(before: float | None) -> int:
+            if before is None:
+                return purge_expired(ledger, settings.retention)
+            return purge_before(ledger, before, settings.retention)
+
+        def revoke(prefix: str) -> bool:
+            revoked = governor.keys.revoke(prefix)
+            governor.reload_keys()  # at once, not at the next periodic reload
+            return revoked
+
+        def apply_live(new: Settings, changes: dict[str, Any]) -> list[str]:
+            # Every patchable key is read from the one Settings object when it is used,
+            # except the sampler's interval (copied here) and whether content is stored
+            # at all (decided at start: content_hours crossing 0 waits for a restart).
+            was_kept = settings.retention.content_hours > 0
+            keys = [k for k in changes if k != "retention.content_hours"
+                    or (new.retention.content_hours > 0) == was_kept]
+            done = copy_patched(settings, new, keys)
+            sampler.interval_s = settings.telemetry.interval_s
+            return done
+
+        link = Link(settings.fleet, settings.state_dir,
+                    facts=facts_source(lambda: settings, modelops, gpus=_gpus),
+                    handlers=box_handlers(settings, settings.state_dir, purge=purge,
+                                          revoke=revoke, apply_live=apply_live))
+        link.start()
+        return link
+    except Exception:
+        log.exception("fleet link not started; the box serves without it")
+        return None
+
+
+def _gpus() -> list[dict[str, Any]]:
+    """The birth's GPU list: name and memory per NVIDIA GPU (none without NVML)."""
+    nvml = NvmlReader()
+    if not nvml.available:
+        return []
+    memory = {dict(r.labels).get("gpu"): int(r.value) for r in nvml.read()
+              if r.name == "gpu_memory_total_bytes"}
+    return [{"name": name, "memory_bytes": memory.get(str(i)),
+             "driver": nvml.driver_version, "cuda": nvml.cuda_version}
+            for i, name in enumerate(nvml.gpus)]
 
 
 async def _preload(modelops: ModelOps, name: str) -> None:

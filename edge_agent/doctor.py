@@ -20,7 +20,7 @@ from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore, normalize_name
 from edge_agent.errors import EdgeAgentError
 
-Status = Literal["ok", "warn", "fail"]
+Status = Literal["ok", "info", "warn", "fail"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Check:
     fix: str = ""
 
     def line(self) -> str:
-        fix = f" — fix: {self.fix}" if self.fix and self.status != "ok" else ""
+        fix = f" — fix: {self.fix}" if self.fix and self.status in ("warn", "fail") else ""
         return f"{self.status:<5} {self.name}: {self.detail}{fix}"
 
 
@@ -58,6 +58,7 @@ def run_checks(settings: Settings) -> list[Check]:
     checks.append(_ledger(state / "ledger.db"))
     checks += _llama_and_gpu(settings)
     checks.append(_port(settings))
+    checks += _fleet(settings)
     return checks
 
 
@@ -173,6 +174,91 @@ def _port(settings: Settings) -> Check:
         pass
     return Check("fail", "port", f"{host}:{port} is taken by another program",
                  "stop it, or set server.port")
+
+
+def _fleet(settings: Settings, timeout_s: float = 5.0) -> list[Check]:
+    """The fleet link: its files, the broker reached with the configured credentials
+    (TCP, TLS, MQTT CONNECT; never as the device's own client id, which would throw a
+    running agent off the broker), and what waits in the outbox."""
+    from edge_agent.fleet.session import probe
+    from edge_agent.fleet.signing import load_public
+
+    fleet = settings.fleet
+    if not fleet.enabled:
+        return [Check("info", "fleet", "link disabled (fleet.enabled = false)")]
+    address = fleet.broker_address
+    out = [Check("ok", "fleet config", f"device {fleet.device_id} of fleet {fleet.fleet_id}, "
+                                       f"broker {fleet.broker}")]
+    files = {"fleet.password_file": fleet.password_file, "fleet.ca_file": fleet.ca_file,
+             "fleet.client_cert": fleet.client_cert, "fleet.client_key": fleet.client_key,
+             "fleet.command_key_file": fleet.command_key_file}
+    broken = False
+    for key, path in files.items():
+        if path is None:
+            continue
+        try:
+            data = path.read_bytes()
+            if key == "fleet.command_key_file":
+                load_public(path)
+            elif key == "fleet.password_file" and not data.strip():
+                raise ValueError("it is empty")
+        except (OSError, ValueError) as exc:
+            broken = True
+            reason = getattr(exc, "strerror", None) or str(exc)
+            out.append(Check("fail", "fleet files", f"{key} {path}: {reason}",
+                             "make it readable by the service user, or fix the path"))
+    if not broken:
+        out.append(Check("ok", "fleet files", "every configured file is readable"))
+    if fleet.command_key_file is None:
+        out.append(Check("warn", "fleet commands", "no fleet.command_key_file: every command "
+                         "will be refused", "install the controller's public key "
+                         "(edge-agent fleet keygen) and set fleet.command_key_file"))
+    found = probe(fleet, timeout_s)
+    where = f"{address.host}:{address.port}"
+    if found.ok:
+        out.append(Check("ok", "fleet broker", f"{where}: {found.detail} in "
+                                               f"{found.elapsed_s * 1000:.0f} ms"))
+    else:
+        # Unreachable is a state the link rides out (the box serves, the outbox keeps
+        # everything); refused credentials or TLS are a configuration to fix.
+        status: Status = "warn" if found.kind in ("refused", "timeout", "dns") else "fail"
+        fixes = {"refused": "start the broker, or check fleet.broker's host and port",
+                 "timeout": "check the network path and firewall to the broker",
+                 "dns": "check fleet.broker's host name",
+                 "not_authorized": "check fleet.username and fleet.password_file against "
+                                   "the broker's passwd (fleet broker-config)",
+                 "tls": "check fleet.ca_file and the broker's certificate (its name must "
+                        "match the host in fleet.broker)",
+                 "config": "fix the file named above"}
+        out.append(Check(status, "fleet broker", f"{where}: {found.detail}; the box serves "
+                                                 "without the link meanwhile",
+                         fixes.get(found.kind, "see the broker's log")))
+    out.append(_outbox(settings.state_dir / "outbox.db"))
+    return out
+
+
+def _outbox(path: Path) -> Check:
+    """Messages waiting for the controller, read-only (the link owns the file)."""
+    import sqlite3
+    import time
+
+    if not path.exists():
+        return Check("ok", "fleet outbox", "empty (not created yet)")
+    try:
+        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+        try:
+            depth, oldest = conn.execute("SELECT COUNT(*), MIN(ts) FROM outbox").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return Check("warn", "fleet outbox", f"{path} cannot be read ({exc})",
+                     "the link moves a corrupt outbox aside at its next start")
+    if not depth:
+        return Check("ok", "fleet outbox", "empty: the controller has everything")
+    age = time.time() - float(oldest)
+    return Check("ok" if age < 3600 else "warn", "fleet outbox",
+                 f"{depth} messages wait for the controller, the oldest {age / 60:.0f} min old",
+                 "check that the broker is reachable and the controller runs")
 
 
 def render(checks: list[Check], as_json: bool) -> str:

@@ -13,7 +13,8 @@ from edge_agent.cli.output import json_option
 @json_option("Print the checks as JSON.")
 @click.pass_context
 def doctor(ctx: click.Context, as_json: bool) -> None:
-    """Check this box: config, state dir, disk, model blobs, llama.cpp, GPU, port."""
+    """Check this box: config, state dir, disk, model blobs, llama.cpp, GPU, port, fleet
+    link (its files and the broker, reached with its credentials)."""
     from edge_agent.doctor import render, run_checks
 
     checks = run_checks(load())

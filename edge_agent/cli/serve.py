@@ -18,6 +18,7 @@ from edge_agent.netaddr import is_loopback
 def serve(host: str | None, port: int | None, log_level: str | None) -> None:
     """Serve both API dialects on one port."""
     from edge_agent.app import create_app
+    from edge_agent.fleet.overlay import apply_overlay
     from edge_agent.governance.keys import KeyStore
     from edge_agent.server import serve as run_server
 
@@ -27,6 +28,8 @@ def serve(host: str | None, port: int | None, log_level: str | None) -> None:
                        "only a loopback address is allowed (edge-agent keys create --tenant "
                        "NAME)")
     configure_logging(settings.log_level, settings.log_format)
+    # What the fleet controller patched (config.patch) beats the file: the later decision.
+    settings = apply_overlay(settings, settings.state_dir)
     if not run_server(create_app(settings), settings):
         raise CheckFailed(f"the server did not start on {settings.server.host}:"
                           f"{settings.server.port} (see the log above)")

@@ -160,6 +160,12 @@ class Governor:
         used, self._used = self._used, {}
         self.keys.touch(used)
 
+    def reload_keys(self) -> None:
+        """Reads the key store now (a key revoked by the fleet link stops working at once,
+        not at the next periodic reload)."""
+        self._active = self.keys.load_active()
+        self._loaded_at = time.monotonic()
+
     def _window(self, tenant: str, kind: str, span: float) -> _Window:
         return self._windows.setdefault((tenant, kind), _Window(span))
 

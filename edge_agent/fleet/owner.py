@@ -1,0 +1,370 @@
+"""The loop of the link's owner thread: connect and reconnect, publish the outbox, take the
+controller's acks and the commands, birth and death.
+
+It runs on the `fleet-link` thread only, and is the only code that touches the outbox's
+file and receives commands. It waits on one selector: the link's wake socket (a producer
+emitted, a command finished, stop) and the session's socket. paho's callbacks fire inside
+`Session.pump()` and only queue `session.Event`s; this loop acts on them after, so nothing
+is committed inside a paho callback. Any one step that fails is logged once and counted,
+and the loop goes on: one bad message never ends the link.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import selectors
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.fleet import birth, topics
+from edge_agent.fleet.commands import CommandGate
+from edge_agent.fleet.envelope import AUDIT, decode_ack
+from edge_agent.fleet.outbox import Outbox, Row
+from edge_agent.fleet.session import Event, LinkError, Session, connack_error
+from edge_agent.fleet.state import FleetState
+
+if TYPE_CHECKING:
+    from edge_agent.fleet.link import Link
+
+log = logging.getLogger(__name__)
+NO_SUBSCRIBERS = 0x10  # PUBACK reason: the broker had nobody to give the message to
+
+
+def backoff_delay(attempt: int, min_s: float, max_s: float) -> float:
+    """Full jitter: uniform in [0, min(max_s, min_s * 2^attempt)]."""
+    return random.uniform(0, min(max_s, min_s * 2 ** min(attempt, 30)))
+
+
+class Owner:
+    def __init__(self, link: Link, outbox: Outbox, gate: CommandGate,
+                 state: FleetState) -> None:
+        self.link = link
+        self.fleet = link.fleet
+        self.options = link.options
+        self.outbox = outbox
+        self.gate = gate
+        self.state = state
+        self.sel = selectors.DefaultSelector()
+        self.session: Session | None = None
+        self.inflight: dict[int, int] = {}  # mid -> outbox row id
+        self.ready: deque[Row] = deque()  # marked sent, not yet handed to paho
+        # At most this many QoS 1 messages without their PUBACK: our window, or less if the
+        # broker's CONNACK says so (MQTT 5 Receive Maximum; Mosquitto's is its
+        # max_inflight_messages, 20 unless configured). Exceeding it is a protocol error
+        # some brokers disconnect for.
+        self.window = link.options.window
+        self.bdseq = 0
+        self.last_ack = time.monotonic()
+        # A PUBACK said nobody subscribed (the controller never connected, or its session
+        # expired): what was sent went nowhere, so it all goes again at the next ack.
+        self.unheard = False
+        self.checked = self.forced = time.monotonic()
+        self._status = topics.topic(link.fleet_id, link.device, topics.STATUS)
+        self._ack = topics.topic(link.fleet_id, link.device, topics.ACK)
+
+    def run(self) -> None:
+        link, sel = self.link, self.sel
+        sel.register(link._wake_r, selectors.EVENT_READ)
+        attempt, next_connect = 0, time.monotonic()
+        connack_by = connected_at = 0.0
+        while not link._stopping.is_set():
+            now = time.monotonic()
+            session = self.session
+            if session is None and now >= next_connect:
+                session = self._connect()
+                connack_by = now + self.options.connack_timeout_s
+                if session is None:
+                    next_connect, attempt = self._backoff(attempt)
+                    continue
+            timeout = 1.0 if session is not None else min(1.0, max(0.0, next_connect - now))
+            readable = writable = False
+            for key, mask in sel.select(timeout):
+                if key.fileobj is link._wake_r:
+                    link._drain_wake()
+                else:
+                    readable |= bool(mask & selectors.EVENT_READ)
+                    writable |= bool(mask & selectors.EVENT_WRITE)
+            if session is not None:
+                try:
+                    alive = session.pump(readable, writable)
+                except Exception as exc:  # a paho bug or a half-closed TLS socket
+                    link._log_once("pump", "fleet: connection error: %s", exc, exc_info=True)
+                    alive = False
+                lost = self._handle(session)
+                now = time.monotonic()
+                if alive and lost is None and not session.established and now > connack_by:
+                    lost = "no CONNACK in time"
+                if lost is not None or not alive:
+                    stable = session.established and now - connected_at >= self.options.stable_s
+                    self._drop(session, lost or "connection lost")
+                    next_connect, attempt = self._backoff(0 if stable else attempt)
+                    continue
+                if session.established and not session.greeted:
+                    session.greeted = True
+                    connected_at = now  # the backoff resets once this is stable_s old
+                    self._on_connected(session)
+            self.step(self.outbox.flush)
+            if session is not None and session.established:
+                self.step(self._publish_pending)
+                if link._rebirth.is_set():
+                    link._rebirth.clear()
+                    self.step(self._publish_birth)
+                self._check_overdue(now)
+                self._watch_writes(session)
+        self._shutdown()
+        sel.close()
+
+    def step(self, fn: Any) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            self.link._count("errors")
+            self.link._log_once(f"step:{getattr(fn, '__name__', fn)}:{type(exc).__name__}",
+                                "fleet: %s failed (%s); the link goes on",
+                                getattr(fn, "__name__", fn), exc, exc_info=True)
+
+    def _backoff(self, attempt: int) -> tuple[float, int]:
+        delay = backoff_delay(attempt, self.fleet.reconnect_min_s, self.fleet.reconnect_max_s)
+        return time.monotonic() + delay, attempt + 1
+
+    def _watch_writes(self, session: Session) -> None:
+        fd = session.fd
+        if fd is None:
+            return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if session.want_write() else 0)
+        if self.sel.get_key(fd).events != want:
+            self.sel.modify(fd, want)
+
+    # -- connecting ---------------------------------------------------------------------
+
+    def _connect(self) -> Session | None:
+        link = self.link
+        address = self.fleet.broker_address
+        try:
+            bdseq = self.state.next_bdseq()  # committed before the Will carries it
+            will = birth.death(fleet=link.fleet_id, device=link.device, boot_id=link.boot_id,
+                               bdseq=bdseq)
+            session = Session(self.fleet, client_id=f"edge-{link.fleet_id}-{link.device}",
+                              will=(self._status, will), keepalive_s=self.fleet.keepalive_s,
+                              window=self.options.window,
+                              connect_timeout_s=self.options.connect_timeout_s,
+                              session_expiry_s=self.options.session_expiry_s)
+            session.open()
+        except Exception as exc:
+            err = exc if isinstance(exc, LinkError) else LinkError("error", str(exc))
+            link._count("connect_failures")
+            link._log_once(f"connect:{err.message}", "fleet: cannot reach the broker %s:%s "
+                           "(%s); retrying with backoff, the box serves meanwhile",
+                           address.host, address.port, err.message)
+            return None
+        self.bdseq = bdseq
+        self.session = session
+        if session.fd is not None:
+            self.sel.register(session.fd, selectors.EVENT_READ)
+        return session
+
+    def _on_connected(self, session: Session) -> None:
+        link = self.link
+        address = self.fleet.broker_address
+        link._count("connects")
+        link._forget_logged(("connect:", "connack:"))
+        log.info("fleet: connected to %s:%s as %s (bdseq %d)", address.host, address.port,
+                 link.device, self.bdseq)
+        link._rebirth.clear()  # this birth answers any rebirth asked while offline
+        self.step(self._publish_birth)
+        # `connected` is set at the SUBACK: from then on a command sent to the box arrives.
+        session.subscribe(topics.device_filter(link.fleet_id, link.device))
+        self.step(self.outbox.resend_all)  # nothing is in flight on a new connection
+        link.emit("events", AUDIT, {"event": "link.connected", "bdseq": self.bdseq,
+                                    "broker": f"{address.host}:{address.port}"})
+
+    def _drop(self, session: Session, reason: str) -> None:
+        link = self.link
+        was = session.established
+        session.close()
+        # Every descriptor but the wake socket, by number: paho may have closed the socket
+        # already, and the number must leave the selector before another socket takes it.
+        for key in list(self.sel.get_map().values()):
+            if key.fileobj is not link._wake_r:
+                self.sel.unregister(key.fileobj)
+        self.session = None
+        self.inflight.clear()
+        self.ready.clear()
+        link._connected.clear()
+        if was:
+            link._count("disconnects")
+            log.warning("fleet: lost the broker (%s); reconnecting, the box serves "
+                        "meanwhile", reason)
+            link.emit("events", AUDIT, {"event": "link.disconnected", "reason": reason,
+                                        "bdseq": self.bdseq})
+
+    # -- what the callbacks saw ---------------------------------------------------------
+
+    def _handle(self, session: Session) -> str | None:
+        """Acts on the session's events; a reason if the connection is to be dropped."""
+        link = self.link
+        lost: str | None = None
+        acks: list[Event] = []
+        while session.events:
+            event = session.events.popleft()
+            try:
+                if event.kind == "connack":
+                    if event.ok:
+                        session.established = True
+                        self.window = max(1, min(self.options.window, event.receive_max))
+                    else:
+                        link._count("connect_failures")
+                        lost = connack_error(event.reason, event.code).message
+                        link._log_once(f"connack:{event.reason}", "fleet: %s", lost)
+                elif event.kind == "suback":
+                    link._connected.set()
+                    if not event.ok:
+                        link._log_once(f"suback:{event.reason}", "fleet: the broker refused "
+                                       "a subscription (%s): commands may not arrive",
+                                       event.reason)
+                elif event.kind == "disconnected":
+                    lost = lost or event.reason or "connection lost"
+                elif event.kind == "puback":
+                    self.inflight.pop(event.mid, None)
+                    if event.code == NO_SUBSCRIBERS:
+                        self.unheard = True
+                    elif not event.ok:
+                        link._count("publish_refused")
+                        link._log_once(f"puback:{event.reason}", "fleet: the broker refused "
+                                       "a message: %s", event.reason)
+                elif event.kind == "message":
+                    if event.topic == self._ack:
+                        acks.append(event)
+                    else:
+                        self._command(session, event)
+            except Exception as exc:  # one message never ends the link
+                link._count("errors")
+                link._log_once(f"event:{event.kind}:{type(exc).__name__}",
+                               "fleet: handling a %s failed: %s", event.kind, exc,
+                               exc_info=True)
+        if acks:
+            self.step(lambda: self._apply_acks(session, acks))
+        return lost
+
+    def _apply_acks(self, session: Session, events: list[Event]) -> None:
+        merged: dict[str, list[list[int]]] = {}
+        for event in events:
+            try:
+                for boot_id, runs in decode_ack(event.payload).items():
+                    merged.setdefault(boot_id, []).extend([a, b] for a, b in runs)
+            except ValueError as exc:
+                self.link._count("bad_acks")
+                self.link._log_once("bad-ack", "fleet: a malformed ack was ignored: %s", exc)
+        if merged:
+            self.link._count("acked_rows", self.outbox.ack(merged))  # one transaction
+            self.last_ack = time.monotonic()
+            if self.unheard:  # the controller is back: what went to nobody goes again
+                self.unheard = False
+                self.ready.clear()  # offered again by `pending`, in order
+                self.link._count("resent", self.outbox.resend_all())
+        for event in events:  # after the rows are gone: a lost ack comes again
+            session.ack(event.mid, event.qos)
+
+    def _command(self, session: Session, event: Event) -> None:
+        # Stored in fleet.db before the PUBACK; if that raises, no PUBACK: the broker
+        # delivers the command again.
+        delivery = self.gate.receive(event.payload, event.topic)
+        session.ack(event.mid, event.qos)
+        self.link._count("commands")
+        if delivery.result is not None:
+            self.link._emit_result(delivery.result)
+        if delivery.execute and delivery.command is not None:
+            self.link._work.put(delivery.command)
+
+    # -- sending ------------------------------------------------------------------------
+
+    def _publish_pending(self) -> None:
+        """Publishes outbox rows while the window has room. Rows are taken `batch` at a
+        time and marked sent in one commit before they go out (a window of 20 must not
+        mean a commit per 20 messages); those still waiting here when the connection
+        drops are offered again by the `resend_all` of the next connect."""
+        session = self.session
+        if session is None:
+            return
+        sent = 0
+        while len(self.inflight) < self.window:
+            if not self.ready:
+                rows = self.outbox.pending(limit=self.options.batch)
+                if not rows:
+                    break
+                self.outbox.mark_sent([row.id for row in rows])
+                self.ready.extend(rows)
+            row = self.ready[0]
+            mid = session.publish(
+                topics.topic(self.link.fleet_id, self.link.device, row.kind), row.payload)
+            if mid is None:
+                break
+            self.ready.popleft()
+            self.inflight[mid] = row.id
+            sent += 1
+        if sent:
+            self.link._count("published", sent)
+
+    def _check_overdue(self, now: float) -> None:
+        """Rows sent more than `ack_timeout_s` ago and not acknowledged go again — when acks
+        are flowing (the controller is up, so such a row was lost on the way). With no acks
+        at all the controller is away and its broker session holds what was sent: then only
+        every tenth timeout, not a second backlog each time."""
+        timeout = self.options.ack_timeout_s
+        if now - self.checked < min(5.0, timeout / 4):
+            return
+        self.checked = now
+        if now - self.last_ack >= timeout:
+            if now - self.forced < 10 * timeout:
+                return
+            self.forced = now
+        self.step(self._resend_overdue)
+
+    def _resend_overdue(self) -> None:
+        n = self.outbox.resend_all(older_than_s=self.options.ack_timeout_s)
+        if n:
+            self.link._count("resent", n)
+            log.info("fleet: %d messages unacknowledged for %.0f s; sending them again", n,
+                     self.options.ack_timeout_s)
+
+    def _publish_birth(self) -> None:
+        if self.session is None:
+            return
+        link = self.link
+        payload = birth.birth(link._facts(), fleet=link.fleet_id, device=link.device,
+                              boot_id=link.boot_id, bdseq=self.bdseq)
+        self.session.publish(self._status, payload, retain=True)
+
+    # -- stopping -----------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        """Commit what is buffered; if connected, publish what is pending and the death
+        (the broker sends no Will after a DISCONNECT), wait for its PUBACK, disconnect."""
+        self.link._finish_commands()
+        self.step(self.outbox.flush)
+        session = self.session
+        if session is None:
+            return
+        if not session.established:
+            session.close()
+            return
+        self.step(self._publish_pending)
+        death = birth.death(fleet=self.link.fleet_id, device=self.link.device,
+                            boot_id=self.link.boot_id, bdseq=self.bdseq)
+        mid = session.publish(self._status, death, retain=True)
+        deadline = time.monotonic() + self.options.death_wait_s
+        acked = False
+        while mid is not None and not acked and time.monotonic() < deadline:
+            self.sel.select(0.05)
+            if not session.pump(True, session.want_write()):
+                break
+            while session.events:
+                event = session.events.popleft()
+                acked = acked or (event.kind == "puback" and event.mid == mid)
+        if not acked:
+            log.warning("fleet: the death message was not acknowledged in %.1f s",
+                        self.options.death_wait_s)
+        session.disconnect()
+        self.link._connected.clear()
