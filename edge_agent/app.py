@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from edge_agent import __version__
 from edge_agent.api import ollama, ollama_models, openai, ops
 from edge_agent.api.errors import install_error_handlers
+from edge_agent.api.ops import readiness_problems
 from edge_agent.api.state import AppParts
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import normalize_name
@@ -87,12 +88,23 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
             tasks.append(asyncio.create_task(_preload(modelops, settings.default_model)))
         # The link runs on its own threads and never holds the start back: with the broker
         # unreachable the box serves exactly as without it.
-        link = start_fleet_link(settings, modelops, governor, sampler) \
+        sync_box: list[Any] = []  # the producers, once built (config.patch reaches them)
+        link = start_fleet_link(settings, modelops, governor, sampler, sync_box) \
             if settings.fleet.enabled else None
         app.state.fleet_link = link
+        stop_sync = asyncio.Event()
+        sync_task = None
+        if link is not None:
+            sync = start_fleet_sync(settings, link, parts, sampler)
+            if sync is not None:
+                sync_box.append(sync)
+                sync_task = asyncio.create_task(sync.run(stop_sync))
         try:
             yield
         finally:
+            if sync_task is not None:  # its last ticks append to the outbox: before it closes
+                stop_sync.set()
+                await asyncio.gather(sync_task, return_exceptions=True)
             if link is not None:  # the server takes no more requests: say goodbye
                 await asyncio.to_thread(link.stop)
                 app.state.fleet_link = None
@@ -120,8 +132,33 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     return app
 
 
-def start_fleet_link(settings: Settings, modelops: ModelOps, governor: Governor,
+def start_fleet_sync(settings: Settings, link: Any, parts: AppParts,
                      sampler: HardwareSampler) -> Any:
+    """What the link syncs on its intervals (metrics, ledger summaries, events), feeding its
+    outbox; None if it could not be built (logged: the link still runs)."""
+    try:
+        from edge_agent.fleet.sync import Sync
+
+        def emit(kind: str, cls: str, body: Any, *, commit: bool = False) -> int:
+            if not link.emit(kind, cls, body, commit=commit):
+                raise RuntimeError(f"the outbox refused a {kind} message")
+            return 0
+
+        fleet = settings.fleet
+        return Sync(emit=emit, ledger_path=settings.state_dir / "ledger.db",
+                    state_path=settings.state_dir / "fleet-sync.json",
+                    metrics=parts.metrics.registry if parts.metrics is not None else None,
+                    hardware=lambda: sampler.snapshot, outbox_stats=link.outbox_stats,
+                    models=parts.ops, ready=lambda: not readiness_problems(parts),
+                    metrics_interval_s=fleet.metrics_interval_s,
+                    ledger_interval_s=fleet.ledger_interval_s)
+    except Exception:
+        log.exception("fleet sync not started; the link runs without it")
+        return None
+
+
+def start_fleet_link(settings: Settings, modelops: ModelOps, governor: Governor,
+                     sampler: HardwareSampler, sync_box: list[Any] | None = None) -> Any:
     """The fleet link (`edge_agent.fleet.link.Link`) with this box's command handlers,
     started; None if it could not even be built (logged: the box serves without it)."""
     try:
@@ -150,6 +187,9 @@ def start_fleet_link(settings: Settings, modelops: ModelOps, governor: Governor,
                     or (new.retention.content_hours > 0) == was_kept]
             done = copy_patched(settings, new, keys)
             sampler.interval_s = settings.telemetry.interval_s
+            for sync in sync_box or ():
+                sync.set_intervals(metrics_s=settings.fleet.metrics_interval_s,
+                                   ledger_s=settings.fleet.ledger_interval_s)
             return done
 
         link = Link(settings.fleet, settings.state_dir,

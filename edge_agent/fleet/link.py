@@ -132,21 +132,23 @@ class Link:
         except Exception:
             log.exception("fleet: stopping the link failed")
 
-    def emit(self, kind: str, cls: str, body: Mapping[str, Any]) -> bool:
+    def emit(self, kind: str, cls: str, body: Mapping[str, Any], *, commit: bool = False
+             ) -> bool:
         """Queues one message for the controller (committed within milliseconds by the
-        owner thread); False if it was refused (logged once per kind, counted)."""
+        owner thread; with `commit`, on disk before this returns); False if it was refused
+        (logged once per kind, counted)."""
         try:
             with self._lock:
                 outbox = self._outbox
-                refused = self._closed or (
-                    outbox is None and len(self._early) >= self.options.max_early)
+                refused = self._closed or (outbox is None and (
+                    commit or len(self._early) >= self.options.max_early))
                 if outbox is None and not refused:  # the owner has not opened it yet
                     self._early.append((kind, cls, dict(body)))
                     return True
             if refused or outbox is None:
                 self._count("emit_refused")
                 return False
-            outbox.append(kind, cls, body)
+            outbox.append(kind, cls, body, commit=commit)
         except (ValueError, TypeError) as exc:  # OutboxFull is a ValueError too
             self._count("emit_refused")
             if not isinstance(exc, OutboxFull):

@@ -90,7 +90,7 @@ class Sync:
     def __init__(self, *, emit: Emit, ledger_path: Path, state_path: Path,
                  metrics: summaries.MetricsSource | None = None,
                  hardware: Callable[[], Sequence[Reading]] | None = None,
-                 outbox_stats: Callable[[], OutboxStats] | None = None,
+                 outbox_stats: Callable[[], OutboxStats | None] | None = None,
                  models: ModelView | None = None,
                  ready: Callable[[], bool] | None = None,
                  metrics_interval_s: float = 60.0, ledger_interval_s: float = 60.0,
@@ -176,8 +176,8 @@ class Sync:
             "rejections": summaries.rejections(gained),
             "hardware": summaries.hardware(self._hardware()) if self._hardware else {},
         }
-        if self._outbox_stats is not None:
-            st = self._outbox_stats()
+        st = self._outbox_stats() if self._outbox_stats is not None else None
+        if st is not None:  # None: the outbox is not open (yet, or any more)
             body["outbox"] = {"depth": st.depth, "bytes": st.bytes,
                               "oldest_age_s": round(st.oldest_age_s, 3),
                               "buffered": st.buffered, "dropped_rows": st.dropped_rows,
