@@ -149,15 +149,14 @@ def test_the_outbox_delivers_everything_once_through_a_broker_outage(
         broker: Mosquitto, controller: Controller, links: Callable[..., Link],
         tmp_path: Path) -> None:
     """1,200 messages at 100/s; the broker is killed (SIGKILL) after 2 s and comes back on
-    the same port and data 10 s later (the issue says 60 s; the behaviour does not depend
-    on the length, and CI time does)."""
+    the same port and data 60 s later, so 1,000 of them are produced while it is away."""
     link = links(broker, tmp_path / "state")
     assert link.wait_connected(10)
     producer = produce(link, 1200, 100)
     time.sleep(2)
     broker.kill()
     assert wait_until(lambda: not link.connected, 5)
-    time.sleep(10)
+    time.sleep(60)
     broker.start()
     producer.join(30)
     assert wait_until(lambda: drained(link), 60), (link.outbox_stats(), link.counts)
