@@ -1,4 +1,4 @@
-"""`edge-agent`: serve, models, keys, ledger, doctor, bench.
+"""`edge-agent`: serve, models, keys, ledger, doctor, bench, fleet.
 
 One module per command group; settings are built in each command from its --config and
 --state-dir (`edge_agent.cli.common`) and passed down. Exit codes: 0 ok, 1 a check failed,
@@ -17,6 +17,7 @@ from edge_agent import __version__
 from edge_agent.cli.bench import bench
 from edge_agent.cli.common import BadUsage, CheckFailed
 from edge_agent.cli.doctor import doctor
+from edge_agent.cli.fleet_release import fleet
 from edge_agent.cli.keys import keys
 from edge_agent.cli.ledger import ledger
 from edge_agent.cli.models import models
@@ -55,5 +56,5 @@ def main() -> None:
     """edge-agent: a governed local LLM appliance (Ollama- and OpenAI-compatible)."""
 
 
-for _command in (serve, models, keys, ledger, doctor, bench):
+for _command in (serve, models, keys, ledger, doctor, bench, fleet):
     main.add_command(_command)
