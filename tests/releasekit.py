@@ -4,6 +4,7 @@ mid-transfer and started again on the same port."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import threading
 import time
@@ -92,12 +93,18 @@ class ByteCounter:
     cut_after: int | None = None
     on_cut: Callable[[], None] = lambda: None
     requests: list[str] = field(default_factory=list)
+    by_path: dict[str, int] = field(default_factory=dict)
+    throttle_bps: int | None = None  # the server's own pace: little is left in flight
+    down: bool = False  # between a cut and the restart: every connection is dropped
 
     async def __call__(self, scope: Scope, receive: Any, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        self.requests.append(f"{scope['method']} {scope['path']} "
+        if self.down:  # uvicorn takes up to 0.1 s to close its socket after a cut
+            raise ConnectionAbortedError("the server is stopping")
+        path = scope["path"]
+        self.requests.append(f"{scope['method']} {path} "
                              f"{dict(scope['headers']).get(b'range', b'').decode()}")
 
         async def counting(message: Message) -> None:
@@ -106,15 +113,33 @@ class ByteCounter:
                 if self.cut_after is not None and self.served + len(body) > self.cut_after:
                     keep = self.cut_after - self.served
                     self.served += keep
+                    self.by_path[path] = self.by_path.get(path, 0) + keep
                     self.cut_after = None
+                    self.down = True
                     await send({"type": "http.response.body", "body": body[:keep],
                                 "more_body": True})
                     self.on_cut()
                     raise ConnectionAbortedError("cut by the test")
+                if self.throttle_bps and body:
+                    await self._paced(path, message, send)
+                    return
                 self.served += len(body)
+                self.by_path[path] = self.by_path.get(path, 0) + len(body)
             await send(message)
 
         await self.app(scope, receive, counting)
+
+    async def _paced(self, path: str, message: Message, send: Send) -> None:
+        body, step = message["body"], 65536
+        assert self.throttle_bps
+        for i in range(0, len(body), step):
+            piece = body[i:i + step]
+            last = i + step >= len(body)
+            await send({"type": "http.response.body", "body": piece,
+                        "more_body": message.get("more_body", False) if last else True})
+            self.served += len(piece)
+            self.by_path[path] = self.by_path.get(path, 0) + len(piece)
+            await asyncio.sleep(len(piece) / self.throttle_bps)
 
 
 class ArtifactServer:
@@ -135,6 +160,7 @@ class ArtifactServer:
         return f"http://127.0.0.1:{self.port}/releases/"
 
     def start(self) -> ArtifactServer:
+        self.counter.down = False
         config = uvicorn.Config(self.counter, host="127.0.0.1", port=self.port,
                                 log_level="critical", lifespan="off")
         self.server = uvicorn.Server(config)

@@ -1,7 +1,7 @@
 """`edge-agent fleet keygen` and `edge-agent fleet release …`: the central team's keys and
 its signed release repository (The Update Framework).
 
-    fleet keygen --out KEYS [--root-keys 2 --root-threshold 2]
+    fleet keygen [--out KEYS] [--root-keys 2 --root-threshold 2]   (KEYS: <state>/keys)
     fleet release init [--keys KEYS] [--expires timestamp=1d …]
     fleet release add FILE.gguf --name gemma3:270m --version 2 [--template F]
                       [--parameters F] [--gate F] [--min-agent-version X] [--tier T]
@@ -49,13 +49,20 @@ def _state_option(fn: F) -> F:
 def _keys_option(fn: F) -> F:
     return click.option(
         "--keys", "keys_dir", type=click.Path(path_type=Path, file_okay=False),
-        help="Key dir from `fleet keygen` (default: the one given at `release init`).")(fn)
+        help="Key dir from `fleet keygen` (default: the one given at `release init`, "
+             "at init STATE_DIR/keys).")(fn)
+
+
+def _state_dir(value: Path) -> Path:
+    """The controller state dir a command works in: the first step of every command here
+    (and the one seam the CLI's error tests fail)."""
+    return value.expanduser()
 
 
 def _repo(state_dir: Path) -> ReleaseRepository:
     from edge_agent.fleet.controller.releases import ReleaseRepository, releases_dir
 
-    return ReleaseRepository(releases_dir(state_dir))
+    return ReleaseRepository(releases_dir(_state_dir(state_dir)))
 
 
 def _keys(repo: ReleaseRepository, keys_dir: Path | None) -> KeyDir:
@@ -65,17 +72,20 @@ def _keys(repo: ReleaseRepository, keys_dir: Path | None) -> KeyDir:
 
 
 @click.command("keygen")
-@click.option("--out", type=click.Path(path_type=Path, file_okay=False), required=True,
-              help="Directory for the keys (created 0700; existing keys are never "
-                   "replaced).")
+@_state_option
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False),
+              help="Directory for the keys (default STATE_DIR/keys; created 0700; existing "
+                   "keys are never replaced).")
 @click.option("--root-keys", type=click.IntRange(1, 16), default=1, show_default=True,
               help="Release root keys to make (one per key holder).")
 @click.option("--root-threshold", type=click.IntRange(1, 16), default=1, show_default=True,
               help="Root signatures a new root version needs.")
-def keygen(out: Path, root_keys: int, root_threshold: int) -> None:
+def keygen(state_dir: Path, out: Path | None, root_keys: int, root_threshold: int) -> None:
     """Make the controller's keys: command signing, and the release (TUF) role keys."""
     from edge_agent.fleet.controller.release_keys import keygen as make
 
+    state = _state_dir(state_dir)
+    out = out if out is not None else state / "keys"
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     made = make(out, root_keys=root_keys, root_threshold=root_threshold)
     for name, keyid in made.items():
@@ -107,9 +117,9 @@ def release_init(state_dir: Path, keys_dir: Path | None, root_key_dir: Path | No
     from edge_agent.fleet.controller.release_keys import KeyDir
     from edge_agent.fleet.controller.releases import ReleaseRepository, releases_dir
 
-    if keys_dir is None:
-        raise BadUsage("--keys is required for init (the dir from `fleet keygen`)")
-    repo = ReleaseRepository.create(releases_dir(state_dir), KeyDir(keys_dir),
+    state = _state_dir(state_dir)
+    keys = KeyDir(keys_dir if keys_dir is not None else state / "keys")
+    repo = ReleaseRepository.create(releases_dir(state), keys,
                                     root_key_dir=root_key_dir, root_threshold=root_threshold,
                                     expiry_s=dict(_expiry(e) for e in expires))
     root = repo.metadata / "root.json"
@@ -193,11 +203,12 @@ def release_show(state_dir: Path, ref: str, as_json: bool) -> None:
     """One release: its file, length, sha256 and the signed manifest."""
     from edge_agent.fleet.manifest import ManifestError, parse_ref
 
+    repo = _repo(state_dir)
     try:
         name, version = parse_ref(ref)
     except ManifestError as exc:
         raise BadUsage(str(exc)) from None
-    entry = _repo(state_dir).get(name, version)
+    entry = repo.get(name, version)
     if as_json:
         echo_json(entry.to_json())
         return

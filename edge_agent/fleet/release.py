@@ -49,6 +49,7 @@ from edge_agent.fleet.manifest import (
     ManifestError,
     ReleaseManifest,
     agent_too_old,
+    parse,
     target_path,
 )
 
@@ -128,6 +129,15 @@ class Release:
         return {"name": self.name, "version": self.version, "target": self.target_path,
                 "length": self.length, "sha256": self.sha256, "url": self.url,
                 "manifest": self.manifest.model_dump()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Release:
+        """A release as `to_json` stored it (a rollout's row), to resume its download
+        after a restart without a new lookup. Only what this box verified may be stored:
+        the row is as trusted as the state dir it lives in."""
+        return cls(str(data["name"]), str(data["version"]), str(data["target"]),
+                   int(data["length"]), str(data["sha256"]), str(data["url"]),
+                   parse(data["manifest"]))
 
 
 class ReleaseSource:

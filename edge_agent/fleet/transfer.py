@@ -179,9 +179,12 @@ class _Fetch:
             self.http.clear()
 
     def _attempt(self) -> None:
-        headers = {"Range": f"bytes={self.have}-"} if self.have else {}
+        # identity: Range offsets and the signed hash are of the bytes as stored
+        headers = {"Accept-Encoding": "identity"}
+        if self.have:
+            headers["Range"] = f"bytes={self.have}-"
         resp = self.http.request("GET", self.release.url, headers=headers,
-                                 preload_content=False)
+                                 preload_content=False, decode_content=False)
         try:
             status = resp.status
             if status == 404:
@@ -211,7 +214,8 @@ class _Fetch:
     def _copy(self, resp: urllib3.BaseHTTPResponse, out: BinaryIO) -> None:
         want = self.release.length
         while self.have < want:
-            block = resp.read(min(self.chunk, want - self.have))
+            # read1: what has arrived (up to a chunk), so a cut link loses nothing read
+            block = resp.read1(min(self.chunk, want - self.have), decode_content=False)
             if not block:
                 raise _Transient(f"body ended at {self.have} of {want} bytes")
             block = block[:want - self.have]  # never past the signed length

@@ -111,11 +111,11 @@ def _parse_range(value: str, size: int) -> tuple[int, int] | str | None:
             return "unsatisfiable"
         return max(0, size - n), size - 1
     first = int(m[1])
+    if first >= size:
+        return "unsatisfiable"
     last = int(m[2]) if m[2] else size - 1
     if last < first:
         return None
-    if first >= size:
-        return "unsatisfiable"
     return first, min(last, size - 1)
 
 
