@@ -166,6 +166,18 @@ def test_keygen_init_add_list_show_timestamp(tmp_path: Path) -> None:
     assert json.loads(run("release", "status", "--state-dir", str(state), "--json"))[
         "snapshot"]["version"] == before["snapshot"]["version"] + 1
 
+    # The yearly root re-sign: both holders' keys, or nothing.
+    (tmp_path / "usb2").mkdir()
+    for f in ("root1.pem", "root1.pub.pem"):
+        os.rename(tmp_path / "usb" / f, tmp_path / "usb2" / f)
+    assert "1 of them" in run("release", "root-sign", "--state-dir", str(state),
+                              "--root-keys", str(tmp_path / "usb2"), code=2)
+    assert "root v2 published" in run("release", "root-sign", "--state-dir", str(state),
+                                      "--root-keys", str(tmp_path / "usb"),
+                                      "--root-keys", str(tmp_path / "usb2"))
+    root2 = json.loads((state / "releases" / "metadata" / "2.root.json").read_text())
+    assert len(root2["signatures"]) == 2 and root2["signed"]["version"] == 2
+
 
 def test_commands_say_what_is_missing(tmp_path: Path) -> None:
     runner = CliRunner()
@@ -310,6 +322,16 @@ def test_expired_timestamp_is_refused_and_retryable(setup: tuple[Repo, ArtifactS
     repo.repo.refresh(repo.keys)  # the cron job runs: the same device goes on
     mirror(repo.repo.root, server.root)
     assert _source(server, repo, device).lookup("tiny:1", "1").version == "1"
+
+
+def test_a_re_signed_root_reaches_devices(setup: tuple[Repo, ArtifactServer, Path]) -> None:
+    repo, server, device = setup
+    _source(server, repo, device).lookup("tiny:1", "1")
+    assert repo.repo.resign_root([repo.keys.root_dir]) == 2
+    mirror(repo.repo.root, server.root)
+    _source(server, repo, device).lookup("tiny:1", "1")  # the provisioned root is still v1
+    trusted = json.loads((device / "tuf" / "root.json").read_text())
+    assert trusted["signed"]["version"] == 2
 
 
 def test_transport_failures_are_retryable(setup: tuple[Repo, ArtifactServer, Path],

@@ -354,11 +354,12 @@ def test_http_errors_and_files_that_are_not_models(served: tuple[ArtifactServer,
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(os.urandom(100_000))
     bad = _at(_publish(junk, server.root, name="junk"), server)
-    with pytest.raises(ReleaseRejected) as err:
+    with pytest.raises(ReleaseRejected) as rejected:
         transfer.download(bad, tmp_path / "b", retry=FAST)
-    assert err.value.reason == INVALID_MODEL and not list((tmp_path / "b").glob("*.gguf"))
+    assert rejected.value.reason == INVALID_MODEL
+    assert not list((tmp_path / "b").glob("*.gguf"))
     server.stop()
-    with pytest.raises(ReleaseFailed) as err:
+    with pytest.raises(ReleaseFailed) as down:
         transfer.download(release, tmp_path / "c",
                           retry=transfer.Retry(attempts=2, base_s=0.01))
-    assert err.value.reason == UNREACHABLE and "2 failed attempts" in err.value.message
+    assert down.value.reason == UNREACHABLE and "2 failed attempts" in down.value.message

@@ -8,6 +8,7 @@ its signed release repository (The Update Framework).
                       [--license L]
     fleet release list|show NAME@VERSION|status [--json]
     fleet release timestamp              the cron job (every few hours)
+    fleet release root-sign --root-keys DIR   yearly, with the offline root keys
 
 These run on the controller, on its state dir (`--state-dir`, default
 /var/lib/edge-agent-fleet); the repository is `<state>/releases/`, which `fleet serve`
@@ -244,7 +245,19 @@ def release_timestamp(state_dir: Path, keys_dir: Path | None, force: tuple[str, 
     root_left = status["root"]["expires_in_s"]
     if root_left < 30 * 86400:
         click.echo(f"warning: root metadata expires in {_left(root_left)}; re-sign it with "
-                   "the offline root keys", err=True)
+                   "the offline root keys (edge-agent fleet release root-sign)", err=True)
+
+
+@release.command("root-sign")
+@_state_option
+@click.option("--root-keys", "root_key_dirs", multiple=True, required=True,
+              type=click.Path(path_type=Path, file_okay=False, exists=True),
+              help="A dir holding root private keys (repeat for each holder's copy).")
+def release_root_sign(state_dir: Path, root_key_dirs: tuple[Path, ...]) -> None:
+    """Re-sign the root metadata with the offline root keys (same keys, new expiry)."""
+    repo = _repo(state_dir)
+    version = repo.resign_root(list(root_key_dirs))
+    click.echo(f"root v{version} published, expires {repo.status()['root']['expires']}")
 
 
 def _show(entry: ReleaseEntry) -> None:

@@ -114,9 +114,10 @@ def download(release: Release, dest_dir: Path, *, progress: Progress | None = No
     final, part = paths(release, dest_dir)
     with _locked(dest_dir / f"{release.sha256}.lock"):
         if final.exists():  # finished before a stop, not yet installed: check it again
-            if _matches(final, release):
-                return _prechecked(final, release)
-            final.unlink()
+            try:
+                return verify(release, final)
+            except ReleaseFailed:
+                pass  # deleted: fetched again below
         have = part.stat().st_size if part.exists() else 0
         if have > release.length:
             part.unlink()
@@ -325,9 +326,19 @@ def _hash_prefix(part: Path) -> hashlib._Hash:
     return digest
 
 
-def _matches(path: Path, release: Release) -> bool:
-    return path.stat().st_size == release.length and \
-        _hash_prefix(path).hexdigest() == release.sha256
+def verify(release: Release, path: Path) -> Path:
+    """A finished file checked again from disk (after a restart in VERIFYING): length,
+    sha256, then the GGUF precheck. ReleaseFailed (`hash_mismatch`, file deleted) or
+    ReleaseRejected (`invalid_model`); `download` calls it for a file it finds done."""
+    size = path.stat().st_size
+    digest = _hash_prefix(path).hexdigest()
+    if size != release.length or digest != release.sha256:
+        path.unlink(missing_ok=True)
+        raise ReleaseFailed(HASH_MISMATCH, f"{release.ref}: {path} is {size} bytes with "
+                            f"sha256 {digest[:16]}…; signed {release.length} bytes, "
+                            f"{release.sha256[:16]}… (deleted)", got_bytes=size,
+                            got_sha256=digest)
+    return _prechecked(path, release)
 
 
 def _prechecked(path: Path, release: Release) -> Path:

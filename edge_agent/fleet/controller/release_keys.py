@@ -117,6 +117,15 @@ def root_keys(root_dir: Path, threshold: int | None = None) -> RootKeys:
     return RootKeys(publics, signers, threshold)
 
 
+def root_signers(root_dir: Path) -> list[Signer]:
+    """Every root key pair in `root_dir` (one holder's offline copy may hold one)."""
+    signers = []
+    for priv in sorted(root_dir.glob("root*.pem")):
+        if not priv.name.endswith(".pub.pem"):
+            signers.append(load_signer(priv, priv.with_name(priv.stem + ".pub.pem")))
+    return signers
+
+
 def load_public(path: Path) -> SSlibKey:
     try:
         return SSlibKey.from_crypto(signing.load_public(path))

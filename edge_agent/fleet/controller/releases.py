@@ -13,6 +13,7 @@ names a file or a version not yet written):
 
     add a release     blob, then targets v+1, snapshot v+1, timestamp v+1 (online keys)
     `timestamp` (cron) timestamp v+1; snapshot/targets too when under half their life left
+    `root-sign`       root v+1, same keys, new expiry (offline root keys; yearly)
 
 The root keys are needed only by `init` (and a root re-sign): adding releases needs the
 targets, snapshot and timestamp keys. Releases are immutable: `name@version` names one
@@ -54,7 +55,7 @@ from edge_agent.config import ConfigError
 from edge_agent.engine.gguf_probe import open_regular, precheck_open, probe
 from edge_agent.engine.staging import Progress, hash_copy
 from edge_agent.errors import EdgeAgentError, ModelNotFound
-from edge_agent.fleet.controller.release_keys import KeyDir, root_keys
+from edge_agent.fleet.controller.release_keys import KeyDir, root_keys, root_signers
 from edge_agent.fleet.manifest import ReleaseManifest, parse, target_path
 
 RELEASES_DIR = "releases"
@@ -230,6 +231,32 @@ class ReleaseRepository:
             self._publish_timestamp(state, {"timestamp": keys.signer("timestamp")}, expiry,
                                     ts_s=timestamp_expires_s)
             return ["timestamp"]
+
+    def resign_root(self, root_key_dirs: list[Path]) -> int:
+        """Root v+1 with the same keys and a new expiry (the yearly re-sign), signed by
+        every root private key found in `root_key_dirs` (each holder's offline copy);
+        refused below the threshold. Devices fetch it as N+1.root.json. Returns N+1."""
+        signers = [s for d in root_key_dirs for s in root_signers(d)]
+        expiry = self.expiry_s()
+        with self._locked():
+            self._load()
+            md = Metadata[Root].from_file(str(self.metadata / "root.json"))
+            trusted = set(md.signed.roles["root"].keyids)
+            usable = {s.public_key.keyid: s for s in signers
+                      if s.public_key.keyid in trusted}
+            threshold = md.signed.roles["root"].threshold
+            if len(usable) < threshold:
+                raise ConfigError(f"the root needs {threshold} signature(s) of its keys; "
+                                  f"{len(usable)} of them found in "
+                                  f"{', '.join(map(str, root_key_dirs))}")
+            md.signed.version += 1
+            md.signed.expires = _expiry(expiry["root"])
+            md.signatures.clear()
+            for signer in usable.values():
+                md.sign(signer, append=True)
+            self._write(md, f"{md.signed.version}.root.json")
+            self._write(md, "root.json")
+            return md.signed.version
 
     # -- internals --------------------------------------------------------------------
     def _publish_targets(self, state: _State, signers: Mapping[str, Any],
