@@ -251,7 +251,7 @@ def release_timestamp(state_dir: Path, keys_dir: Path | None, force: tuple[str, 
 @release.command("root-sign")
 @_state_option
 @click.option("--root-keys", "root_key_dirs", multiple=True, required=True,
-              type=click.Path(path_type=Path, file_okay=False, exists=True),
+              type=click.Path(path_type=Path),
               help="A dir holding root private keys (repeat for each holder's copy).")
 def release_root_sign(state_dir: Path, root_key_dirs: tuple[Path, ...]) -> None:
     """Re-sign the root metadata with the offline root keys (same keys, new expiry)."""

@@ -119,6 +119,8 @@ def root_keys(root_dir: Path, threshold: int | None = None) -> RootKeys:
 
 def root_signers(root_dir: Path) -> list[Signer]:
     """Every root key pair in `root_dir` (one holder's offline copy may hold one)."""
+    if not root_dir.is_dir():
+        raise ConfigError(f"{root_dir} is not a directory of root keys")
     signers = []
     for priv in sorted(root_dir.glob("root*.pem")):
         if not priv.name.endswith(".pub.pem"):
