@@ -358,6 +358,11 @@ def test_http_errors_and_files_that_are_not_models(served: tuple[ArtifactServer,
         transfer.download(bad, tmp_path / "b", retry=FAST)
     assert rejected.value.reason == INVALID_MODEL
     assert not list((tmp_path / "b").glob("*.gguf"))
+    blob = server.root / release.url.split("/releases/", 1)[1]
+    os.truncate(blob, release.length // 2)  # shorter than signed: no endless resuming
+    with pytest.raises(ReleaseFailed) as short:
+        transfer.download(release, tmp_path / "d", retry=FAST)
+    assert short.value.reason == HASH_MISMATCH and "server's file is" in short.value.message
     server.stop()
     with pytest.raises(ReleaseFailed) as down:
         transfer.download(release, tmp_path / "c",

@@ -75,6 +75,7 @@ NOT_FOUND = "not_found"
 HASH_MISMATCH = "hash_mismatch"
 LOCAL_IO = "local_io"
 INSTALL_FAILED = "install_failed"
+ERROR = "error"  # anything else python-tuf or the transport raised
 
 TUF_DIR = "tuf"
 
@@ -279,7 +280,7 @@ def classify(exc: BaseException, ref: str) -> ReleaseError:
                              f"({kind}: {detail})", error=kind)
     if isinstance(exc, OSError):
         return ReleaseFailed(LOCAL_IO, f"{ref}: {kind}: {detail}", error=kind)
-    return ReleaseFailed(UNREACHABLE, f"{ref}: {kind}: {detail}", error=kind)
+    return ReleaseFailed(ERROR, f"{ref}: {kind}: {detail}", error=kind)
 
 
 def install(release: Release, path: Path, modelops: ModelOps, *, by: str,

@@ -110,6 +110,17 @@ def download(release: Release, dest_dir: Path, *, progress: Progress | None = No
              install_copy: bool = True, free_space: FreeSpace = disk_free,
              retry: Retry | None = None, timeout_s: float = 30.0) -> Path:
     """The verified file of `release` in `dest_dir` (see the module's doc)."""
+    try:
+        return _download(release, dest_dir, progress, max_bytes_per_s, headroom,
+                         install_copy, free_space, retry or Retry(), timeout_s)
+    except OSError as exc:  # this box's disk (the link's errors are retried inside)
+        raise ReleaseFailed(LOCAL_IO, f"{release.ref}: {dest_dir}: {exc}",
+                            where=str(dest_dir)) from exc
+
+
+def _download(release: Release, dest_dir: Path, progress: Progress | None,
+              max_bytes_per_s: int | None, headroom: int, install_copy: bool,
+              free_space: FreeSpace, retry: Retry, timeout_s: float) -> Path:
     dest_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     final, part = paths(release, dest_dir)
     with _locked(dest_dir / f"{release.sha256}.lock"):
@@ -125,7 +136,7 @@ def download(release: Release, dest_dir: Path, *, progress: Progress | None = No
         _check_space(release, dest_dir, have, headroom, install_copy, free_space)
         digest = _hash_prefix(part) if have else hashlib.sha256()
         fetch = _Fetch(release, part, digest, have, progress, max_bytes_per_s, timeout_s)
-        fetch.run(retry or Retry())
+        fetch.run(retry)
         if fetch.have != release.length or fetch.digest.hexdigest() != release.sha256:
             part.unlink(missing_ok=True)
             raise ReleaseFailed(
@@ -144,6 +155,7 @@ class _Fetch:
                  progress: Progress | None, max_bytes_per_s: int | None,
                  timeout_s: float) -> None:
         self.release, self.part, self.digest, self.have = release, part, digest, have
+        self.restarts, self.max_restarts = 0, 0
         self.meter = _Meter(release.length, progress, have)
         self.bucket = _TokenBucket(max_bytes_per_s) if max_bytes_per_s else None
         # Under a cap, smaller reads keep the pace even (about 8 reads a second).
@@ -156,6 +168,7 @@ class _Fetch:
             headers={"User-Agent": f"edge-agent/{__version__}"})
 
     def run(self, retry: Retry) -> None:
+        self.max_restarts = retry.attempts
         failures, last_error = 0, ""
         try:
             while self.have < self.release.length:
@@ -193,11 +206,18 @@ class _Fetch:
                                     "answered 404", url=self.release.url, status=404)
             if status in _TRANSIENT_STATUS:
                 raise _Transient(f"HTTP {status}")
-            if status == 416:  # our part is past the server's end: its file is not ours
+            if status == 416:  # our part is past the server's end
+                size = resp.headers.get("Content-Range", "").rpartition("/")[2]
+                if size.isdigit() and int(size) < self.release.length:
+                    self._fail_short(int(size))
                 self._restart()
                 raise _Transient(f"HTTP 416 at {self.have}")
-            if status == 200 and self.have:  # Range ignored: the whole file comes again
-                self._restart()
+            if status == 200:
+                size = resp.headers.get("Content-Length", "")
+                if size.isdigit() and int(size) < self.release.length:
+                    self._fail_short(int(size))
+                if self.have:  # Range ignored: the whole file comes again
+                    self._restart()
             elif status == 206:
                 self._check_range(resp.headers.get("Content-Range", ""))
             elif status != 200:
@@ -244,6 +264,14 @@ class _Fetch:
             self._fail_short(int(total))
 
     def _restart(self) -> None:
+        # Bounded: a server that ignores Range and cuts every transfer short would
+        # otherwise make "progress" from zero forever.
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            raise ReleaseFailed(UNREACHABLE, f"{self.release.ref}: {self.release.url} "
+                                f"made the download start over {self.max_restarts} times "
+                                "(Range ignored or a file of another length)",
+                                url=self.release.url)
         self.part.unlink(missing_ok=True)
         self.digest, self.have = hashlib.sha256(), 0
 
