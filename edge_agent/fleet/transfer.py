@@ -27,8 +27,10 @@ In order:
 the end (eta None until a rate is known). The disk is read through `free_space(path) ->
 bytes` (default: `shutil.disk_usage(path).free`), a seam for tests and for a state dir
 with a quota of its own. One download per file at a time (`<sha256>.lock`). Uses urllib3
-(python-tuf's own HTTP client); never follows a URL the signed metadata did not give, and
-never installs or activates anything (`release.install` does the former).
+(python-tuf's own HTTP client). Fetches only the URL built from the signed target
+(redirects are followed, as object stores use them: the bytes are checked against the
+signed sha256 whoever sends them). Never installs or activates anything
+(`release.install` does the former).
 """
 
 from __future__ import annotations
