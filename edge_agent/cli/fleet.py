@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from edge_agent.cli.common import EXIT_CHECK_FAILED, BadUsage, CheckFailed, F
+from edge_agent.cli.fleet_release import keygen, release
 from edge_agent.cli.output import echo_json, json_option, table
 
 if TYPE_CHECKING:
@@ -68,6 +69,11 @@ def _open_existing(settings: ControllerSettings) -> FleetStore:
 @click.group()
 def fleet() -> None:
     """The fleet controller: ingest, devices, metrics, broker provisioning."""
+
+
+# Keys and signed model releases: their own module.
+fleet.add_command(keygen)
+fleet.add_command(release)
 
 
 @fleet.command("serve")

@@ -15,6 +15,7 @@ own, so put it behind one before exposing it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from edge_agent import __version__
+from edge_agent.fleet.controller.artifacts import artifacts_router
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.store import FleetStore
 from edge_agent.fleet.ids import check_id
@@ -32,9 +34,14 @@ def _problem(status: int, message: str) -> JSONResponse:
 
 
 def create_app(store: FleetStore, metrics: ControllerMetrics, *,
-               broker_connected: Callable[[], bool] = lambda: False) -> FastAPI:
+               broker_connected: Callable[[], bool] = lambda: False,
+               releases: Path | None = None) -> FastAPI:
+    """`releases`: the signed release repository to serve under /releases/ (metadata and
+    model files, with Range), for the boxes' `fleet.artifacts_url`."""
     app = FastAPI(title="edge-agent fleet controller", version=__version__,
                   docs_url=None, redoc_url=None)
+    if releases is not None:
+        app.include_router(artifacts_router(releases), prefix="/releases")
 
     @app.get("/metrics")
     def prometheus() -> Response:

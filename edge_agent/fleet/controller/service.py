@@ -16,6 +16,7 @@ import uvicorn
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.ingest import Ingest
 from edge_agent.fleet.controller.metrics import ControllerMetrics
+from edge_agent.fleet.controller.releases import releases_dir
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import FleetStore, open_store
 
@@ -37,7 +38,8 @@ class Controller:
 
     def http_server(self, *, log_level: str = "warning") -> uvicorn.Server:
         app = create_app(self.store, self.metrics,
-                         broker_connected=lambda: self.ingest.connected)
+                         broker_connected=lambda: self.ingest.connected,
+                         releases=releases_dir(self.settings.state_dir))
         return uvicorn.Server(uvicorn.Config(
             app, host=self.settings.http.host, port=self.settings.http.port,
             log_level=log_level, lifespan="off", access_log=False))

@@ -1,0 +1,313 @@
+"""`edge-agent fleet keygen` and `edge-agent fleet release …`: the central team's keys and
+its signed release repository (The Update Framework).
+
+    fleet keygen [--out KEYS] [--root-keys 2 --root-threshold 2]   (KEYS: <state>/keys)
+    fleet release init [--keys KEYS] [--expires timestamp=1d …]
+    fleet release add FILE.gguf --name gemma3:270m --version 2 [--template F]
+                      [--parameters F] [--gate F] [--min-agent-version X] [--tier T]
+                      [--license L]
+    fleet release list|show NAME@VERSION|status [--json]
+    fleet release timestamp              the cron job (every few hours)
+    fleet release root-sign --root-keys DIR   yearly, with the offline root keys
+
+These run on the controller, on its state dir (`--state-dir`, default
+/var/lib/edge-agent-fleet); the repository is `<state>/releases/`, which `fleet serve`
+(or any static server with Range) publishes. Thin: each command parses its arguments and
+calls `fleet.controller.releases` / `release_keys`; their errors are mapped by the root
+group (a bad flag or missing key: exit 2; a missing release or a bad file: exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+import tomllib
+
+from edge_agent.cli.common import BadUsage, F
+from edge_agent.cli.output import echo_json, json_option, progress, table
+
+if TYPE_CHECKING:
+    from edge_agent.fleet.controller.release_keys import KeyDir
+    from edge_agent.fleet.controller.releases import ReleaseEntry, ReleaseRepository
+
+DEFAULT_STATE_DIR = Path("/var/lib/edge-agent-fleet")
+_DURATION = re.compile(r"(\d+)([smhd]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _state_option(fn: F) -> F:
+    return click.option(
+        "--state-dir", type=click.Path(path_type=Path, file_okay=False),
+        default=DEFAULT_STATE_DIR, show_default=True,
+        help="Controller state dir; the repository is its releases/.")(fn)
+
+
+def _keys_option(fn: F) -> F:
+    return click.option(
+        "--keys", "keys_dir", type=click.Path(path_type=Path, file_okay=False),
+        help="Key dir from `fleet keygen` (default: the one given at `release init`, "
+             "at init STATE_DIR/keys).")(fn)
+
+
+def _state_dir(value: Path) -> Path:
+    """The controller state dir a command works in: the first step of every command here
+    (and the one seam the CLI's error tests fail)."""
+    return value.expanduser()
+
+
+def _repo(state_dir: Path) -> ReleaseRepository:
+    from edge_agent.fleet.controller.releases import ReleaseRepository, releases_dir
+
+    return ReleaseRepository(releases_dir(_state_dir(state_dir)))
+
+
+def _keys(repo: ReleaseRepository, keys_dir: Path | None) -> KeyDir:
+    from edge_agent.fleet.controller.release_keys import KeyDir
+
+    return KeyDir(keys_dir) if keys_dir is not None else repo.default_keys()
+
+
+@click.command("keygen")
+@_state_option
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False),
+              help="Directory for the keys (default STATE_DIR/keys; created 0700; existing "
+                   "keys are never replaced).")
+@click.option("--root-keys", type=click.IntRange(1, 16), default=1, show_default=True,
+              help="Release root keys to make (one per key holder).")
+@click.option("--root-threshold", type=click.IntRange(1, 16), default=1, show_default=True,
+              help="Root signatures a new root version needs.")
+def keygen(state_dir: Path, out: Path | None, root_keys: int, root_threshold: int) -> None:
+    """Make the controller's keys: command signing, and the release (TUF) role keys."""
+    from edge_agent.fleet.controller.release_keys import keygen as make
+
+    state = _state_dir(state_dir)
+    out = out if out is not None else state / "keys"
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    made = make(out, root_keys=root_keys, root_threshold=root_threshold)
+    for name, keyid in made.items():
+        click.echo(f"{name:<12} {keyid}")
+    click.echo(f"devices: fleet.command_key_file = {out / 'command.pub.pem'} (copy to each "
+               "box); next: edge-agent fleet release init --keys " + str(out), err=True)
+    click.echo(f"root keys ({root_threshold} of {root_keys} sign a root): {out / 'root'}; "
+               "move them offline after `release init`", err=True)
+
+
+@click.group()
+def release() -> None:
+    """Signed model releases (TUF): init the repository, add, list, show, re-sign."""
+
+
+@release.command("init")
+@_state_option
+@_keys_option
+@click.option("--root-keys", "root_key_dir", type=click.Path(path_type=Path,
+              file_okay=False), help="Root key dir (default KEYS/root).")
+@click.option("--root-threshold", type=click.IntRange(1, 16),
+              help="Root signatures required (default: as at keygen).")
+@click.option("--expires", multiple=True, metavar="ROLE=DURATION",
+              help="Expiry of a role's metadata, e.g. timestamp=1d, snapshot=30d, "
+                   "targets=365d, root=365d (s, m, h, d). Repeatable.")
+def release_init(state_dir: Path, keys_dir: Path | None, root_key_dir: Path | None,
+                 root_threshold: int | None, expires: tuple[str, ...]) -> None:
+    """Create the repository: root metadata signed by the root keys, empty targets."""
+    from edge_agent.fleet.controller.release_keys import KeyDir
+    from edge_agent.fleet.controller.releases import ReleaseRepository, releases_dir
+
+    state = _state_dir(state_dir)
+    keys = KeyDir(keys_dir if keys_dir is not None else state / "keys")
+    repo = ReleaseRepository.create(releases_dir(state), keys,
+                                    root_key_dir=root_key_dir, root_threshold=root_threshold,
+                                    expiry_s=dict(_expiry(e) for e in expires))
+    root = repo.metadata / "root.json"
+    click.echo(f"release repository {repo.root} (root v1)")
+    click.echo(f"devices: fleet.tuf_root_file = a copy of {root}; fleet.artifacts_url = "
+               "http://<controller>:<port>/releases/", err=True)
+    click.echo("the root keys are not needed again until the root is re-signed: keep them "
+               "offline; schedule `edge-agent fleet release timestamp` (cron, every 6 h)",
+               err=True)
+
+
+@release.command("add")
+@_state_option
+@_keys_option
+@click.argument("file", type=click.Path(path_type=Path, dir_okay=False, exists=True))
+@click.option("--name", required=True, help="Model name on the boxes, e.g. gemma3:270m.")
+@click.option("--version", "version", required=True, help="Release version, e.g. 2.")
+@click.option("--template", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="Chat template (Jinja) replacing the GGUF's own.")
+@click.option("--parameters", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="Default parameters, TOML or JSON (temperature, top_k, stop, …).")
+@click.option("--gate", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="Health gate spec, TOML or JSON (golden prompts, tokens/s floor, …).")
+@click.option("--min-agent-version", help="Oldest agent that may install it (N.N.N).")
+@click.option("--tier", help="Tier recorded with the model (default experimental).")
+@click.option("--license", "license_", help="License recorded with the model.")
+@json_option()
+def release_add(state_dir: Path, keys_dir: Path | None, file: Path, name: str, version: str,
+                template: Path | None, parameters: Path | None, gate: Path | None,
+                min_agent_version: str | None, tier: str | None, license_: str | None,
+                as_json: bool) -> None:
+    """Publish a GGUF as NAME@VERSION: signed targets, snapshot and timestamp."""
+    from edge_agent.fleet.controller.releases import manifest_for
+    from edge_agent.fleet.manifest import ManifestError
+
+    repo = _repo(state_dir)
+    keys = _keys(repo, keys_dir)
+    started = time.perf_counter()
+    try:
+        manifest = manifest_for(
+            file, name=name, version=version, license=license_, tier=tier,
+            chat_template=template.read_text(encoding="utf-8") if template else None,
+            parameters=_table(parameters, "--parameters"), gate=_table(gate, "--gate"),
+            min_agent_version=min_agent_version)
+    except ManifestError as exc:
+        raise BadUsage(str(exc)) from None
+    entry = repo.add(file, manifest, keys, progress=None if as_json else progress("publishing"))
+    if as_json:
+        echo_json(entry.to_json())
+        return
+    m = entry.manifest
+    click.echo(f"published {m.ref}: {entry.length / 1e6:.1f} MB, sha256 {entry.sha256[:12]}, "
+               f"{m.architecture} {m.quantization}, context {m.context_length or '-'} "
+               f"({time.perf_counter() - started:.2f} s)")
+    click.echo(f"target {entry.target_path} -> {entry.blob}", err=True)
+
+
+@release.command("list")
+@_state_option
+@json_option()
+def release_list(state_dir: Path, as_json: bool) -> None:
+    """The releases the current signed targets list."""
+    entries = _repo(state_dir).releases()
+    if as_json:
+        echo_json([e.to_json() for e in entries])
+        return
+    table([("NAME", "<24"), ("VERSION", "<8"), ("SIZE", ">9"), ("ARCH", "<10"),
+           ("QUANT", "<8"), ("CONTEXT", ">7"), ("TIER", "<12"), ("MIN AGENT", "<9"),
+           ("SHA256", "")],
+          ([e.manifest.name, e.manifest.version, f"{e.length / 1e6:.0f}MB",
+            e.manifest.architecture, e.manifest.quantization,
+            e.manifest.context_length or "-", e.manifest.tier,
+            e.manifest.min_agent_version or "-", e.sha256[:12]] for e in entries))
+
+
+@release.command("show")
+@_state_option
+@click.argument("ref", metavar="NAME@VERSION")
+@json_option()
+def release_show(state_dir: Path, ref: str, as_json: bool) -> None:
+    """One release: its file, length, sha256 and the signed manifest."""
+    from edge_agent.fleet.manifest import ManifestError, parse_ref
+
+    repo = _repo(state_dir)
+    try:
+        name, version = parse_ref(ref)
+    except ManifestError as exc:
+        raise BadUsage(str(exc)) from None
+    entry = repo.get(name, version)
+    if as_json:
+        echo_json(entry.to_json())
+        return
+    _show(entry)
+
+
+@release.command("status")
+@_state_option
+@json_option()
+def release_status(state_dir: Path, as_json: bool) -> None:
+    """Each role's metadata version and expiry (a device refuses expired metadata)."""
+    status = _repo(state_dir).status()
+    if as_json:
+        echo_json(status)
+        return
+    table([("ROLE", "<10"), ("VERSION", ">7"), ("EXPIRES", "<26"), ("LEFT", "")],
+          ([role, s["version"], s["expires"], _left(s["expires_in_s"])]
+           for role, s in status.items()))
+
+
+@release.command("timestamp")
+@_state_option
+@_keys_option
+@click.option("--force", type=click.Choice(["snapshot", "targets"]), multiple=True,
+              help="Re-sign this role too, whatever its expiry.")
+def release_timestamp(state_dir: Path, keys_dir: Path | None, force: tuple[str, ...]) -> None:
+    """Re-sign the timestamp (the cron job); snapshot and targets too when near expiry."""
+    repo = _repo(state_dir)
+    signed = repo.refresh(_keys(repo, keys_dir), force=force)
+    status = repo.status()
+    click.echo(f"re-signed {', '.join(signed)}; timestamp v{status['timestamp']['version']} "
+               f"expires {status['timestamp']['expires']}")
+    root_left = status["root"]["expires_in_s"]
+    if root_left < 30 * 86400:
+        click.echo(f"warning: root metadata expires in {_left(root_left)}; re-sign it with "
+                   "the offline root keys (edge-agent fleet release root-sign)", err=True)
+
+
+@release.command("root-sign")
+@_state_option
+@click.option("--root-keys", "root_key_dirs", multiple=True, required=True,
+              type=click.Path(path_type=Path),
+              help="A dir holding root private keys (repeat for each holder's copy).")
+def release_root_sign(state_dir: Path, root_key_dirs: tuple[Path, ...]) -> None:
+    """Re-sign the root metadata with the offline root keys (same keys, new expiry)."""
+    repo = _repo(state_dir)
+    version = repo.resign_root(list(root_key_dirs))
+    click.echo(f"root v{version} published, expires {repo.status()['root']['expires']}")
+
+
+def _show(entry: ReleaseEntry) -> None:
+    m = entry.manifest
+    rows: list[tuple[str, Any]] = [
+        ("release", m.ref), ("target", entry.target_path), ("blob", entry.blob),
+        ("length", entry.length), ("sha256", entry.sha256),
+        ("architecture", m.architecture), ("quantization", m.quantization),
+        ("context", m.context_length or "-"), ("parameter size", m.parameter_size or "-"),
+        ("license", m.license or "-"), ("tier", m.tier),
+        ("min agent", m.min_agent_version or "-"),
+        ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at))),
+        ("parameters", json.dumps(m.parameters) if m.parameters else "-"),
+        ("gate", json.dumps(m.gate) if m.gate else "-"),
+        ("template", "(the GGUF's own)" if m.chat_template is None else
+         f"{len(m.chat_template)} characters, replaces the GGUF's"),
+    ]
+    for key, value in rows:
+        click.echo(f"{key:<15} {value}")
+
+
+def _table(path: Path | None, flag: str) -> dict[str, Any] | None:
+    """A TOML or JSON file's top-level table (JSON by its .json suffix)."""
+    if path is None:
+        return None
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+        else:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:  # JSON and TOML errors are ValueErrors
+        raise BadUsage(f"{flag} {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadUsage(f"{flag} {path}: not a table (an object of keys and values)")
+    return data
+
+
+def _expiry(text: str) -> tuple[str, int]:
+    role, sep, value = text.partition("=")
+    m = _DURATION.fullmatch(value.strip())
+    if not sep or m is None or int(m[1]) == 0:
+        raise BadUsage(f"--expires {text!r}: ROLE=DURATION, e.g. timestamp=1d or "
+                       "snapshot=720h")
+    return role.strip(), int(m[1]) * _UNITS[m[2]]
+
+
+def _left(seconds: int) -> str:
+    if seconds < 0:
+        return f"EXPIRED {(-seconds) // 3600}h ago"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"

@@ -1,0 +1,142 @@
+"""Figures for signed releases (not a test): download throughput against curl of the same
+file from the same server, and the time of `fleet release add`.
+
+    python -m tests.release_bench [--mb 200] [--runs 5] [--gguf FILE] [--workdir DIR]
+
+The server (the artifacts router under uvicorn) runs in its own process, so the client
+measured here and curl compete with it alike. The device's figure is `transfer.download`
+to the last byte (`transfer`), and with the verification and the GGUF precheck in the
+bounded child that follow (`download`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from edge_agent.fleet import transfer
+from edge_agent.fleet.release import ReleaseSource
+from tests.conftest import free_port
+from tests.releasekit import device_settings, make_repo, sized_gguf
+
+_SERVER = """
+import sys
+from pathlib import Path
+import uvicorn
+from fastapi import FastAPI
+from edge_agent.fleet.controller.artifacts import artifacts_router
+app = FastAPI()
+app.include_router(artifacts_router(Path(sys.argv[1])), prefix="/releases")
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+"""
+
+
+def _wait_up(port: int) -> None:
+    import socket
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError("server did not start")
+
+
+def throughput(work: Path, mb: float, runs: int) -> dict[str, object]:
+    repo = make_repo(work / "ctl")
+    gguf = sized_gguf(work / "big.gguf", mb)
+    entry = repo.add(gguf, "bench:1", "1")
+    gguf.unlink()
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, str(repo.repo.root), str(port)],
+                              env=env)
+    try:
+        _wait_up(port)
+        url = f"http://127.0.0.1:{port}/releases/"
+        device = work / "device"
+        source = ReleaseSource(device_settings(device, repo.root_file, url).fleet, device)
+        release = source.lookup("bench:1", "1")
+        rows: dict[str, list[float]] = {"transfer": [], "download": [], "curl": []}
+        for _ in range(runs):
+            dest = work / "dl"
+            shutil.rmtree(dest, ignore_errors=True)
+            ends: list[float] = []
+
+            def last_byte(done: int, total: int, rate: float, eta: float | None,
+                          ends: list[float] = ends) -> None:
+                if done == total:
+                    ends.append(time.perf_counter())
+
+            t0 = time.perf_counter()
+            transfer.download(release, dest, progress=last_byte)
+            t1 = time.perf_counter()
+            rows["transfer"].append(ends[0] - t0)
+            rows["download"].append(t1 - t0)
+            out = work / "curl.out"
+            t0 = time.perf_counter()
+            subprocess.run(["curl", "-sSf", "-o", str(out), release.url], check=True)
+            rows["curl"].append(time.perf_counter() - t0)
+            out.unlink()
+    finally:
+        server.terminate()
+        server.wait()
+    size = entry.length
+    rate = {k: [size / t / 1e6 for t in v] for k, v in rows.items()}
+    return {
+        "bytes": size, "runs": runs,
+        "MB_per_s": {k: [round(x) for x in v] for k, v in rate.items()},
+        "median_MB_per_s": {k: round(statistics.median(v)) for k, v in rate.items()},
+        "ratio_transfer_vs_curl": round(statistics.median(rate["transfer"])
+                                        / statistics.median(rate["curl"]), 2),
+        "ratio_download_vs_curl": round(statistics.median(rate["download"])
+                                        / statistics.median(rate["curl"]), 2),
+    }
+
+
+def release_add(work: Path, gguf: Path, runs: int) -> dict[str, object]:
+    repo = make_repo(work / "add")
+    state = repo.repo.root.parent
+    times = []
+    for i in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "edge_agent", "fleet", "release", "add",
+                        str(gguf), "--name", "smollm2:135m", "--version", str(i + 1),
+                        "--state-dir", str(state), "--keys", str(repo.keys.path), "--json"],
+                       check=True, capture_output=True,
+                       env={**os.environ,
+                            "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        times.append(time.perf_counter() - t0)
+    return {"file": str(gguf), "bytes": gguf.stat().st_size,
+            "cli_seconds": [round(t, 2) for t in times]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=float, default=200)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--gguf", type=Path, help="A real GGUF for the `release add` timing.")
+    ap.add_argument("--workdir", type=Path)
+    a = ap.parse_args()
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="release-bench-"))
+    try:
+        result: dict[str, object] = {"throughput": throughput(work, a.mb, a.runs)}
+        if a.gguf:
+            result["release_add"] = release_add(work, a.gguf, a.runs)
+        print(json.dumps(result, indent=2))
+    finally:
+        if a.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
