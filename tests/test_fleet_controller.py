@@ -389,7 +389,7 @@ def test_fleet_devices_and_metrics_print_the_device(tmp_path: Path) -> None:
 
 # -- the real process --------------------------------------------------------------------
 
-def _serve(broker: Mosquitto, state: Path, port: int) -> subprocess.Popen[bytes]:
+def _serve(broker: Mosquitto, state: Path, port: int, **env: str) -> subprocess.Popen[bytes]:
     """`edge-agent fleet serve` as its own process (its log in serve.log beside the state)."""
     with open(state.parent / "serve.log", "ab") as log:
         return subprocess.Popen(
@@ -398,7 +398,7 @@ def _serve(broker: Mosquitto, state: Path, port: int) -> subprocess.Popen[bytes]
              "--password-file", str(broker.password_file("controller")), "--port", str(port),
              "--log-level", "warning"],
             stdout=subprocess.DEVNULL, stderr=log,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), **env})
 
 
 def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
@@ -474,3 +474,50 @@ def test_ingest_throughput_with_acks(device: MQTTClient, controller: Controller)
     kind = type(controller.store).__name__
     print(f"\ningest with acks: {rate:.0f} msg/s ({n} messages, {kind})")
     assert rate > 300  # a floor against a regression to one commit per message
+
+
+@pytest.mark.broker
+def test_fleet_serve_tells_systemd_ready_pings_its_watchdog_and_says_stopping(
+        mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path) -> None:
+    """Type=notify: READY=1 only once the ingest is subscribed (the broker starts late
+    here), WATCHDOG=1 at half of WATCHDOG_USEC, STOPPING=1 on SIGTERM."""
+    import signal
+    import socket
+
+    broker = mosquitto_factory()
+    path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(0.2)
+    port = free_port()
+    proc = _serve(broker, tmp_path / "state", port, NOTIFY_SOCKET=path,
+                  WATCHDOG_USEC="400000")
+    got: list[tuple[float, str]] = []
+
+    def read_until(done: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            try:
+                got.append((time.monotonic(), sock.recv(4096).decode()))
+            except TimeoutError:
+                pass
+
+    try:
+        read_until(lambda: any("STATUS=starting: connecting" in m for _, m in got), 30)
+        assert not any("READY=1" in m for _, m in got)  # no broker yet: not ready
+        broker.start()
+        read_until(lambda: any("READY=1" in m for _, m in got), 60)
+        assert any("READY=1" in m for _, m in got), got
+        got.clear()
+        read_until(lambda: False, 1.2)
+        pings = [t for t, m in got if m == "WATCHDOG=1"]
+        assert 3 <= len(pings) <= 8, got  # every 0.2 s
+        proc.send_signal(signal.SIGTERM)
+        read_until(lambda: any("STOPPING=1" in m for _, m in got), 30)
+        assert any("STOPPING=1" in m for _, m in got), got
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        sock.close()

@@ -4,11 +4,18 @@ process, started in that order and stopped in the reverse one.
 The HTTP server runs in the calling thread (uvicorn handles SIGINT/SIGTERM); the ingest
 has its own threads. Stopping commits and acknowledges what the ingest holds before the
 broker connection closes, then closes the store.
+
+Under systemd (`Type=notify`) it reports as the agent does (`edge_agent.sdnotify`): STATUS=
+while it connects to the broker, READY=1 once the HTTP port is bound and the ingest is
+subscribed, WATCHDOG=1 from the event loop, STOPPING=1 when it stops.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -19,6 +26,7 @@ from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.releases import releases_dir
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import FleetStore, open_store
+from edge_agent.sdnotify import Notifier, announce_ready, keep_alive
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +48,13 @@ class Controller:
         app = create_app(self.store, self.metrics,
                          broker_connected=lambda: self.ingest.connected,
                          releases=releases_dir(self.settings.state_dir))
-        return uvicorn.Server(uvicorn.Config(
-            app, host=self.settings.http.host, port=self.settings.http.port,
-            log_level=log_level, lifespan="off", access_log=False))
+        config = uvicorn.Config(app, host=self.settings.http.host, port=self.settings.http.port,
+                                log_level=log_level, lifespan="off", access_log=False)
+        broker = self.settings.broker.url
+        return _SupervisedServer(
+            config, Notifier.from_environ(),
+            problems=lambda: [] if self.ingest.connected else [f"connecting to {broker}"],
+            serving=f"ingesting from {broker}; HTTP on {config.host}:{config.port}")
 
     def close(self) -> None:
         self.ingest.stop()
@@ -62,3 +74,35 @@ def serve(settings: ControllerSettings, *, log_level: str = "warning") -> bool:
         return bool(server.started)
     finally:
         controller.close()
+
+
+class _SupervisedServer(uvicorn.Server):
+    """uvicorn's Server telling systemd how the controller stands (see the docstring)."""
+
+    def __init__(self, config: uvicorn.Config, notifier: Notifier, *,
+                 problems: Callable[[], list[str]], serving: str) -> None:
+        super().__init__(config)
+        self.notifier = notifier
+        self._problems = problems
+        self._serving = serving
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._tasks = [
+                asyncio.create_task(announce_ready(self.notifier, self._problems,
+                                                   serving=self._serving)),
+                asyncio.create_task(keep_alive(self.notifier))]
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._tasks:  # the announcer: never READY=1 after STOPPING=1
+            self._tasks[0].cancel()
+        self.notifier.stopping("stopping: committing and acknowledging what the ingest holds")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
