@@ -301,11 +301,12 @@ class ModelOps:
         target = self.resolve(name, digest)
         return await self.loader.fits(target.name, target.digest)
 
-    def busy(self, name: str) -> int:
-        """Requests holding a loaded version of `name`, running or queued (0 when none is
-        loaded)."""
+    def busy(self, name: str, digest: str | None = None) -> int:
+        """Requests holding a loaded version of `name` (or its version `digest`), running
+        or queued (0 when none is loaded)."""
         key = normalize_name(name)
-        return sum(m.in_use for m in self.loaded() if m.info.name == key)
+        return sum(m.in_use for m in self.loaded()
+                   if m.info.name == key and digest in (None, m.info.digest))
 
     async def unload(self, name: str, digest: str | None = None) -> bool:
         """Unloads the idle loaded versions of `name`; False when none was loaded or one is

@@ -7,7 +7,10 @@
                 the old weights, old unloaded); the pointer switched (`rollout:<id>`).
     GATING      the gate (`fleet.gate`) on the new version: golden prompts as real
                 requests, served digest, tokens/s floor, TTFT ceiling, memory headroom,
-                optional soak (the first N real requests without a server error).
+                optional soak (the first N real requests without a server error). With
+                a speed floor the prompts wait (up to 60 s) for the requests still
+                running on the old version to end, and a speed below the floor is
+                measured once more before it counts.
     ACTIVE      gate passed: the old version is let go (unloaded once idle).
     ROLLED_BACK gate failed (or the load failed, or an operator asked): committed first,
                 then the pointer goes back to the previous digest at once — the old version
@@ -55,6 +58,7 @@ from edge_agent.ledger.evidence import record_evidence, served_since
 
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 300.0
+SETTLE_S = 60.0
 
 
 class Move(Protocol):
@@ -95,7 +99,7 @@ class Activator:
     def __init__(self, settings: Settings, ops: ModelOps, store: RolloutStore, probe: Probe,
                  move: Move, emit: Callable[[Mapping[str, Any]], None], *,
                  clock: Callable[[], float] = time.time, poll_s: float = 1.0,
-                 drain_timeout_s: float = DRAIN_TIMEOUT_S,
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S, settle_s: float = SETTLE_S,
                  hook: Callable[[str, Rollout], None] | None = None,
                  hardware: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.settings = settings
@@ -107,6 +111,7 @@ class Activator:
         self.clock = clock
         self.poll_s = poll_s
         self.drain_timeout_s = drain_timeout_s
+        self.settle_s = settle_s
         self.hook = hook
         self.hardware = hardware or hardware_summary
 
@@ -183,13 +188,22 @@ class Activator:
         if spec.memory_headroom_bytes is not None:
             available = psutil.virtual_memory().available
             report.checks.append(gate.check_memory(available, spec.memory_headroom_bytes))
+        if spec.needs_baseline and r.previous_digest is not None:
+            await self._settle(r.name, r.previous_digest)
         answers, checks = await gate.run_prompts(spec, r.name, self.probe)
         report.checks.extend(checks)
         if answers:
             report.checks.append(gate.check_served(answers, r.target_digest))
         if spec.tokens_per_s_floor is not None and answers:
-            report.checks.append(gate.check_speed(gate.tokens_per_s(answers), baseline,
-                                                  spec.tokens_per_s_floor))
+            speed = gate.check_speed(gate.tokens_per_s(answers), baseline,
+                                     spec.tokens_per_s_floor)
+            if not speed.passed and not abort():
+                # One more pass before a verdict on speed: a burst of the store's own
+                # traffic must not roll a sound release back (the better pass counts).
+                again, _ = await gate.run_prompts(spec, r.name, self.probe)
+                best = max(gate.tokens_per_s(answers) or 0.0, gate.tokens_per_s(again) or 0.0)
+                speed = gate.check_speed(best or None, baseline, spec.tokens_per_s_floor)
+            report.checks.append(speed)
         if spec.ttft_ms_max is not None and answers:
             report.checks.append(gate.check_ttft(answers, spec.ttft_ms_max))
         if report.passed and spec.soak_requests and not abort():
@@ -229,6 +243,14 @@ class Activator:
         await self._release(r, held, keep=r.previous_digest)
         self.evidence(r, report.checks)
         return r
+
+    async def _settle(self, name: str, previous: str) -> None:
+        """Before the speed is measured: the requests still running on the previous
+        version (started before the switch) end first, up to `settle_s` — two versions
+        decoding at once share the CPU, and the new one would look slower than it is."""
+        deadline = self.clock() + self.settle_s
+        while self.ops.busy(name, previous) > 0 and self.clock() < deadline:
+            await asyncio.sleep(min(self.poll_s, 0.05))
 
     async def _wait_idle(self, name: str) -> None:
         deadline = self.clock() + self.drain_timeout_s
