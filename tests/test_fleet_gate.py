@@ -235,6 +235,10 @@ class Box:
     def ask(self, req: GenerationRequest) -> Any:
         return asyncio.run_coroutine_threadsafe(self.probe(req), self.loop).result(60)
 
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
     def fingerprint(self) -> str:
         r = httpx.post(f"{self.base_url}/v1/chat/completions", timeout=60, json={
             "model": DEFAULT_MODEL, "max_tokens": 1,
@@ -244,9 +248,14 @@ class Box:
 
 @pytest.fixture(scope="module")
 def box(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
+    live = start_box(model_cache, tmp_path_factory.mktemp("gate"))
+    yield live
+    live.stop()
+
+
+def start_box(model_cache: Path, root: Path, **overrides: Any) -> Box:
     """A live server whose lifespan runs a RolloutManager over its own ModelOps and
     request path, as the app wires it, with releases from files on disk."""
-    root = tmp_path_factory.mktemp("gate")
     state = clone_state(model_cache, root / "state")
     store = ModelStore(state)
     installed = store.get(DEFAULT_MODEL)
@@ -262,7 +271,7 @@ def box(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "runtime.parallel": 4, "telemetry.hardware": False,
         # Greedy answers the same batched with the clients' streams or alone: what makes
         # an `exact` golden answer hold on a busy box.
-        "runtime.deterministic": True})
+        "runtime.deterministic": True, **overrides})
     app = create_app(settings)
     parts = app.state.parts
     emitted: list[dict[str, Any]] = []
@@ -292,9 +301,7 @@ def box(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     for version, letter in (("2", b"T"), ("3", b"U")):
         releases.add(DEFAULT_MODEL, version, _variant(blob, root / f"v{version}.gguf", letter),
                      manifest)
-    yield Box(settings, url, server, thread, manager, loops[0], probe, releases, old, emitted)
-    server.should_exit = True
-    thread.join(60)
+    return Box(settings, url, server, thread, manager, loops[0], probe, releases, old, emitted)
 
 
 @pytest.mark.integration
@@ -450,6 +457,52 @@ def _figures(r: Rollout, streams: list[dict[str, Any]], short: list[dict[str, An
 
 
 @pytest.mark.integration
+def test_with_room_for_one_model_the_switch_drains_with_503_and_retry_after(
+        model_cache: Path, tmp_path: Path) -> None:
+    """max_loaded_models = 1: the new version cannot load beside the old one, so the name
+    is drained — new requests get 503 with Retry-After, running ones end on the old
+    weights —, swapped, and admitted again; no request fails otherwise."""
+    live = start_box(model_cache, tmp_path, **{"runtime.max_loaded_models": 1})
+    try:
+        release = live.releases.releases[(DEFAULT_MODEL, "2")]
+        release.manifest["gate"] = {"prompts": [{"id": "hi", "prompt": "Hello", "max_tokens": 4}],
+                                    "tokens_per_s_floor": None}
+        stream: dict[str, Any] = {}
+        streamer = threading.Thread(target=_stream, args=(live.base_url, stream))
+        streamer.start()
+        while not stream.get("times"):
+            time.sleep(0.05)
+        stop, answers = threading.Event(), []
+
+        def knock() -> None:  # a client that sees the 503s
+            while not stop.is_set():
+                r = httpx.post(f"{live.base_url}/v1/chat/completions", timeout=60, json={
+                    "model": DEFAULT_MODEL, "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "Hi"}]})
+                answers.append((r.status_code, r.headers.get("retry-after")))
+                time.sleep(0.05)
+
+        knocker = threading.Thread(target=knock)
+        knocker.start()
+        live.manager.begin("drain-1", DEFAULT_MODEL, "2")
+        r = live.wait("drain-1")
+        stop.set()
+        knocker.join(60)
+        streamer.join(120)
+        assert r.state == ACTIVE, r.reason
+        assert "error" not in stream and stream["finish"] == "length"
+        assert stream["fingerprints"] == {f"fp_{live.old[:12]}"}  # ended on the old weights
+        statuses = {code for code, _ in answers}
+        assert statuses <= {200, 503} and 503 in statuses, answers
+        assert all(after == "2" for code, after in answers if code == 503)
+        assert answers[-1][0] == 200 and live.fingerprint() == release.sha256[:12]
+        print(f"\ndrained: {sum(c == 503 for c, _ in answers)} of {len(answers)} requests "
+              f"answered 503; states (s): { {k: round(v, 2) for k, v in r.timings.items()} }")
+    finally:
+        live.stop()
+
+
+@pytest.mark.integration
 def test_the_registry_loads_a_digest_holds_it_and_drains_a_name(
         model_cache: Path, tmp_path: Path) -> None:
     from edge_agent.engine.modelops import ModelOps
@@ -469,12 +522,11 @@ def test_the_registry_loads_a_digest_holds_it_and_drains_a_name(
     async def scenario() -> None:
         assert await ops.fits(DEFAULT_MODEL, new.digest)  # nothing loaded: room
         await ops.load(DEFAULT_MODEL, digest=new.digest[:12])  # not held: gone again
-        assert {m.info.digest for m in registry.loaded()} == set()
+        assert new.digest not in {m.info.digest for m in registry.loaded()}
         ops.hold(DEFAULT_MODEL, new.digest)
         await ops.load(DEFAULT_MODEL, digest=new.digest)
-        await registry.reap_expired()  # inactive but held: kept
-        assert {m.info.digest for m in registry.loaded()} == {new.digest}
         await ops.load(DEFAULT_MODEL)  # the active version beside it
+        await registry.reap_expired()  # inactive but held: kept
         assert {m.info.digest for m in registry.loaded()} == {old.digest, new.digest}
         assert ops.busy(DEFAULT_MODEL) == 0
         serving, _ = await registry.acquire(DEFAULT_MODEL)

@@ -30,7 +30,8 @@ from edge_agent.engine.modelops import ModelOps
 from edge_agent.fleet.commands import Command
 from edge_agent.fleet.outcomes import ReleaseFailed, ReleaseRejected
 from edge_agent.fleet.refusals import CommandRefused
-from edge_agent.fleet.rollout import RolloutManager, backoff_s, hold_reason
+from edge_agent.fleet.rollout import RolloutManager
+from edge_agent.fleet.rollout_rules import backoff_s, hold_reason
 from edge_agent.fleet.rollout_state import (
     ACTIVATING,
     ACTIVE,
@@ -368,10 +369,10 @@ def test_the_window_holds_staged_until_its_time(tmp_path: Path) -> None:
 
 def test_defer_while_busy_holds_staged_then_the_deadline_lets_it_go(tmp_path: Path) -> None:
     box = make_box(tmp_path, fleet={"defer_while_busy": True, "defer_deadline_s": 600})
-    box.loader.busy(NAME, 3)
+    box.loader.busy(NAME, 3)  # never ending: the speed check waits for them settle_s
 
     async def scenario() -> None:
-        manager = box.manager()
+        manager = box.manager(settle_s=0.2)
         await manager.start()
         manager.begin("r1", NAME, "2")
         await reach(manager, "r1", STAGED)

@@ -32,25 +32,39 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from edge_agent.config import Settings, parse_window
+from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError, InvalidRequest
 from edge_agent.fleet import gate
-from edge_agent.fleet.activation import Activator, RetryLater, interrupted, restore_pointer
+from edge_agent.fleet.activation import (
+    SETTLE_S,
+    Activator,
+    RetryLater,
+    interrupted,
+    restore_pointer,
+)
 from edge_agent.fleet.commands import Command, Handler
 from edge_agent.fleet.envelope import AUDIT
 from edge_agent.fleet.gate import Probe
 from edge_agent.fleet.outcomes import ReleaseFailed, ReleaseRejected
 from edge_agent.fleet.refusals import MALFORMED, CommandRefused
+from edge_agent.fleet.rollout_rules import (
+    Releases,
+    backoff_s,
+    check_id,
+    check_name,
+    check_version,
+    hold_reason,
+    target,
+)
 from edge_agent.fleet.rollout_state import (
     ACTIVE,
     CANCELLED,
@@ -71,41 +85,7 @@ from edge_agent.names import normalize_name
 
 log = logging.getLogger(__name__)
 KIND = "rollout"
-ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 PROGRESS_EVERY_S = 2.0
-MAX_BACKOFF_S = 3600.0
-
-
-class Release(Protocol):
-    """A release as the release side describes it after TUF verified it."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def version(self) -> str: ...
-
-    @property
-    def length(self) -> int: ...
-
-    @property
-    def sha256(self) -> str: ...
-
-    @property
-    def manifest(self) -> Mapping[str, Any]: ...
-
-
-class Releases(Protocol):
-    """The release side (`fleet.release` + `fleet.transfer`), as the runner calls it.
-    Each raises ReleaseRejected or ReleaseFailed (`fleet.outcomes`)."""
-
-    def lookup(self, name: str, version: str) -> Release: ...
-
-    def download(self, release: Any, dest_dir: Path, *, progress: Callable[[int, int], None],
-                 max_bytes_per_s: int | None = None, headroom: int) -> Path: ...
-
-    def install(self, release: Any, path: Path, modelops: ModelOps, *, by: str) -> Any: ...
 
 
 Emit = Callable[[str, str, Mapping[str, Any]], Any]
@@ -116,30 +96,12 @@ class _Stopped(Exception):
     manager is stopping."""
 
 
-def hold_reason(*, minute: int, window: str | None, busy: int, defer: bool,
-                staged_for_s: float, deadline_s: float) -> str | None:
-    """Why a STAGED rollout may not activate now (None: it may). `minute`: local minutes
-    after midnight."""
-    if window is not None:
-        start, end = parse_window(window)
-        inside = start <= minute < end if start < end else minute >= start or minute < end
-        if not inside:
-            return f"outside the maintenance window {window}"
-    if defer and busy > 0 and staged_for_s < deadline_s:
-        return f"busy: {busy} request(s) running or queued"
-    return None
-
-
-def backoff_s(failures: int, base_s: float) -> float:
-    return min(MAX_BACKOFF_S, base_s * 2 ** max(0, failures - 1))
-
-
 class RolloutManager:
     def __init__(self, settings: Settings, modelops: ModelOps, releases: Releases,
                  probe: Probe, *, emit: Emit | None = None,
                  clock: Callable[[], float] = time.time,
                  local_now: Callable[[], datetime] = datetime.now,
-                 poll_s: float = 1.0, retry_base_s: float = 30.0,
+                 poll_s: float = 1.0, retry_base_s: float = 30.0, settle_s: float = SETTLE_S,
                  hook: Callable[[str, Rollout], None] | None = None,
                  hardware: Callable[[], Mapping[str, Any]] | None = None) -> None:
         """`emit`: the link's `emit(kind, cls, body)` (None: nothing is published).
@@ -157,7 +119,7 @@ class RolloutManager:
         self.store = RolloutStore(settings.state_dir / "rollouts.db", clock=clock)
         self.activator = Activator(settings, modelops, self.store, probe, self._move,
                                    self._publish, clock=clock, poll_s=poll_s, hook=hook,
-                                   hardware=hardware)
+                                   hardware=hardware, settle_s=settle_s)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stop_ids: set[str] = set()  # rollouts whose download must stop
@@ -171,8 +133,14 @@ class RolloutManager:
 
     # -- life ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        """On the server's loop, once: converge what a stop left, then drive the rest."""
+        """On the server's loop, once (the app's lifespan): `resume`, then commands may
+        come (a `begin` before `start` is committed and picked up here)."""
         self._loop = asyncio.get_running_loop()
+        await self.resume()
+
+    async def resume(self) -> None:
+        """Converges what a stop or a kill left (module docstring), then drives the live
+        rollouts on."""
         for r in await asyncio.to_thread(self.store.unfinished):
             try:
                 if r.state in SWITCHING or (r.state == ROLLED_BACK and not r.restored):
@@ -216,14 +184,14 @@ class RolloutManager:
         args = command.args
         if set(args) != {"rollout_id", "name", "version"}:
             raise CommandRefused(MALFORMED, "args must be {rollout_id, name, version}")
-        rid, name, version = _check_id(args["rollout_id"]), args["name"], args["version"]
-        return self.begin(rid, _check_name(name), _check_version(version), command.id)
+        rid, name, version = check_id(args["rollout_id"]), args["name"], args["version"]
+        return self.begin(rid, check_name(name), check_version(version), command.id)
 
     def _cancel_handler(self, command: Command) -> dict[str, Any]:
-        return self.cancel(**_target(command.args))
+        return self.cancel(**target(command.args))
 
     def _rollback_handler(self, command: Command) -> dict[str, Any]:
-        return self.rollback(**_target(command.args))
+        return self.rollback(**target(command.args))
 
     def begin(self, rollout_id: str, name: str, version: str,
               command_id: str | None = None) -> dict[str, Any]:
@@ -510,37 +478,6 @@ class RolloutManager:
 
     def _installed(self, name: str, digest: str) -> bool:
         return any(v.digest == digest for v in self.ops.store.versions(name))
-
-
-def _check_id(value: Any) -> str:
-    if not isinstance(value, str) or not ROLLOUT_ID.fullmatch(value):
-        raise CommandRefused(MALFORMED, "rollout_id: 1-64 of [A-Za-z0-9_-]")
-    return value
-
-
-def _check_name(value: Any) -> str:
-    try:
-        if not isinstance(value, str):
-            raise InvalidRequest("not a string")
-        return normalize_name(value)
-    except InvalidRequest as exc:
-        raise CommandRefused(MALFORMED, f"name: {exc.message[:100]}") from None
-
-
-def _check_version(value: Any) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return str(value)
-    if not isinstance(value, str) or not VERSION.fullmatch(value):
-        raise CommandRefused(MALFORMED, "version: a number or 1-64 of [A-Za-z0-9._+-]")
-    return value
-
-
-def _target(args: Mapping[str, Any]) -> dict[str, str]:
-    if set(args) == {"rollout_id"}:
-        return {"rollout_id": _check_id(args["rollout_id"])}
-    if set(args) == {"name"}:
-        return {"name": _check_name(args["name"])}
-    raise CommandRefused(MALFORMED, "args must be {rollout_id} or {name}")
 
 
 def _small(details: Mapping[str, Any]) -> dict[str, Any]:
