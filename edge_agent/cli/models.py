@@ -216,6 +216,8 @@ def models_history(name: str, limit: int | None, as_json: bool) -> None:
 def _print_evidence(rows: list[dict[str, Any]]) -> None:
     """Each activation attempt: what replaced what, on what, how long each state took,
     and every gate check with its figure."""
+    from edge_agent.fleet.rollout_state import STATES
+
     for ev in rows:
         click.echo("")
         click.echo(f"release evidence {ev['rollout_id']} (attempt {ev['attempt']}): "
@@ -229,8 +231,10 @@ def _print_evidence(rows: list[dict[str, Any]]) -> None:
                    f"{hw.get('cpu_count')} CPUs, {(hw.get('ram_bytes') or 0) / 2**30:.1f} GiB "
                    f"RAM, {hw.get('machine', '')}")
         timings = ev.get("timings") or {}
-        if timings:
-            click.echo("  timings   " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+        if timings:  # in the order the states come
+            order = {state: i for i, state in enumerate(STATES)}
+            steps = sorted(timings.items(), key=lambda kv: order.get(kv[0], len(order)))
+            click.echo("  timings   " + ", ".join(f"{k} {v:.2f}s" for k, v in steps))
         for c in ev.get("checks") or []:
             limit = f" (limit {c['limit']})" if c.get("limit") is not None else ""
             detail = f"  {c['detail']}" if c.get("detail") else ""
