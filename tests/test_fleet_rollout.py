@@ -227,6 +227,28 @@ def test_without_room_for_both_the_name_is_drained_for_the_switch(tmp_path: Path
         < log.index(("undrain", NAME))
 
 
+def test_a_name_that_stays_busy_through_the_drain_fails_and_is_retried(
+        tmp_path: Path) -> None:
+    box = make_box(tmp_path, room=False, fleet={"rollout_max_failures": 2})
+    box.loader.busy(NAME, 1)  # a request that never ends
+
+    async def scenario() -> Any:
+        manager = box.manager()
+        manager.activator.drain_timeout_s = 0.1
+        await manager.start()
+        manager.begin("r1", NAME, "2")
+        r = await manager.settled("r1", 10)
+        await manager.stop()
+        return r
+
+    r = run(scenario())
+    assert (r.state, r.reason, r.failures, r.live) == (FAILED, "drain_timeout", 2, False)
+    assert r.details["busy"] == 1
+    assert box.ops.show(NAME).digest == box.old  # nothing was switched
+    assert not box.loader.draining and box.loader.log.count(("drain", NAME)) == 2
+    assert [t["to"] for t in box.transitions()][-3:] == [STAGED, ACTIVATING, FAILED]
+
+
 def test_a_target_already_active_ends_active_without_a_switch(tmp_path: Path) -> None:
     box = make_box(tmp_path)
     box.ops.import_file(box.releases.releases[(NAME, "2")].path, NAME, by="operator")

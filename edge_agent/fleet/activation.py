@@ -158,7 +158,7 @@ class Activator:
                 if drained:  # by digest: the drain refuses requests for the name
                     await self.ops.load(r.name, digest=target)
         except RetryLater:
-            self._let_go(r, held, drained, keep=previous)
+            self._let_go(r, held, drained)
             raise
         except EdgeAgentError as exc:
             checks.append(Check("load", False, type(exc).__name__, None, exc.message[:200]))
@@ -274,7 +274,8 @@ class Activator:
             except EdgeAgentError:  # removed meanwhile (a new name rolled back)
                 pass
 
-    def _let_go(self, r: Rollout, held: bool, drained: bool, keep: str | None) -> None:
+    def _let_go(self, r: Rollout, held: bool, drained: bool) -> None:
+        """Nothing was switched and the rollout will be retried: no hold, no drain left."""
         if drained:
             self.ops.drain(r.name, False)
         for digest in (r.previous_digest, r.target_digest) if held else ():
