@@ -179,13 +179,19 @@ def models_rollback(name: str) -> None:
 @json_option()
 def models_history(name: str, limit: int | None, as_json: bool) -> None:
     """What happened to NAME, newest first: installs, switches (from which digest, when,
-    by whom), copies, removals; and the versions installed now."""
-    ops = _ops()
+    by whom), copies, removals; the versions installed now; and the release evidence of
+    each fleet rollout's activation (gate checks with their figures, outcome)."""
+    from edge_agent.engine.modelops import ModelOps
+    from edge_agent.ledger.evidence import evidence_for
+
+    settings = load()
+    ops = ModelOps.for_settings(settings)
     entries = ops.history(name, limit)
     try:
         versions = ops.versions(name)
     except ModelNotFound:  # a removed name keeps its history
         versions = []
+    evidence = evidence_for(settings.state_dir / "ledger.db", entries[0].name, limit)
     if as_json:
         echo_json({
             "name": entries[0].name,
@@ -193,7 +199,8 @@ def models_history(name: str, limit: int | None, as_json: bool) -> None:
                           "last_active": v.last_active} for v in versions],
             "history": [{"at": e.at, "action": e.action, "digest": e.digest,
                          "previous": e.previous, "by": e.by, "detail": e.detail}
-                        for e in entries]})
+                        for e in entries],
+            "evidence": evidence})
         return
     for v in versions:
         state = "active" if v.active else (
@@ -203,3 +210,33 @@ def models_history(name: str, limit: int | None, as_json: bool) -> None:
            ("BY", "<20"), ("DETAIL", "")],
           ([_when(e.at), e.action, e.digest[:12], (e.previous or "")[:12], e.by, e.detail]
            for e in entries))
+    _print_evidence(evidence)
+
+
+def _print_evidence(rows: list[dict[str, Any]]) -> None:
+    """Each activation attempt: what replaced what, on what, how long each state took,
+    and every gate check with its figure."""
+    from edge_agent.fleet.rollout_state import STATES
+
+    for ev in rows:
+        click.echo("")
+        click.echo(f"release evidence {ev['rollout_id']} (attempt {ev['attempt']}): "
+                   f"{ev['name']} version {ev['version']} sha256:{ev['digest'][:12]} "
+                   f"{ev['outcome']} at {_when(ev['ts'])}")
+        if ev.get("reason"):
+            click.echo(f"  reason    {ev['reason']}")
+        click.echo(f"  previous  sha256:{(ev.get('previous_digest') or '-')[:12]}")
+        hw = ev.get("hardware") or {}
+        click.echo(f"  agent     {ev['agent_version']}, llama.cpp {ev['llama_cpp_version']}, "
+                   f"{hw.get('cpu_count')} CPUs, {(hw.get('ram_bytes') or 0) / 2**30:.1f} GiB "
+                   f"RAM, {hw.get('machine', '')}")
+        timings = ev.get("timings") or {}
+        if timings:  # in the order the states come
+            order = {state: i for i, state in enumerate(STATES)}
+            steps = sorted(timings.items(), key=lambda kv: order.get(kv[0], len(order)))
+            click.echo("  timings   " + ", ".join(f"{k} {v:.2f}s" for k, v in steps))
+        for c in ev.get("checks") or []:
+            limit = f" (limit {c['limit']})" if c.get("limit") is not None else ""
+            detail = f"  {c['detail']}" if c.get("detail") else ""
+            click.echo(f"  {'ok  ' if c['passed'] else 'FAIL'} {c['name']}: "
+                       f"{c['figure']}{limit}{detail}")

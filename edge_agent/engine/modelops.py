@@ -54,13 +54,20 @@ class Serving(Protocol):
 class Loader(Protocol):
     """What ModelOps needs of the server's registry (`ModelRegistry` is one)."""
 
-    async def acquire(self, name: str, keep_alive: float | None = None) -> tuple[Any, int]: ...
+    async def acquire(self, name: str, keep_alive: float | None = None,
+                      digest: str | None = None) -> tuple[Any, int]: ...
 
     async def release(self, model: Any) -> None: ...
 
     async def unload(self, name: str, digest: str | None = None) -> bool: ...
 
     def loaded(self) -> Sequence[Serving]: ...
+
+    def hold(self, name: str, digest: str, held: bool = True) -> None: ...
+
+    def drain(self, name: str, on: bool = True, retry_after: float = 2.0) -> None: ...
+
+    async def fits(self, name: str, digest: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -263,11 +270,43 @@ class ModelOps:
                                          retry_after=1.0)
 
     # -- serving ---------------------------------------------------------------------------
-    async def load(self, name: str, keep_alive: float | None = None) -> None:
-        """Loads the active version of `name` (kept `keep_alive` seconds when given)."""
+    async def load(self, name: str, keep_alive: float | None = None,
+                   digest: str | None = None) -> None:
+        """Loads the active version of `name` (kept `keep_alive` seconds when given), or
+        its installed version `digest` (a unique prefix will do): one not active is
+        unloaded again as soon as it is loaded unless it is held (`hold`)."""
         loader = self._loader("loading")
-        model, _ = await loader.acquire(name, keep_alive)
+        full = self.resolve(name, digest).digest if digest is not None else None
+        model, _ = await loader.acquire(name, keep_alive, full)
         await loader.release(model)
+
+    # -- a rollout's switch (the fleet link) -------------------------------------------------
+    def hold(self, name: str, digest: str, held: bool = True) -> None:
+        """Keeps version `digest` of `name` loaded while it is not active (a rollout holds
+        the new version before its switch, and the old one until the new one passed its
+        gate); `held=False` lets go. In this process only."""
+        target = self.resolve(name, digest)
+        self._loader("holding").hold(target.name, target.digest, held)
+
+    def drain(self, name: str, on: bool = True, retry_after: float = 2.0) -> None:
+        """New requests for `name` get 503 with Retry-After (on) or are admitted again
+        (off); running ones finish. For a switch with no memory to load both versions."""
+        self._loader("draining").drain(normalize_name(name), on, retry_after)
+
+    async def fits(self, name: str, digest: str) -> bool:
+        """Whether version `digest` of `name` loads beside what is loaded now, evicting
+        nothing (False without a loader: nothing is loaded here)."""
+        if self.loader is None:
+            return False
+        target = self.resolve(name, digest)
+        return await self.loader.fits(target.name, target.digest)
+
+    def busy(self, name: str, digest: str | None = None) -> int:
+        """Requests holding a loaded version of `name` (or its version `digest`), running
+        or queued (0 when none is loaded)."""
+        key = normalize_name(name)
+        return sum(m.in_use for m in self.loaded()
+                   if m.info.name == key and digest in (None, m.info.digest))
 
     async def unload(self, name: str, digest: str | None = None) -> bool:
         """Unloads the idle loaded versions of `name`; False when none was loaded or one is

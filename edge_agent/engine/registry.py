@@ -11,6 +11,13 @@ requests already running finish on the old one, which is unloaded when its last 
 releases it (or by `reap_expired` once idle). Both count against `max_loaded_models` and the
 memory budget while both are loaded: with no room for the new version while the old one
 still serves, a new request gets 503 with Retry-After, as for any model that does not fit.
+
+A rollout (the fleet link, through `ModelOps`) may load a version that is not active yet
+(`acquire(name, digest=...)`), `hold` versions so that being inactive does not unload
+them (the new one before its switch, the old one until the new one passed its health
+gate, so a switch back is instant), ask whether a version `fits` beside what is loaded,
+and `drain` a name: new requests for it get 503 with Retry-After while running ones end.
+Holds and drains live in this process only: a restart forgets them, as it should.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass, field
 
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
+from edge_agent.engine.gguf_probe import probe
 from edge_agent.engine.request import EmbeddingResult, Event, Generation, GenerationSpec
 from edge_agent.engine.runtime import (
     LlamaModel,
@@ -41,7 +49,7 @@ from edge_agent.engine.scheduler import (
     ThreadEmitter,
 )
 from edge_agent.engine.templates import ChatTemplate
-from edge_agent.errors import InvalidRequest, ServiceUnavailable
+from edge_agent.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +174,8 @@ class ModelRegistry:
         self._loaded: dict[tuple[str, str], LoadedModel] = {}
         self._loading: dict[tuple[str, str], asyncio.Task[LoadedModel]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._held: set[tuple[str, str]] = set()
+        self._draining: dict[str, float] = {}  # name -> Retry-After seconds
 
     def loaded(self) -> list[LoadedModel]:
         return list(self._loaded.values())
@@ -180,11 +190,19 @@ class ModelRegistry:
         return any(k[0] == key for k in self._loading)
 
     async def acquire(
-        self, name: str, keep_alive: float | None = None
+        self, name: str, keep_alive: float | None = None, digest: str | None = None
     ) -> tuple[LoadedModel, int]:
-        """The name's active version, loaded, and how long this call waited for it to load
-        (ns)."""
-        info = self.store.get(name)  # the pointer, read now; 404 before any waiting
+        """The name's active version (or its installed version `digest`, a full digest),
+        loaded, and how long this call waited for it to load (ns). A draining name
+        refuses requests for its active version (503, Retry-After)."""
+        if digest is None:
+            retry = self._draining.get(normalize_name(name))
+            if retry is not None:
+                raise ServiceUnavailable(f"model '{normalize_name(name)}' is switching "
+                                         "versions; retry shortly", retry_after=retry)
+            info = self.store.get(name)  # the pointer, read now; 404 before any waiting
+        else:
+            info = self._version(name, digest)
         key = _key(info)
         start = time.perf_counter_ns()
         model = self._loaded.get(key)
@@ -216,8 +234,47 @@ class ModelRegistry:
             model.expires_at = time.time() + model.keep_alive
 
     def _superseded(self, model: LoadedModel) -> bool:
-        """No longer the active version of its name (switched, or removed)."""
-        return self.store.active_digest(model.info.name) != model.info.digest
+        """No longer the active version of its name (switched, or removed), and not held."""
+        return _key(model.info) not in self._held and \
+            self.store.active_digest(model.info.name) != model.info.digest
+
+    def _version(self, name: str, digest: str) -> InstalledModel:
+        key = normalize_name(name)
+        for version in self.store.versions(key):
+            if version.digest == digest:
+                return version.model
+        raise ModelNotFound(f"model '{key}' has no installed version sha256:{digest[:12]}",
+                            param="model")
+
+    def hold(self, name: str, digest: str, held: bool = True) -> None:
+        """Keep (or stop keeping) version `digest` of `name` loaded while it is not the
+        active one. Releasing a hold unloads nothing by itself: `unload` does, once idle."""
+        key = (normalize_name(name), digest)
+        if held:
+            self._held.add(key)
+        else:
+            self._held.discard(key)
+
+    def drain(self, name: str, on: bool = True, retry_after: float = 2.0) -> None:
+        """Refuse (on) or admit again (off) new requests for `name`'s active version."""
+        key = normalize_name(name)
+        if on:
+            self._draining[key] = retry_after
+        else:
+            self._draining.pop(key, None)
+
+    async def fits(self, name: str, digest: str) -> bool:
+        """Whether version `digest` of `name` can load beside every loaded model, without
+        evicting any (True when it is loaded already)."""
+        info = self._version(name, digest)
+        if _key(info) in self._loaded:
+            return True
+        gguf = await asyncio.to_thread(probe, info.blob_path(self.store.state_dir))
+        _, _, parallel, n_ctx, _ = self._plan(info)
+        need = info.size + gguf.kv_bytes_per_token() * parallel * n_ctx
+        used = sum(m.memory for m in self._loaded.values())
+        return len(self._loaded) < self.settings.runtime.max_loaded_models and \
+            used + need <= self.memory_budget
 
     async def unload(self, name: str, digest: str | None = None) -> bool:
         """Unloads the loaded versions of `name` (or the one `digest`) that serve nothing.

@@ -75,6 +75,23 @@ def m004_end_user(db: Database) -> None:
         db[REQUESTS].add_column("end_user", str)  # type: ignore[union-attr]
 
 
+EVIDENCE = "release_evidence"
+# One row per activation attempt of a fleet rollout (`ledger.evidence` writes and reads
+# them); the JSON columns hold what the gate measured, never a prompt or a client's text.
+EVIDENCE_COLUMNS: dict[str, type] = {
+    "id": str, "ts": float, "rollout_id": str, "attempt": int, "name": str,
+    "version": str, "digest": str, "previous_digest": str, "outcome": str, "reason": str,
+    "agent_version": str, "llama_cpp_version": str, "hardware": str, "parameters": str,
+    "checks": str, "timings": str}
+
+
+@MIGRATIONS()
+def m005_release_evidence(db: Database) -> None:
+    """Release evidence: kept like the model history, not purged with the request rows."""
+    db[EVIDENCE].create(EVIDENCE_COLUMNS, pk="id")  # type: ignore[union-attr]
+    db[EVIDENCE].create_index(["name", "ts"])  # type: ignore[union-attr]
+
+
 # Every table the writer may write, with its columns; rows for other tables are refused.
 TABLE_COLUMNS: dict[str, dict[str, type]] = {
     REQUESTS: COLUMNS, REDACTIONS: REDACTION_COLUMNS, CONTENTS: CONTENT_COLUMNS,
