@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -89,9 +89,17 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
         # The link runs on its own threads and never holds the start back: with the broker
         # unreachable the box serves exactly as without it.
         sync_box: list[Any] = []  # the producers, once built (config.patch reaches them)
-        link = start_fleet_link(settings, modelops, governor, sampler, sync_box) \
+        linked: list[Any] = []  # the link, once started: rollouts report through it
+        rollouts = build_rollouts(settings, modelops, service, linked) \
+            if settings.fleet.enabled else None
+        link = start_fleet_link(settings, modelops, governor, sampler, sync_box,
+                                rollouts.handlers() if rollouts is not None else None) \
             if settings.fleet.enabled else None
         app.state.fleet_link = link
+        if link is not None:
+            linked.append(link)
+        if rollouts is not None:
+            await rollouts.start()  # resumes what a restart interrupted
         stop_sync = asyncio.Event()
         sync_task = None
         if link is not None:
@@ -102,6 +110,8 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
         try:
             yield
         finally:
+            if rollouts is not None:  # before the registry goes: it may hold a version
+                await rollouts.stop()
             if sync_task is not None:  # its last ticks append to the outbox: before it closes
                 stop_sync.set()
                 await asyncio.gather(sync_task, return_exceptions=True)
@@ -132,6 +142,27 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     return app
 
 
+def build_rollouts(settings: Settings, modelops: ModelOps, service: GenerationService,
+                   linked: list[Any]) -> Any:
+    """The device's rollout runner (`fleet.rollout.RolloutManager`) over signed releases,
+    its gate's requests through the real request path; None if it could not be built
+    (logged: the link runs without rollouts, and refuses their commands as unknown)."""
+    try:
+        from edge_agent.fleet.rollout import RolloutManager
+        from edge_agent.fleet.signed_releases import SignedReleases
+        from edge_agent.gateway.probe import ServiceProbe
+
+        def emit(kind: str, cls: str, body: Any) -> bool:
+            return bool(linked) and bool(linked[0].emit(kind, cls, body))
+
+        return RolloutManager(settings, modelops,
+                              SignedReleases(settings.fleet, settings.state_dir),
+                              ServiceProbe(service), emit=emit)
+    except Exception:
+        log.exception("fleet rollouts not available; the link runs without them")
+        return None
+
+
 def start_fleet_sync(settings: Settings, link: Any, parts: AppParts,
                      sampler: HardwareSampler) -> Any:
     """What the link syncs on its intervals (metrics, ledger summaries, events), feeding its
@@ -158,7 +189,8 @@ def start_fleet_sync(settings: Settings, link: Any, parts: AppParts,
 
 
 def start_fleet_link(settings: Settings, modelops: ModelOps, governor: Governor,
-                     sampler: HardwareSampler, sync_box: list[Any] | None = None) -> Any:
+                     sampler: HardwareSampler, sync_box: list[Any] | None = None,
+                     extra_handlers: Mapping[str, Any] | None = None) -> Any:
     """The fleet link (`edge_agent.fleet.link.Link`) with this box's command handlers,
     started; None if it could not even be built (logged: the box serves without it)."""
     try:
@@ -194,8 +226,9 @@ def start_fleet_link(settings: Settings, modelops: ModelOps, governor: Governor,
 
         link = Link(settings.fleet, settings.state_dir,
                     facts=facts_source(lambda: settings, modelops, gpus=_gpus),
-                    handlers=box_handlers(settings, settings.state_dir, purge=purge,
-                                          revoke=revoke, apply_live=apply_live))
+                    handlers={**box_handlers(settings, settings.state_dir, purge=purge,
+                                             revoke=revoke, apply_live=apply_live),
+                              **(extra_handlers or {})})
         link.start()
         return link
     except Exception:

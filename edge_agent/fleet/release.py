@@ -45,6 +45,7 @@ from tuf.ngclient import FetcherInterface, Updater, UpdaterConfig
 from edge_agent import __version__
 from edge_agent.config import FleetSettings
 from edge_agent.errors import EdgeAgentError, ModelFileError
+from edge_agent.fleet import outcomes
 from edge_agent.fleet.manifest import (
     ManifestError,
     ReleaseManifest,
@@ -97,13 +98,13 @@ class ReleaseError(EdgeAgentError):
                 **self.details}
 
 
-class ReleaseRejected(ReleaseError):
+class ReleaseRejected(ReleaseError, outcomes.ReleaseRejected):
     """This release will not be installed here; trying again changes nothing."""
 
     retry = False
 
 
-class ReleaseFailed(ReleaseError):
+class ReleaseFailed(ReleaseError, outcomes.ReleaseFailed):
     """It did not work this time (network, clock, the controller's re-signing); retry."""
 
     retry = True
