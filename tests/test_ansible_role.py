@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE = ROOT / "ansible"
 ROLE = ANSIBLE / "roles" / "edge_agent"
 BIN = Path(sys.executable).parent
+TUF_ROOT = '{"signed": {"_type": "root", "version": 1}, "signatures": []}'
 BROKER_PASSWORD = "s3cret-broker-pass-1f6b"
 RECAP = re.compile(r"^localhost\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+"
                    r"failed=(\d+)", re.M)
@@ -200,6 +201,8 @@ def provisioned(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         "edge_agent_fleet_ca_cert": "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----",
         "edge_agent_fleet_command_key":
             "-----BEGIN PUBLIC KEY-----\nMCow\n-----END PUBLIC KEY-----",
+        "edge_agent_fleet_tuf_root": TUF_ROOT,
+        "edge_agent_fleet_artifacts_url": "http://controller.example:9464/releases/",
         # Where systemd runs, the test still must not start a service on the machine: that
         # takes a disposable VM. Where it does not, the role itself skips and says why.
         **({"edge_agent_service_enabled": False} if systemd_is_pid1 else {}),
@@ -280,11 +283,14 @@ def test_the_secrets_are_readable_by_the_service_group_only(provisioned: Provisi
     assert stat.S_IMODE((etc / "config.toml").stat().st_mode) == 0o640
     assert stat.S_IMODE((etc / "fleet").stat().st_mode) == 0o750
     assert (etc / "fleet" / "password").read_text() == BROKER_PASSWORD + "\n"
-    for name in ("password", "ca.pem", "command-key.pem"):
+    for name in ("password", "ca.pem", "command-key.pem", "tuf-root.json"):
         assert stat.S_IMODE((etc / "fleet" / name).stat().st_mode) == 0o640
+    assert (etc / "fleet" / "tuf-root.json").read_text().strip() == TUF_ROOT
     assert not (etc / "fleet" / "client.key").exists()
     config = (etc / "config.toml").read_text()
     assert f'password_file = "{etc}/fleet/password"' in config
+    assert f'tuf_root_file = "{etc}/fleet/tuf-root.json"' in config
+    assert 'artifacts_url = "http://controller.example:9464/releases/"' in config
     assert BROKER_PASSWORD not in config
 
 
