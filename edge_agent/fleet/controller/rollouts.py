@@ -153,8 +153,8 @@ class RolloutEngine:
                                        seq=seqs[streams[d]]) for d in chunk}
             claimed = self.store.claim_commands(r.id, built, self.clock(),
                                                 require_state=require_state)
-            if claimed:
-                log.debug("fleet rollout %s: %s to %d device(s)", r.id, type_, len(claimed))
+            if claimed and type_ != START:  # a wave's starts are logged with the wave
+                log.info("fleet rollout %s: %s to %d device(s)", r.id, type_, len(claimed))
             self._publish([built[d] for d in claimed])
 
     def _republish(self, rollout_id: str) -> None:
