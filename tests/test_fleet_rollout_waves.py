@@ -240,6 +240,10 @@ def test_a_clean_rollout_completes_wave_after_soaked_wave_then_rolls_back(
         wall, t1 = time.monotonic() - wall0, time.time()
         cpu = central.serve.cpu_s() - cpu0
         assert report["states"] == {"ACTIVE": 100} and report["wave"] == 4
+        api = f"http://127.0.0.1:{central.serve.port}"
+        assert httpx.get(f"{api}/rollouts/{rid}").json()["phases"]["succeeded"] == 100
+        assert [r["id"] for r in httpx.get(f"{api}/rollouts").json()["rollouts"]] == [rid]
+        assert httpx.get(f"{api}/rollouts/nope").status_code == 404
         for device in central.devices:
             assert len(sim[device].got("rollout.start")) == 1
         for w in (1, 2, 3):
