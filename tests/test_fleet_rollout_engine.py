@@ -140,6 +140,22 @@ def test_a_broker_away_holds_the_commands_back_never_the_decision(
     assert all(d.started_at == clock() for d in store.rollout_devices("r2"))
 
 
+def test_a_start_never_published_is_withdrawn_when_the_rollout_stops(
+        store: SQLiteStore, repo: Repo) -> None:
+    clock = Clock()
+    eng, sent = engine(store, repo, clock)
+    rollout_ops.start(store, store.path.parent, f"{NAME}@2", "d1,d2", Policy(
+        parse_waves("100%")), now=clock(), rollout_id="r4")
+    sent.away = True
+    eng.tick()
+    rollout_ops.act(store, "r4", "abort", now=clock())
+    sent.away = False
+    assert eng.tick()["r4"].settled
+    assert sent.sent == []  # neither the starts nor cancels of starts that never left
+    assert {d.outcome for d in store.rollout_devices("r4")} == {"skipped"}
+    assert store.unpublished_commands("r4") == [] and eng.tick() == {}
+
+
 def test_without_a_key_rollouts_wait(store: SQLiteStore, repo: Repo,
                                      caplog: pytest.LogCaptureFixture) -> None:
     settings = ControllerSettings(state_dir=store.path.parent)

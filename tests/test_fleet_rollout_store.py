@@ -14,7 +14,7 @@ from edge_agent.errors import ModelNotFound
 from edge_agent.fleet.controller import store as store_module
 from edge_agent.fleet.controller.records import Inbound
 from edge_agent.fleet.controller.rollout_ops import ACTIONS
-from edge_agent.fleet.controller.rollout_sql import NewRollout, RolloutConflict
+from edge_agent.fleet.controller.rollout_records import NewRollout, RolloutConflict
 from edge_agent.fleet.controller.sql import SCHEMA
 from edge_agent.fleet.controller.store import FleetStore, PostgresStore, SQLiteStore
 from edge_agent.fleet.controller.waves import (

@@ -218,6 +218,14 @@ def test_crossing_the_threshold_aborts_inside_the_wave() -> None:
     assert set(with_rollback.rollback) == {"w1-0", "w2-0", "w2-6", "w2-7"}
 
 
+def test_a_start_the_broker_never_took_is_withdrawn_on_abort_not_cancelled() -> None:
+    views = [dev("a", 1, SENT, started_at=None), dev("b", 1, SENT), dev("c", 2)]
+    for stopped in (ABORTED, ROLLED_BACK):
+        plan = decide(stopped, 1, Policy(STEPS), views, now=10.0)
+        assert set(plan.skipped) == {"a", "c"}
+        assert plan.cancel + plan.rollback == ("b",)
+
+
 def test_an_aborted_rollout_settles_once_nothing_is_in_flight() -> None:
     policy = Policy(STEPS, rollback_on_abort=True)
     views = [dev("a", 1, ROLLED_BACK), dev("b", 1, ACTIVE, rollback_sent=True),

@@ -24,7 +24,7 @@ from typing import Any
 
 from edge_agent.errors import InvalidRequest
 from edge_agent.fleet.controller.releases import ReleaseRepository, releases_dir
-from edge_agent.fleet.controller.rollout_sql import (
+from edge_agent.fleet.controller.rollout_records import (
     DeviceRecord,
     NewRollout,
     RolloutRecord,

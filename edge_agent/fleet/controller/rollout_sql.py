@@ -1,5 +1,5 @@
-"""The controller store's rollouts, in the SQL SQLite and PostgreSQL share: the schema step,
-the records, and `RolloutQueries` (a mixin of `sql.SQLStore`).
+"""The controller store's rollouts, in the SQL SQLite and PostgreSQL share: the schema step
+and `RolloutQueries` (a mixin of `sql.SQLStore`; the records are `rollout_records`).
 
     rollouts          one row per `fleet rollout start`: release, selector, policy, state
                       (RUNNING|PAUSED|ABORTED|COMPLETED|ROLLED_BACK), the wave reached,
@@ -11,7 +11,8 @@ the records, and `RolloutQueries` (a mixin of `sql.SQLStore`).
                       went ACTIVE, when it finished, the controller's own outcome
                       (timed_out, skipped) and the last reason
     rollout_commands  the rollout.start/cancel/rollback commands recorded for a rollout,
-                      and when the broker took each (unpublished ones are published again)
+                      and when the broker took each (unpublished ones are published again,
+                      but a start the rollout stopped before it left is withdrawn)
 
 The devices' reports reach `rollout_devices` inside the ingest's own transaction (`_rollout
 message`, `_rollout_result`): a rollout audit message or a refused rollout.start result is
@@ -24,19 +25,22 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from edge_agent.errors import Conflict, ModelNotFound
+from edge_agent.errors import ModelNotFound
 from edge_agent.fleet.controller.records import Inbound
+from edge_agent.fleet.controller.rollout_records import (
+    DeviceRecord,
+    NewRollout,
+    RolloutConflict,
+    RolloutRecord,
+    rollout_from_row,
+)
 from edge_agent.fleet.controller.waves import (
     LIVE,
     PENDING,
     REFUSED,
     SENT,
-    DeviceView,
-    Policy,
-    parse_waves,
 )
 from edge_agent.fleet.rollout_state import ACTIVE, FAILED, REJECTED, ROLLED_BACK, STATES
 
@@ -67,7 +71,7 @@ ROLLOUT_SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
         """CREATE TABLE rollout_commands (
             command_id TEXT PRIMARY KEY, rollout_id TEXT NOT NULL, device TEXT NOT NULL,
             type TEXT NOT NULL, recorded DOUBLE PRECISION NOT NULL,
-            published_at DOUBLE PRECISION)""",
+            published_at DOUBLE PRECISION, withdrawn_at DOUBLE PRECISION)""",
         "CREATE INDEX rollout_commands_by_rollout ON rollout_commands (rollout_id, device)",
     )),
 )
@@ -80,120 +84,6 @@ _DEVICE_COLUMNS = ("device, fleet, wave, state, retrying, reason, command_id, st
                    "active_at, finished_at, outcome, reported_ts, updated_at")
 _KNOWN_STATES = frozenset(STATES) | {REFUSED}
 _FINAL = frozenset({ACTIVE, ROLLED_BACK, REJECTED, REFUSED, "CANCELLED"})
-
-
-class RolloutConflict(Conflict):
-    """A live rollout of the name exists already, or the id is taken, or the operator's
-    command does not apply to the rollout's state."""
-
-
-@dataclass(frozen=True)
-class RolloutRecord:
-    id: str
-    name: str
-    version: str
-    selector: str
-    waves: str
-    abort_above: float
-    min_executed: int
-    soak_s: float
-    device_timeout_s: float
-    rollback_on_abort: bool
-    state: str
-    live: bool
-    settled: bool
-    wave: int
-    waves_total: int
-    devices_total: int
-    reason: str | None
-    wave_started_at: float | None
-    created_at: float
-    updated_at: float
-
-    def policy(self) -> Policy:
-        return Policy(parse_waves(self.waves), self.abort_above, self.min_executed,
-                      self.soak_s, self.device_timeout_s, self.rollback_on_abort)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class DeviceRecord:
-    device: str
-    fleet: str
-    wave: int
-    state: str
-    retrying: bool
-    reason: str | None
-    command_id: str | None
-    started_at: float | None
-    active_at: float | None
-    finished_at: float | None
-    outcome: str | None
-    reported_ts: float | None
-    updated_at: float
-    cancel_sent: bool = False
-    rollback_sent: bool = False
-
-    def view(self) -> DeviceView:
-        return DeviceView(self.device, self.wave, self.state, self.retrying,
-                          self.command_id is not None, self.started_at, self.active_at,
-                          self.outcome, self.cancel_sent, self.rollback_sent)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class NewRollout:
-    """What `fleet rollout start` writes; the devices with their fleet and wave."""
-
-    id: str
-    name: str
-    version: str
-    selector: str
-    policy: Policy
-    devices: Mapping[str, tuple[str, int]]  # device -> (fleet, wave)
-
-
-class RolloutStore(Protocol):
-    """The rollout part of the store's interface (`store.FleetStore` includes it)."""
-
-    def create_rollout(self, new: NewRollout, now: float) -> RolloutRecord: ...
-
-    def set_rollout_state(self, rollout_id: str, to: str, allowed: frozenset[str], *,
-                          reason: str, now: float) -> RolloutRecord: ...
-
-    def rollout(self, rollout_id: str) -> RolloutRecord | None: ...
-
-    def rollouts(self, *, unsettled: bool = False, limit: int = 100
-                 ) -> list[RolloutRecord]: ...
-
-    def rollout_devices(self, rollout_id: str) -> list[DeviceRecord]: ...
-
-    def apply_plan(self, rollout_id: str, *, expect: str, state: str, wave: int,
-                   reason: str | None, settled: bool, timed_out: Sequence[str],
-                   skipped: Sequence[str], now: float) -> bool: ...
-
-    def next_command_seqs(self, streams: Sequence[str]) -> dict[str, int]: ...
-
-    def claim_commands(self, rollout_id: str, commands: Mapping[str, Mapping[str, Any]],
-                       now: float, *, require_state: str | None = None) -> list[str]: ...
-
-    def unpublished_commands(self, rollout_id: str) -> list[dict[str, Any]]: ...
-
-    def mark_published(self, command_ids: Sequence[str], now: float) -> None: ...
-
-
-def _rollout(row: Sequence[Any]) -> RolloutRecord:
-    (id_, name, version, selector, waves, abort_above, min_executed, soak_s, timeout_s,
-     rollback, state, live, settled, wave, waves_total, devices_total, reason,
-     wave_started_at, created_at, updated_at) = row
-    return RolloutRecord(id_, name, version, selector, waves, float(abort_above),
-                         int(min_executed), float(soak_s), float(timeout_s), bool(rollback),
-                         state, bool(live), bool(settled), int(wave), int(waves_total),
-                         int(devices_total), reason, wave_started_at, created_at, updated_at)
 
 
 def _retrying(state: str, body: Mapping[str, Any]) -> bool:
@@ -290,7 +180,7 @@ class RolloutQueries:
         with self._read() as db:
             rows = db.rows(f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE id = ?",
                            [rollout_id])
-        return _rollout(rows[0]) if rows else None
+        return rollout_from_row(rows[0]) if rows else None
 
     def rollouts(self, *, unsettled: bool = False, limit: int = 100) -> list[RolloutRecord]:
         """Newest first; `unsettled`: only those the engine still drives."""
@@ -298,7 +188,7 @@ class RolloutQueries:
         with self._read() as db:
             rows = db.rows(f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts {where}"
                            "ORDER BY created_at DESC, id LIMIT ?", [int(limit)])
-        return [_rollout(r) for r in rows]
+        return [rollout_from_row(r) for r in rows]
 
     def rollout_devices(self, rollout_id: str) -> list[DeviceRecord]:
         with self._read() as db:
@@ -339,6 +229,9 @@ class RolloutQueries:
                         "finished_at = COALESCE(finished_at, ?), updated_at = ? "
                         "WHERE rollout_id = ? AND device = ? AND outcome IS NULL",
                         [(outcome, why, now, now, rollout_id, d) for d in devices])
+            db.many("UPDATE rollout_commands SET withdrawn_at = ? WHERE rollout_id = ? AND "
+                    "device = ? AND type = 'rollout.start' AND published_at IS NULL",
+                    [(now, rollout_id, d) for d in skipped])
             return True
 
     def next_command_seqs(self, streams: Sequence[str]) -> dict[str, int]:
@@ -387,7 +280,8 @@ class RolloutQueries:
         with self._read() as db:
             rows = db.rows("SELECT c.body FROM rollout_commands r JOIN commands c "
                            "ON c.id = r.command_id WHERE r.rollout_id = ? AND "
-                           "r.published_at IS NULL ORDER BY r.recorded, c.seq", [rollout_id])
+                           "r.published_at IS NULL AND r.withdrawn_at IS NULL "
+                           "ORDER BY r.recorded, c.seq", [rollout_id])
         return [json.loads(r[0]) for r in rows]
 
     def mark_published(self, command_ids: Sequence[str], now: float) -> None:

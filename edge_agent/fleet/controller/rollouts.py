@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from edge_agent.errors import ServiceUnavailable
 from edge_agent.fleet.controller import commands
 from edge_agent.fleet.controller.metrics import ControllerMetrics
-from edge_agent.fleet.controller.rollout_sql import RolloutRecord
+from edge_agent.fleet.controller.rollout_records import RolloutRecord
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import FleetStore
 from edge_agent.fleet.controller.waves import RUNNING, Plan, decide

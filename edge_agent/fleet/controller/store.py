@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.controller.records import Acks, Inbound, Ranges
-from edge_agent.fleet.controller.rollout_sql import RolloutStore
+from edge_agent.fleet.controller.rollout_records import RolloutStore
 from edge_agent.fleet.controller.sql import SCHEMA, Exec, SQLStore
 
 if TYPE_CHECKING:

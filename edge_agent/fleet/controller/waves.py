@@ -327,7 +327,7 @@ class Plan:
     cancel: tuple[str, ...] = ()  # send rollout.cancel
     rollback: tuple[str, ...] = ()  # send rollout.rollback
     timed_out: tuple[str, ...] = ()  # mark TIMED_OUT
-    skipped: tuple[str, ...] = ()  # mark SKIPPED (never sent)
+    skipped: tuple[str, ...] = ()  # mark SKIPPED (never sent; an unpublished start withdrawn)
     settled: bool = False  # nothing left to do or to wait for
     waiting_for: str | None = None  # why the next wave has not started (status)
     counts: Mapping[str, int] = field(default_factory=dict)
@@ -368,10 +368,10 @@ def decide(state: str, wave: int, policy: Policy, devices: Sequence[DeviceView],
     cancel, rollback, skipped = _stops(state, policy, views, late)
     # Settled: the engine has nothing to send and no device to wait for. A device still
     # in flight keeps a stopped rollout open: its state may still call for a command.
-    in_flight = any(phase(d) == IN_FLIGHT for d in views)
+    after = [_with(d, outcome=SKIPPED) if d.device in skipped else d for d in views]
+    in_flight = any(phase(d) == IN_FLIGHT for d in after)
     settled = state not in LIVE and not (start or cancel or rollback or in_flight)
-    counts = tally(_with(d, outcome=SKIPPED) if d.device in skipped else d
-                   for d in views).counts
+    counts = tally(after).counts
     return Plan(state, wave, reason, tuple(start), tuple(cancel), tuple(rollback),
                 tuple(sorted(late)), tuple(skipped), settled, waiting_for, counts)
 
@@ -384,13 +384,15 @@ def _stops(state: str, policy: Policy, views: Sequence[DeviceView], late: set[st
     rollback: list[str] = []
     skipped: list[str] = []
     if state in (ABORTED, ROLLED_BACK):
-        skipped = [d.device for d in views if phase(d) == WAITING]
+        # Never sent, or recorded but never taken by the broker (it was away): withdrawn.
+        skipped = [d.device for d in views if phase(d) == WAITING or (
+            d.commanded and d.started_at is None and d.state == SENT)]
     if state == ABORTED:
         # Not yet switched: cancelled (a box refuses a cancel from ACTIVATING on; the
         # rollback below, or its gate, decides those).
         cancel += [d.device for d in views if d.commanded and d.state in BEFORE_SWITCH
                    and phase(d) == IN_FLIGHT and not d.cancel_sent
-                   and d.device not in late]
+                   and d.device not in late and d.device not in skipped]
         if policy.rollback_on_abort:
             rollback = [d.device for d in views if d.commanded and not d.rollback_sent
                         and (d.state == ACTIVE or d.state in SWITCHING)]
@@ -398,7 +400,7 @@ def _stops(state: str, policy: Policy, views: Sequence[DeviceView], late: set[st
         # Every box that may hold the release: ACTIVE ones switch back, switching ones
         # fail their gate, earlier ones cancel (the box's rollback decides by its state).
         rollback = [d.device for d in views if d.commanded and not d.rollback_sent
-                    and phase(d) in (IN_FLIGHT, SUCCEEDED)]
+                    and phase(d) in (IN_FLIGHT, SUCCEEDED) and d.device not in skipped]
     return cancel, rollback, skipped
 
 
