@@ -2,7 +2,7 @@
 
     fleet rollout start NAME@VERSION [--devices SELECTOR] --waves 1,10%,50%,100%
                         [--abort-above 10%] [--min-executed 3] [--soak 10m]
-                        [--device-timeout 1h] [--rollback-on-abort] [--id ID]
+                        [--device-timeout 2h] [--rollback-on-abort] [--id ID]
     fleet rollout status [ID] [--json]
     fleet rollout pause|resume|abort|rollback ID
 
@@ -51,9 +51,10 @@ def _when(ts: float | None) -> str:
 @click.option("--soak", default="0s", show_default=True, metavar="DURATION",
               help="How long a wave's devices stay ACTIVE before the next wave starts "
                    "(90s, 10m, 1h).")
-@click.option("--device-timeout", default="1h", show_default=True, metavar="DURATION",
+@click.option("--device-timeout", default="2h", show_default=True, metavar="DURATION",
               help="A device with no final state this long after its command was published "
-                   "counts as failed.")
+                   "counts as failed (longer than the boxes' maintenance window or "
+                   "defer_deadline_s).")
 @click.option("--rollback-on-abort", is_flag=True,
               help="On abort, also roll back the devices that switched already.")
 @click.option("--id", "rollout_id", help="The rollout's id (default: ro-<random>).")
@@ -143,8 +144,9 @@ def rollout_status(rollout_id: str | None, as_json: bool) -> None:
 
 def _show(r: dict[str, Any]) -> None:
     p = r["policy"]
+    why = (r["waiting_for"] or r["reason"]) if r["state"] == "RUNNING" else r["reason"]
     click.echo(f"rollout {r['id']}: {r['name']}@{r['version']}  {r['state']}  wave "
-               f"{r['wave']}/{r['waves_total']}  ({r['reason'] or 'no reason recorded'})")
+               f"{r['wave']}/{r['waves_total']}" + (f"  ({why})" if why else ""))
     click.echo(f"  devices {r['devices_total']} ({r['selector']}); waves {p['waves']}; "
                f"abort above {p['abort_above']} after {p['min_executed']} finished; soak "
                f"{p['soak']}; device timeout {p['device_timeout']}"

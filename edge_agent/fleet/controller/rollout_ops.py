@@ -33,10 +33,12 @@ from edge_agent.fleet.controller.store import FleetStore
 from edge_agent.fleet.controller.waves import (
     ABORTED,
     COMPLETED,
+    LIVE,
     PAUSED,
     RUNNING,
     Policy,
     assign_waves,
+    decide,
     device_counts,
     format_duration,
     phase,
@@ -131,6 +133,9 @@ def report(r: RolloutRecord, devices: list[DeviceRecord], now: float) -> dict[st
     recorded state and by phase, per wave, and every device."""
     views = [d.view() for d in devices]
     t = tally(views)
+    # What the engine waits for (its own decision, read only): "wave 2 soaking (540s left)".
+    waiting_for = decide(r.state, r.wave, r.policy(), views, now).waiting_for \
+        if r.state in LIVE else None
     waves = []
     for wave in range(1, r.waves_total + 1):
         mine = [v for v in views if v.wave == wave]
@@ -142,6 +147,7 @@ def report(r: RolloutRecord, devices: list[DeviceRecord], now: float) -> dict[st
                    "min_executed": r.min_executed, "soak": format_duration(r.soak_s),
                    "device_timeout": format_duration(r.device_timeout_s),
                    "rollback_on_abort": r.rollback_on_abort},
+        "waiting_for": waiting_for,
         "states": device_counts(views),
         "phases": dict(t.counts),
         "finished": t.finished,

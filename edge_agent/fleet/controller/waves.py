@@ -10,8 +10,10 @@ counts, and what the engine (`controller.rollouts`) must do next.
     --min-executed 3         …and at least this many devices have finished
     --soak 10m               a wave's ACTIVE devices must have been ACTIVE this long
                              before the next wave starts
-    --device-timeout 1h      a device with no final state this long after its
-                             rollout.start was published counts as failed (timed out)
+    --device-timeout 2h      a device with no final state this long after its
+                             rollout.start was published counts as failed (timed out);
+                             longer than a box's hold (its maintenance window, its
+                             defer_deadline_s, 1 h by default) or boxes time out waiting
 
 How a device counts (`phase`): ACTIVE succeeded; ROLLED_BACK, REJECTED, FAILED once the
 box gave up retrying, REFUSED (the box refused rollout.start) and timed out failed;
@@ -186,7 +188,7 @@ class Policy:
     abort_above: float = 0.10  # a share of finished devices, 0..1
     min_executed: int = 1
     soak_s: float = 0.0
-    device_timeout_s: float = 3600.0
+    device_timeout_s: float = 7200.0
     rollback_on_abort: bool = False
 
     def __post_init__(self) -> None:
