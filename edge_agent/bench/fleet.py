@@ -265,7 +265,22 @@ def run_fleet_bench(state_dir: Path, model: str | None, *, devices: list[int],
     """Every figure of `bench fleet`; `model` None skips the serving figure."""
     limit = raise_nofile()
     # Thousands of simulated devices would log each reconnect: the figures say it all.
-    logging.getLogger("edge_agent.fleet").setLevel(logging.ERROR)
+    quiet = logging.getLogger("edge_agent.fleet")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return _run(state_dir, model, devices=devices, interval_s=interval_s,
+                    duration_s=duration_s, broker_restart=broker_restart, runs=runs,
+                    messages=messages, requests=requests, idle_s=idle_s, threads=threads,
+                    context=context, limit=limit, echo=echo)
+    finally:
+        quiet.setLevel(level)
+
+
+def _run(state_dir: Path, model: str | None, *, devices: list[int], interval_s: float,
+         duration_s: float, broker_restart: bool, runs: int, messages: int, requests: int,
+         idle_s: float, threads: int, context: int, limit: int, echo: Echo
+         ) -> dict[str, Any]:
     cpus = psutil.cpu_count()
     echo(f"edge-agent bench fleet: {cpus} CPUs, "
          f"{psutil.virtual_memory().total / 2**30:.0f} GiB, descriptors {limit:,}")
