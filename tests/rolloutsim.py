@@ -1,10 +1,15 @@
-"""Scripted boxes for the controller's rollout tests: each a real MQTT client of its own
-(its device user, a persistent session, its birth and death), taking signed rollout.*
-commands and answering them the way a box does on the wire — a `cmd/result` and every
-state transition as `rollout` audit envelopes — with an outcome chosen by the test.
+"""Scripted boxes for the controller's rollout tests: how a box answers rollout.start,
+rollout.cancel and rollout.rollback (`BoxRollouts`: a `cmd/result` and every state
+transition as `rollout` audit messages, with an outcome chosen by the test), on two
+transports:
 
-A stand-in for the fleet simulator (`fleet.simulate`, not on this branch yet): what it
-scripts is only what the controller can see. Outcomes:
+    LinkFleet   the fleet simulator (`fleet.simulate`): the agent's own link code per
+                device on one selector loop — its command gate checks signature, seq and
+                expiry, its outbox waits for the controller's acks. The 100-box tests.
+    SimFleet    a paho client per box (`SimBox`) with a persistent session the broker
+                keeps while the box is offline: the offline and restart scenarios.
+
+Outcomes:
 
     active        RECEIVED … GATING → ACTIVE
     slow          the same, each step five times slower
@@ -26,8 +31,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +40,12 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from edge_agent.fleet.commands import Command
+from edge_agent.fleet.envelope import AUDIT
 from edge_agent.fleet.refusals import CommandRefused
 from edge_agent.fleet.signing import load_public, verify
+from edge_agent.fleet.simdevice import SimDevice
+from edge_agent.fleet.simulate import SimOptions, Simulator
 from tests.brokers import FLEET, Mosquitto
 
 PATH = ("RECEIVED", "DOWNLOADING", "VERIFYING", "STAGED", "ACTIVATING", "GATING")
@@ -80,39 +88,140 @@ class Scheduler:
         self._thread.join(5)
 
 
-@dataclass
-class SimBox:
-    """One scripted box. `commands`: (monotonic time, type, args) of every command run;
-    `states`: (monotonic time, rollout id, state) of every transition reported."""
+class BoxRollouts:
+    """One box's rollout behaviour, apart from how it talks: `emit(kind, body)` sends an
+    audit message, `later(delay_s, fn)` runs a step later. `commands`: (monotonic time,
+    type, args) of every rollout command run; `states`: (monotonic time, rollout id,
+    state) of every transition reported."""
 
-    device: str
-    broker: Mosquitto
-    public_key: Path
-    sched: Scheduler
-    outcome: str = "active"
-    step_s: float = 0.05
-    commands: list[tuple[float, str, dict[str, Any]]] = field(default_factory=list)
-    states: list[tuple[float, str, str]] = field(default_factory=list)
+    def __init__(self, outcome: str, step_s: float, emit: Callable[[str, dict[str, Any]], Any],
+                 later: Callable[[float, Callable[[], None]], None]) -> None:
+        self.outcome = outcome
+        self.step_s = step_s * (5 if outcome == "slow" else 1)
+        self.emit = emit
+        self.later = later
+        self.commands: list[tuple[float, str, dict[str, Any]]] = []
+        self.states: list[tuple[float, str, str]] = []
+        self.rollouts: dict[str, str] = {}  # rollout id -> state
+        self.aborts: set[str] = set()  # rollouts asked to roll back while switching
+        self.lock = threading.RLock()
 
-    def __post_init__(self) -> None:
+    def command(self, type_: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        """The command's result (status ok), or None where a silent box says nothing."""
+        self.commands.append((time.monotonic(), type_, dict(args)))
+        rid = str(args.get("rollout_id"))
+        if type_ == "rollout.start":
+            return self._start(rid)
+        if type_ == "rollout.cancel":
+            return self._cancel(rid)
+        if type_ == "rollout.rollback":
+            return self._rollback(rid)
+        return None
+
+    def _start(self, rid: str) -> dict[str, Any] | None:
+        if self.outcome == "silent":
+            return None
+        if self.outcome == "busy":
+            self.emit("rollout", {"event": "rollout.refused", "accepted": False,
+                                  "refused": "busy", "rollout_id": rid,
+                                  "live": {"rollout_id": "older", "state": "STAGED"}})
+            return {"accepted": False, "refused": "busy"}
+        self._move(rid, "RECEIVED")
+        if self.outcome == "rejected":
+            self._chain(rid, [("REJECTED", "agent_too_old", {})])
+        elif self.outcome == "failed":
+            self._chain(rid, [("DOWNLOADING", None, {}),
+                              ("FAILED", "unreachable", {"failures": 1, "limit": 2}),
+                              ("RECEIVED", "retry 2", {}), ("DOWNLOADING", None, {}),
+                              ("FAILED", "unreachable", {"failures": 2, "limit": 2})])
+        else:
+            end = ("ROLLED_BACK", "gate check prompt:hello:contains failed") \
+                if self.outcome == "rolled_back" else ("ACTIVE", None)
+            self._chain(rid, [(s, None, {}) for s in PATH[1:]] + [(end[0], end[1], {})])
+        return {"accepted": True, "rollout_id": rid}
+
+    def _chain(self, rid: str, steps: list[tuple[str, str | None, dict[str, Any]]]) -> None:
+        if not steps:
+            return
+        (state, reason, details), rest = steps[0], steps[1:]
+
+        def step() -> None:
+            with self.lock:
+                current = self.rollouts.get(rid)
+                if current in FINAL:
+                    return  # cancelled or rolled back meanwhile
+                if rid in self.aborts and current in ("ACTIVATING", "GATING"):
+                    self._move(rid, "ROLLED_BACK", "gate check rollback_requested failed")
+                    return
+                self._move(rid, state, reason, details)
+            self._chain(rid, rest)
+
+        self.later(self.step_s, step)
+
+    def _move(self, rid: str, to: str, reason: str | None = None,
+              details: dict[str, Any] | None = None) -> None:
+        with self.lock:
+            was = self.rollouts.get(rid)
+            self.rollouts[rid] = to
+            self.states.append((time.monotonic(), rid, to))
+        self.emit("rollout", {"event": "rollout.transition", "from": was, "to": to,
+                              "rollout_id": rid, "name": "sim", "version": "2", "state": to,
+                              "reason": reason, "details": details or {}})
+
+    def _cancel(self, rid: str) -> dict[str, Any]:
+        with self.lock:
+            state = self.rollouts.get(rid)
+            if state in BEFORE_SWITCH:
+                self._move(rid, "CANCELLED", "cancel requested")
+                return {"accepted": True}
+        return {"accepted": False, "refused": (
+            "activating" if state in ("ACTIVATING", "GATING") else "unknown")}
+
+    def _rollback(self, rid: str) -> dict[str, Any]:
+        with self.lock:
+            state = self.rollouts.get(rid)
+            if state == "ACTIVE":
+                self._move(rid, "ROLLED_BACK", "rollback requested")
+            elif state in ("ACTIVATING", "GATING"):
+                self.aborts.add(rid)
+            elif state in BEFORE_SWITCH:
+                self._move(rid, "CANCELLED", "cancel requested")
+        return {"accepted": state is not None}
+
+    # -- what the test reads --------------------------------------------------------------
+    def got(self, type_: str) -> list[float]:
+        return [t for t, kind, _ in list(self.commands) if kind == type_]
+
+    def state(self, rid: str) -> str | None:
+        with self.lock:
+            return self.rollouts.get(rid)
+
+    def reached(self, rid: str, state: str) -> float | None:
+        return next((t for t, r, s in list(self.states) if r == rid and s == state), None)
+
+
+class SimBox(BoxRollouts):
+    """A scripted box with an MQTT client of its own (paho's thread), whose session the
+    broker keeps while it is offline: the offline and restart scenarios."""
+
+    def __init__(self, device: str, broker: Mosquitto, public_key: Path, sched: Scheduler,
+                 outcome: str = "active", step_s: float = 0.05) -> None:
+        super().__init__(outcome, step_s, self._emit, sched.at)
+        self.device, self.broker = device, broker
         self.boot_id = uuid.uuid4().hex
         self.seq = 0
         self.bdseq = 0
-        self.key = load_public(self.public_key)
-        self.rollouts: dict[str, str] = {}  # rollout id -> state
-        self.aborts: set[str] = set()  # rollouts asked to roll back while switching
+        self.key = load_public(public_key)
         self.seen: set[str] = set()
-        self.lock = threading.RLock()
         self.connected = threading.Event()
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"sim-{self.device}",
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"sim-{device}",
                                   protocol=mqtt.MQTTv5)
-        self.client.username_pw_set(self.device, self.broker.password(self.device))
+        self.client.username_pw_set(device, broker.password(device))
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         self.client.on_disconnect = lambda *a: self.connected.clear()
         self.first = True
 
-    # -- the link -----------------------------------------------------------------------------
     def _status(self, type_: str) -> bytes:
         return json.dumps({"v": 1, "type": type_, "device": self.device, "fleet": FLEET,
                            "boot_id": self.boot_id, "bdseq": self.bdseq, "ts": time.time(),
@@ -148,6 +257,10 @@ class SimBox:
         self.client.loop_stop()
         self.connected.clear()
 
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
     def _topic(self, kind: str) -> str:
         return f"edge/v1/{FLEET}/{self.device}/{kind}"
 
@@ -159,7 +272,6 @@ class SimBox:
                    "body": {**body, "ts": time.time()}}
         self.client.publish(self._topic(kind), json.dumps(env).encode(), qos=1)
 
-    # -- commands -------------------------------------------------------------------------------
     def _on_message(self, client: mqtt.Client, userdata: Any, message: Any) -> None:
         command = json.loads(message.payload)
         with self.lock:
@@ -171,114 +283,18 @@ class SimBox:
             if command["expires_at"] < time.time():
                 raise CommandRefused("expired", "expired")
         except CommandRefused as exc:
-            self._result(command, "refused", exc.reason, None)
+            self._emit("cmd/result", {"id": command["id"], "type": command["type"],
+                                      "status": "refused", "reason": exc.reason,
+                                      "result": None})
             return
-        args = command.get("args", {})
-        self.commands.append((time.monotonic(), command["type"], args))
-        handler = {"rollout.start": self._start, "rollout.cancel": self._cancel,
-                   "rollout.rollback": self._rollback}.get(command["type"])
-        if handler is not None:
-            handler(command, str(args.get("rollout_id")))
-
-    def _result(self, command: dict[str, Any], status: str, reason: str | None,
-                result: dict[str, Any] | None) -> None:
-        self._emit("cmd/result", {"id": command["id"], "type": command["type"],
-                                  "status": status, "reason": reason, "result": result})
-
-    def _start(self, command: dict[str, Any], rid: str) -> None:
-        if self.outcome == "silent":
-            return
-        if self.outcome == "busy":
-            self._emit("rollout", {"event": "rollout.refused", "accepted": False,
-                                   "refused": "busy", "rollout_id": rid,
-                                   "live": {"rollout_id": "older", "state": "STAGED"}})
-            self._result(command, "ok", None, {"accepted": False, "refused": "busy"})
-            return
-        self._move(rid, "RECEIVED")
-        self._result(command, "ok", None, {"accepted": True, "rollout_id": rid})
-        if self.outcome == "rejected":
-            self.sched.at(self.step_s, lambda: self._move(rid, "REJECTED", "agent_too_old"))
-            return
-        path = list(PATH[1:])
-        if self.outcome == "failed":
-            steps: list[tuple[str, str | None, dict[str, Any]]] = [
-                ("DOWNLOADING", None, {}), ("FAILED", "unreachable",
-                                            {"failures": 1, "limit": 2}),
-                ("RECEIVED", "retry 2", {}), ("DOWNLOADING", None, {}),
-                ("FAILED", "unreachable", {"failures": 2, "limit": 2})]
-        else:
-            end = ("ROLLED_BACK", "gate check prompt:hello:contains failed") \
-                if self.outcome == "rolled_back" else ("ACTIVE", None)
-            steps = [(s, None, {}) for s in path] + [(end[0], end[1], {})]
-        self._chain(rid, steps)
-
-    def _chain(self, rid: str, steps: list[tuple[str, str | None, dict[str, Any]]]) -> None:
-        if not steps:
-            return
-        (state, reason, details), rest = steps[0], steps[1:]
-
-        def step() -> None:
-            with self.lock:
-                current = self.rollouts.get(rid)
-                if current in FINAL:
-                    return  # cancelled or rolled back meanwhile
-                if rid in self.aborts and current in ("ACTIVATING", "GATING"):
-                    self._move(rid, "ROLLED_BACK", "gate check rollback_requested failed")
-                    return
-                self._move(rid, state, reason, details)
-            self._chain(rid, rest)
-
-        self.sched.at(self.step_s * (5 if self.outcome == "slow" else 1), step)
-
-    def _move(self, rid: str, to: str, reason: str | None = None,
-              details: dict[str, Any] | None = None) -> None:
-        with self.lock:
-            was = self.rollouts.get(rid)
-            self.rollouts[rid] = to
-            self.states.append((time.monotonic(), rid, to))
-        self._emit("rollout", {"event": "rollout.transition", "from": was, "to": to,
-                               "rollout_id": rid, "name": "sim", "version": "2",
-                               "state": to, "reason": reason, "details": details or {}})
-
-    def _cancel(self, command: dict[str, Any], rid: str) -> None:
-        with self.lock:
-            state = self.rollouts.get(rid)
-            if state in BEFORE_SWITCH:
-                self._move(rid, "CANCELLED", "cancel requested")
-                self._result(command, "ok", None, {"accepted": True})
-                return
-        self._result(command, "ok", None, {"accepted": False, "refused": (
-            "activating" if state in ("ACTIVATING", "GATING") else "unknown")})
-
-    def _rollback(self, command: dict[str, Any], rid: str) -> None:
-        with self.lock:
-            state = self.rollouts.get(rid)
-            if state == "ACTIVE":
-                self._move(rid, "ROLLED_BACK", "rollback requested")
-            elif state in ("ACTIVATING", "GATING"):
-                self.aborts.add(rid)
-            elif state in BEFORE_SWITCH:
-                self._move(rid, "CANCELLED", "cancel requested")
-        self._result(command, "ok", None, {"accepted": state is not None})
-
-    # -- what the test reads --------------------------------------------------------------
-    def got(self, type_: str) -> list[float]:
-        return [t for t, kind, _ in list(self.commands) if kind == type_]
-
-    def state(self, rid: str) -> str | None:
-        with self.lock:
-            return self.rollouts.get(rid)
-
-    def reached(self, rid: str, state: str) -> float | None:
-        return next((t for t, r, s in list(self.states) if r == rid and s == state), None)
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
+        result = self.command(command["type"], command.get("args", {}))
+        if result is not None:
+            self._emit("cmd/result", {"id": command["id"], "type": command["type"],
+                                      "status": "ok", "reason": None, "result": result})
 
 
 class SimFleet:
-    """Boxes `<prefix>-000` …, connected in parallel; `outcomes` by device, else active."""
+    """`SimBox`es `sim-000` …, each connected once (so each has its broker session)."""
 
     def __init__(self, broker: Mosquitto, public_key: Path, devices: Iterable[str], *,
                  outcomes: dict[str, str] | None = None, step_s: float = 0.05) -> None:
@@ -287,11 +303,8 @@ class SimFleet:
                                 (outcomes or {}).get(d, "active"), step_s) for d in devices}
 
     def connect(self) -> SimFleet:
-        threads = [threading.Thread(target=b.connect) for b in self.boxes.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for box in self.boxes.values():
+            box.connect()
         return self
 
     def close(self) -> None:
@@ -300,4 +313,44 @@ class SimFleet:
         self.sched.stop()
 
     def __getitem__(self, device: str) -> SimBox:
+        return self.boxes[device]
+
+
+class LinkFleet:
+    """The fleet simulator (`fleet.simulate`: the agent's own link code per device — its
+    command gate, outbox and acks — on one selector loop), each device's rollout commands
+    scripted by a `BoxRollouts`. A silent box's gate still answers its command (accepted);
+    the box then never reports."""
+
+    def __init__(self, broker: Mosquitto, public_key: Path, devices: Iterable[str],
+                 root: Path, *, outcomes: dict[str, str] | None = None,
+                 step_s: float = 0.05) -> None:
+        names = list(devices)
+        self.sim = Simulator(broker.url, fleet=FLEET, devices=names,
+                             password_file=broker.password_file, root=root,
+                             script=self._script, public_key=load_public(public_key),
+                             options=SimOptions(reconnect_min_s=0.2, reconnect_max_s=1.0,
+                                                sweep_s=2.0, stop_wait_s=3.0))
+        self.boxes = {d: BoxRollouts((outcomes or {}).get(d, "active"), step_s,
+                                     self._emitter(self.sim.devices[d]), self.sim.call_later)
+                      for d in names}
+
+    @staticmethod
+    def _emitter(device: SimDevice) -> Callable[[str, dict[str, Any]], Any]:
+        return lambda kind, body: device.emit(kind, AUDIT, {**body, "ts": time.time()})
+
+    def _script(self, device: SimDevice, command: Command) -> Mapping[str, Any]:
+        result = self.boxes[device.device].command(command.type, command.args)
+        return result if result is not None else {"accepted": True}
+
+    def connect(self, timeout: float = 60.0) -> LinkFleet:
+        self.sim.start()
+        if not self.sim.wait_connected(timeout):
+            raise TimeoutError(f"{self.sim.connected()} of {len(self.boxes)} connected")
+        return self
+
+    def close(self) -> None:
+        self.sim.stop()
+
+    def __getitem__(self, device: str) -> BoxRollouts:
         return self.boxes[device]

@@ -1,10 +1,13 @@
 """Rollouts in waves, driven by the real controller: `fleet serve` as a subprocess with its
 rollout engine, a real Mosquitto, a signed release repository, `fleet rollout …` through
-the CLI, and scripted boxes (`tests.rolloutsim`: a client each, answering on the wire as
-a box does). A 4-wave rollout over 100 boxes with 20% failures aborts inside the wave
-where the threshold is crossed; a clean one completes wave after soaked wave; the
-operator pauses, resumes, aborts with rollbacks; boxes offline at their wave get the
-rollout on reconnecting, a silent one times out, and a restarted controller carries on.
+the CLI, and scripted boxes (`tests.rolloutsim`): the fleet simulator's (the agent's own
+link code per box, on one selector loop) for the 100-box rollouts, a paho client each
+where a box must go offline with its broker session kept.
+
+A 4-wave rollout over 100 boxes with 20% failures aborts inside the wave where the
+threshold is crossed; a clean one completes wave after soaked wave; the operator pauses,
+resumes, aborts with rollbacks; boxes offline at their wave get the rollout on
+reconnecting, a silent one times out, and a restarted controller carries on.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from tests.conftest import free_port
 from tests.fleetkit import wait_until
 from tests.ggufgen import write_tiny_gguf
 from tests.releasekit import make_repo
-from tests.rolloutsim import SimFleet
+from tests.rolloutsim import LinkFleet, SimFleet
 
 pytestmark = [pytest.mark.broker]
 
@@ -148,19 +151,32 @@ def central_for(mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path
         assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
 
 
-def fleet_of(central: Central, outcomes: dict[str, str] | None = None,
-             step_s: float = 0.05, offline: tuple[str, ...] = ()) -> SimFleet:
-    sim = SimFleet(central.broker, central.public_key, central.devices, outcomes=outcomes,
-                   step_s=step_s)
-    for box in sim.boxes.values():  # every box once, so each has its broker session
-        box.connect()
-    for device in offline:
-        sim[device].disconnect()
+def _all_known(central: Central) -> None:
     store = SQLiteStore(central.state / "controller.db")
     try:
-        assert wait_until(lambda: len(store.devices()) == len(central.devices), 30, 0.2)
+        assert wait_until(lambda: len(store.devices()) == len(central.devices), 60, 0.2)
     finally:
         store.close()
+
+
+def link_fleet(central: Central, outcomes: dict[str, str] | None = None,
+               step_s: float = 0.05) -> LinkFleet:
+    """The fleet simulator's boxes (the link's own code), connected and known."""
+    sim = LinkFleet(central.broker, central.public_key, central.devices,
+                    central.state.parent / "sim", outcomes=outcomes, step_s=step_s)
+    sim.connect()
+    _all_known(central)
+    return sim
+
+
+def wire_fleet(central: Central, outcomes: dict[str, str] | None = None,
+               offline: tuple[str, ...] = ()) -> SimFleet:
+    """Boxes with a paho client each (their sessions kept while offline)."""
+    sim = SimFleet(central.broker, central.public_key, central.devices, outcomes=outcomes)
+    sim.connect()
+    for device in offline:
+        sim[device].disconnect()
+    _all_known(central)
     return sim
 
 
@@ -195,7 +211,7 @@ def test_a_fifth_failing_aborts_inside_the_wave_that_crosses_the_threshold(
     kinds = cycle(["rolled_back", "rejected", "failed", "busy"])
     failing = {d: next(kinds) for d in waves[3][:8] + waves[4][:12]}
     outcomes = {**dict.fromkeys(waves[3], "slow"), **failing}
-    sim = fleet_of(central, outcomes)
+    sim = link_fleet(central, outcomes)
     try:
         central.cli("start", f"{NAME}@2", "--id", rid, "--waves", WAVES, "--abort-above",
                     "10%", "--min-executed", "3", "--soak", "1s", "--device-timeout", "2m")
@@ -232,7 +248,7 @@ def test_a_clean_rollout_completes_wave_after_soaked_wave_then_rolls_back(
     central = central_for(100)
     rid, soak = "r-clean", 1.0
     waves = waves_of(rid, central.devices, WAVES)
-    sim = fleet_of(central)
+    sim = link_fleet(central)
     try:
         cpu0, t0, wall0 = central.serve.cpu_s(), time.time(), time.monotonic()
         central.cli("start", f"{NAME}@2", "--id", rid, "--waves", WAVES, "--soak", "1s")
@@ -270,7 +286,7 @@ def test_pause_holds_the_next_wave_resume_goes_on_abort_rolls_back(
     rid, spec = "r-ops", "2,50%,100%"
     waves = waves_of(rid, central.devices, spec)
     assert [len(waves[w]) for w in (1, 2, 3)] == [2, 4, 6]
-    sim = fleet_of(central, dict.fromkeys(waves[3], "slow"), step_s=0.1)
+    sim = link_fleet(central, dict.fromkeys(waves[3], "slow"), step_s=0.1)
     try:
         central.cli("start", f"{NAME}@2", "--id", rid, "--waves", spec,
                     "--rollback-on-abort")
@@ -305,7 +321,7 @@ def test_offline_boxes_get_it_on_reconnect_a_silent_one_times_out_a_restart_carr
     rid, spec = "r-offline", "1,100%"
     waves = waves_of(rid, central.devices, spec)
     offline, silent = waves[2][0], waves[2][1]
-    sim = fleet_of(central, {silent: "silent"}, offline=(offline,))
+    sim = wire_fleet(central, {silent: "silent"}, offline=(offline,))
     try:
         central.cli("start", f"{NAME}@2", "--id", rid, "--waves", spec, "--soak", "3s",
                     "--device-timeout", "6s", "--abort-above", "50%")
