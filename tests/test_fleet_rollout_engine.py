@@ -111,7 +111,7 @@ def test_the_engine_signs_records_publishes_and_follows_reports(
     for device in first:
         tell(store, device, "r1", "RECEIVED", "DOWNLOADING", "ACTIVE", ts=clock())
     clock.now += 10
-    assert eng.tick()["r1"].waiting_for == "wave 1 soaking (20s left)"
+    assert eng.tick()["r1"].waiting_for == "wave 1 soaking, 20s left"
     clock.now += 25
     assert eng.tick()["r1"].wave == 2 and len(sent.sent) == 10
     for device in (c["device"] for c in sent.sent[2:]):

@@ -185,7 +185,7 @@ def test_the_next_wave_waits_for_every_device_and_the_soak() -> None:
     views[1] = replace(views[1], state=ACTIVE, active_at=150.0)
     plan = decide(RUNNING, 1, policy, views, now=200.0)
     assert (plan.wave, plan.start) == (1, ())
-    assert plan.waiting_for == "wave 1 soaking (10s left)"
+    assert plan.waiting_for == "wave 1 soaking, 10s left"
     plan = decide(RUNNING, 1, policy, views, now=210.0)
     assert (plan.wave, plan.start) == (2, ("w2-0", "w2-1", "w2-2"))
 

@@ -133,7 +133,7 @@ def report(r: RolloutRecord, devices: list[DeviceRecord], now: float) -> dict[st
     recorded state and by phase, per wave, and every device."""
     views = [d.view() for d in devices]
     t = tally(views)
-    # What the engine waits for (its own decision, read only): "wave 2 soaking (540s left)".
+    # What the engine waits for (its own decision, read only): "wave 2 soaking, 540s left".
     waiting_for = decide(r.state, r.wave, r.policy(), views, now).waiting_for \
         if r.state in LIVE else None
     waves = []

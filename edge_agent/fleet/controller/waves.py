@@ -361,7 +361,7 @@ def decide(state: str, wave: int, policy: Policy, devices: Sequence[DeviceView],
                 if left <= 0:
                     wave += 1
                 else:
-                    waiting_for = f"wave {wave} soaking ({left:.0f}s left)"
+                    waiting_for = f"wave {wave} soaking, {left:.0f}s left"
         else:
             waiting_for = f"wave {wave} in progress"
         start = [d.device for d in views if d.wave <= wave and phase(d) == WAITING]
