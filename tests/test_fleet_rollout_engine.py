@@ -5,7 +5,7 @@ boxes' reports fed through the store's ingest as `fleet serve`'s would be."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from edge_agent.fleet.controller import rollout_ops
 from edge_agent.fleet.controller.records import Inbound
 from edge_agent.fleet.controller.rollouts import RolloutEngine
 from edge_agent.fleet.controller.settings import ControllerSettings
-from edge_agent.fleet.controller.store import SQLiteStore
+from edge_agent.fleet.controller.store import PostgresStore, SQLiteStore
 from edge_agent.fleet.controller.waves import Policy, parse_waves
 from edge_agent.fleet.signing import load_private, load_public, verify
 from tests.ggufgen import write_tiny_gguf
@@ -59,17 +59,35 @@ def repo(tmp_path: Path) -> Repo:
     return made
 
 
-@pytest.fixture
-def store(tmp_path: Path, repo: Repo) -> SQLiteStore:
-    made = SQLiteStore(tmp_path / "state" / "controller.db")
+def _fill(made: Any, state_dir: Path) -> Any:
+    """Eleven known devices; `state_dir` (where the release repository is) kept on it."""
     for i in range(10):
         made.birth("f1", f"d{i}", {"bdseq": 1, "boot_id": BOOT}, 1.0)
     made.birth("f2", "other", {"bdseq": 1, "boot_id": BOOT}, 1.0)
+    made.state_dir = state_dir
     return made
 
 
-def engine(store: SQLiteStore, repo: Repo, clock: Clock) -> tuple[RolloutEngine, Recorder]:
-    settings = ControllerSettings(state_dir=store.path.parent)
+@pytest.fixture
+def store(tmp_path: Path, repo: Repo) -> Iterator[SQLiteStore]:
+    made = _fill(SQLiteStore(tmp_path / "state" / "controller.db"), tmp_path / "state")
+    yield made
+    made.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path, repo: Repo) -> Iterator[Any]:
+    """The engine's tests on either database (the repository stays in the state dir)."""
+    if request.param == "sqlite":
+        made = SQLiteStore(tmp_path / "state" / "controller.db")
+    else:
+        made = PostgresStore(request.getfixturevalue("postgres_url"))
+    yield _fill(made, tmp_path / "state")
+    made.close()
+
+
+def engine(store: Any, repo: Repo, clock: Clock) -> tuple[RolloutEngine, Recorder]:
+    settings = ControllerSettings(state_dir=store.state_dir)
     recorder = Recorder()
     return RolloutEngine(settings, store, load_private(repo.keys.private("command")),
                          publisher=recorder, clock=clock, tick_s=0.1), recorder  # type: ignore[arg-type]
@@ -78,7 +96,7 @@ def engine(store: SQLiteStore, repo: Repo, clock: Clock) -> tuple[RolloutEngine,
 SEQ = iter(range(1, 10**6))
 
 
-def tell(store: SQLiteStore, device: str, rid: str, *states: str, ts: float) -> None:
+def tell(store: Any, device: str, rid: str, *states: str, ts: float) -> None:
     """What a box's outbox would deliver: its transitions for the rollout."""
     store.ingest([Inbound("f1", device, "rollout", BOOT, next(SEQ), "audit", ts + n / 100, {
         "event": "rollout.transition", "to": s, "rollout_id": rid, "ts": ts + n / 100},
@@ -86,12 +104,13 @@ def tell(store: SQLiteStore, device: str, rid: str, *states: str, ts: float) -> 
 
 
 def test_the_engine_signs_records_publishes_and_follows_reports(
-        store: SQLiteStore, repo: Repo) -> None:
+        any_store: Any, repo: Repo) -> None:
+    store = any_store
     clock = Clock()
     eng, sent = engine(store, repo, clock)
     policy = Policy(parse_waves("2,100%"), abort_above=0.5, min_executed=1, soak_s=30,
                     device_timeout_s=600)
-    r = rollout_ops.start(store, store.path.parent, f"{NAME}@2", "fleet:f1", policy,
+    r = rollout_ops.start(store, store.state_dir, f"{NAME}@2", "fleet:f1", policy,
                           now=clock(), rollout_id="r1")
     assert r.devices_total == 10 and r.waves_total == 2
     plans = eng.tick()
@@ -121,11 +140,12 @@ def test_the_engine_signs_records_publishes_and_follows_reports(
 
 
 def test_a_broker_away_holds_the_commands_back_never_the_decision(
-        store: SQLiteStore, repo: Repo) -> None:
+        any_store: Any, repo: Repo) -> None:
+    store = any_store
     clock = Clock()
     eng, sent = engine(store, repo, clock)
     policy = Policy(parse_waves("100%"), device_timeout_s=60)
-    rollout_ops.start(store, store.path.parent, f"{NAME}@2", "d1,d2,d3", policy, now=clock(),
+    rollout_ops.start(store, store.state_dir, f"{NAME}@2", "d1,d2,d3", policy, now=clock(),
                       rollout_id="r2")
     sent.away = True
     assert eng.tick() == {}  # recorded, not published
@@ -141,10 +161,11 @@ def test_a_broker_away_holds_the_commands_back_never_the_decision(
 
 
 def test_a_start_never_published_is_withdrawn_when_the_rollout_stops(
-        store: SQLiteStore, repo: Repo) -> None:
+        any_store: Any, repo: Repo) -> None:
+    store = any_store
     clock = Clock()
     eng, sent = engine(store, repo, clock)
-    rollout_ops.start(store, store.path.parent, f"{NAME}@2", "d1,d2", Policy(
+    rollout_ops.start(store, store.state_dir, f"{NAME}@2", "d1,d2", Policy(
         parse_waves("100%")), now=clock(), rollout_id="r4")
     sent.away = True
     eng.tick()
@@ -158,10 +179,10 @@ def test_a_start_never_published_is_withdrawn_when_the_rollout_stops(
 
 def test_without_a_key_rollouts_wait(store: SQLiteStore, repo: Repo,
                                      caplog: pytest.LogCaptureFixture) -> None:
-    settings = ControllerSettings(state_dir=store.path.parent)
+    settings = ControllerSettings(state_dir=store.state_dir)
     recorder = Recorder()
     eng = RolloutEngine(settings, store, None, publisher=recorder)  # type: ignore[arg-type]
-    rollout_ops.start(store, store.path.parent, f"{NAME}@2", "all",
+    rollout_ops.start(store, store.state_dir, f"{NAME}@2", "all",
                       Policy(parse_waves("100%")), now=1.0, rollout_id="r3")
     assert eng.tick() == {} and eng.tick() == {}
     assert recorder.sent == []
@@ -203,7 +224,7 @@ def cli(config: Path, *args: str, code: int = 0) -> str:
 def test_the_cli_writes_the_store_and_refuses_what_it_cannot_start(
         store: SQLiteStore, repo: Repo, tmp_path: Path) -> None:
     config = tmp_path / "controller.toml"
-    config.write_text(f'state_dir = "{store.path.parent}"\n'
+    config.write_text(f'state_dir = "{store.state_dir}"\n'
                       f'command_key_file = "{repo.keys.private("command")}"\n')
     out = cli(config, "start", f"{NAME}@2", "--devices", "fleet:f1", "--waves",
               "1,10%,50%,100%", "--soak", "10m", "--id", "c1")
