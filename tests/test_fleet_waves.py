@@ -255,6 +255,9 @@ def test_a_device_times_out_once_counted_failed_and_cancelled() -> None:
                        cancel_sent=True)
     plan = decide(RUNNING, 1, policy, views, now=200.0)
     assert plan.timed_out == () and plan.cancel == () and plan.counts["failed"] == 1
+    # Marked but its cancel never recorded (a crash in between): cancelled at the next pass.
+    views[2] = replace(views[2], state=STAGED, cancel_sent=False)
+    assert decide(RUNNING, 1, policy, views, now=200.0).cancel == ("w1-2",)
 
 
 def test_timeouts_can_abort() -> None:

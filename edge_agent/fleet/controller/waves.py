@@ -367,7 +367,7 @@ def decide(state: str, wave: int, policy: Policy, devices: Sequence[DeviceView],
         start = [d.device for d in views if d.wave <= wave and phase(d) == WAITING]
     elif state == PAUSED:
         waiting_for = "paused"
-    cancel, rollback, skipped = _stops(state, policy, views, late)
+    cancel, rollback, skipped = _stops(state, policy, views)
     # Settled: the engine has nothing to send and no device to wait for. A device still
     # in flight keeps a stopped rollout open: its state may still call for a command.
     after = [_with(d, outcome=SKIPPED) if d.device in skipped else d for d in views]
@@ -378,10 +378,12 @@ def decide(state: str, wave: int, policy: Policy, devices: Sequence[DeviceView],
                 tuple(sorted(late)), tuple(skipped), settled, waiting_for, counts)
 
 
-def _stops(state: str, policy: Policy, views: Sequence[DeviceView], late: set[str]
+def _stops(state: str, policy: Policy, views: Sequence[DeviceView]
            ) -> tuple[list[str], list[str], list[str]]:
-    """Cancels, rollbacks and skips: for a stopped rollout, and for late devices."""
-    cancel = [d.device for d in views if d.device in late and d.state in BEFORE_SWITCH
+    """Cancels, rollbacks and skips: for a stopped rollout, and for timed-out devices (so
+    a late box never switches; derived from the rows each pass, so a cancel a crash cut
+    off is sent at the next)."""
+    cancel = [d.device for d in views if d.outcome == TIMED_OUT and d.state in BEFORE_SWITCH
               and not d.cancel_sent]
     rollback: list[str] = []
     skipped: list[str] = []
@@ -394,7 +396,7 @@ def _stops(state: str, policy: Policy, views: Sequence[DeviceView], late: set[st
         # rollback below, or its gate, decides those).
         cancel += [d.device for d in views if d.commanded and d.state in BEFORE_SWITCH
                    and phase(d) == IN_FLIGHT and not d.cancel_sent
-                   and d.device not in late and d.device not in skipped]
+                   and d.device not in skipped]
         if policy.rollback_on_abort:
             rollback = [d.device for d in views if d.commanded and not d.rollback_sent
                         and (d.state == ACTIVE or d.state in SWITCHING)]
