@@ -161,16 +161,18 @@ class RolloutQueries:
                           reason: str, now: float) -> RolloutRecord:
         """The operator's pause/resume/abort/rollback: `to` from one of `allowed`;
         RolloutConflict otherwise. The running engine acts on it at its next tick."""
+        marks = ", ".join("?" for _ in allowed)
         with self._tx() as db:
-            rows = db.rows("SELECT state FROM rollouts WHERE id = ?", [rollout_id])
-            if not rows:
-                raise ModelNotFound(f"no rollout {rollout_id}")
-            if rows[0][0] not in allowed:
+            # Conditional on the state in the UPDATE itself: on PostgreSQL the engine may
+            # commit a decision between a SELECT and this statement.
+            if not db.run(f"UPDATE rollouts SET state = ?, live = ?, settled = 0, reason = ?, "
+                          f"updated_at = ? WHERE id = ? AND state IN ({marks})",
+                          [to, int(to in LIVE), reason, now, rollout_id, *sorted(allowed)]):
+                rows = db.rows("SELECT state FROM rollouts WHERE id = ?", [rollout_id])
+                if not rows:
+                    raise ModelNotFound(f"no rollout {rollout_id}")
                 raise RolloutConflict(f"rollout {rollout_id} is {rows[0][0]}: cannot go "
                                       f"{to} (from {', '.join(sorted(allowed))} only)")
-            db.run("UPDATE rollouts SET state = ?, live = ?, settled = 0, reason = ?, "
-                   "updated_at = ? WHERE id = ?",
-                   [to, int(to in LIVE), reason, now, rollout_id])
         found = self.rollout(rollout_id)
         assert found is not None
         return found
@@ -214,15 +216,15 @@ class RolloutQueries:
         """The engine's decision, only if the rollout is still in `expect` (an operator's
         command in between wins; the engine decides again at its next tick)."""
         with self._tx() as db:
-            rows = db.rows("SELECT state, wave, reason FROM rollouts WHERE id = ?", [rollout_id])
-            if not rows or rows[0][0] != expect:
+            # The state condition is in the UPDATE (a row lock on PostgreSQL), not only in
+            # a SELECT before it: an operator's command committed in between wins.
+            if not db.run("UPDATE rollouts SET state = ?, live = ?, settled = ?, "
+                          "reason = COALESCE(?, reason), updated_at = ?, "
+                          "wave_started_at = CASE WHEN wave <> ? THEN ? "
+                          "ELSE wave_started_at END, wave = ? WHERE id = ? AND state = ?",
+                          [state, int(state in LIVE), int(settled), reason, now, wave, now,
+                           wave, rollout_id, expect]):
                 return False
-            if wave != rows[0][1]:
-                db.run("UPDATE rollouts SET wave_started_at = ? WHERE id = ?", [now, rollout_id])
-            db.run("UPDATE rollouts SET state = ?, live = ?, wave = ?, settled = ?, "
-                   "reason = ?, updated_at = ? WHERE id = ?",
-                   [state, int(state in LIVE), wave, int(settled),
-                    reason if state != expect else (reason or rows[0][2]), now, rollout_id])
             for outcome, devices, why in (("timed_out", timed_out, "no final state in time"),
                                           ("skipped", skipped, "rollout stopped first")):
                 db.many("UPDATE rollout_devices SET outcome = ?, reason = COALESCE(reason, ?), "
@@ -253,10 +255,12 @@ class RolloutQueries:
         in `require_state`; a cancel or rollback at most once per device."""
         claimed: list[str] = []
         with self._tx() as db:
-            if require_state is not None:
-                rows = db.rows("SELECT state FROM rollouts WHERE id = ?", [rollout_id])
-                if not rows or rows[0][0] != require_state:
-                    return []
+            # A no-op UPDATE rather than a SELECT: it holds the row (PostgreSQL) until the
+            # commit, so a pause cannot slip in between the check and the claims.
+            if require_state is not None and not db.run(
+                    "UPDATE rollouts SET updated_at = updated_at WHERE id = ? AND state = ?",
+                    [rollout_id, require_state]):
+                return []
             for device, command in commands.items():
                 type_ = str(command["type"])
                 if type_ == "rollout.start":
