@@ -1,225 +1,53 @@
 """Real servers for the fleet tests: a private Mosquitto and a private PostgreSQL.
 
-`Mosquitto` runs the broker configuration `fleet broker-config` writes (passwd, acl,
-mosquitto.conf with persistence in its own temp dir), as the current user, on a free port,
-optionally with a TLS listener whose CA and server certificate are made here with
-`cryptography`. It can be killed with SIGKILL and started again on the same port and data
-dir (the outage tests). `Postgres` is `initdb` + `pg_ctl start` in a temp dir (unix socket
-there too, trust auth, no fsync); as root it runs as the `postgres` user, since PostgreSQL
-refuses to run as root.
+`Mosquitto` is the package's `edge_agent.fleet.testbed.Broker` (the bench runs it too): the
+broker configuration `fleet broker-config` writes (passwd, acl, mosquitto.conf with
+persistence in its own temp dir), as the current user, on a free port, optionally with a
+TLS listener whose CA and server certificate are made with `cryptography`. It can be killed
+with SIGKILL and started again on the same port and data dir (the outage tests).
+`Postgres` is `initdb` + `pg_ctl start` in a temp dir (unix socket there too, trust auth,
+no fsync); as root it runs as the `postgres` user, since PostgreSQL refuses to run as root.
 """
 
 from __future__ import annotations
 
-import datetime
 import glob
-import ipaddress
 import os
 import pwd
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge_agent.fleet.controller.broker import BrokerPlan, TLSFiles, write_broker_config
+from edge_agent.fleet.testbed import (
+    MOSQUITTO_PATHS,
+    Broker,
+    LocalCA,
+    find_mosquitto,
+    free_port,
+    make_tls,
+    wait_port,
+)
 
-MOSQUITTO_PATHS = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/usr/bin/mosquitto")
+__all__ = ["DEVICES", "FLEET", "MOSQUITTO_PATHS", "MQTTClient", "Mosquitto", "Postgres",
+           "TestCA", "find_mosquitto", "find_postgres_bin", "free_port", "make_tls",
+           "wait_port"]
+
 FLEET = "f1"
 DEVICES = ("store-a", "store-b", "store-c", "store-d")
+TestCA = LocalCA
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def find_mosquitto() -> str | None:
-    return shutil.which("mosquitto") or next(
-        (p for p in MOSQUITTO_PATHS if os.access(p, os.X_OK)), None)
-
-
-def wait_port(port: int, timeout: float, alive: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            if alive is not None and alive.poll() is not None:
-                raise RuntimeError(
-                    f"server exited ({alive.returncode}) before port {port} opened") from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nothing listens on port {port} after {timeout} s") from None
-            time.sleep(0.02)
-
-
-# -- TLS -----------------------------------------------------------------------------------
 
 @dataclass
-class TestCA:
-    ca_cert: Path
-    server_cert: Path
-    server_key: Path
+class Mosquitto(Broker):
+    """A private broker (`edge_agent.fleet.testbed.Broker`) for fleet `f1` and the test
+    devices unless told otherwise."""
 
-
-def make_tls(folder: Path, hostname: str = "localhost") -> TestCA:
-    """A CA and a server certificate for localhost / 127.0.0.1 signed by it (PEM files)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edge-agent test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname)]))
-            .issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([
-                x509.DNSName(hostname), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    out = TestCA(folder / "ca.pem", folder / "server.pem", folder / "server.key")
-    out.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    out.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    out.server_key.write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))
-    out.server_key.chmod(0o600)
-    return out
-
-
-# -- Mosquitto -----------------------------------------------------------------------------
-
-@dataclass
-class Mosquitto:
-    """A private broker; `start()`, `kill()` (SIGKILL), `start()` again: same port, same data."""
-
-    root: Path
     fleet: str = FLEET
     devices: tuple[str, ...] = DEVICES
-    controller_user: str = "controller"
-    tls: bool = False
-    passwd_tool: bool = True  # False: the password hashes edge-agent computes itself
-    port: int = field(default_factory=free_port)
-    tls_port: int = 0
-    ca: TestCA | None = None
-    proc: subprocess.Popen[bytes] | None = None
-
-    def __post_init__(self) -> None:
-        binary = find_mosquitto()
-        if binary is None:
-            raise RuntimeError("mosquitto is not installed")
-        self.binary = binary
-        self.out = self.root / "broker"
-        self.data = self.root / "data"
-        self.data.mkdir(parents=True, exist_ok=True)
-        self.started = False
-        if self.tls:
-            self.ca = make_tls(self.root / "tls")
-            self.tls_port = free_port()
-        self._configure()
-
-    def _configure(self) -> None:
-        tls = None if self.ca is None else TLSFiles(self.ca.server_cert, self.ca.server_key)
-        self.plan = BrokerPlan(
-            fleet=self.fleet, devices=self.devices, controller_user=self.controller_user,
-            port=self.port, tls=tls, tls_bind="127.0.0.1", tls_port=self.tls_port,
-            data_dir=self.data, autosave_interval=1)
-        self.files = write_broker_config(self.plan, self.out, use_tool=self.passwd_tool)
-        # The generated file as it is, plus what a test run needs: stay the current user
-        # (as root Mosquitto would switch to `mosquitto`, who cannot read a 0600 passwd)
-        # and a log to show when a test fails.
-        extra = [f"log_dest file {self.root / 'mosquitto.log'}", "log_type error",
-                 "log_type warning", "log_type notice"]
-        if os.geteuid() == 0:
-            extra.append(f"user {pwd.getpwuid(os.geteuid()).pw_name}")
-        self.conf = self.root / "test-mosquitto.conf"
-        self.conf.write_text(self.files.conf.read_text() + "\n" + "\n".join(extra) + "\n")
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
-
-    @property
-    def tls_url(self) -> str:
-        return f"mqtts://localhost:{self.tls_port}"
-
-    def password(self, user: str) -> str:
-        return self.files.credentials[user].read_text().strip()
-
-    def password_file(self, user: str) -> Path:
-        return self.files.credentials[user]
-
-    def log(self) -> str:
-        path = self.root / "mosquitto.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def start(self, timeout: float = 15.0) -> Mosquitto:
-        """Start (again, after `kill()`: same port, same data). A first start whose port
-        was taken meanwhile moves to free ports and rewrites the config."""
-        for attempt in range(5):
-            self.proc = subprocess.Popen([self.binary, "-c", str(self.conf)],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            try:
-                wait_port(self.port, timeout, self.proc)
-                if self.tls_port:
-                    wait_port(self.tls_port, timeout, self.proc)
-                # Someone else may be the one answering on the port: a broker that could
-                # not bind exits within milliseconds.
-                time.sleep(0.2)
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"mosquitto exited ({self.proc.returncode})")
-                self.started = True
-                return self
-            except RuntimeError as exc:
-                self.kill()
-                if self.started or "in use" not in self.log() or attempt == 4:
-                    raise RuntimeError(f"{exc}\n{self.log()}") from None
-                self.port, self.tls_port = free_port(), free_port() if self.tls_port else 0
-                self._configure()
-        return self
-
-    def kill(self) -> None:
-        """SIGKILL: no autosave at exit; what persistence wrote before is all there is."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.proc = None
 
 
 # -- PostgreSQL ----------------------------------------------------------------------------

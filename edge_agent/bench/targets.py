@@ -61,6 +61,14 @@ TARGETS: tuple[Target, ...] = (
     Target("governance.added_ttft_ms",
            "added per request: auth + scope + quota + redaction + ledger rows (median)",
            "<=", 1, "ms"),
+    # `edge-agent bench fleet`: the link and the controller on loopback, one machine.
+    Target("fleet.outbox_msgs_per_s",
+           "outbox to controller ack, {messages} msgs (median of {runs})", ">=", 5000, "/s"),
+    Target("fleet.ttft_ratio", "TTFT, link on / off (syncing every {sync_s:g} s)", "<=", 1.02),
+    Target("fleet.idle_core_percent", "idle link, share of one core over {seconds:g} s",
+           "<=", 0.5, "%"),
+    Target("fleet.lost", "{devices:,} devices: messages lost (broker restart: {restart})",
+           "<=", 0, ""),
 )
 
 BY_KEY: dict[str, Target] = {t.key: t for t in TARGETS}

@@ -1,4 +1,9 @@
-"""`edge-agent bench`."""
+"""`edge-agent bench` (the serving figures) and `edge-agent bench fleet` (the fleet link's).
+
+`bench` is a group that runs the serving bench when called without a subcommand, so
+`edge-agent bench --state-dir ./var …` (and `make bench`) work as they always did; its
+options go before a subcommand's name, the subcommand's after it.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,17 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str) -> list[int]
         raise BadUsage("--concurrency takes numbers like 1,4,8") from None
 
 
-@click.command()
+def _devices(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise BadUsage("--devices takes device counts like 1000 or 1000,10000")
+    return sizes
+
+
+@click.group(invoke_without_command=True)
 @common_options
 @click.option("--model", help="Model to measure (default: the configured default).")
 @click.option("--concurrency", "levels", default="1,4,8", show_default=True, callback=_levels,
@@ -26,9 +41,13 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str) -> list[int]
               help="Tokens per single-stream request.")
 @click.option("--no-peers", is_flag=True, help="Skip llama-cpp-python's server as a peer.")
 @json_option("Print the figures as JSON too.")
-def bench(model: str | None, levels: list[int], requests: int, max_tokens: int,
-          no_peers: bool, as_json: bool) -> None:
-    """Measure TTFT, TPOT and tokens/s against peers in one run; print the ratios."""
+@click.pass_context
+def bench(ctx: click.Context, model: str | None, levels: list[int], requests: int,
+          max_tokens: int, no_peers: bool, as_json: bool) -> None:
+    """Measure TTFT, TPOT and tokens/s against peers in one run; print the ratios.
+    `bench fleet` measures the fleet link and a simulated fleet instead."""
+    if ctx.invoked_subcommand is not None:
+        return
     from edge_agent.bench.run import run_bench
     from edge_agent.engine.runtime import default_threads
 
@@ -46,5 +65,59 @@ def bench(model: str | None, levels: list[int], requests: int, max_tokens: int,
                        threads=settings.runtime.threads or default_threads(),
                        context=settings.runtime.context_length, peers=not no_peers,
                        echo=click.echo)
+    if as_json:
+        echo_json(result)
+
+
+@bench.command("fleet")
+@common_options
+@click.option("--devices", "sizes", default="1000", show_default=True, callback=_devices,
+              help="Simulated devices; a comma-separated list runs each size in turn.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds between a simulated device's metrics messages.")
+@click.option("--duration", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Seconds each simulated fleet produces (after one warm-up interval).")
+@click.option("--broker-restart/--no-broker-restart", default=True, show_default=True,
+              help="Kill the broker (SIGKILL) halfway and start it again 5 s later.")
+@click.option("--model", help="Model of the serving figure (default: the configured default).")
+@click.option("--no-serving", is_flag=True, help="Skip the TTFT figure (needs the model).")
+@click.option("--runs", type=click.IntRange(1), default=3, show_default=True,
+              help="Outbox throughput runs (the median is judged).")
+@click.option("--messages", type=click.IntRange(1), default=20_000, show_default=True,
+              help="Messages per outbox throughput run.")
+@click.option("--requests", type=click.IntRange(1), default=15, show_default=True,
+              help="TTFT requests per server, link on and off.")
+@click.option("--idle", "idle_s", type=click.FloatRange(min=1), default=20.0,
+              show_default=True, help="Seconds the idle link's CPU is measured.")
+@json_option("Print the figures as JSON on stdout (the report goes to stderr).")
+def bench_fleet(sizes: list[int], interval: float, duration: float, broker_restart: bool,
+                model: str | None, no_serving: bool, runs: int, messages: int, requests: int,
+                idle_s: float, as_json: bool) -> None:
+    """Measure the fleet link (outbox throughput vs plain paho, TTFT with the link on vs
+    off, idle CPU) and a simulated fleet against a private broker and controller."""
+    from edge_agent.bench.fleet import run_fleet_bench
+    from edge_agent.engine.catalog import ModelStore
+    from edge_agent.engine.runtime import default_threads
+
+    settings = load()
+    name: str | None = None
+    if not no_serving:
+        name = model or settings.default_model
+        settings.state_dir.mkdir(parents=True, exist_ok=True)
+        store = ModelStore(settings.state_dir)
+        try:
+            if not store.is_installed(name):
+                store.pull(name)
+        finally:
+            store.close()
+
+    def echo(line: str) -> None:
+        click.echo(line, err=as_json)
+
+    result = run_fleet_bench(settings.state_dir, name, devices=sizes, interval_s=interval,
+                             duration_s=duration, broker_restart=broker_restart, runs=runs,
+                             messages=messages, requests=requests, idle_s=idle_s,
+                             threads=settings.runtime.threads or default_threads(),
+                             context=settings.runtime.context_length, echo=echo)
     if as_json:
         echo_json(result)

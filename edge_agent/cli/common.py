@@ -47,7 +47,9 @@ class BadUsage(Failure):
 
 
 def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
-    ctx.meta[f"edge_agent.{param.name}"] = value
+    # A subcommand's option left unset keeps its group's (`bench --state-dir X fleet`).
+    if value is not None or f"edge_agent.{param.name}" not in ctx.meta:
+        ctx.meta[f"edge_agent.{param.name}"] = value
     return value
 
 

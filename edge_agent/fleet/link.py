@@ -1,6 +1,7 @@
 """The fleet link as the server sees it: `start()`, `emit()` from any thread, `stop()`.
 This module owns the threads and the state files; the owner thread's loop is
-`fleet.owner`, one connection is `fleet.session`.
+`fleet.owner`, one connection is `fleet.session`, what every link shares (the simulator's
+devices too) is `fleet.core`.
 
 Threads:
 - `fleet-link` (the owner) runs `Owner.run`, a selector loop over its wake socket and the
@@ -32,66 +33,38 @@ import logging
 import queue
 import socket
 import threading
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from edge_agent.config import FleetSettings
-from edge_agent.fleet import birth, topics
-from edge_agent.fleet.commands import Command, CommandGate, Handler, Result, ping
-from edge_agent.fleet.envelope import AUDIT
+from edge_agent.fleet import birth
+from edge_agent.fleet.commands import Command, CommandGate, Handler
+from edge_agent.fleet.core import LinkCore, LinkOptions
 from edge_agent.fleet.outbox import Outbox, OutboxFull, OutboxStats
 from edge_agent.fleet.owner import Owner
 from edge_agent.fleet.signing import load_public
-from edge_agent.fleet.state import OK, FleetState
+from edge_agent.fleet.state import FleetState
 
+__all__ = ["Link", "LinkOptions"]
 log = logging.getLogger(__name__)
-# After these succeed the birth is sent again: its config fingerprint changed.
-REBIRTH_AFTER = frozenset({"config.patch"})
 
 
-@dataclass(frozen=True)
-class LinkOptions:
-    """Tunables that are not settings (tests and the bench change them)."""
-
-    window: int = 500  # QoS 1 messages awaiting their PUBACK (measured: see the notes)
-    batch: int = 500  # outbox rows read per query
-    ack_timeout_s: float = 60.0  # sent, not acknowledged by the controller: send again
-    connect_timeout_s: float = 5.0
-    connack_timeout_s: float = 10.0
-    session_expiry_s: int = 3600  # the broker keeps commands for a box offline this long
-    death_wait_s: float = 2.0  # a clean stop waits this long for the death's PUBACK
-    command_wait_s: float = 5.0  # a stop lets a running command finish this long
-    stable_s: float = 60.0  # a connection this old resets the backoff
-    max_early: int = 10_000  # emits held in memory before the outbox is open
-
-
-class Link:
+class Link(LinkCore):
     """Start with `start()`; `emit()` from any thread; `stop()` at shutdown."""
 
     def __init__(self, fleet: FleetSettings, state_dir: Path, *, facts: birth.Facts,
                  handlers: Mapping[str, Handler] | None = None,
                  options: LinkOptions | None = None, boot_id: str | None = None) -> None:
-        if fleet.fleet_id is None or fleet.device_id is None:
-            raise ValueError("the fleet link needs fleet.fleet_id and fleet.device_id")
-        self.fleet = fleet
-        self.fleet_id: str = fleet.fleet_id
-        self.device: str = fleet.device_id
+        super().__init__(fleet, facts=facts, handlers=handlers, options=options,
+                         boot_id=boot_id)
         self.state_dir = state_dir
-        self.options = options or LinkOptions()
-        self.boot_id = boot_id or uuid.uuid4().hex
-        self._facts = facts
-        self._handlers: dict[str, Handler] = {"ping": ping, "rebirth": self._rebirth_handler,
-                                              **(handlers or {})}
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._wake_flag = False
         self._lock = threading.Lock()  # the wake flag, early emits, closed
         self._stopping = threading.Event()
-        self._connected = threading.Event()
         self._thread: threading.Thread | None = None
         self._worker: threading.Thread | None = None
         self._work: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
@@ -100,11 +73,6 @@ class Link:
         self._gate: CommandGate | None = None
         self._early: list[tuple[str, str, dict[str, Any]]] = []
         self._closed = False
-        self._owner: Owner | None = None
-        self._rebirth = threading.Event()
-        self._logged: set[str] = set()
-        self._count_lock = threading.Lock()
-        self.counts: dict[str, int] = {}
 
     # -- the server's side: never raises --------------------------------------------------
 
@@ -161,29 +129,12 @@ class Link:
         self._wake()
         return True
 
-    def wait_connected(self, timeout: float) -> bool:
-        return self._connected.wait(timeout)
-
-    @property
-    def connected(self) -> bool:
-        return self._connected.is_set()
-
-    @property
-    def bdseq(self) -> int:
-        owner = self._owner
-        return owner.bdseq if owner is not None else 0
-
     def outbox_stats(self) -> OutboxStats | None:
         outbox = self._outbox
         try:
             return outbox.stats() if outbox is not None and not self._closed else None
         except Exception:
             return None
-
-    def request_rebirth(self) -> None:
-        """The birth is published again (same bdseq) as soon as the link is connected."""
-        self._rebirth.set()
-        self._wake()
 
     # -- the owner thread --------------------------------------------------------------------
 
@@ -192,7 +143,7 @@ class Link:
             owner = self._open()
             if owner is not None:
                 self._owner = owner
-                owner.run()
+                owner.run(self._wake_r, self._drain_wake, self._stopping)
         except Exception:
             log.exception("fleet: the link stopped on an error; the box serves without it")
         finally:
@@ -253,16 +204,10 @@ class Link:
                 self._count("errors")
                 log.exception("fleet: command %s (%s) could not run", command.id, command.type)
                 continue
-            self._emit_result(result)
-            if result.status == OK and result.type in REBIRTH_AFTER:
-                self.request_rebirth()
+            self._finished(result)
 
-    def _rebirth_handler(self, command: Command) -> dict[str, Any]:
-        self.request_rebirth()
-        return {"bdseq": self.bdseq}
-
-    def _emit_result(self, result: Result) -> None:
-        self.emit(topics.RESULT, AUDIT, result.body())
+    def _dispatch(self, command: Command) -> None:
+        self._work.put(command)
 
     def _finish_commands(self) -> None:
         """At stop: commands still queued stay stored without an outcome (they run at the
@@ -309,19 +254,3 @@ class Link:
                 pass
         except (BlockingIOError, OSError):
             pass
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._count_lock:
-            self.counts[name] = self.counts.get(name, 0) + n
-
-    def _forget_logged(self, prefixes: tuple[str, ...]) -> None:
-        """After a recovery: the same failure later is worth a warning again."""
-        self._logged = {k for k in self._logged if not k.startswith(prefixes)}
-
-    def _log_once(self, key: str, msg: str, *args: Any, exc_info: bool = False) -> None:
-        """Warns the first time; later repeats go to debug (a flapping link is one line)."""
-        if key in self._logged:
-            log.debug(msg, *args)
-            return
-        self._logged.add(key)
-        log.warning(msg, *args, exc_info=exc_info)

@@ -1,12 +1,16 @@
 """The loop of the link's owner thread: connect and reconnect, publish the outbox, take the
 controller's acks and the commands, birth and death.
 
-It runs on the `fleet-link` thread only, and is the only code that touches the outbox's
-file and receives commands. It waits on one selector: the link's wake socket (a producer
-emitted, a command finished, stop) and the session's socket. paho's callbacks fire inside
-`Session.pump()` and only queue `session.Event`s; this loop acts on them after, so nothing
-is committed inside a paho callback. Any one step that fails is logged once and counted,
-and the loop goes on: one bad message never ends the link.
+It runs on one thread only (the box's `fleet-link` thread), and is the only code that
+touches the outbox's file and receives commands. `run()` is the box's loop: one selector
+over the link's wake socket (a producer emitted, a command finished, stop) and the
+session's socket, then `turn()`. The simulator (`fleet.simulate`) drives many owners from
+one selector instead: it registers nothing for them, calls `connect()` when `due()` says
+and `turn()` when their socket is ready or their time has come; an owner registers only its
+own session's descriptor (with itself as the key's data) and removes only that one.
+paho's callbacks fire inside `Session.pump()` and only queue `session.Event`s; `turn()` acts
+on them after, so nothing is committed inside a paho callback. Any one step that fails is
+logged once and counted, and the loop goes on: one bad message never ends the link.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from __future__ import annotations
 import logging
 import random
 import selectors
+import socket
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.fleet import birth, topics
@@ -26,7 +33,7 @@ from edge_agent.fleet.session import Event, LinkError, Session, connack_error
 from edge_agent.fleet.state import FleetState
 
 if TYPE_CHECKING:
-    from edge_agent.fleet.link import Link
+    from edge_agent.fleet.core import LinkCore
 
 log = logging.getLogger(__name__)
 NO_SUBSCRIBERS = 0x10  # PUBACK reason: the broker had nobody to give the message to
@@ -38,16 +45,18 @@ def backoff_delay(attempt: int, min_s: float, max_s: float) -> float:
 
 
 class Owner:
-    def __init__(self, link: Link, outbox: Outbox, gate: CommandGate,
-                 state: FleetState) -> None:
+    def __init__(self, link: LinkCore, outbox: Outbox, gate: CommandGate,
+                 state: FleetState, sel: selectors.BaseSelector | None = None) -> None:
         self.link = link
         self.fleet = link.fleet
         self.options = link.options
         self.outbox = outbox
         self.gate = gate
         self.state = state
-        self.sel = selectors.DefaultSelector()
+        # Its own selector, or one shared by many owners (the simulator's).
+        self.sel = sel if sel is not None else selectors.DefaultSelector()
         self.session: Session | None = None
+        self._fd: int | None = None  # the descriptor this owner registered in `sel`
         self.inflight: dict[int, int] = {}  # mid -> outbox row id
         self.ready: deque[Row] = deque()  # marked sent, not yet handed to paho
         # At most this many QoS 1 messages without their PUBACK: our window, or less if the
@@ -63,58 +72,89 @@ class Owner:
         self.checked = self.forced = time.monotonic()
         self._status = topics.topic(link.fleet_id, link.device, topics.STATUS)
         self._ack = topics.topic(link.fleet_id, link.device, topics.ACK)
+        # The loop's own state: reconnect backoff, the CONNACK deadline, connection age.
+        self.attempt = 0
+        self.next_connect = time.monotonic()
+        self.connack_by = self.connected_at = 0.0
 
-    def run(self) -> None:
-        link, sel = self.link, self.sel
-        sel.register(link._wake_r, selectors.EVENT_READ)
-        attempt, next_connect = 0, time.monotonic()
-        connack_by = connected_at = 0.0
-        while not link._stopping.is_set():
-            now = time.monotonic()
-            session = self.session
-            if session is None and now >= next_connect:
-                session = self._connect()
-                connack_by = now + self.options.connack_timeout_s
-                if session is None:
-                    next_connect, attempt = self._backoff(attempt)
+    def run(self, wake: socket.socket, drain: Callable[[], None],
+            stopping: threading.Event) -> None:
+        """The box's loop, until `stopping`: `wake` is readable when a producer emitted
+        (`drain` empties it); then a clean stop (`_shutdown`)."""
+        sel = self.sel
+        sel.register(wake, selectors.EVENT_READ)
+        while not stopping.is_set():
+            if self.session is None and time.monotonic() >= self.next_connect:
+                if not self.connect():
                     continue
-            timeout = 1.0 if session is not None else min(1.0, max(0.0, next_connect - now))
             readable = writable = False
-            for key, mask in sel.select(timeout):
-                if key.fileobj is link._wake_r:
-                    link._drain_wake()
+            for key, mask in sel.select(self.timeout()):
+                if key.fileobj is wake:
+                    drain()
                 else:
                     readable |= bool(mask & selectors.EVENT_READ)
                     writable |= bool(mask & selectors.EVENT_WRITE)
-            if session is not None:
-                try:
-                    alive = session.pump(readable, writable)
-                except Exception as exc:  # a paho bug or a half-closed TLS socket
-                    link._log_once("pump", "fleet: connection error: %s", exc, exc_info=True)
-                    alive = False
-                lost = self._handle(session)
-                now = time.monotonic()
-                if alive and lost is None and not session.established and now > connack_by:
-                    lost = "no CONNACK in time"
-                if lost is not None or not alive:
-                    stable = session.established and now - connected_at >= self.options.stable_s
-                    self._drop(session, lost or "connection lost")
-                    next_connect, attempt = self._backoff(0 if stable else attempt)
-                    continue
-                if session.established and not session.greeted:
-                    session.greeted = True
-                    connected_at = now  # the backoff resets once this is stable_s old
-                    self._on_connected(session)
-            self.step(self.outbox.flush)
-            if session is not None and session.established:
-                self.step(self._publish_pending)
-                if link._rebirth.is_set():
-                    link._rebirth.clear()
-                    self.step(self._publish_birth)
-                self._check_overdue(now)
-                self._watch_writes(session)
+            self.turn(readable, writable)
         self._shutdown()
         sel.close()
+
+    def due(self) -> float:
+        """When this owner next needs a turn without any event (monotonic time): the next
+        connect attempt, or within a second while there is a session (keep-alive, the
+        CONNACK deadline, overdue acks)."""
+        if self.session is None:
+            return self.next_connect
+        return time.monotonic() + 1.0
+
+    def timeout(self) -> float:
+        return min(1.0, max(0.0, self.due() - time.monotonic()))
+
+    def connect(self) -> bool:
+        """One connect attempt (Will with a new bdseq, CONNECT); False if it failed, and
+        the next attempt is then set back."""
+        started = time.monotonic()
+        session = self._connect()
+        self.connack_by = started + self.options.connack_timeout_s
+        if session is None:
+            self.next_connect, self.attempt = self._backoff(self.attempt)
+            return False
+        return True
+
+    def turn(self, readable: bool, writable: bool) -> None:
+        """Everything after a wait: the socket's reads and writes, paho's events, the
+        outbox's commit and publishing; a lost connection is dropped and its reconnect
+        set back."""
+        link = self.link
+        now = time.monotonic()
+        session = self.session
+        if session is not None:
+            try:
+                alive = session.pump(readable, writable)
+            except Exception as exc:  # a paho bug or a half-closed TLS socket
+                link._log_once("pump", "fleet: connection error: %s", exc, exc_info=True)
+                alive = False
+            lost = self._handle(session)
+            now = time.monotonic()
+            if alive and lost is None and not session.established and now > self.connack_by:
+                lost = "no CONNACK in time"
+            if lost is not None or not alive:
+                stable = (session.established
+                          and now - self.connected_at >= self.options.stable_s)
+                self._drop(session, lost or "connection lost")
+                self.next_connect, self.attempt = self._backoff(0 if stable else self.attempt)
+                return
+            if session.established and not session.greeted:
+                session.greeted = True
+                self.connected_at = now  # the backoff resets once this is stable_s old
+                self._on_connected(session)
+        self.step(self.outbox.flush)
+        if session is not None and session.established:
+            self.step(self._publish_pending)
+            if link._rebirth.is_set():
+                link._rebirth.clear()
+                self.step(self._publish_birth)
+            self._check_overdue(now)
+            self._watch_writes(session)
 
     def step(self, fn: Any) -> None:
         try:
@@ -162,7 +202,8 @@ class Owner:
         self.bdseq = bdseq
         self.session = session
         if session.fd is not None:
-            self.sel.register(session.fd, selectors.EVENT_READ)
+            self.sel.register(session.fd, selectors.EVENT_READ, self)
+            self._fd = session.fd
         return session
 
     def _on_connected(self, session: Session) -> None:
@@ -184,11 +225,7 @@ class Owner:
         link = self.link
         was = session.established
         session.close()
-        # Every descriptor but the wake socket, by number: paho may have closed the socket
-        # already, and the number must leave the selector before another socket takes it.
-        for key in list(self.sel.get_map().values()):
-            if key.fileobj is not link._wake_r:
-                self.sel.unregister(key.fileobj)
+        self._forget_fd()
         self.session = None
         self.inflight.clear()
         self.ready.clear()
@@ -276,7 +313,7 @@ class Owner:
         if delivery.result is not None:
             self.link._emit_result(delivery.result)
         if delivery.execute and delivery.command is not None:
-            self.link._work.put(delivery.command)
+            self.link._dispatch(delivery.command)
 
     # -- sending ------------------------------------------------------------------------
 
@@ -342,29 +379,63 @@ class Owner:
     def _shutdown(self) -> None:
         """Commit what is buffered; if connected, publish what is pending and the death
         (the broker sends no Will after a DISCONNECT), wait for its PUBACK, disconnect."""
-        self.link._finish_commands()
-        self.step(self.outbox.flush)
-        session = self.session
-        if session is None:
+        begun = self.begin_stop()
+        if begun is None:
             return
-        if not session.established:
-            session.close()
-            return
-        self.step(self._publish_pending)
-        death = birth.death(fleet=self.link.fleet_id, device=self.link.device,
-                            boot_id=self.link.boot_id, bdseq=self.bdseq)
-        mid = session.publish(self._status, death, retain=True)
+        session, mid = begun
         deadline = time.monotonic() + self.options.death_wait_s
         acked = False
         while mid is not None and not acked and time.monotonic() < deadline:
             self.sel.select(0.05)
             if not session.pump(True, session.want_write()):
                 break
-            while session.events:
-                event = session.events.popleft()
-                acked = acked or (event.kind == "puback" and event.mid == mid)
+            acked = self.death_acked(session, mid)
+        self.end_stop(session, acked)
+
+    def begin_stop(self) -> tuple[Session, int | None] | None:
+        """A clean stop's first half: commit what is buffered and, if connected, publish
+        what is pending and the death. The session and the death's message id (None: it
+        could not be sent) to wait for, or None when there is no connection to close."""
+        self.link._finish_commands()
+        self.step(self.outbox.flush)
+        session = self.session
+        if session is None:
+            return None
+        if not session.established:
+            session.close()
+            self._forget_fd()
+            return None
+        self.step(self._publish_pending)
+        death = birth.death(fleet=self.link.fleet_id, device=self.link.device,
+                            boot_id=self.link.boot_id, bdseq=self.bdseq)
+        return session, session.publish(self._status, death, retain=True)
+
+    @staticmethod
+    def death_acked(session: Session, mid: int) -> bool:
+        """Whether the events pumped since hold the death's PUBACK (the rest is dropped:
+        the connection is closing)."""
+        acked = False
+        while session.events:
+            event = session.events.popleft()
+            acked = acked or (event.kind == "puback" and event.mid == mid)
+        return acked
+
+    def end_stop(self, session: Session, acked: bool) -> None:
+        """A clean stop's second half: DISCONNECT (no Will)."""
         if not acked:
             log.warning("fleet: the death message was not acknowledged in %.1f s",
                         self.options.death_wait_s)
         session.disconnect()
+        self._forget_fd()
+        self.session = None
         self.link._connected.clear()
+
+    def _forget_fd(self) -> None:
+        # By number: paho may have closed the socket already, and the number must leave
+        # the selector before another socket takes it.
+        if self._fd is not None:
+            try:
+                self.sel.unregister(self._fd)
+            except KeyError:
+                pass
+            self._fd = None

@@ -5,15 +5,19 @@
     GET /devices                  {"devices": [device, ...]}
     GET /devices/{id}             one device (404 if unknown)
     GET /devices/{id}/metrics     {"device": id, "metrics": [newest first]} (?limit=1..1000)
+    GET /rollouts                 {"rollouts": [rollout, ...]} newest first (no devices)
+    GET /rollouts/{id}            one rollout as `fleet rollout status ID --json` shows it
 
 An app factory only (no module-level app): `fleet serve` builds it with the store and the
-ingest it runs. It never writes: commands go through `fleet send`, which signs them. It
-listens on 127.0.0.1 unless told otherwise (`http.host`); it has no authentication of its
-own, so put it behind one before exposing it.
+ingest it runs. It never writes: commands go through `fleet send`, which signs them, and
+rollouts through `fleet rollout`. It listens on 127.0.0.1 unless told otherwise
+(`http.host`); it has no authentication of its own, so put it behind one before exposing
+it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from edge_agent import __version__
 from edge_agent.fleet.controller.artifacts import artifacts_router
 from edge_agent.fleet.controller.metrics import ControllerMetrics
+from edge_agent.fleet.controller.rollout_ops import report
 from edge_agent.fleet.controller.store import FleetStore
 from edge_agent.fleet.ids import check_id
 
@@ -82,5 +87,22 @@ def create_app(store: FleetStore, metrics: ControllerMetrics, *,
         return {"device": device_id,
                 "metrics": store.messages(device_id, kind="metrics", limit=limit,
                                           newest_first=True)}
+
+    @app.get("/rollouts")
+    def rollouts(limit: int = Query(50, ge=1, le=1000)) -> dict[str, Any]:
+        now = time.time()
+        out = []
+        for r in store.rollouts(limit=limit):
+            full = report(r, store.rollout_devices(r.id), now)
+            full.pop("devices")
+            out.append(full)
+        return {"rollouts": out}
+
+    @app.get("/rollouts/{rollout_id}", response_model=None)
+    def rollout(rollout_id: str) -> dict[str, Any] | JSONResponse:
+        found = store.rollout(rollout_id)
+        if found is None:
+            return _problem(404, f"no rollout {rollout_id!r}")
+        return report(found, store.rollout_devices(rollout_id), time.time())
 
     return app

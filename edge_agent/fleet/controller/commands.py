@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +46,9 @@ def stream(fleet: str, device: str) -> str:
 
 def build(store: FleetStore, key: Ed25519PrivateKey, *, fleet: str, device: str,
           type_: str, args: Mapping[str, Any] | None = None, ttl_s: float = DEFAULT_TTL_S,
-          clock: Callable[[], float] = time.time) -> dict[str, Any]:
-    """A signed command with the stream's next seq (taken, so never reused)."""
+          clock: Callable[[], float] = time.time, seq: int | None = None) -> dict[str, Any]:
+    """A signed command with the stream's next seq (taken, so never reused; `seq`: one
+    the caller took already, `next_command_seqs` for many at once)."""
     check_id("fleet", fleet)
     if device != ALL:
         check_id("device", device)
@@ -55,7 +56,8 @@ def build(store: FleetStore, key: Ed25519PrivateKey, *, fleet: str, device: str,
         raise InvalidRequest("a command's time to live must be positive", param="ttl")
     now = clock()
     command = {"v": 1, "id": uuid.uuid4().hex, "fleet": fleet, "device": device,
-               "type": type_, "seq": store.next_command_seq(stream(fleet, device)),
+               "type": type_,
+               "seq": store.next_command_seq(stream(fleet, device)) if seq is None else seq,
                "issued_at": round(now, 3), "expires_at": round(now + ttl_s, 3),
                "args": dict(args or {})}
     signed = sign(command, key)
@@ -72,48 +74,101 @@ def targets(store: FleetStore, fleet: str, device: str) -> list[str]:
                   if d.get("fleet") == fleet and d.get("online"))
 
 
+class Publisher:
+    """A connection of the controller's own for publishing commands (its own client id:
+    the ingest's session is not disturbed), opened at the first `publish` and again after
+    a loss. `publish` returns once the broker acknowledged each command (QoS 1 PUBACK) or
+    raises ServiceUnavailable; `close` when done. One caller at a time."""
+
+    def __init__(self, settings: ControllerSettings, *, timeout_s: float = 10.0,
+                 client_id: str | None = None) -> None:
+        self.settings = settings
+        self.timeout_s = timeout_s
+        self.client_id = client_id or f"edge-fleet-send-{uuid.uuid4().hex[:8]}"
+        self._client: mqtt.Client | None = None
+        self._connected = threading.Event()
+
+    def _connect(self) -> mqtt.Client:
+        if self._client is not None and self._connected.is_set():
+            return self._client
+        self.close()
+        broker = self.settings.broker
+        address = broker.address
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                             protocol=mqtt.MQTTv5)
+        if broker.username:
+            client.username_pw_set(broker.username, self.settings.broker_password())
+        if address.tls:
+            client.tls_set(ca_certs=str(broker.ca_file) if broker.ca_file else None,
+                           certfile=str(broker.client_cert) if broker.client_cert else None,
+                           keyfile=str(broker.client_key) if broker.client_key else None)
+        client.max_inflight_messages_set(100)  # a wave's commands pipelined, not trickled
+        answered = threading.Event()
+        refused: list[str] = []
+        connected = self._connected
+
+        def on_connect(c: mqtt.Client, u: Any, flags: Any, reason: Any, props: Any) -> None:
+            if reason.is_failure:
+                refused.append(str(reason))
+            else:
+                connected.set()
+            answered.set()
+
+        def on_disconnect(c: mqtt.Client, u: Any, flags: Any, reason: Any,
+                          props: Any) -> None:
+            connected.clear()
+
+        client.on_connect = on_connect
+        client.on_disconnect = on_disconnect
+        try:
+            client.connect(address.host, address.port, keepalive=30)
+        except OSError as exc:
+            raise ServiceUnavailable(f"broker {broker.url} unreachable: {exc}") from None
+        client.loop_start()
+        self._client = client
+        if not answered.wait(self.timeout_s) or refused:
+            self.close()
+            raise ServiceUnavailable(f"broker {broker.url} refused the controller: "
+                                     f"{refused[0] if refused else 'no answer'}")
+        return client
+
+    def publish(self, commands: Sequence[Mapping[str, Any]]) -> None:
+        """Each command on its topic (QoS 1); returns once the broker took them all."""
+        if not commands:
+            return
+        client = self._connect()
+        infos = [client.publish(topics.topic(str(c["fleet"]), str(c["device"]), topics.CMD),
+                                dumps(dict(c)), qos=1) for c in commands]
+        deadline = time.monotonic() + self.timeout_s
+        for info in infos:
+            try:
+                info.wait_for_publish(max(0.0, deadline - time.monotonic()))
+                done = info.is_published()
+            except (RuntimeError, ValueError):  # paho: not connected (any more)
+                done = False
+            if not done:
+                self.close()  # a fresh connection next time; the caller publishes again
+                raise ServiceUnavailable(f"broker {self.settings.broker.url} did not "
+                                         "acknowledge the command")
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        self._connected.clear()
+        if client is not None:
+            client.disconnect()
+            client.loop_stop()
+
+
 def publish(settings: ControllerSettings, command: Mapping[str, Any], *,
             timeout_s: float = 10.0) -> None:
     """One QoS 1 publish on the command's topic, with the controller's broker credentials
-    and a client id of its own (the ingest's session is not disturbed); returns once the
-    broker has acknowledged it. ServiceUnavailable when the broker cannot be reached."""
-    broker = settings.broker
-    address = broker.address
-    client = mqtt.Client(CallbackAPIVersion.VERSION2,
-                         client_id=f"edge-fleet-send-{uuid.uuid4().hex[:8]}",
-                         protocol=mqtt.MQTTv5)
-    if broker.username:
-        client.username_pw_set(broker.username, settings.broker_password())
-    if address.tls:
-        client.tls_set(ca_certs=str(broker.ca_file) if broker.ca_file else None,
-                       certfile=str(broker.client_cert) if broker.client_cert else None,
-                       keyfile=str(broker.client_key) if broker.client_key else None)
-    connected = threading.Event()
-    refused: list[str] = []
-
-    def on_connect(c: mqtt.Client, u: Any, flags: Any, reason: Any, props: Any) -> None:
-        if reason.is_failure:
-            refused.append(str(reason))
-        connected.set()
-
-    client.on_connect = on_connect
+    and a connection of its own; returns once the broker has acknowledged it.
+    ServiceUnavailable when the broker cannot be reached."""
+    publisher = Publisher(settings, timeout_s=timeout_s)
     try:
-        client.connect(address.host, address.port, keepalive=30)
-    except OSError as exc:
-        raise ServiceUnavailable(f"broker {broker.url} unreachable: {exc}") from None
-    client.loop_start()
-    try:
-        if not connected.wait(timeout_s) or refused:
-            raise ServiceUnavailable(f"broker {broker.url} refused the controller: "
-                                     f"{refused[0] if refused else 'no answer'}")
-        topic = topics.topic(str(command["fleet"]), str(command["device"]), topics.CMD)
-        info = client.publish(topic, dumps(dict(command)), qos=1)
-        info.wait_for_publish(timeout_s)
-        if not info.is_published():
-            raise ServiceUnavailable(f"broker {broker.url} did not acknowledge the command")
+        publisher.publish([command])
     finally:
-        client.disconnect()
-        client.loop_stop()
+        publisher.close()
 
 
 def send(settings: ControllerSettings, store: FleetStore, key: Ed25519PrivateKey, *,

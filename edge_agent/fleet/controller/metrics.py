@@ -53,6 +53,9 @@ class ControllerMetrics:
                              "while offline and clock skew)", buckets=AGE_BUCKETS, registry=r)
         self.queue = Gauge("edge_fleet_ingest_queue", "Messages received, not yet committed",
                            registry=r)
+        self.rollout_commands = Counter("edge_fleet_rollout_commands",
+                                        "rollout.start/cancel/rollback commands the broker "
+                                        "took from the rollout engine", ["type"], registry=r)
         self.connected = Gauge("edge_fleet_broker_connected", "1 while connected to the broker",
                                registry=r)
         if store is not None:

@@ -1,8 +1,9 @@
-"""`fleet serve` put together: the store, the ingest session and the HTTP API in one
-process, started in that order and stopped in the reverse one.
+"""`fleet serve` put together: the store, the ingest session, the rollout engine and the
+HTTP API in one process, started in that order and stopped in the reverse one.
 
 The HTTP server runs in the calling thread (uvicorn handles SIGINT/SIGTERM); the ingest
-has its own threads. Stopping commits and acknowledges what the ingest holds before the
+and the rollout engine (`rollouts`, which signs with `command_key_file`) have their own
+threads. Stopping commits and acknowledges what the ingest holds before the
 broker connection closes, then closes the store.
 
 Under systemd (`Type=notify`) it reports as the agent does (`edge_agent.sdnotify`): STATUS=
@@ -19,13 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from edge_agent.config import ConfigError
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.ingest import Ingest
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.releases import releases_dir
+from edge_agent.fleet.controller.rollouts import RolloutEngine
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import FleetStore, open_store
+from edge_agent.fleet.signing import load_private
 from edge_agent.sdnotify import Notifier, announce_ready, keep_alive
 
 log = logging.getLogger(__name__)
@@ -37,12 +42,20 @@ class Controller:
     store: FleetStore
     metrics: ControllerMetrics
     ingest: Ingest
+    rollouts: RolloutEngine | None = None
 
     @classmethod
     def open(cls, settings: ControllerSettings) -> Controller:
+        key = command_key(settings)  # a bad key file stops the start, not a rollout later
         store = open_store(settings.db, settings.state_dir)
         metrics = ControllerMetrics(store)
-        return cls(settings, store, metrics, Ingest(settings, store, metrics))
+        return cls(settings, store, metrics, Ingest(settings, store, metrics),
+                   RolloutEngine(settings, store, key, metrics=metrics))
+
+    def start(self) -> None:
+        self.ingest.start()
+        if self.rollouts is not None:
+            self.rollouts.start()
 
     def http_server(self, *, log_level: str = "warning") -> uvicorn.Server:
         app = create_app(self.store, self.metrics,
@@ -57,15 +70,28 @@ class Controller:
             serving=f"ingesting from {broker}; HTTP on {config.host}:{config.port}")
 
     def close(self) -> None:
+        if self.rollouts is not None:
+            self.rollouts.stop()
         self.ingest.stop()
         self.store.close()
+
+
+def command_key(settings: ControllerSettings) -> Ed25519PrivateKey | None:
+    """The key that signs the rollout engine's commands (None: rollouts wait, and say so)."""
+    path = settings.command_key_file
+    if path is None:
+        return None
+    try:
+        return load_private(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read command_key_file {path}: {exc}") from exc
 
 
 def serve(settings: ControllerSettings, *, log_level: str = "warning") -> bool:
     """Run until SIGINT/SIGTERM; False if the HTTP server could not start."""
     controller = Controller.open(settings)
     try:
-        controller.ingest.start()
+        controller.start()
         server = controller.http_server(log_level=log_level)
         try:
             server.run()

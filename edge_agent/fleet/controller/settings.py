@@ -101,6 +101,8 @@ class ControllerSettings(_Section):
         None, description="The controller's ed25519 private key (PEM, from `fleet keygen`) "
         "that signs commands; boxes hold its public half as fleet.command_key_file.")
     command_ttl_s: float = Field(300.0, gt=0, description="Seconds a sent command stays valid.")
+    rollout_tick_s: float = Field(1.0, gt=0, le=60, description="Seconds between two passes "
+                                  "of the rollout engine over the running rollouts.")
 
     @field_validator("state_dir")
     @classmethod

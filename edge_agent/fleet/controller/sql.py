@@ -26,6 +26,7 @@ from edge_agent.fleet.controller.records import (
     merge_ranges,
     to_ranges,
 )
+from edge_agent.fleet.controller.rollout_sql import ROLLOUT_SCHEMA, RolloutQueries
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
             reason TEXT, result TEXT, received DOUBLE PRECISION NOT NULL,
             PRIMARY KEY (id, device))""",
     )),
+    *ROLLOUT_SCHEMA,  # rollouts, their devices and commands (rollout_sql)
 )
 
 _DEVICE_COLUMNS = ("device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, "
@@ -103,8 +105,9 @@ def _text(value: Any, limit: int = 1000) -> str | None:
     return text.replace("\x00", "\ufffd")[:limit]
 
 
-class SQLStore:
-    """The store's behaviour over `_tx()` (a write transaction) and `_read()`."""
+class SQLStore(RolloutQueries):
+    """The store's behaviour over `_tx()` (a write transaction) and `_read()`; the
+    rollouts' queries are `RolloutQueries`'."""
 
     def _tx(self) -> AbstractContextManager[Exec]:
         raise NotImplementedError
@@ -156,7 +159,8 @@ class SQLStore:
 
     def _side_effects(self, db: Exec, msg: Inbound) -> None:
         """What a new message means beyond itself: a dropped-metrics report, a command's
-        result. Bad shapes are logged, never fatal: the message itself is stored."""
+        result, a rollout's report (`rollout_sql`). Bad shapes are logged, never fatal:
+        the message itself is stored."""
         body = msg.body
         try:
             if msg.kind == "events" and body.get("event") == "outbox.dropped":
@@ -166,6 +170,9 @@ class SQLStore:
                 self._insert_dropped(db, msg.device, ranges, msg.received)
             elif msg.kind == "cmd/result":
                 self._insert_result(db, msg.device, body, msg.received)
+                self._rollout_result(db, msg.device, body, msg.ts, msg.received)
+            elif msg.kind == "rollout":
+                self._rollout_message(db, msg)
         except (ValueError, TypeError) as exc:
             log.warning("fleet: %s from %s seq %s: %s", msg.kind, msg.device, msg.seq, exc)
 
@@ -300,11 +307,15 @@ class SQLStore:
     def record_command(self, command: Mapping[str, Any], recorded: float) -> None:
         """A signed command as sent (its id once; a second record of the same id is a no-op)."""
         with self._tx() as db:
-            db.run("INSERT INTO commands (id, fleet, target, type, seq, issued_at, expires_at, "
-                   "body, recorded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                   [command["id"], command["fleet"], command["device"], command["type"],
-                    int(command["seq"]), float(command["issued_at"]),
-                    float(command["expires_at"]), _dumps(dict(command)), recorded])
+            self._insert_command(db, command, recorded)
+
+    @staticmethod
+    def _insert_command(db: Exec, command: Mapping[str, Any], recorded: float) -> None:
+        db.run("INSERT INTO commands (id, fleet, target, type, seq, issued_at, expires_at, "
+               "body, recorded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+               [command["id"], command["fleet"], command["device"], command["type"],
+                int(command["seq"]), float(command["issued_at"]),
+                float(command["expires_at"]), _dumps(dict(command)), recorded])
 
     def command_result(self, device: str, body: Mapping[str, Any], received: float) -> bool:
         """A device's result for a command (the body of a `cmd/result` envelope); the first

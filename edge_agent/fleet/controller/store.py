@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.controller.records import Acks, Inbound, Ranges
+from edge_agent.fleet.controller.rollout_records import RolloutStore
 from edge_agent.fleet.controller.sql import SCHEMA, Exec, SQLStore
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class FleetStoreError(EdgeAgentError):
     """The store cannot be opened or written (the database is down, unreadable or newer)."""
 
 
-class FleetStore(Protocol):
+class FleetStore(RolloutStore, Protocol):
     def ingest(self, batch: Sequence[Inbound]) -> Acks: ...
 
     def birth(self, fleet: str, device: str, message: Mapping[str, Any],

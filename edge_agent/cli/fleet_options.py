@@ -1,0 +1,60 @@
+"""The controller options every `edge-agent fleet …` command that reads the controller's
+settings or store shares (`--config`, `--state-dir`, `--db`), apart from `fleet.py` so that
+the command modules it registers (`fleet_rollout`) can use them too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from edge_agent.cli.common import CheckFailed, F
+
+if TYPE_CHECKING:
+    from edge_agent.fleet.controller.settings import ControllerSettings
+    from edge_agent.fleet.controller.store import FleetStore
+
+_META = "edge_agent.fleet."
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    ctx.meta[f"{_META}{param.name}"] = value
+    return value
+
+
+def controller_options(fn: F) -> F:
+    """--config, --state-dir and --db on a controller command; `_settings()` reads them."""
+    for option in (
+        click.option("--db", expose_value=False, callback=_remember,
+                     help="postgresql://… (default: SQLite in the state dir)."),
+        click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False),
+                     expose_value=False, callback=_remember,
+                     help="Controller state dir (default /var/lib/edge-agent-fleet)."),
+        click.option("--config", type=click.Path(path_type=Path, dir_okay=False),
+                     expose_value=False, callback=_remember,
+                     help="Controller TOML file (default /etc/edge-agent-fleet/"
+                          "controller.toml if present)."),
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _settings(**flags: Any) -> ControllerSettings:
+    from edge_agent.fleet.controller.settings import load_controller_settings
+
+    meta = click.get_current_context().meta
+    return load_controller_settings(meta.get(f"{_META}config"),
+                                    state_dir=meta.get(f"{_META}state_dir"),
+                                    db=meta.get(f"{_META}db"), **flags)
+
+
+def _open_existing(settings: ControllerSettings) -> FleetStore:
+    """The controller's store, for reading; the CLI never creates a SQLite one."""
+    from edge_agent.fleet.controller.store import DB_FILE, open_store
+
+    if settings.db is None and not (settings.state_dir / DB_FILE).exists():
+        raise CheckFailed(f"no controller store at {settings.state_dir / DB_FILE} "
+                          "(edge-agent fleet serve creates it)")
+    return open_store(settings.db, settings.state_dir)

@@ -1,0 +1,198 @@
+"""`edge-agent fleet rollout …`: a release to the fleet in waves, with an abort threshold.
+
+    fleet rollout start NAME@VERSION [--devices SELECTOR] --waves 1,10%,50%,100%
+                        [--abort-above 10%] [--min-executed 3] [--soak 10m]
+                        [--device-timeout 2h] [--rollback-on-abort] [--id ID]
+    fleet rollout status [ID] [--json]
+    fleet rollout pause|resume|abort|rollback ID
+
+These commands write the controller's store and nothing else: the running `fleet serve`
+signs and publishes the rollout.* commands (with `command_key_file`), starts each wave,
+watches the boxes' reports, soaks, aborts. A rollout written while `fleet serve` is down
+starts when it comes back. Thin: the rules are `fleet.controller.waves` and
+`fleet.controller.rollout_ops`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from edge_agent.cli.common import BadUsage, CheckFailed
+from edge_agent.cli.fleet_options import _open_existing, _settings, controller_options
+from edge_agent.cli.output import echo_json, json_option, table
+
+SELECTOR_HELP = ("all (default), fleet:ID, a glob on device ids (store-0*), or device ids; "
+                 "comma-separated, their union.")
+
+
+@click.group("rollout")
+def rollout() -> None:
+    """Roll a published release out to the fleet in waves (driven by `fleet serve`)."""
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+@rollout.command("start")
+@controller_options
+@click.argument("ref", metavar="NAME@VERSION")
+@click.option("--devices", "selector", default="all", show_default=True, help=SELECTOR_HELP)
+@click.option("--waves", required=True, metavar="SPEC",
+              help="Cumulative targets, counts or percentages of the selected devices, the "
+                   "last 100%: 1,10%,50%,100%.")
+@click.option("--abort-above", default="10%", show_default=True, metavar="PCT",
+              help="Abort once more than this share of the finished devices failed…")
+@click.option("--min-executed", type=click.IntRange(min=1), default=3, show_default=True,
+              help="…and at least this many devices finished.")
+@click.option("--soak", default="0s", show_default=True, metavar="DURATION",
+              help="How long a wave's devices stay ACTIVE before the next wave starts "
+                   "(90s, 10m, 1h).")
+@click.option("--device-timeout", default="2h", show_default=True, metavar="DURATION",
+              help="A device with no final state this long after its command was published "
+                   "counts as failed (longer than the boxes' maintenance window or "
+                   "defer_deadline_s).")
+@click.option("--rollback-on-abort", is_flag=True,
+              help="On abort, also roll back the devices that switched already.")
+@click.option("--id", "rollout_id", help="The rollout's id (default: ro-<random>).")
+@json_option()
+def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_executed: int,
+                  soak: str, device_timeout: str, rollback_on_abort: bool,
+                  rollout_id: str | None, as_json: bool) -> None:
+    """Start rolling NAME@VERSION out: written to the store, driven by `fleet serve`."""
+    from edge_agent.errors import InvalidRequest
+    from edge_agent.fleet.controller import rollout_ops
+    from edge_agent.fleet.controller.waves import (
+        Policy,
+        parse_duration,
+        parse_share,
+        parse_waves,
+        wave_sizes,
+    )
+
+    settings = _settings()
+    try:
+        policy = Policy(parse_waves(waves), parse_share(abort_above), min_executed,
+                        parse_duration(soak), parse_duration(device_timeout,
+                                                             param="device_timeout"),
+                        rollback_on_abort)
+    except InvalidRequest as exc:
+        raise BadUsage(exc.message) from None
+    if policy.device_timeout_s <= 0:
+        raise BadUsage("--device-timeout must be longer than 0s")
+    store = _open_existing(settings)
+    try:
+        try:
+            record = rollout_ops.start(store, settings.state_dir, ref, selector, policy,
+                                       now=time.time(), rollout_id=rollout_id)
+        except InvalidRequest as exc:
+            raise BadUsage(exc.message) from None
+    finally:
+        store.close()
+    if as_json:
+        echo_json(record.to_json())
+        return
+    sizes = wave_sizes(policy.steps, record.devices_total)
+    click.echo(f"rollout {record.id}: {record.name}@{record.version} to "
+               f"{record.devices_total} device(s) in {len(sizes)} wave(s) "
+               f"({', '.join(str(n) for n in sizes)}); RUNNING")
+    if settings.command_key_file is None:
+        click.echo("warning: no command_key_file in the controller's settings: fleet serve "
+                   "cannot sign the rollout's commands until it has one", err=True)
+    click.echo(f"fleet serve drives it; follow it with: edge-agent fleet rollout status "
+               f"{record.id}")
+
+
+@rollout.command("status")
+@controller_options
+@click.argument("rollout_id", metavar="[ID]", required=False)
+@json_option()
+def rollout_status(rollout_id: str | None, as_json: bool) -> None:
+    """Rollouts (newest first), or one rollout: counts per state, per wave, per device."""
+    from edge_agent.fleet.controller import rollout_ops
+
+    store = _open_existing(_settings())
+    try:
+        if rollout_id is None:
+            reports = [rollout_ops.report(r, store.rollout_devices(r.id), time.time())
+                       for r in store.rollouts(limit=50)]
+        else:
+            record = store.rollout(rollout_id)
+            if record is None:
+                raise CheckFailed(f"no rollout {rollout_id}")
+            reports = [rollout_ops.report(record, store.rollout_devices(rollout_id),
+                                          time.time())]
+    finally:
+        store.close()
+    if as_json:
+        echo_json(reports if rollout_id is None else reports[0])
+        return
+    if rollout_id is None:
+        table([("ID", "<18"), ("RELEASE", "<24"), ("STATE", "<12"), ("WAVE", "<6"),
+               ("DEVICES", ">7"), ("ACTIVE", ">7"), ("FAILED", ">7"), ("CREATED", "")],
+              ([r["id"], f"{r['name']}@{r['version']}", r["state"],
+                f"{r['wave']}/{r['waves_total']}", r["devices_total"],
+                r["phases"]["succeeded"], r["phases"]["failed"],
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created_at"]))]
+               for r in reports))
+        return
+    _show(reports[0])
+
+
+def _show(r: dict[str, Any]) -> None:
+    p = r["policy"]
+    why = (r["waiting_for"] or r["reason"]) if r["state"] == "RUNNING" else r["reason"]
+    click.echo(f"rollout {r['id']}: {r['name']}@{r['version']}  {r['state']}  wave "
+               f"{r['wave']}/{r['waves_total']}" + (f"  ({why})" if why else ""))
+    click.echo(f"  devices {r['devices_total']} ({r['selector']}); waves {p['waves']}; "
+               f"abort above {p['abort_above']} after {p['min_executed']} finished; soak "
+               f"{p['soak']}; device timeout {p['device_timeout']}"
+               f"{'; rollback on abort' if p['rollback_on_abort'] else ''}")
+    phases = ", ".join(f"{k} {v}" for k, v in r["phases"].items() if v)
+    click.echo(f"  {phases}; failed share {r['failed_share']:.0%} of {r['finished']} "
+               "finished")
+    click.echo("  states: " + ", ".join(f"{k} {v}" for k, v in r["states"].items()))
+    for w in r["waves_detail"]:
+        click.echo(f"  wave {w['wave']}: {w['devices']} device(s): " + ", ".join(
+            f"{k} {v}" for k, v in w["phases"].items()))
+    click.echo("")
+    table([("DEVICE", "<24"), ("WAVE", ">4"), ("STATE", "<12"), ("PHASE", "<10"),
+           ("SENT", "<9"), ("ACTIVE", "<9"), ("REASON", "")],
+          ([d["device"], d["wave"], (d["outcome"] or d["state"]).upper(), d["phase"],
+            _when(d["started_at"]), _when(d["active_at"]), (d["reason"] or "")[:80]]
+           for d in r["devices"]))
+
+
+def _act(action: str, rollout_id: str, as_json: bool) -> None:
+    from edge_agent.fleet.controller import rollout_ops
+
+    store = _open_existing(_settings())
+    try:
+        record = rollout_ops.act(store, rollout_id, action, now=time.time())
+    finally:
+        store.close()
+    if as_json:
+        echo_json(record.to_json())
+        return
+    click.echo(f"rollout {record.id}: {record.state} ({record.reason}); fleet serve acts on "
+               "it at its next pass")
+
+
+def _action(name: str, doc: str) -> None:
+    @rollout.command(name, help=doc)
+    @controller_options
+    @click.argument("rollout_id", metavar="ID")
+    @json_option()
+    def command(rollout_id: str, as_json: bool) -> None:
+        _act(name, rollout_id, as_json)
+
+
+_action("pause", "Start no further wave (devices already sent carry on).")
+_action("resume", "Carry on with a paused rollout.")
+_action("abort", "Stop: no further wave, devices not yet sent skipped, devices not yet "
+                 "switched cancelled (rolled back too with --rollback-on-abort).")
+_action("rollback", "Stop, and send rollout.rollback to every device that got the "
+                    "release (ACTIVE ones switch back to their previous version).")

@@ -1,0 +1,158 @@
+"""The operator's side of controller rollouts: select the devices, check the release,
+write a new rollout into the store; pause, resume, abort, roll back; and the status report.
+
+These only write the store: the rollout engine inside the running `fleet serve`
+(`controller.rollouts`) signs and publishes every command at its next tick. So
+`fleet rollout …` works the same from any machine that reaches the store, and a rollout
+written while `fleet serve` is down starts when it comes back.
+
+Selectors (`--devices`), comma-separated, their union:
+    all          every device that ever reported to this controller (the default)
+    fleet:ID     the devices of fleet ID
+    store-0*     a glob on device ids (`*`, `?`, `[…]`)
+    store-042    a device id (one this controller knows)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from edge_agent.errors import InvalidRequest
+from edge_agent.fleet.controller.releases import ReleaseRepository, releases_dir
+from edge_agent.fleet.controller.rollout_records import (
+    DeviceRecord,
+    NewRollout,
+    RolloutRecord,
+)
+from edge_agent.fleet.controller.store import FleetStore
+from edge_agent.fleet.controller.waves import (
+    ABORTED,
+    COMPLETED,
+    LIVE,
+    PAUSED,
+    RUNNING,
+    Policy,
+    assign_waves,
+    decide,
+    device_counts,
+    format_duration,
+    phase,
+    tally,
+)
+from edge_agent.fleet.ids import check_id
+from edge_agent.fleet.rollout_state import ROLLED_BACK
+from edge_agent.names import normalize_name
+
+ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+_GLOB = re.compile(r"[*?\[]")
+
+# action: (the state it leads to, the states it applies to)
+ACTIONS: dict[str, tuple[str, frozenset[str]]] = {
+    "pause": (PAUSED, frozenset({RUNNING})),
+    "resume": (RUNNING, frozenset({PAUSED})),
+    "abort": (ABORTED, frozenset({RUNNING, PAUSED})),
+    "rollback": (ROLLED_BACK, frozenset({RUNNING, PAUSED, ABORTED, COMPLETED})),
+}
+
+
+def parse_ref(ref: str) -> tuple[str, str]:
+    """`gemma3:270m@2` → ("gemma3:270m", "2"), the name normalized."""
+    name, sep, version = ref.rpartition("@")
+    if not sep or not name or not VERSION.fullmatch(version):
+        raise InvalidRequest(f"{ref!r} is not NAME@VERSION (e.g. gemma3:270m@2)",
+                             param="release")
+    return normalize_name(name), version
+
+
+def select_devices(known: Iterable[Mapping[str, Any]], selector: str) -> dict[str, str]:
+    """The devices a selector names (module docstring), each with its fleet."""
+    fleets = {str(d["device"]): str(d["fleet"]) for d in known}
+    chosen: set[str] = set()
+    unknown: list[str] = []
+    items = [item.strip() for item in selector.split(",")]
+    if not selector.strip() or any(not item for item in items):
+        raise InvalidRequest(f"--devices {selector!r}: all, fleet:ID, a glob or ids, "
+                             "comma-separated", param="devices")
+    for item in items:
+        if item == "all":
+            chosen.update(fleets)
+        elif item.startswith("fleet:"):
+            fleet = item.removeprefix("fleet:")
+            chosen.update(d for d, f in fleets.items() if f == fleet)
+        elif _GLOB.search(item):
+            chosen.update(fnmatch.filter(fleets, item))
+        else:
+            try:
+                check_id("device", item)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), param="devices") from None
+            if item in fleets:
+                chosen.add(item)
+            else:
+                unknown.append(item)
+    if unknown:
+        raise InvalidRequest(f"never reported to this controller: {', '.join(unknown)}",
+                             param="devices")
+    if not chosen:
+        raise InvalidRequest(f"--devices {selector!r} selects no device", param="devices")
+    return {d: fleets[d] for d in sorted(chosen)}
+
+
+def start(store: FleetStore, state_dir: Path, ref: str, selector: str, policy: Policy, *,
+          now: float, rollout_id: str | None = None) -> RolloutRecord:
+    """A new RUNNING rollout of a published release (ModelNotFound if the controller's
+    repository does not list it; RolloutConflict while another of the name is live)."""
+    name, version = parse_ref(ref)
+    ReleaseRepository(releases_dir(state_dir)).get(name, version)
+    rid = rollout_id or f"ro-{uuid.uuid4().hex[:12]}"
+    if not ROLLOUT_ID.fullmatch(rid):
+        raise InvalidRequest("a rollout id is 1-64 of [A-Za-z0-9_-]", param="id")
+    devices = select_devices(store.devices(), selector)
+    waves = assign_waves(rid, devices, policy.steps)
+    return store.create_rollout(NewRollout(
+        rid, name, version, selector,
+        policy, {d: (fleet, waves[d]) for d, fleet in devices.items()}), now)
+
+
+def act(store: FleetStore, rollout_id: str, action: str, *, now: float) -> RolloutRecord:
+    """pause, resume, abort or rollback (RolloutConflict where the state does not allow it;
+    ModelNotFound for an unknown id)."""
+    to, allowed = ACTIONS[action]
+    return store.set_rollout_state(rollout_id, to, allowed, reason=f"{action} by the operator",
+                                   now=now)
+
+
+def report(r: RolloutRecord, devices: list[DeviceRecord], now: float) -> dict[str, Any]:
+    """What `fleet rollout status ID --json` prints: the rollout, its policy, counts by
+    recorded state and by phase, per wave, and every device."""
+    views = [d.view() for d in devices]
+    t = tally(views)
+    # What the engine waits for (its own decision, read only): "wave 2 soaking, 540s left".
+    waiting_for = decide(r.state, r.wave, r.policy(), views, now).waiting_for \
+        if r.state in LIVE else None
+    waves = []
+    for wave in range(1, r.waves_total + 1):
+        mine = [v for v in views if v.wave == wave]
+        waves.append({"wave": wave, "devices": len(mine),
+                      "phases": {k: v for k, v in tally(mine).counts.items() if v}})
+    return {
+        **r.to_json(),
+        "policy": {"waves": r.waves, "abort_above": f"{r.abort_above:.0%}",
+                   "min_executed": r.min_executed, "soak": format_duration(r.soak_s),
+                   "device_timeout": format_duration(r.device_timeout_s),
+                   "rollback_on_abort": r.rollback_on_abort},
+        "waiting_for": waiting_for,
+        "states": device_counts(views),
+        "phases": dict(t.counts),
+        "finished": t.finished,
+        "failed_share": round(t.failed_share, 4),
+        "waves_detail": waves,
+        "devices": [{**d.to_json(), "phase": phase(d.view())} for d in devices],
+        "as_of": now,
+    }

@@ -1,0 +1,351 @@
+"""The controller store's rollouts, in the SQL SQLite and PostgreSQL share: the schema step
+and `RolloutQueries` (a mixin of `sql.SQLStore`; the records are `rollout_records`).
+
+    rollouts          one row per `fleet rollout start`: release, selector, policy, state
+                      (RUNNING|PAUSED|ABORTED|COMPLETED|ROLLED_BACK), the wave reached,
+                      `live` (1 while RUNNING or PAUSED: a partial unique index allows one
+                      per model name) and `settled` (0 while the engine has work)
+    rollout_devices   one row per selected device: its wave, its state as last reported
+                      (PENDING and SENT before the box says anything, REFUSED when it
+                      refused rollout.start), when rollout.start was published, when it
+                      went ACTIVE, when it finished, the controller's own outcome
+                      (timed_out, skipped) and the last reason
+    rollout_commands  the rollout.start/cancel/rollback commands recorded for a rollout,
+                      and when the broker took each (unpublished ones are published again,
+                      but a start the rollout stopped before it left is withdrawn)
+
+The devices' reports reach `rollout_devices` inside the ingest's own transaction (`_rollout
+message`, `_rollout_result`): a rollout audit message or a refused rollout.start result is
+applied exactly once, when it is stored, and only if it is newer (device time) than what
+the row shows. Nothing here decides anything (that is `waves`) or publishes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from edge_agent.errors import ModelNotFound
+from edge_agent.fleet.controller.records import Inbound
+from edge_agent.fleet.controller.rollout_records import (
+    DeviceRecord,
+    NewRollout,
+    RolloutConflict,
+    RolloutRecord,
+    rollout_from_row,
+)
+from edge_agent.fleet.controller.waves import (
+    LIVE,
+    PENDING,
+    REFUSED,
+    SENT,
+)
+from edge_agent.fleet.rollout_state import ACTIVE, FAILED, REJECTED, ROLLED_BACK, STATES
+
+if TYPE_CHECKING:
+    from edge_agent.fleet.controller.sql import Exec
+
+ROLLOUT_SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("m003_rollouts", (
+        """CREATE TABLE rollouts (
+            id TEXT PRIMARY KEY, name TEXT NOT NULL, version TEXT NOT NULL,
+            selector TEXT NOT NULL, waves TEXT NOT NULL, abort_above DOUBLE PRECISION NOT NULL,
+            min_executed BIGINT NOT NULL, soak_s DOUBLE PRECISION NOT NULL,
+            device_timeout_s DOUBLE PRECISION NOT NULL, rollback_on_abort INTEGER NOT NULL,
+            state TEXT NOT NULL, live INTEGER NOT NULL, settled INTEGER NOT NULL DEFAULT 0,
+            wave BIGINT NOT NULL DEFAULT 0, waves_total BIGINT NOT NULL,
+            devices_total BIGINT NOT NULL, reason TEXT, wave_started_at DOUBLE PRECISION,
+            created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL)""",
+        "CREATE UNIQUE INDEX rollouts_one_live_per_name ON rollouts (name) WHERE live = 1",
+        "CREATE INDEX rollouts_unsettled ON rollouts (settled, created_at)",
+        """CREATE TABLE rollout_devices (
+            rollout_id TEXT NOT NULL, device TEXT NOT NULL, fleet TEXT NOT NULL,
+            wave BIGINT NOT NULL, state TEXT NOT NULL, retrying INTEGER NOT NULL DEFAULT 0,
+            reason TEXT, command_id TEXT, started_at DOUBLE PRECISION,
+            active_at DOUBLE PRECISION, finished_at DOUBLE PRECISION, outcome TEXT,
+            reported_ts DOUBLE PRECISION, updated_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (rollout_id, device))""",
+        "CREATE INDEX rollout_devices_by_command ON rollout_devices (command_id)",
+        """CREATE TABLE rollout_commands (
+            command_id TEXT PRIMARY KEY, rollout_id TEXT NOT NULL, device TEXT NOT NULL,
+            type TEXT NOT NULL, recorded DOUBLE PRECISION NOT NULL,
+            published_at DOUBLE PRECISION, withdrawn_at DOUBLE PRECISION)""",
+        "CREATE INDEX rollout_commands_by_rollout ON rollout_commands (rollout_id, device)",
+    )),
+)
+
+_ROLLOUT_COLUMNS = ("id, name, version, selector, waves, abort_above, min_executed, soak_s, "
+                    "device_timeout_s, rollback_on_abort, state, live, settled, wave, "
+                    "waves_total, devices_total, reason, wave_started_at, created_at, "
+                    "updated_at")
+_DEVICE_COLUMNS = ("device, fleet, wave, state, retrying, reason, command_id, started_at, "
+                   "active_at, finished_at, outcome, reported_ts, updated_at")
+_KNOWN_STATES = frozenset(STATES) | {REFUSED}
+_FINAL = frozenset({ACTIVE, ROLLED_BACK, REJECTED, REFUSED, "CANCELLED"})
+
+
+def _retrying(state: str, body: Mapping[str, Any]) -> bool:
+    """A FAILED box still retries while its failures are under its limit (both are in
+    the transition's details)."""
+    details = body.get("details")
+    if state != FAILED or not isinstance(details, dict):
+        return False
+    failures, limit = details.get("failures"), details.get("limit")
+    return isinstance(failures, int) and isinstance(limit, int) and failures < limit
+
+
+def _short(value: Any, limit: int = 500) -> str | None:
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return text.replace("\x00", "\ufffd")[:limit]
+
+
+class RolloutQueries:
+    """Rollout rows over the store's `_tx()` and `_read()` (see `sql.SQLStore`)."""
+
+    def _tx(self) -> AbstractContextManager[Exec]:
+        raise NotImplementedError
+
+    def _read(self) -> AbstractContextManager[Exec]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _insert_command(db: Exec, command: Mapping[str, Any], recorded: float) -> None:
+        raise NotImplementedError  # sql.SQLStore's: the commands table is its
+
+    # -- the operator's side --------------------------------------------------------------
+    def create_rollout(self, new: NewRollout, now: float) -> RolloutRecord:
+        """RUNNING, every device PENDING. RolloutConflict while another rollout of the name
+        is live (or the id exists)."""
+        p = new.policy
+        waves_total = max((w for _, w in new.devices.values()), default=0)
+        try:
+            with self._tx() as db:
+                self._refuse_taken(db, new.id, new.name)
+                db.run(f"INSERT INTO rollouts ({_ROLLOUT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, "
+                       "?, ?, ?, ?, 'RUNNING', 1, 0, 0, ?, ?, NULL, NULL, ?, ?)",
+                       [new.id, new.name, new.version, new.selector,
+                        ",".join(str(s) for s in p.steps), p.abort_above, p.min_executed,
+                        p.soak_s, p.device_timeout_s, int(p.rollback_on_abort), waves_total,
+                        len(new.devices), now, now])
+                db.many("INSERT INTO rollout_devices (rollout_id, device, fleet, wave, state, "
+                        "updated_at) VALUES (?, ?, ?, ?, ?, ?)",
+                        [(new.id, device, fleet, wave, PENDING, now)
+                         for device, (fleet, wave) in sorted(new.devices.items())])
+        except RolloutConflict:
+            raise
+        except Exception:
+            # Two starts at once on PostgreSQL: the partial unique index refused the second.
+            with self._read() as db:
+                self._refuse_taken(db, new.id, new.name)
+            raise
+        found = self.rollout(new.id)
+        assert found is not None
+        return found
+
+    @staticmethod
+    def _refuse_taken(db: Exec, rollout_id: str, name: str) -> None:
+        if db.rows("SELECT 1 FROM rollouts WHERE id = ?", [rollout_id]):
+            raise RolloutConflict(f"a rollout {rollout_id} exists already")
+        live = db.rows("SELECT id, version, state FROM rollouts WHERE name = ? AND live = 1",
+                       [name])
+        if live:
+            rid, version, state = live[0]
+            raise RolloutConflict(f"rollout {rid} of {name}@{version} is {state}: one live "
+                                  f"rollout per model name (abort it first)")
+
+    def set_rollout_state(self, rollout_id: str, to: str, allowed: frozenset[str], *,
+                          reason: str, now: float) -> RolloutRecord:
+        """The operator's pause/resume/abort/rollback: `to` from one of `allowed`;
+        RolloutConflict otherwise. The running engine acts on it at its next tick."""
+        marks = ", ".join("?" for _ in allowed)
+        with self._tx() as db:
+            # Conditional on the state in the UPDATE itself: on PostgreSQL the engine may
+            # commit a decision between a SELECT and this statement.
+            if not db.run(f"UPDATE rollouts SET state = ?, live = ?, settled = 0, reason = ?, "
+                          f"updated_at = ? WHERE id = ? AND state IN ({marks})",
+                          [to, int(to in LIVE), reason, now, rollout_id, *sorted(allowed)]):
+                rows = db.rows("SELECT state FROM rollouts WHERE id = ?", [rollout_id])
+                if not rows:
+                    raise ModelNotFound(f"no rollout {rollout_id}")
+                raise RolloutConflict(f"rollout {rollout_id} is {rows[0][0]}: cannot go "
+                                      f"{to} (from {', '.join(sorted(allowed))} only)")
+        found = self.rollout(rollout_id)
+        assert found is not None
+        return found
+
+    # -- reading --------------------------------------------------------------------------
+    def rollout(self, rollout_id: str) -> RolloutRecord | None:
+        with self._read() as db:
+            rows = db.rows(f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE id = ?",
+                           [rollout_id])
+        return rollout_from_row(rows[0]) if rows else None
+
+    def rollouts(self, *, unsettled: bool = False, limit: int = 100) -> list[RolloutRecord]:
+        """Newest first; `unsettled`: only those the engine still drives."""
+        where = "WHERE settled = 0 " if unsettled else ""
+        with self._read() as db:
+            rows = db.rows(f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts {where}"
+                           "ORDER BY created_at DESC, id LIMIT ?", [int(limit)])
+        return [rollout_from_row(r) for r in rows]
+
+    def rollout_devices(self, rollout_id: str) -> list[DeviceRecord]:
+        with self._read() as db:
+            rows = db.rows(f"SELECT {_DEVICE_COLUMNS} FROM rollout_devices WHERE rollout_id = ? "
+                           "ORDER BY wave, device", [rollout_id])
+            sent = db.rows("SELECT device, type FROM rollout_commands WHERE rollout_id = ?",
+                           [rollout_id])
+        kinds: dict[str, set[str]] = {}
+        for device, type_ in sent:
+            kinds.setdefault(device, set()).add(type_)
+        out = []
+        for r in rows:
+            mine = kinds.get(r[0], set())
+            out.append(DeviceRecord(r[0], r[1], int(r[2]), r[3], bool(r[4]), r[5], r[6],
+                                    r[7], r[8], r[9], r[10], r[11], r[12],
+                                    "rollout.cancel" in mine, "rollout.rollback" in mine))
+        return out
+
+    # -- the engine's side ------------------------------------------------------------------
+    def apply_plan(self, rollout_id: str, *, expect: str, state: str, wave: int,
+                   reason: str | None, settled: bool, timed_out: Sequence[str],
+                   skipped: Sequence[str], now: float) -> bool:
+        """The engine's decision, only if the rollout is still in `expect` (an operator's
+        command in between wins; the engine decides again at its next tick)."""
+        with self._tx() as db:
+            # The state condition is in the UPDATE (a row lock on PostgreSQL), not only in
+            # a SELECT before it: an operator's command committed in between wins.
+            if not db.run("UPDATE rollouts SET state = ?, live = ?, settled = ?, "
+                          "reason = COALESCE(?, reason), updated_at = ?, "
+                          "wave_started_at = CASE WHEN wave <> ? THEN ? "
+                          "ELSE wave_started_at END, wave = ? WHERE id = ? AND state = ?",
+                          [state, int(state in LIVE), int(settled), reason, now, wave, now,
+                           wave, rollout_id, expect]):
+                return False
+            for outcome, devices, why in (("timed_out", timed_out, "no final state in time"),
+                                          ("skipped", skipped, "rollout stopped first")):
+                db.many("UPDATE rollout_devices SET outcome = ?, reason = COALESCE(reason, ?), "
+                        "finished_at = COALESCE(finished_at, ?), updated_at = ? "
+                        "WHERE rollout_id = ? AND device = ? AND outcome IS NULL",
+                        [(outcome, why, now, now, rollout_id, d) for d in devices])
+            db.many("UPDATE rollout_commands SET withdrawn_at = ? WHERE rollout_id = ? AND "
+                    "device = ? AND type = 'rollout.start' AND published_at IS NULL",
+                    [(now, rollout_id, d) for d in skipped])
+            return True
+
+    def next_command_seqs(self, streams: Sequence[str]) -> dict[str, int]:
+        """The next seq of each command stream, taken in one transaction."""
+        out: dict[str, int] = {}
+        with self._tx() as db:
+            for stream in streams:
+                out[stream] = int(db.rows(
+                    "INSERT INTO command_streams (stream, last_seq) VALUES (?, 1) ON CONFLICT "
+                    "(stream) DO UPDATE SET last_seq = command_streams.last_seq + 1 "
+                    "RETURNING last_seq", [stream])[0][0])
+        return out
+
+    def claim_commands(self, rollout_id: str, commands: Mapping[str, Mapping[str, Any]],
+                       now: float, *, require_state: str | None = None) -> list[str]:
+        """Record signed rollout commands (one per device, all of one type) before they
+        are published; returns the devices whose command was recorded. A rollout.start
+        is recorded only for a device not yet commanded, and only while the rollout is
+        in `require_state`; a cancel or rollback at most once per device."""
+        claimed: list[str] = []
+        with self._tx() as db:
+            # A no-op UPDATE rather than a SELECT: it holds the row (PostgreSQL) until the
+            # commit, so a pause cannot slip in between the check and the claims.
+            if require_state is not None and not db.run(
+                    "UPDATE rollouts SET updated_at = updated_at WHERE id = ? AND state = ?",
+                    [rollout_id, require_state]):
+                return []
+            for device, command in commands.items():
+                type_ = str(command["type"])
+                if type_ == "rollout.start":
+                    if not db.run("UPDATE rollout_devices SET command_id = ?, state = ?, "
+                                  "updated_at = ? WHERE rollout_id = ? AND device = ? "
+                                  "AND command_id IS NULL",
+                                  [command["id"], SENT, now, rollout_id, device]):
+                        continue
+                elif db.rows("SELECT 1 FROM rollout_commands WHERE rollout_id = ? AND "
+                             "device = ? AND type = ?", [rollout_id, device, type_]):
+                    continue
+                self._insert_command(db, command, now)
+                db.run("INSERT INTO rollout_commands (command_id, rollout_id, device, type, "
+                       "recorded) VALUES (?, ?, ?, ?, ?)",
+                       [command["id"], rollout_id, device, type_, now])
+                claimed.append(device)
+        return claimed
+
+    def unpublished_commands(self, rollout_id: str) -> list[dict[str, Any]]:
+        """Commands recorded for the rollout that the broker has not taken yet, in order."""
+        with self._read() as db:
+            rows = db.rows("SELECT c.body FROM rollout_commands r JOIN commands c "
+                           "ON c.id = r.command_id WHERE r.rollout_id = ? AND "
+                           "r.published_at IS NULL AND r.withdrawn_at IS NULL "
+                           "ORDER BY r.recorded, c.seq", [rollout_id])
+        return [json.loads(r[0]) for r in rows]
+
+    def mark_published(self, command_ids: Sequence[str], now: float) -> None:
+        """The broker took these: a rollout.start's device timeout counts from now."""
+        with self._tx() as db:
+            db.many("UPDATE rollout_commands SET published_at = ? WHERE command_id = ?",
+                    [(now, cid) for cid in command_ids])
+            db.many("UPDATE rollout_devices SET started_at = COALESCE(started_at, ?) "
+                    "WHERE command_id = ?", [(now, cid) for cid in command_ids])
+
+    # -- the ingest's side (inside its transaction) ------------------------------------------
+    @staticmethod
+    def _rollout_message(db: Exec, msg: Inbound) -> None:
+        """A box's rollout audit message: its state for that rollout, if newer."""
+        body = msg.body
+        rollout_id, event = body.get("rollout_id"), body.get("event")
+        if not isinstance(rollout_id, str):
+            return
+        reason = body.get("reason")
+        if event == "rollout.transition":
+            state = body.get("to")
+        elif event in ("rollout.resumed", "rollout.held"):
+            state = body.get("state")
+            reason = body.get("held_by") or reason
+        elif event == "rollout.refused":
+            state = REFUSED
+            live = body.get("live") if isinstance(body.get("live"), dict) else {}
+            reason = f"refused: {body.get('refused')}" + (
+                f" (rollout {live.get('rollout_id')} is {live.get('state')})" if live else "")
+        else:
+            return  # progress, evidence: shown elsewhere
+        if state not in _KNOWN_STATES:
+            raise ValueError(f"unknown rollout state {state!r}")
+        ts = body.get("ts")
+        ts = float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else msg.ts
+        retrying = _retrying(str(state), body)
+        final = state in _FINAL or (state == FAILED and not retrying)
+        db.run("UPDATE rollout_devices SET state = ?, retrying = ?, reason = ?, "
+               "reported_ts = ?, updated_at = ?, active_at = COALESCE(active_at, ?), "
+               "finished_at = COALESCE(finished_at, ?) WHERE rollout_id = ? AND device = ? "
+               "AND (reported_ts IS NULL OR reported_ts <= ?)",
+               [state, int(retrying), _short(reason), ts, msg.received,
+                msg.received if state == ACTIVE else None, msg.received if final else None,
+                rollout_id, msg.device, ts])
+
+    @staticmethod
+    def _rollout_result(db: Exec, device: str, body: Mapping[str, Any], msg_ts: float,
+                        received: float) -> None:
+        """A rollout.start the box refused (a bad signature, an expired or replayed
+        command, a busy name): REFUSED, unless the box reported something since."""
+        if body.get("type") != "rollout.start":
+            return
+        result = body.get("result")
+        refused = isinstance(result, dict) and result.get("accepted") is False
+        if body.get("status") == "ok" and not refused:
+            return
+        why = body.get("reason") or (result.get("refused") if isinstance(result, dict)
+                                     else None)
+        db.run("UPDATE rollout_devices SET state = ?, reason = ?, reported_ts = ?, "
+               "finished_at = COALESCE(finished_at, ?), updated_at = ? WHERE command_id = ? "
+               "AND device = ? AND state = ?",
+               [REFUSED, _short(f"{body.get('status')}: {why}"), msg_ts, received, received,
+                body.get("id"), device, SENT])

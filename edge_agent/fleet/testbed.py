@@ -1,0 +1,348 @@
+"""A private fleet on one machine, for the bench and the tests: a Mosquitto broker run from
+the configuration `fleet broker-config` writes, and the controller (`fleet serve`) as a
+subprocess, each on free loopback ports in a directory of the caller's.
+
+`Broker` runs as the current user with its own passwd/ACL/conf and persistence in its own
+data dir; it can be killed with SIGKILL and started again on the same port and data (the
+outage scenarios), optionally with a TLS listener whose CA and server certificate are made
+here. `ControllerProcess` is `python -m edge_agent fleet serve` with that broker's
+controller credentials; its store is `<root>/controller.db`, read directly by the caller
+once it has stopped. `raise_nofile` lifts this process's descriptor limit (children inherit
+it): a broker or a simulator of thousands of devices needs one descriptor per connection.
+
+Must never: touch a system broker, its files or port 1883; leave a process running after
+`stop()`; import anything from tests/.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import pwd
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from edge_agent.fleet.controller.broker import BrokerPlan, TLSFiles, write_broker_config
+
+MOSQUITTO_PATHS = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/usr/bin/mosquitto")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_mosquitto() -> str | None:
+    return shutil.which("mosquitto") or next(
+        (p for p in MOSQUITTO_PATHS if os.access(p, os.X_OK)), None)
+
+
+def raise_nofile(want: int | None = None) -> int:
+    """Raises RLIMIT_NOFILE's soft limit to `want` (default: as far as allowed — the hard
+    limit, or for root the kernel's nr_open); the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = hard
+    if os.geteuid() == 0:  # root may raise the hard limit too, up to fs.nr_open
+        try:
+            ceiling = int(Path("/proc/sys/fs/nr_open").read_text().strip())
+        except (OSError, ValueError):
+            ceiling = hard
+    target = ceiling if want is None else min(want, ceiling)
+    if hard != resource.RLIM_INFINITY and target > hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, target))
+            return target
+        except (ValueError, OSError):
+            target = hard
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            return soft
+        return target
+    return soft
+
+
+def wait_port(port: int, timeout: float, alive: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            if alive is not None and alive.poll() is not None:
+                raise RuntimeError(
+                    f"server exited ({alive.returncode}) before port {port} opened") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on port {port} after {timeout} s") from None
+            time.sleep(0.02)
+
+
+# -- TLS -----------------------------------------------------------------------------------
+
+@dataclass
+class LocalCA:
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+
+def make_tls(folder: Path, hostname: str = "localhost") -> LocalCA:
+    """A CA and a server certificate for localhost / 127.0.0.1 signed by it (PEM files)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edge-agent test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False,
+                                       data_encipherment=False, key_agreement=False,
+                                       encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname)]))
+            .issuer_name(ca_name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.DNSName(hostname), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    out = LocalCA(folder / "ca.pem", folder / "server.pem", folder / "server.key")
+    out.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    out.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    out.server_key.write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    out.server_key.chmod(0o600)
+    return out
+
+
+# -- Mosquitto -----------------------------------------------------------------------------
+
+@dataclass
+class Broker:
+    """A private broker; `start()`, `kill()` (SIGKILL), `start()` again: same port, same data."""
+
+    root: Path
+    fleet: str = "f1"
+    devices: tuple[str, ...] = ()
+    controller_user: str = "controller"
+    tls: bool = False
+    passwd_tool: bool = True  # False: the password hashes edge-agent computes itself
+    port: int = field(default_factory=free_port)
+    tls_port: int = 0
+    ca: LocalCA | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    # Connections and disconnections are `notice`: thousands of lines for a large fleet.
+    log_types: tuple[str, ...] = ("error", "warning", "notice")
+    autosave_interval: int = 1
+
+    def __post_init__(self) -> None:
+        binary = find_mosquitto()
+        if binary is None:
+            raise RuntimeError("mosquitto is not installed")
+        self.binary = binary
+        self.out = self.root / "broker"
+        self.data = self.root / "data"
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.started = False
+        if self.tls:
+            self.ca = make_tls(self.root / "tls")
+            self.tls_port = free_port()
+        self._configure()
+
+    def _configure(self) -> None:
+        tls = None if self.ca is None else TLSFiles(self.ca.server_cert, self.ca.server_key)
+        self.plan = BrokerPlan(
+            fleet=self.fleet, devices=self.devices, controller_user=self.controller_user,
+            port=self.port, tls=tls, tls_bind="127.0.0.1", tls_port=self.tls_port,
+            data_dir=self.data, autosave_interval=self.autosave_interval)
+        self.files = write_broker_config(self.plan, self.out, use_tool=self.passwd_tool)
+        # The generated file as it is, plus what a private run needs: stay the current user
+        # (as root Mosquitto would switch to `mosquitto`, who cannot read a 0600 passwd)
+        # and a log to show when something fails.
+        extra = [f"log_dest file {self.root / 'mosquitto.log'}",
+                 *(f"log_type {t}" for t in self.log_types)]
+        if os.geteuid() == 0:
+            extra.append(f"user {pwd.getpwuid(os.geteuid()).pw_name}")
+        self.conf = self.root / "test-mosquitto.conf"
+        self.conf.write_text(self.files.conf.read_text() + "\n" + "\n".join(extra) + "\n")
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    @property
+    def tls_url(self) -> str:
+        return f"mqtts://localhost:{self.tls_port}"
+
+    def password(self, user: str) -> str:
+        return self.files.credentials[user].read_text().strip()
+
+    def password_file(self, user: str) -> Path:
+        return self.files.credentials[user]
+
+    def log(self) -> str:
+        path = self.root / "mosquitto.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def start(self, timeout: float = 15.0) -> Broker:
+        """Start (again, after `kill()`: same port, same data). A first start whose port
+        was taken meanwhile moves to free ports and rewrites the config."""
+        for attempt in range(5):
+            self.proc = subprocess.Popen([self.binary, "-c", str(self.conf)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_port(self.port, timeout, self.proc)
+                if self.tls_port:
+                    wait_port(self.tls_port, timeout, self.proc)
+                # Someone else may be the one answering on the port: a broker that could
+                # not bind exits within milliseconds.
+                time.sleep(0.2)
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"mosquitto exited ({self.proc.returncode})")
+                self.started = True
+                return self
+            except RuntimeError as exc:
+                self.kill()
+                if self.started or "in use" not in self.log() or attempt == 4:
+                    raise RuntimeError(f"{exc}\n{self.log()}") from None
+                self.port, self.tls_port = free_port(), free_port() if self.tls_port else 0
+                self._configure()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no autosave at exit; what persistence wrote before is all there is."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+
+# -- the controller ------------------------------------------------------------------------
+
+class ControllerProcess:
+    """`edge-agent fleet serve` against `broker`, state in `root`, /metrics on a free port."""
+
+    def __init__(self, broker: Broker, root: Path, *, log_level: str = "warning") -> None:
+        self.broker = broker
+        self.root = root
+        self.state_dir = root / "controller"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_level = log_level
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def db(self) -> Path:
+        return self.state_dir / "controller.db"
+
+    def start(self, timeout: float = 60.0) -> ControllerProcess:
+        """Starts and waits until it is subscribed at the broker."""
+        self._log = (self.root / "controller.log").open("ab")
+        # An empty config file: never /etc/edge-agent-fleet/controller.toml of this machine.
+        config = self.root / "controller.toml"
+        config.touch()
+        argv = [sys.executable, "-m", "edge_agent", "fleet", "serve", "--config", str(config),
+                "--state-dir", str(self.state_dir), "--broker", self.broker.url,
+                "--username", self.broker.controller_user,
+                "--password-file", str(self.broker.password_file(self.broker.controller_user)),
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--log-level", self.log_level]
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self.connected():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the controller did not connect:\n{self.output()}")
+            time.sleep(0.1)
+        return self
+
+    def connected(self) -> bool:
+        try:
+            return self.metric("edge_fleet_broker_connected") == 1.0
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics, every sample summed over its labels (name -> value)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+        return out
+
+    def metric(self, name: str) -> float:
+        return self.metrics().get(name, 0.0)
+
+    def device(self, device: str) -> dict[str, Any]:
+        """The read API's view of one device (`online`, `last_seen`, …); {} if unknown."""
+        response = httpx.get(f"{self.url}/devices/{device}", timeout=30)
+        found = response.json() if response.status_code == 200 else {}
+        return found if isinstance(found, dict) else {}
+
+    def output(self) -> str:
+        path = self.root / "controller.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM: it commits and acknowledges what it holds, then exits."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None

@@ -1,0 +1,241 @@
+"""Controller rollouts in the store (`rollout_sql`): the same tests on SQLite and on a
+private PostgreSQL — one live rollout per name, the boxes' reports applied by the ingest,
+commands claimed once and published, the engine's conditional decisions, the migration."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge_agent.errors import ModelNotFound
+from edge_agent.fleet.controller import store as store_module
+from edge_agent.fleet.controller.records import Inbound
+from edge_agent.fleet.controller.rollout_ops import ACTIONS
+from edge_agent.fleet.controller.rollout_records import NewRollout, RolloutConflict
+from edge_agent.fleet.controller.sql import SCHEMA
+from edge_agent.fleet.controller.store import FleetStore, PostgresStore, SQLiteStore
+from edge_agent.fleet.controller.waves import (
+    ABORTED,
+    PAUSED,
+    PENDING,
+    REFUSED,
+    RUNNING,
+    SENT,
+    Policy,
+    parse_waves,
+)
+
+BOOT = "b" * 32
+POLICY = Policy(parse_waves("1,100%"), abort_above=0.1, min_executed=2, soak_s=5,
+                device_timeout_s=60, rollback_on_abort=True)
+
+
+def _open(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> FleetStore:
+    if kind == "sqlite":
+        return SQLiteStore(tmp_path / "controller.db")
+    return PostgresStore(request.getfixturevalue("postgres_url"))
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FleetStore]:
+    made = _open(request.param, tmp_path, request)
+    yield made
+    made.close()
+
+
+def new(rid: str = "r1", name: str = "gemma3:270m", devices: int = 3) -> NewRollout:
+    return NewRollout(rid, name, "2", "all", POLICY,
+                      {f"d{i}": ("f1", 1 if i == 0 else 2) for i in range(devices)})
+
+
+class Seqs:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> int:
+        self.n += 1
+        return self.n
+
+
+SEQ = Seqs()
+
+
+def report(device: str, body: dict[str, Any], *, ts: float, kind: str = "rollout",
+           received: float = 1000.0) -> Inbound:
+    return Inbound("f1", device, kind, BOOT, SEQ(), "audit", ts, {**body, "ts": ts}, received)
+
+
+def transition(device: str, to: str, ts: float, rid: str = "r1", **extra: Any) -> Inbound:
+    return report(device, {"event": "rollout.transition", "to": to, "rollout_id": rid,
+                           "state": to, "reason": extra.pop("reason", None), **extra}, ts=ts,
+                  received=extra.pop("received", 1000.0 + ts))
+
+
+def command(device: str, type_: str, cid: str, seq: int = 1) -> dict[str, Any]:
+    return {"v": 1, "id": cid, "fleet": "f1", "device": device, "type": type_, "seq": seq,
+            "issued_at": 1.0, "expires_at": 100.0, "args": {"rollout_id": "r1"}, "sig": "x"}
+
+
+def devices_of(store: FleetStore, rid: str = "r1") -> dict[str, Any]:
+    return {d.device: d for d in store.rollout_devices(rid)}
+
+
+def test_one_live_rollout_per_name(store: FleetStore) -> None:
+    r = store.create_rollout(new(), now=1.0)
+    assert (r.state, r.live, r.settled, r.wave, r.waves_total, r.devices_total) == (
+        RUNNING, True, False, 0, 2, 3)
+    assert r.policy() == POLICY
+    assert {d.state for d in store.rollout_devices("r1")} == {PENDING}
+    with pytest.raises(RolloutConflict, match="one live rollout per model name"):
+        store.create_rollout(new("r2"), now=2.0)
+    with pytest.raises(RolloutConflict, match="exists already"):
+        store.create_rollout(new("r1", name="other:1b"), now=2.0)
+    store.create_rollout(new("r3", name="other:1b"), now=3.0)  # another name: fine
+    store.set_rollout_state("r1", ABORTED, ACTIONS["abort"][1], reason="abort", now=4.0)
+    assert store.create_rollout(new("r2"), now=5.0).state == RUNNING  # r1 no longer live
+    assert [r.id for r in store.rollouts()] == ["r2", "r3", "r1"]
+    assert [r.id for r in store.rollouts(unsettled=True)] == ["r2", "r3", "r1"]
+
+
+def test_operator_transitions_follow_the_rules(store: FleetStore) -> None:
+    store.create_rollout(new(), now=1.0)
+    to, allowed = ACTIONS["resume"]
+    with pytest.raises(RolloutConflict, match="is RUNNING"):
+        store.set_rollout_state("r1", to, allowed, reason="resume", now=2.0)
+    paused = store.set_rollout_state("r1", PAUSED, ACTIONS["pause"][1], reason="p", now=2.0)
+    assert (paused.state, paused.live, paused.reason) == (PAUSED, True, "p")
+    with pytest.raises(ModelNotFound):
+        store.set_rollout_state("nope", PAUSED, ACTIONS["pause"][1], reason="p", now=2.0)
+
+
+def test_reports_reach_the_devices_rows_newest_first_wins(store: FleetStore) -> None:
+    store.create_rollout(new(), now=1.0)
+    acks = store.ingest([transition("d0", "RECEIVED", 10), transition("d0", "DOWNLOADING", 11),
+                         transition("d1", "RECEIVED", 10),
+                         transition("d9", "RECEIVED", 10),  # not in the rollout
+                         transition("d2", "RECEIVED", 10, rid="someone-else")])
+    assert acks.stored == 5
+    rows = devices_of(store)
+    assert (rows["d0"].state, rows["d0"].reported_ts) == ("DOWNLOADING", 11)
+    assert rows["d1"].state == "RECEIVED" and rows["d2"].state == PENDING
+    store.ingest([transition("d0", "RECEIVED", 9)])  # older, arriving late: ignored
+    assert devices_of(store)["d0"].state == "DOWNLOADING"
+    store.ingest([transition("d0", "ACTIVE", 20, received=1500.0)])
+    store.ingest([transition("d0", "ROLLED_BACK", 30, reason="rollback requested")])
+    d0 = devices_of(store)["d0"]
+    assert (d0.state, d0.active_at, d0.finished_at, d0.reason) == (
+        "ROLLED_BACK", 1500.0, 1500.0, "rollback requested")
+
+
+def test_failed_counts_as_final_only_once_the_box_stops_retrying(store: FleetStore) -> None:
+    store.create_rollout(new(), now=1.0)
+    store.ingest([transition("d0", "FAILED", 10, details={"failures": 1, "limit": 3},
+                             reason="unreachable")])
+    d0 = devices_of(store)["d0"]
+    assert (d0.state, d0.retrying, d0.finished_at) == ("FAILED", True, None)
+    store.ingest([transition("d0", "FAILED", 20, details={"failures": 3, "limit": 3})])
+    d0 = devices_of(store)["d0"]
+    assert (d0.retrying, d0.finished_at) == (False, 1020.0)
+
+
+def test_refusals_from_events_and_results(store: FleetStore) -> None:
+    store.create_rollout(new(), now=1.0)
+    store.claim_commands("r1", {"d0": command("d0", "rollout.start", "c0"),
+                                "d1": command("d1", "rollout.start", "c1")}, 2.0)
+    busy = {"event": "rollout.refused", "accepted": False, "refused": "busy",
+            "rollout_id": "r1", "name": "gemma3:270m",
+            "live": {"rollout_id": "other", "state": "STAGED"}}
+    store.ingest([report("d0", busy, ts=10)])
+    assert devices_of(store)["d0"].state == REFUSED
+    assert "busy" in (devices_of(store)["d0"].reason or "")
+    expired = {"id": "c1", "type": "rollout.start", "status": "refused", "reason": "expired",
+               "result": None}
+    ok = {"id": "c0", "type": "rollout.start", "status": "ok", "result": {"accepted": True}}
+    store.ingest([report("d1", expired, ts=11, kind="cmd/result"),
+                  report("d0", ok, ts=12, kind="cmd/result")])
+    rows = devices_of(store)
+    assert (rows["d1"].state, rows["d1"].reason) == (REFUSED, "refused: expired")
+    assert rows["d0"].state == REFUSED  # an ok result never un-refuses
+    assert store.command_results("c1")[0]["status"] == "refused"  # stored as before
+
+
+def test_a_bad_report_is_stored_and_changes_nothing(store: FleetStore) -> None:
+    store.create_rollout(new(), now=1.0)
+    acks = store.ingest([transition("d0", "EXPLODED", 10),
+                         report("d0", {"event": "rollout.transition", "rollout_id": 5}, ts=11)])
+    assert acks.stored == 2
+    assert devices_of(store)["d0"].state == PENDING
+
+
+def test_commands_are_claimed_once_and_published(store: FleetStore) -> None:
+    store.create_rollout(new(), now=1.0)
+    starts = {d: command(d, "rollout.start", f"s-{d}") for d in ("d0", "d1")}
+    assert store.claim_commands("r1", starts, 2.0, require_state=RUNNING) == ["d0", "d1"]
+    again = {"d0": command("d0", "rollout.start", "s-d0-again")}
+    assert store.claim_commands("r1", again, 3.0, require_state=RUNNING) == []
+    rows = devices_of(store)
+    assert (rows["d0"].state, rows["d0"].command_id, rows["d0"].started_at) == (
+        SENT, "s-d0", None)
+    assert [c["id"] for c in store.unpublished_commands("r1")] == ["s-d0", "s-d1"]
+    store.mark_published(["s-d0"], 5.0)
+    assert [c["id"] for c in store.unpublished_commands("r1")] == ["s-d1"]
+    assert devices_of(store)["d0"].started_at == 5.0
+    cancel = {"d0": command("d0", "rollout.cancel", "k-d0", 2)}
+    assert store.claim_commands("r1", cancel, 6.0) == ["d0"]
+    assert store.claim_commands("r1", {"d0": command("d0", "rollout.cancel", "k2", 3)},
+                                7.0) == []
+    assert devices_of(store)["d0"].cancel_sent and not devices_of(store)["d0"].rollback_sent
+    store.set_rollout_state("r1", PAUSED, ACTIONS["pause"][1], reason="p", now=8.0)
+    assert store.claim_commands("r1", {"d2": command("d2", "rollout.start", "s-d2")}, 9.0,
+                                require_state=RUNNING) == []  # paused meanwhile: not sent
+
+
+def test_the_engines_decision_applies_only_to_the_state_it_read(store: FleetStore) -> None:
+    store.create_rollout(new(), now=1.0)
+    assert store.apply_plan("r1", expect=RUNNING, state=RUNNING, wave=1, reason=None,
+                            settled=False, timed_out=[], skipped=[], now=2.0)
+    r = store.rollout("r1")
+    assert r is not None and (r.wave, r.wave_started_at) == (1, 2.0)
+    store.set_rollout_state("r1", ABORTED, ACTIONS["abort"][1], reason="abort", now=3.0)
+    assert not store.apply_plan("r1", expect=RUNNING, state=RUNNING, wave=2, reason=None,
+                                settled=False, timed_out=[], skipped=[], now=4.0)
+    assert store.apply_plan("r1", expect=ABORTED, state=ABORTED, wave=1, reason=None,
+                            settled=True, timed_out=["d0"], skipped=["d1", "d2"], now=5.0)
+    r = store.rollout("r1")
+    assert r is not None and (r.state, r.settled, r.reason, r.live) == (
+        ABORTED, True, "abort", False)
+    rows = devices_of(store)
+    assert (rows["d0"].outcome, rows["d0"].finished_at) == ("timed_out", 5.0)
+    assert rows["d1"].outcome == "skipped" and rows["d1"].reason == "rollout stopped first"
+    assert store.rollouts(unsettled=True) == []
+    store.set_rollout_state("r1", "ROLLED_BACK", ACTIONS["rollback"][1], reason="rb", now=6.0)
+    assert [r.id for r in store.rollouts(unsettled=True)] == ["r1"]  # work again
+
+
+def test_next_command_seqs_share_the_streams_with_fleet_send(store: FleetStore) -> None:
+    assert store.next_command_seq("f1/d0") == 1
+    assert store.next_command_seqs(["f1/d0", "f1/d1"]) == {"f1/d0": 2, "f1/d1": 1}
+    assert store.next_command_seq("f1/d1") == 2
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres",
+                                                         marks=pytest.mark.postgres)])
+def test_a_store_of_the_previous_schema_gains_the_rollouts_and_keeps_its_data(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    older = tuple(step for step in SCHEMA if step[0] < "m003")
+    monkeypatch.setattr(store_module, "SCHEMA", older)
+    url = request.getfixturevalue("postgres_url") if kind == "postgres" else None
+    first = SQLiteStore(tmp_path / "controller.db") if url is None else PostgresStore(url)
+    first.ingest([report("d0", {"event": "hello"}, ts=1, kind="events")])
+    first.close()
+    monkeypatch.setattr(store_module, "SCHEMA", SCHEMA)
+    again = SQLiteStore(tmp_path / "controller.db") if url is None else PostgresStore(url)
+    try:
+        assert len(again.messages("d0", kind="events")) == 1
+        assert again.create_rollout(new(), now=1.0).state == RUNNING
+    finally:
+        again.close()

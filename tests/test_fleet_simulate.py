@@ -1,0 +1,164 @@
+"""The fleet simulator (`edge_agent.fleet.simulate`) against a real Mosquitto and the real
+controller: its devices connect as their own broker users, are born, publish metrics and
+lose nothing across a broker restart; scripted command outcomes come back as results; and
+`edge-agent bench fleet` prints its figures (their values are the bench's business, not a
+test's)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from edge_agent.cli import main
+from edge_agent.fleet.commands import Command, CommandRefused
+from edge_agent.fleet.controller import commands
+from edge_agent.fleet.envelope import AUDIT
+from edge_agent.fleet.signing import generate_keypair, load_private, load_public
+from edge_agent.fleet.simdevice import SimDevice
+from edge_agent.fleet.simulate import SimOptions, Simulator
+from tests.brokers import FLEET, Mosquitto
+from tests.conftest import clone_state
+from tests.fleetkit import Controller, wait_until
+
+pytestmark = pytest.mark.broker
+FAST = SimOptions(reconnect_min_s=0.2, reconnect_max_s=1.0, sweep_s=2.0, stop_wait_s=3.0)
+
+
+def ids(n: int) -> tuple[str, ...]:
+    return tuple(f"sim-{i:03d}" for i in range(n))
+
+
+@pytest.fixture
+def controller_for(tmp_path: Path) -> Iterator[Callable[[Mosquitto], Controller]]:
+    made: list[Controller] = []
+
+    def make(broker: Mosquitto) -> Controller:
+        ctl = Controller(broker, tmp_path / "controller").start()
+        made.append(ctl)
+        return ctl
+
+    yield make
+    for ctl in made:
+        ctl.close()
+
+
+def test_simulated_devices_are_born_publish_and_lose_nothing_across_a_broker_restart(
+        mosquitto_factory: Callable[..., Mosquitto],
+        controller_for: Callable[[Mosquitto], Controller], tmp_path: Path) -> None:
+    devices = ids(60)
+    broker = mosquitto_factory(devices=devices).start()
+    ctl = controller_for(broker)
+    sim = Simulator(broker.url, fleet=FLEET, devices=devices,
+                    password_file=broker.password_file, root=tmp_path / "sim", options=FAST)
+    try:
+        sim.start()
+        assert sim.wait_connected(30), f"{sim.connected()} of 60 connected"
+        assert wait_until(lambda: ctl.store.counts() == (60, 60), 15), ctl.store.counts()
+        born = ctl.store.device("sim-007")
+        assert born is not None and born["agent_version"] == "sim" and born["online"]
+
+        sim.produce(0.5)  # 120 messages a second in all
+        assert wait_until(lambda: min(d.ticks for d in sim.devices.values()) >= 2, 15)
+        broker.kill()  # SIGKILL: no goodbye to anyone
+        wait_until(lambda: sim.connected() == 0, 10)
+        broker.start()
+        assert sim.wait_connected(30), f"{sim.connected()} of 60 reconnected"
+        assert wait_until(lambda: min(d.ticks for d in sim.devices.values()) >= 5, 15)
+        sim.pause()
+        assert sim.wait_drained(60), f"{sim.depth()} messages still in outboxes"
+
+        for name, (boot, last) in sim.expected().items():
+            # Every seq the device gave (metrics, link events) stored once, none missing.
+            assert ctl.stored(name) == {boot: [[1, last]]}, name
+            assert ctl.gaps(name) == {}
+            assert ctl.count(name, "metrics") == sim.devices[name].ticks
+        assert sim.counts()["loop_errors"] == 0
+    finally:
+        sim.stop()  # clean: each publishes its death
+    assert wait_until(lambda: ctl.store.counts() == (60, 0), 15), ctl.store.counts()
+
+
+def test_scripted_command_outcomes_come_back_as_results(
+        mosquitto_factory: Callable[..., Mosquitto],
+        controller_for: Callable[[Mosquitto], Controller], tmp_path: Path) -> None:
+    devices = ids(9)
+    broker = mosquitto_factory(devices=devices).start()
+    ctl = controller_for(broker)
+    generate_keypair(tmp_path / "cmd.key", tmp_path / "cmd.pub")
+    key = load_private(tmp_path / "cmd.key")
+    ran: list[tuple[str, str]] = []
+
+    def outcome(device: SimDevice, command: Command) -> dict[str, Any]:
+        ran.append((device.device, command.id))
+        number = int(device.device.rsplit("-", 1)[1])
+        if number % 3 == 1:
+            raise CommandRefused("malformed", "scripted refusal")
+        if number % 3 == 2:
+            raise RuntimeError("scripted failure")
+        device.emit("rollout", AUDIT, {"event": "rollout.transition", "to": "ACTIVE",
+                                       "release": command.args["release"]})
+        return {"release": command.args["release"], "device": device.device}
+
+    sim = Simulator(broker.url, fleet=FLEET, devices=devices,
+                    password_file=broker.password_file, root=tmp_path / "sim",
+                    script=outcome, public_key=load_public(tmp_path / "cmd.pub"),
+                    options=FAST)
+    try:
+        sim.start()
+        assert sim.wait_connected(30)
+        assert wait_until(lambda: ctl.store.counts() == (9, 9), 15)
+        sent = commands.send(ctl.settings, ctl.store, key, fleet=FLEET, device=commands.ALL,
+                             type_="rollout.start", args={"release": "gemma3:270m@2"})
+        assert sorted(sent.expected) == list(devices)
+        results = {r["device"]: r for r in commands.wait(ctl.store, sent, 30)}
+        assert set(results) == set(devices)
+        for name, r in results.items():
+            number = int(name.rsplit("-", 1)[1])
+            if number % 3 == 0:
+                assert (r["status"], r["reason"]) == ("ok", None)
+                assert r["result"] == {"release": "gemma3:270m@2", "device": name}
+            elif number % 3 == 1:
+                assert (r["status"], r["reason"]) == ("refused", "malformed")
+            else:
+                assert (r["status"], r["reason"]) == ("failed", "RuntimeError")
+        assert sorted(d for d, _ in ran) == list(devices)  # once each
+        # What a script emits reaches the controller like any outbox message.
+        assert wait_until(lambda: ctl.count("sim-003", "rollout") == 1, 15)
+        # A device's own stream, and a type the script does not take: the link's own ping.
+        ping = commands.send(ctl.settings, ctl.store, key, fleet=FLEET, device="sim-004",
+                             type_="ping")
+        [answer] = commands.wait(ctl.store, ping, 30)
+        assert answer["status"] == "ok" and answer["result"]["pong"] is True
+    finally:
+        sim.stop()
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def test_bench_fleet_prints_its_figures(model_cache: Path, tmp_path: Path) -> None:
+    state = clone_state(model_cache, tmp_path / "state")
+    result = CliRunner().invoke(main, [
+        "bench", "fleet", "--devices", "20", "--interval", "1", "--duration", "5",
+        "--messages", "500", "--runs", "1", "--idle", "1", "--requests", "2", "--json",
+        "--state-dir", str(state)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    outbox = figures["outbox"]
+    for name in ("outbox_msgs_per_s", "plain_msgs_per_s", "outbox_vs_plain",
+                 "controller_msgs_per_s", "idle_core_percent"):
+        assert _finite(outbox[name]), name
+    assert _finite(figures["serving"]["ttft_ratio"])
+    [fleet] = figures["fleet"]
+    assert fleet["devices"] == 20
+    for name in ("ingest_per_s", "lost", "duplicates", "stored"):
+        assert _finite(fleet[name]), name
+    assert all(_finite(v) for v in fleet["cpu_percent"].values())
+    assert "outbox to controller ack" in result.stderr and "messages lost" in result.stderr
