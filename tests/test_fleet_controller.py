@@ -509,9 +509,10 @@ def test_fleet_serve_tells_systemd_ready_pings_its_watchdog_and_says_stopping(
         read_until(lambda: any("READY=1" in m for _, m in got), 60)
         assert any("READY=1" in m for _, m in got), got
         got.clear()
-        read_until(lambda: False, 1.2)
+        read_until(lambda: False, 2.0)
         pings = [t for t, m in got if m == "WATCHDOG=1"]
-        assert 3 <= len(pings) <= 8, got  # every 0.2 s
+        # Every 0.2 s: about 10 in 2 s; a loaded box delays some, none stops them.
+        assert 3 <= len(pings) <= 14, got
         proc.send_signal(signal.SIGTERM)
         read_until(lambda: any("STOPPING=1" in m for _, m in got), 30)
         assert any("STOPPING=1" in m for _, m in got), got
