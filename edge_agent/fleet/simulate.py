@@ -38,6 +38,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import selectors
 import socket
 import threading
@@ -181,6 +182,27 @@ class Simulator:
         self._call(halt)
         done.wait(10)
 
+    def take_offline(self, device: str) -> None:
+        """The device's network goes: its connection drops without a DISCONNECT (the
+        broker publishes its Will) and it stays away — its outbox keeps what it emits —
+        until `bring_online`."""
+        target = self.devices[device]
+
+        def cut() -> None:
+            target.offline = True
+            target.owner.cut("simulated network cut")
+        self._call(cut)
+
+    def bring_online(self, device: str) -> None:
+        """The device's network is back: it connects (birth, resend) at once."""
+        target = self.devices[device]
+
+        def back() -> None:
+            target.offline = False
+            target.owner.next_connect = time.monotonic()
+            self._push(time.monotonic(), target)
+        self._call(back)
+
     def emit(self, device: str, kind: str, cls: str, body: Mapping[str, Any]) -> bool:
         return self.devices[device].emit(kind, cls, body)
 
@@ -316,7 +338,7 @@ class Simulator:
                     device.next_metrics += interval
                 device.ticks += 1
                 device.emit("metrics", METRICS, self._metrics(device, device.ticks))
-            if owner.session is None and self._may_connect(device, now):
+            if owner.session is None and not device.offline and self._may_connect(device, now):
                 owner.connect()
             owner.turn(bool(mask & selectors.EVENT_READ), bool(mask & selectors.EVENT_WRITE))
         except Exception as exc:  # one device's failure never stops the others
@@ -347,7 +369,9 @@ class Simulator:
     def _schedule(self, device: SimDevice, now: float) -> None:
         owner = device.owner
         session = owner.session
-        if session is None:
+        if session is None and device.offline:
+            due = math.inf  # until `bring_online`; only its metrics ticks wake it
+        elif session is None:
             due = self._slots.get(device, owner.next_connect)
         elif not session.established:
             due = min(owner.connack_by, now + self.options.sweep_s)
@@ -355,7 +379,9 @@ class Simulator:
             due = now + self.options.sweep_s
         if device.next_metrics is not None:
             due = min(due, device.next_metrics)
-        if due != device.due:
+        if due == math.inf:
+            device.due = due  # every entry of it in the heap is stale now
+        elif due != device.due:
             self._push(due, device)
 
     def _shutdown(self) -> None:
