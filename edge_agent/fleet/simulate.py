@@ -56,9 +56,11 @@ from edge_agent.fleet.commands import Command
 from edge_agent.fleet.core import LinkOptions
 from edge_agent.fleet.envelope import METRICS
 from edge_agent.fleet.simdevice import Facts, Script, SimDevice, default_facts, default_metrics
+from edge_agent.fleet.testbed import raise_nofile
 
 log = logging.getLogger(__name__)
 MetricsBody = Callable[[SimDevice, int], dict[str, Any]]
+RESERVED_FDS = 256  # the process's own: stdio, logs, a controller or broker client, slack
 SCRIPT_TYPES = frozenset({"config.patch", "ledger.purge", "keys.revoke", "rollout.start",
                           "rollout.cancel", "rollout.rollback"})
 
@@ -87,6 +89,14 @@ class Simulator:
                  metrics: MetricsBody = default_metrics,
                  options: SimOptions | None = None) -> None:
         self.options = opts = options or SimOptions()
+        # One descriptor per device (its socket), six more with files (two SQLite
+        # databases, each with its -wal and -shm): refused up front, not at the 1,000th.
+        need = len(devices) * (7 if opts.store == "files" else 1) + RESERVED_FDS
+        self.nofile = raise_nofile(need)
+        if self.nofile < need:
+            raise RuntimeError(f"{len(devices):,} simulated devices need about {need:,} file "
+                               f"descriptors; this process may open {self.nofile:,} "
+                               "(ulimit -n)")
         self.root = root
         self.sel = selectors.DefaultSelector()
         self._metrics = metrics
