@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
@@ -259,7 +259,8 @@ def bench_serving(state_dir: Path, model: str, broker: Broker, controller: Contr
 
 
 def run_fleet_bench(state_dir: Path, model: str | None, *, devices: list[int],
-                    interval_s: float, duration_s: float, broker_restart: bool, runs: int,
+                    interval_s: float, duration_s: float, broker_restart: bool,
+                    device_store: Literal["memory", "files"], runs: int,
                     messages: int, requests: int, idle_s: float, threads: int, context: int,
                     echo: Echo) -> dict[str, Any]:
     """Every figure of `bench fleet`; `model` None skips the serving figure."""
@@ -270,7 +271,8 @@ def run_fleet_bench(state_dir: Path, model: str | None, *, devices: list[int],
     quiet.setLevel(logging.ERROR)
     try:
         return _run(state_dir, model, devices=devices, interval_s=interval_s,
-                    duration_s=duration_s, broker_restart=broker_restart, runs=runs,
+                    duration_s=duration_s, broker_restart=broker_restart,
+                    device_store=device_store, runs=runs,
                     messages=messages, requests=requests, idle_s=idle_s, threads=threads,
                     context=context, limit=limit, echo=echo)
     finally:
@@ -278,7 +280,8 @@ def run_fleet_bench(state_dir: Path, model: str | None, *, devices: list[int],
 
 
 def _run(state_dir: Path, model: str | None, *, devices: list[int], interval_s: float,
-         duration_s: float, broker_restart: bool, runs: int, messages: int, requests: int,
+         duration_s: float, broker_restart: bool, device_store: Literal["memory", "files"],
+         runs: int, messages: int, requests: int,
          idle_s: float, threads: int, context: int, limit: int, echo: Echo
          ) -> dict[str, Any]:
     cpus = psutil.cpu_count()
@@ -302,6 +305,7 @@ def _run(state_dir: Path, model: str | None, *, devices: list[int], interval_s: 
             broker.stop()
         result["fleet"] = [bench_simulated_fleet(root / f"fleet-{n}", n, interval_s=interval_s,
                                                  duration_s=duration_s,
-                                                 broker_restart=broker_restart, echo=echo)
+                                                 broker_restart=broker_restart,
+                                                 store=device_store, echo=echo)
                            for n in devices]
     return result

@@ -7,6 +7,8 @@ options go before a subcommand's name, the subcommand's after it.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import click
 
 from edge_agent.cli.common import BadUsage, common_options, load
@@ -79,6 +81,9 @@ def bench(ctx: click.Context, model: str | None, levels: list[int], requests: in
               help="Seconds each simulated fleet produces (after one warm-up interval).")
 @click.option("--broker-restart/--no-broker-restart", default=True, show_default=True,
               help="Kill the broker (SIGKILL) halfway and start it again 5 s later.")
+@click.option("--device-store", type=click.Choice(["memory", "files"]), default="memory",
+              show_default=True, help="The simulated devices' outbox and link state: "
+              "in-memory SQLite, or files as on a box (7 descriptors each, an fsync a commit).")
 @click.option("--model", help="Model of the serving figure (default: the configured default).")
 @click.option("--no-serving", is_flag=True, help="Skip the TTFT figure (needs the model).")
 @click.option("--runs", type=click.IntRange(1), default=3, show_default=True,
@@ -91,8 +96,8 @@ def bench(ctx: click.Context, model: str | None, levels: list[int], requests: in
               show_default=True, help="Seconds the idle link's CPU is measured.")
 @json_option("Print the figures as JSON on stdout (the report goes to stderr).")
 def bench_fleet(sizes: list[int], interval: float, duration: float, broker_restart: bool,
-                model: str | None, no_serving: bool, runs: int, messages: int, requests: int,
-                idle_s: float, as_json: bool) -> None:
+                device_store: Literal["memory", "files"], model: str | None, no_serving: bool,
+                runs: int, messages: int, requests: int, idle_s: float, as_json: bool) -> None:
     """Measure the fleet link (outbox throughput vs plain paho, TTFT with the link on vs
     off, idle CPU) and a simulated fleet against a private broker and controller."""
     from edge_agent.bench.fleet import run_fleet_bench
@@ -115,7 +120,8 @@ def bench_fleet(sizes: list[int], interval: float, duration: float, broker_resta
         click.echo(line, err=as_json)
 
     result = run_fleet_bench(settings.state_dir, name, devices=sizes, interval_s=interval,
-                             duration_s=duration, broker_restart=broker_restart, runs=runs,
+                             duration_s=duration, broker_restart=broker_restart,
+                             device_store=device_store, runs=runs,
                              messages=messages, requests=requests, idle_s=idle_s,
                              threads=settings.runtime.threads or default_threads(),
                              context=settings.runtime.context_length, echo=echo)

@@ -156,6 +156,13 @@ class Owner:
             self._check_overdue(now)
             self._watch_writes(session)
 
+    def cut(self, reason: str) -> None:
+        """Drops the connection now without a DISCONNECT, as a lost network would (the
+        broker sends the Will); the next attempt comes with the usual backoff."""
+        if self.session is not None:
+            self._drop(self.session, reason)
+            self.next_connect, self.attempt = self._backoff(self.attempt)
+
     def step(self, fn: Any) -> None:
         try:
             fn()

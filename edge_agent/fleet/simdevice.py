@@ -96,6 +96,7 @@ class SimDevice(LinkCore):
         self.due = 0.0  # when the simulator's loop turns it next without an event
         self.next_metrics: float | None = None  # monotonic time of the next metrics tick
         self.closed = False
+        self.offline = False  # its network is cut (`Simulator.take_offline`)
 
     def emit(self, kind: str, cls: str, body: Mapping[str, Any], *, commit: bool = False
              ) -> bool:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import selectors
 import socket
 import threading
@@ -55,9 +56,11 @@ from edge_agent.fleet.commands import Command
 from edge_agent.fleet.core import LinkOptions
 from edge_agent.fleet.envelope import METRICS
 from edge_agent.fleet.simdevice import Facts, Script, SimDevice, default_facts, default_metrics
+from edge_agent.fleet.testbed import raise_nofile
 
 log = logging.getLogger(__name__)
 MetricsBody = Callable[[SimDevice, int], dict[str, Any]]
+RESERVED_FDS = 256  # the process's own: stdio, logs, a controller or broker client, slack
 SCRIPT_TYPES = frozenset({"config.patch", "ledger.purge", "keys.revoke", "rollout.start",
                           "rollout.cancel", "rollout.rollback"})
 
@@ -86,6 +89,14 @@ class Simulator:
                  metrics: MetricsBody = default_metrics,
                  options: SimOptions | None = None) -> None:
         self.options = opts = options or SimOptions()
+        # One descriptor per device (its socket), six more with files (two SQLite
+        # databases, each with its -wal and -shm): refused up front, not at the 1,000th.
+        need = len(devices) * (7 if opts.store == "files" else 1) + RESERVED_FDS
+        self.nofile = raise_nofile(need)
+        if self.nofile < need:
+            raise RuntimeError(f"{len(devices):,} simulated devices need about {need:,} file "
+                               f"descriptors; this process may open {self.nofile:,} "
+                               "(ulimit -n)")
         self.root = root
         self.sel = selectors.DefaultSelector()
         self._metrics = metrics
@@ -180,6 +191,27 @@ class Simulator:
             done.set()
         self._call(halt)
         done.wait(10)
+
+    def take_offline(self, device: str) -> None:
+        """The device's network goes: its connection drops without a DISCONNECT (the
+        broker publishes its Will) and it stays away — its outbox keeps what it emits —
+        until `bring_online`."""
+        target = self.devices[device]
+
+        def cut() -> None:
+            target.offline = True
+            target.owner.cut("simulated network cut")
+        self._call(cut)
+
+    def bring_online(self, device: str) -> None:
+        """The device's network is back: it connects (birth, resend) at once."""
+        target = self.devices[device]
+
+        def back() -> None:
+            target.offline = False
+            target.owner.next_connect = time.monotonic()
+            self._push(time.monotonic(), target)
+        self._call(back)
 
     def emit(self, device: str, kind: str, cls: str, body: Mapping[str, Any]) -> bool:
         return self.devices[device].emit(kind, cls, body)
@@ -316,7 +348,7 @@ class Simulator:
                     device.next_metrics += interval
                 device.ticks += 1
                 device.emit("metrics", METRICS, self._metrics(device, device.ticks))
-            if owner.session is None and self._may_connect(device, now):
+            if owner.session is None and not device.offline and self._may_connect(device, now):
                 owner.connect()
             owner.turn(bool(mask & selectors.EVENT_READ), bool(mask & selectors.EVENT_WRITE))
         except Exception as exc:  # one device's failure never stops the others
@@ -347,7 +379,9 @@ class Simulator:
     def _schedule(self, device: SimDevice, now: float) -> None:
         owner = device.owner
         session = owner.session
-        if session is None:
+        if session is None and device.offline:
+            due = math.inf  # until `bring_online`; only its metrics ticks wake it
+        elif session is None:
             due = self._slots.get(device, owner.next_connect)
         elif not session.established:
             due = min(owner.connack_by, now + self.options.sweep_s)
@@ -355,7 +389,9 @@ class Simulator:
             due = now + self.options.sweep_s
         if device.next_metrics is not None:
             due = min(due, device.next_metrics)
-        if due != device.due:
+        if due == math.inf:
+            device.due = due  # every entry of it in the heap is stale now
+        elif due != device.due:
             self._push(due, device)
 
     def _shutdown(self) -> None:

@@ -51,8 +51,10 @@ def find_mosquitto() -> str | None:
 
 def raise_nofile(want: int | None = None) -> int:
     """Raises RLIMIT_NOFILE's soft limit to `want` (default: as far as allowed — the hard
-    limit, or for root the kernel's nr_open); the soft limit now."""
+    limit, or for root the kernel's nr_open; never lowered); the soft limit now."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if want is not None and want <= soft:
+        return soft
     ceiling = hard
     if os.geteuid() == 0:  # root may raise the hard limit too, up to fs.nr_open
         try:
