@@ -69,6 +69,14 @@ TARGETS: tuple[Target, ...] = (
            "<=", 0.5, "%"),
     Target("fleet.lost", "{devices:,} devices: messages lost (broker restart: {restart})",
            "<=", 0, ""),
+    # `edge-agent bench rollout`: one box, its controller and broker on loopback.
+    Target("rollout.download_vs_curl",
+           "release download to the last byte, edge-agent / curl (median of {runs})", ">=", 0.9),
+    Target("rollout.to_active_s", "rollout start to ACTIVE, one box (median)", "<=", 60, "s"),
+    Target("rollout.longest_gap_ms", "longest interval without a token, during the switch",
+           "<=", 1000, "ms"),
+    Target("rollout.ttft_p99_ratio", "TTFT p99 of short requests, during switch / before",
+           "<=", 3),
 )
 
 BY_KEY: dict[str, Target] = {t.key: t for t in TARGETS}

@@ -127,3 +127,32 @@ def bench_fleet(sizes: list[int], interval: float, duration: float, broker_resta
                              context=settings.runtime.context_length, echo=echo)
     if as_json:
         echo_json(result)
+
+
+@bench.command("rollout")
+@common_options
+@click.option("--model", help="Model to roll out (default: the configured default).")
+@click.option("--runs", type=click.IntRange(1), default=3, show_default=True,
+              help="Rollouts (one new version each) and download runs; medians are judged.")
+@click.option("--before", "before_s", type=click.FloatRange(min=1), default=5.0,
+              show_default=True, help="Seconds of load measured before each rollout starts.")
+@json_option("Print the figures as JSON on stdout (the report goes to stderr).")
+def bench_rollout(model: str | None, runs: int, before_s: float, as_json: bool) -> None:
+    """Roll a new version of the model out to one box over loopback (private broker,
+    `fleet serve`, `edge-agent serve`): time to ACTIVE by state, download vs curl, and
+    the serving gap while it switches."""
+    from edge_agent.bench.rollout import run_rollout_bench
+    from edge_agent.engine.runtime import default_threads
+
+    settings = load()
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+
+    def echo(line: str) -> None:
+        click.echo(line, err=as_json)
+
+    result = run_rollout_bench(settings.state_dir, model or settings.default_model,
+                               runs=runs, threads=settings.runtime.threads or default_threads(),
+                               context=settings.runtime.context_length, before_s=before_s,
+                               echo=echo)
+    if as_json:
+        echo_json(result)

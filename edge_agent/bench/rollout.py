@@ -1,0 +1,316 @@
+"""`edge-agent bench rollout`: a model rollout on one box over loopback, every part real — a
+signed release repository (`fleet keygen`, `fleet release init|add`), `fleet serve` serving
+/releases/ and ingesting, a private Mosquitto, and `edge-agent serve` with its link on.
+
+- time to ACTIVE: from `fleet send DEV rollout.start` to the controller storing the box's
+  ACTIVE transition, split by state (the gaps between the stored transitions' `ts`);
+- download vs curl: `transfer.download` of the release (to the verified file) against
+  `curl` of the same URL from the same `fleet serve`, in turns; the ratio of the medians;
+- serving gap: while the box switches, one client streams long answers and another asks
+  short questions; the longest interval between two tokens of a running stream, and the
+  p99 TTFT of the short requests during the switch against before it.
+
+Each run rolls out a new version (a copy of the default model with one byte of its
+general.name changed: another digest that loads and answers as fast). Targets:
+`targets.py` (`rollout.*`). Must never: write to the box's own state dir (the server gets
+a state dir of its own, its blobs linked), use a system broker, import from tests/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from edge_agent.bench.fleet import _server_state
+from edge_agent.bench.peers import EdgeAgentPeer, Sample
+from edge_agent.bench.targets import report
+from edge_agent.engine.catalog import ModelStore
+
+Echo = Callable[[str], None]
+FLEET, DEV = "bench", "bench-box"
+GATE = {"prompts": [{"id": "hello", "prompt": "Hello", "max_tokens": 4,
+                     "expect": {"max_output_tokens": 4}}], "tokens_per_s_floor": None}
+STATES = ("RECEIVED", "DOWNLOADING", "VERIFYING", "STAGED", "ACTIVATING", "GATING")
+
+
+def _cli(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "edge_agent", *args], capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"edge-agent {' '.join(args[:3])} failed:\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def _variant(blob: Path, dest: Path, letter: bytes) -> Path:
+    """The model with one letter of its general.name changed: another digest."""
+    shutil.copyfile(blob, dest)
+    with dest.open("r+b") as fh:
+        head = fh.read(1 << 16)
+        at = head.index(b"general.name") + len(b"general.name") + 4 + 8
+        fh.seek(at)
+        fh.write(letter)
+    return dest
+
+
+def _p99(values: list[float]) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+
+
+def _transitions(db: Path, rollout_id: str) -> list[dict[str, Any]]:
+    from edge_agent.fleet.controller.store import SQLiteStore
+
+    store = SQLiteStore(db)
+    try:
+        rows = store.messages(DEV, kind="rollout", limit=10_000)
+    finally:
+        store.close()
+    return sorted((m["body"] for m in rows if m["body"].get("rollout_id") == rollout_id
+                   and m["body"].get("event") == "rollout.transition"),
+                  key=lambda b: b["ts"])
+
+
+def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+class Load:
+    """A long stream, over and over, and short questions, one after another."""
+
+    def __init__(self, box: EdgeAgentPeer, long_tokens: int) -> None:
+        self.box, self.long_tokens = box, long_tokens
+        self.streams: list[Sample] = []
+        self.shorts: list[Sample] = []
+        self.failed = 0
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, args=(True,), daemon=True),
+                        threading.Thread(target=self._loop, args=(False,), daemon=True)]
+
+    def _loop(self, long: bool) -> None:
+        i = 0
+        while not self.stop.is_set():
+            i += 1
+            try:
+                if long:
+                    self.streams.append(self.box.chat(
+                        [{"role": "user", "content": f"Tell a long story, part {i}."}],
+                        self.long_tokens))
+                else:
+                    self.shorts.append(self.box.chat(
+                        [{"role": "user", "content": f"Question {i}: is it open?"}], 4))
+            except Exception:  # noqa: BLE001 — a failed request is a figure, not a crash
+                self.failed += 1
+                time.sleep(0.2)
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+
+    def ttfts(self, start: float, end: float) -> list[float]:
+        return [s.ttft_s for s in list(self.shorts) if start <= s.start < end and s.arrivals]
+
+    def longest_gap(self, start: float, end: float) -> float:
+        """The longest interval without a token in a stream running within [start, end)."""
+        gap = 0.0
+        for s in list(self.streams):
+            for a, b in pairwise(s.arrivals):
+                if b >= start and a < end:
+                    gap = max(gap, b - a)
+        return gap
+
+
+def _download_vs_curl(ctl_url: str, root_file: Path, work: Path, version: str,
+                      model: str, runs: int) -> dict[str, Any]:
+    from edge_agent.config import load_settings
+    from edge_agent.fleet import transfer
+    from edge_agent.fleet.release import ReleaseSource
+
+    device = work / "device"
+    settings = load_settings(None, state_dir=device, **{
+        "fleet.tuf_root_file": str(root_file), "fleet.artifacts_url": f"{ctl_url}/releases/"})
+    release = ReleaseSource(settings.fleet, device).lookup(model, version)
+    times: dict[str, list[float]] = {"transfer": [], "download": [], "curl": []}
+    for _ in range(runs):
+        dest = work / "dl"
+        shutil.rmtree(dest, ignore_errors=True)
+        ends: list[float] = []
+
+        def last_byte(done: int, total: int, rate: float, eta: float | None,
+                      ends: list[float] = ends) -> None:
+            if done == total:
+                ends.append(time.perf_counter())
+
+        t0 = time.perf_counter()
+        transfer.download(release, dest, progress=last_byte)
+        times["download"].append(time.perf_counter() - t0)
+        times["transfer"].append((ends[0] if ends else time.perf_counter()) - t0)
+        shutil.rmtree(dest, ignore_errors=True)
+        out = work / "curl.out"
+        t0 = time.perf_counter()
+        subprocess.run(["curl", "-sSf", "-o", str(out), release.url], check=True)
+        times["curl"].append(time.perf_counter() - t0)
+        out.unlink()
+    size = release.length
+    mb_s = {k: [size / t / 1e6 for t in v] for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in mb_s.items()}
+    return {"bytes": size, "runs": runs, "MB_per_s": mb_s, "median_MB_per_s": med,
+            "ratio": med["transfer"] / med["curl"],
+            "ratio_with_verification": med["download"] / med["curl"]}
+
+
+def run_rollout_bench(state_dir: Path, model: str, *, runs: int, threads: int, context: int,
+                      before_s: float = 5.0, long_tokens: int = 64,
+                      echo: Echo) -> dict[str, Any]:
+    from edge_agent.fleet.testbed import Broker, ControllerProcess
+
+    store = ModelStore(state_dir)
+    try:
+        if not store.is_installed(model):
+            store.pull(model)
+        blob = store.get(model).blob_path(state_dir)
+    finally:
+        store.close()
+    echo(f"edge-agent bench rollout: {model}, {blob.stat().st_size / 1e6:.0f} MB, "
+         f"{runs} run(s), {os.cpu_count()} CPUs")
+    result: dict[str, Any] = {"model": model, "bytes": blob.stat().st_size, "runs": runs}
+    with tempfile.TemporaryDirectory(prefix="edge-bench-rollout-") as tmp:
+        root = Path(tmp)
+        keys, box_root = root / "keys", root / "box"
+        ctl = box_root / "controller"  # ControllerProcess's state dir
+        _cli("fleet", "keygen", "--out", str(keys))
+        _cli("fleet", "release", "init", "--state-dir", str(ctl), "--keys", str(keys))
+        (root / "gate.json").write_text(json.dumps(GATE))
+        versions = [str(i + 2) for i in range(runs)]
+        for i, version in enumerate(versions):
+            gguf = _variant(blob, root / f"v{version}.gguf", b"ABCDEFGHIJKLMNOP"[i % 16:][:1])
+            _cli("fleet", "release", "add", str(gguf), "--name", model, "--version", version,
+                 "--state-dir", str(ctl), "--keys", str(keys), "--gate",
+                 str(root / "gate.json"))
+            gguf.unlink()
+        root_file = root / "provisioned-root.json"
+        shutil.copyfile(ctl / "releases" / "metadata" / "1.root.json", root_file)
+        broker = Broker(box_root, fleet=FLEET, devices=(DEV,),
+                        log_types=("error", "warning")).start()
+        config = box_root / "controller.toml"
+        config.write_text(f'state_dir = "{ctl}"\ncommand_key_file = "{keys / "command.pem"}"\n'
+                          f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
+                          f'password_file = "{broker.password_file("controller")}"\n')
+        controller = ControllerProcess(broker, box_root)
+        box: EdgeAgentPeer | None = None
+        try:
+            controller.start()
+            echo("download throughput, transfer.download vs curl, same file, same server")
+            dl = _download_vs_curl(controller.url, root_file, root, versions[0], model, runs)
+            med = dl["median_MB_per_s"]
+            echo(f"  {dl['bytes'] / 1e6:.0f} MB: edge-agent {med['transfer']:.0f} MB/s to the "
+                 f"last byte ({med['download']:.0f} MB/s verified and prechecked), curl "
+                 f"{med['curl']:.0f} MB/s (median of {runs})")
+            report(echo, "rollout.download_vs_curl", dl["ratio"], runs=runs)
+            result["download"] = dl
+            fleet_env = {
+                "EDGE_AGENT_FLEET__ENABLED": "true", "EDGE_AGENT_FLEET__BROKER": broker.url,
+                "EDGE_AGENT_FLEET__FLEET_ID": FLEET, "EDGE_AGENT_FLEET__DEVICE_ID": DEV,
+                "EDGE_AGENT_FLEET__USERNAME": DEV,
+                "EDGE_AGENT_FLEET__PASSWORD_FILE": str(broker.password_file(DEV)),
+                "EDGE_AGENT_FLEET__COMMAND_KEY_FILE": str(keys / "command.pub.pem"),
+                "EDGE_AGENT_FLEET__TUF_ROOT_FILE": str(root_file),
+                "EDGE_AGENT_FLEET__ARTIFACTS_URL": f"{controller.url}/releases/",
+                "EDGE_AGENT_FLEET__DOWNLOAD_HEADROOM_BYTES": "0",
+                "EDGE_AGENT_FLEET__RECONNECT_MIN_S": "0.2",
+                "EDGE_AGENT_FLEET__RECONNECT_MAX_S": "1.0",
+                "EDGE_AGENT_TELEMETRY__HARDWARE": "false"}
+            box = EdgeAgentPeer(_server_state(state_dir, root / "serve"), model,
+                                threads=threads, context=context, parallel=2, env=fleet_env)
+            box.chat([{"role": "user", "content": "warm up"}], 4)
+            if not _wait(lambda: controller.device(DEV).get("online") is True, 60):
+                raise RuntimeError("the box's link did not reach the controller")
+            result["rollouts"] = [
+                _one_rollout(box, controller.db, config, model, version, before_s,
+                             long_tokens, echo) for version in versions]
+        finally:
+            if box is not None:
+                box.close()
+            controller.stop()
+            broker.stop()
+    rolls = result["rollouts"]
+    total = statistics.median(r["to_active_s"] for r in rolls)
+    per_state = {s: statistics.median(r["states_s"].get(s, 0.0) for r in rolls)
+                 for s in STATES}
+    gap = statistics.median(r["longest_gap_ms"] for r in rolls)
+    before = statistics.median(r["ttft_p99_before_ms"] for r in rolls)
+    during = statistics.median(r["ttft_p99_during_ms"] for r in rolls)
+    echo(f"summary (median of {len(rolls)})")
+    echo(f"  rollout start to ACTIVE {total:.2f} s: " + ", ".join(
+        f"{s} {v:.2f}" for s, v in per_state.items()))
+    echo(f"  longest gap between tokens during the switch {gap:.0f} ms; TTFT p99 before "
+         f"{before:.0f} ms, during {during:.0f} ms")
+    report(echo, "rollout.to_active_s", total)
+    report(echo, "rollout.longest_gap_ms", gap)
+    report(echo, "rollout.ttft_p99_ratio", during / before if before else float("nan"))
+    result["summary"] = {"to_active_s": total, "states_s": per_state, "longest_gap_ms": gap,
+                         "ttft_p99_before_ms": before, "ttft_p99_during_ms": during,
+                         "ttft_p99_ratio": during / before if before else float("nan"),
+                         "download_vs_curl": result["download"]["ratio"]}
+    return result
+
+
+def _one_rollout(box: EdgeAgentPeer, db: Path, config: Path, model: str, version: str,
+                 before_s: float, long_tokens: int, echo: Echo) -> dict[str, Any]:
+    rid = f"bench-{version}"
+    echo(f"rollout {rid}: version {version}, with a stream and short requests running")
+    with Load(box, long_tokens) as load:
+        t_before = time.perf_counter()
+        time.sleep(before_s)
+        t_send = time.perf_counter()
+        _cli("fleet", "send", DEV, "rollout.start", "--config", str(config), "--wait", "0",
+             "--arg", f"rollout_id={rid}", "--arg", f"name={model}",
+             "--arg", f"version={version}")
+        if not _wait(lambda: any(b["to"] in ("ACTIVE", "ROLLED_BACK", "FAILED")
+                                 for b in _transitions(db, rid)), 600):
+            raise RuntimeError(f"rollout {rid} did not finish")
+        t_active = time.perf_counter()
+        time.sleep(0.5)  # the streams running at the end of the switch go on a little
+    bodies = _transitions(db, rid)
+    if bodies[-1]["to"] != "ACTIVE":
+        raise RuntimeError(f"rollout {rid} ended {bodies[-1]['to']}: {bodies[-1]}")
+    states = {a["to"]: b["ts"] - a["ts"] for a, b in pairwise(bodies)}
+    before = load.ttfts(t_before, t_send)
+    during = load.ttfts(t_send, t_active)
+    row = {"version": version, "to_active_s": t_active - t_send, "states_s": states,
+           "timings": bodies[-1].get("timings") or {},
+           "longest_gap_ms": load.longest_gap(t_send, t_active) * 1000,
+           "longest_gap_before_ms": load.longest_gap(t_before, t_send) * 1000,
+           "ttft_p99_before_ms": _p99(before) * 1000, "ttft_p99_during_ms": _p99(during) * 1000,
+           "short_requests": {"before": len(before), "during": len(during)},
+           "failed_requests": load.failed}
+    echo(f"  ACTIVE after {row['to_active_s']:.2f} s; " + ", ".join(
+        f"{s} {v:.2f}" for s, v in states.items()))
+    echo(f"  longest gap {row['longest_gap_ms']:.0f} ms (before "
+         f"{row['longest_gap_before_ms']:.0f}); TTFT p99 {row['ttft_p99_during_ms']:.0f} ms "
+         f"during ({len(during)}), {row['ttft_p99_before_ms']:.0f} ms before ({len(before)}); "
+         f"failed {load.failed}")
+    return row

@@ -1,0 +1,41 @@
+"""`edge-agent bench rollout --runs 1 --json` end to end (private broker, `fleet serve`,
+`edge-agent serve` with the real default model): every figure is there and finite. The
+figures themselves are never asserted: this machine's load is not the bench's business."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge_agent.fleet.testbed import find_mosquitto
+from tests.conftest import clone_state
+
+pytestmark = [pytest.mark.integration, pytest.mark.broker]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_rollout_reports_every_figure(model_cache: Path, tmp_path: Path) -> None:
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    state = clone_state(model_cache, tmp_path / "state")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EDGE_AGENT_RUNTIME__CONTEXT_LENGTH": "512",
+           "EDGE_AGENT_TELEMETRY__HARDWARE": "false"}
+    done = subprocess.run([sys.executable, "-m", "edge_agent", "bench", "--state-dir",
+                           str(state), "rollout", "--runs", "1", "--before", "2", "--json"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    summary = result["summary"]
+    for key in ("to_active_s", "longest_gap_ms", "ttft_p99_during_ms", "download_vs_curl"):
+        assert math.isfinite(summary[key]), key
+    assert summary["to_active_s"] > 0 and summary["download_vs_curl"] > 0
+    assert set(summary["states_s"]) >= {"DOWNLOADING", "VERIFYING", "ACTIVATING", "GATING"}
+    assert result["rollouts"][0]["failed_requests"] == 0
+    assert "rollout.download_vs_curl" not in done.stdout  # the report goes to stderr
+    assert "download to the last byte" in done.stderr
