@@ -240,7 +240,9 @@ def bench_serving(state_dir: Path, model: str, broker: Broker, controller: Contr
         if not _wait(lambda: controller.device(SERVE).get("online") is True, 30, 0.2):
             raise RuntimeError("the link-on server's link did not reach the controller")
         for i in range(requests):
-            for label, peer in peers.items():
+            # Which server goes first alternates: neither gains from the other's wake-up.
+            turns = list(peers.items())
+            for label, peer in turns if i % 2 == 0 else turns[::-1]:
                 sample = peer.chat([{"role": "user", "content": f"Question {i} about stock?"}],
                                    8)
                 firsts[label].append(sample.ttft_s)
