@@ -64,6 +64,10 @@ class BrokerPlan:
     autosave_interval: int = 60
     # The controller's queue while it restarts: Mosquitto's default (1000) drops the rest.
     max_queued_messages: int = 100_000
+    # QoS 1 messages in flight per client, and the Receive Maximum the broker announces to
+    # MQTT 5 clients: a box's link keeps its window under it (Mosquitto's default is 20,
+    # which caps a backlog's drain at one round trip per 20 messages).
+    max_inflight_messages: int = 1000
     conf_dir: Path | None = None  # where passwd/acl will be on the broker host; default out
 
     def users(self) -> tuple[str, ...]:
@@ -148,6 +152,7 @@ def conf_text(plan: BrokerPlan, conf_dir: Path) -> str:
         f"persistence_location {str(plan.data_dir).rstrip('/')}/",
         f"autosave_interval {plan.autosave_interval}",
         f"max_queued_messages {plan.max_queued_messages}",
+        f"max_inflight_messages {plan.max_inflight_messages}",
         "",
         f"listener {plan.port} {plan.bind}".rstrip(),
         "protocol mqtt",
