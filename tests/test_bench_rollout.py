@@ -1,6 +1,7 @@
 """`edge-agent bench rollout --runs 1 --json` end to end (private broker, `fleet serve`,
-`edge-agent serve` with the real default model): every figure is there and finite. The
-figures themselves are never asserted: this machine's load is not the bench's business."""
+`edge-agent serve` with the real default model, then 20 simulated boxes in waves): every
+figure is there and finite. The figures themselves are never asserted: this machine's load
+is not the bench's business."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def test_bench_rollout_reports_every_figure(model_cache: Path, tmp_path: Path) -
     env = {**os.environ, "PYTHONPATH": str(ROOT), "EDGE_AGENT_RUNTIME__CONTEXT_LENGTH": "512",
            "EDGE_AGENT_TELEMETRY__HARDWARE": "false"}
     done = subprocess.run([sys.executable, "-m", "edge_agent", "bench", "--state-dir",
-                           str(state), "rollout", "--runs", "1", "--before", "2", "--json"],
+                           str(state), "rollout", "--runs", "1", "--before", "2",
+                           "--boxes", "20", "--soak", "0.5", "--json"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
@@ -37,5 +39,9 @@ def test_bench_rollout_reports_every_figure(model_cache: Path, tmp_path: Path) -
     assert summary["to_active_s"] > 0 and summary["download_vs_curl"] > 0
     assert set(summary["states_s"]) >= {"DOWNLOADING", "VERIFYING", "ACTIVATING", "GATING"}
     assert result["rollouts"][0]["failed_requests"] == 0
+    waves = summary["waves"]  # the controller's cost of a rollout over 20 simulated boxes
+    assert waves["devices"] == 20
+    assert waves["controller_cpu_s"] > 0 and waves["msgs_per_s"] > 0
+    assert result["waves"]["runs"][0]["messages"] >= 20 * 8  # a command, 7 states, each box
     assert "rollout.download_vs_curl" not in done.stdout  # the report goes to stderr
     assert "download to the last byte" in done.stderr

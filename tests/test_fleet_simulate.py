@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import selectors
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -149,6 +151,58 @@ def test_scripted_command_outcomes_come_back_as_results(
                              type_="ping")
         [answer] = commands.wait(ctl.store, ping, 30)
         assert answer["status"] == "ok" and answer["result"]["pong"] is True
+    finally:
+        sim.stop()
+
+
+def test_a_socket_paho_closes_during_a_turn_leaves_the_shared_selector_at_once(
+        mosquitto_factory: Callable[..., Mosquitto],
+        controller_for: Callable[[Mosquitto], Controller], tmp_path: Path) -> None:
+    """paho closes the socket when a publish's write fails; its number must leave the
+    shared selector in that turn, or the next socket to take the number (another device's
+    connect in the same pass) cannot be registered."""
+    devices = ids(3)
+    broker = mosquitto_factory(devices=devices).start()
+    controller_for(broker)
+    sim = Simulator(broker.url, fleet=FLEET, devices=devices,
+                    password_file=broker.password_file, root=tmp_path / "sim", options=FAST)
+    seen: list[str] = []
+    try:
+        sim.start()
+        assert sim.wait_connected(30)
+        device = sim.devices["sim-000"]
+        session = device.owner.session
+        assert session is not None and session.fd is not None
+        fd = session.fd
+
+        def after_the_turn() -> None:  # on the loop thread, at the next pass
+            sock = socket.socket()
+            try:
+                seen.append("same number" if sock.fileno() == fd else "other number")
+                sim.sel.register(sock, selectors.EVENT_READ, None)
+                sim.sel.unregister(sock)
+                seen.append("registered")
+            except KeyError:
+                seen.append("still registered")
+            finally:
+                sock.close()
+
+        def failing_publish(topic: str, payload: bytes, *, retain: bool = False) -> None:
+            session.client._sock_close()  # what paho does when the write fails
+            sim._call(after_the_turn)
+            return None
+
+        session.publish = failing_publish  # type: ignore[method-assign]
+        device.emit("events", AUDIT, {"event": "probe"})
+        assert wait_until(lambda: len(seen) == 2, 10), seen
+        assert seen == ["same number", "registered"]
+        # It reconnects by itself, what it emitted goes on the new connection, and the
+        # loop counted no error.
+        assert wait_until(lambda: device.owner.session is not None
+                          and device.owner.session is not session
+                          and device.owner.session.established, 15)
+        assert sim.wait_drained(15)  # acknowledged by the controller
+        assert sim.errors == 0
     finally:
         sim.stop()
 

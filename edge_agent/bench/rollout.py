@@ -8,7 +8,9 @@ signed release repository (`fleet keygen`, `fleet release init|add`), `fleet ser
   `curl` of the same URL from the same `fleet serve`, in turns; the ratio of the medians;
 - serving gap: while the box switches, one client streams long answers and another asks
   short questions; the longest interval between two tokens of a running stream, and the
-  p99 TTFT of the short requests during the switch against before it.
+  p99 TTFT of the short requests during the switch against before it;
+- the controller's cost of a rollout in waves over `boxes` simulated boxes
+  (`rollout_waves`): its CPU and the messages it handled a second.
 
 Each run rolls out a new version (a copy of the default model with one byte of its
 general.name changed: another digest that loads and answers as fast). Targets:
@@ -34,6 +36,7 @@ from typing import Any
 
 from edge_agent.bench.fleet import _server_state
 from edge_agent.bench.peers import EdgeAgentPeer, Sample
+from edge_agent.bench.rollout_waves import run_waves, sim_devices
 from edge_agent.bench.targets import report
 from edge_agent.engine.catalog import ModelStore
 
@@ -183,8 +186,8 @@ def _download_vs_curl(ctl_url: str, root_file: Path, work: Path, version: str,
 
 
 def run_rollout_bench(state_dir: Path, model: str, *, runs: int, threads: int, context: int,
-                      before_s: float = 5.0, long_tokens: int = 64,
-                      echo: Echo) -> dict[str, Any]:
+                      before_s: float = 5.0, long_tokens: int = 64, boxes: int = 100,
+                      soak_s: float = 1.0, echo: Echo) -> dict[str, Any]:
     from edge_agent.fleet.testbed import Broker, ControllerProcess
 
     store = ModelStore(state_dir)
@@ -213,7 +216,8 @@ def run_rollout_bench(state_dir: Path, model: str, *, runs: int, threads: int, c
             gguf.unlink()
         root_file = root / "provisioned-root.json"
         shutil.copyfile(ctl / "releases" / "metadata" / "1.root.json", root_file)
-        broker = Broker(box_root, fleet=FLEET, devices=(DEV,),
+        sims = sim_devices(boxes)
+        broker = Broker(box_root, fleet=FLEET, devices=(DEV, *sims), passwd_tool=not sims,
                         log_types=("error", "warning")).start()
         config = box_root / "controller.toml"
         config.write_text(f'state_dir = "{ctl}"\ncommand_key_file = "{keys / "command.pem"}"\n'
@@ -251,6 +255,12 @@ def run_rollout_bench(state_dir: Path, model: str, *, runs: int, threads: int, c
             result["rollouts"] = [
                 _one_rollout(box, controller.db, config, model, version, before_s,
                              long_tokens, echo) for version in versions]
+            box.close()
+            box = None
+            if sims:
+                result["waves"] = run_waves(controller, broker, config, keys,
+                                            f"{model}@{versions[0]}", sims, root, runs=runs,
+                                            soak_s=soak_s, echo=echo)
         finally:
             if box is not None:
                 box.close()
@@ -275,6 +285,11 @@ def run_rollout_bench(state_dir: Path, model: str, *, runs: int, threads: int, c
                          "ttft_p99_before_ms": before, "ttft_p99_during_ms": during,
                          "ttft_p99_ratio": during / before if before else float("nan"),
                          "download_vs_curl": result["download"]["ratio"]}
+    if "waves" in result:
+        med = result["waves"]["median"]
+        result["summary"]["waves"] = {"devices": boxes, "controller_cpu_s": med["cpu_s"],
+                                      "core_percent": med["core_percent"],
+                                      "msgs_per_s": med["msgs_per_s"], "wall_s": med["wall_s"]}
     return result
 
 

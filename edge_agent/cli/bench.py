@@ -136,11 +136,18 @@ def bench_fleet(sizes: list[int], interval: float, duration: float, broker_resta
               help="Rollouts (one new version each) and download runs; medians are judged.")
 @click.option("--before", "before_s", type=click.FloatRange(min=1), default=5.0,
               show_default=True, help="Seconds of load measured before each rollout starts.")
+@click.option("--boxes", type=click.IntRange(0), default=100, show_default=True,
+              help="Simulated boxes for the controller's figure (a rollout in waves); 0 "
+              "skips it.")
+@click.option("--soak", "soak_s", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds each wave soaks in the simulated rollout.")
 @json_option("Print the figures as JSON on stdout (the report goes to stderr).")
-def bench_rollout(model: str | None, runs: int, before_s: float, as_json: bool) -> None:
+def bench_rollout(model: str | None, runs: int, before_s: float, boxes: int, soak_s: float,
+                  as_json: bool) -> None:
     """Roll a new version of the model out to one box over loopback (private broker,
     `fleet serve`, `edge-agent serve`): time to ACTIVE by state, download vs curl, and
-    the serving gap while it switches."""
+    the serving gap while it switches; then a rollout in waves over simulated boxes:
+    the controller's CPU and message rate."""
     from edge_agent.bench.rollout import run_rollout_bench
     from edge_agent.engine.runtime import default_threads
 
@@ -153,6 +160,6 @@ def bench_rollout(model: str | None, runs: int, before_s: float, as_json: bool) 
     result = run_rollout_bench(settings.state_dir, model or settings.default_model,
                                runs=runs, threads=settings.runtime.threads or default_threads(),
                                context=settings.runtime.context_length, before_s=before_s,
-                               echo=echo)
+                               boxes=boxes, soak_s=soak_s, echo=echo)
     if as_json:
         echo_json(result)

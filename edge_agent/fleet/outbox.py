@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
+from edge_agent.fleet.durable import open_durable
 from edge_agent.fleet.envelope import (
     AUDIT,
     METRICS,
@@ -394,13 +395,4 @@ def _corruption(path: Path) -> str | None:
 
 
 def _open(path: Path) -> Database:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # One connection, used only under the outbox's lock, from whichever thread holds it.
-    db = Database(sqlite3.connect(path, check_same_thread=False))
-    db.enable_wal()
-    # FULL: a commit is on disk before its rows are published, so a power cut cannot take
-    # back a seq the controller may have seen. Batched commits make this cheap (measured:
-    # FULL with batches of 100 as fast as NORMAL on loopback).
-    db.execute("PRAGMA synchronous = FULL")
-    MIGRATIONS.apply(db)
-    return db
+    return open_durable(path, MIGRATIONS)  # used only under the outbox's lock

@@ -155,6 +155,12 @@ class Owner:
                 self.step(self._publish_birth)
             self._check_overdue(now)
             self._watch_writes(session)
+        if session is not None and self.session is session and session.fd is None:
+            # paho closed the socket during this turn (a publish whose write failed): its
+            # number leaves the selector now, before another socket takes it (on a shared
+            # selector, another owner's connect in this same pass).
+            self._drop(session, "connection lost")
+            self.next_connect, self.attempt = self._backoff(self.attempt)
 
     def cut(self, reason: str) -> None:
         """Drops the connection now without a DISCONNECT, as a lost network would (the

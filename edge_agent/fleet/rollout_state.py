@@ -34,6 +34,8 @@ from typing import Any
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
+from edge_agent.fleet.durable import open_durable
+
 MIGRATIONS = Migrations("edge-agent-rollouts")
 
 RECEIVED, DOWNLOADING, VERIFYING, STAGED = "RECEIVED", "DOWNLOADING", "VERIFYING", "STAGED"
@@ -171,12 +173,7 @@ class RolloutStore:
         self.path = path
         self._clock = clock
         self._lock = threading.Lock()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = Database(sqlite3.connect(path, check_same_thread=False))
-        self._db.enable_wal()
-        # A transition is acted on right after its commit: a power cut must not forget it.
-        self._db.execute("PRAGMA synchronous = FULL")
-        MIGRATIONS.apply(self._db)
+        self._db = open_durable(path, MIGRATIONS)  # used only under the lock
 
     def close(self) -> None:
         with self._lock:

@@ -18,7 +18,6 @@ decides whether a command may run (`commands` does).
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +26,8 @@ from typing import Any, NamedTuple
 
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
+
+from edge_agent.fleet.durable import open_durable
 
 MIGRATIONS = Migrations("edge-agent-fleet")
 OK, REFUSED, FAILED = "ok", "refused", "failed"
@@ -62,12 +63,7 @@ class FleetState:
         self.path = path
         self._clock = clock
         self._lock = threading.Lock()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # One connection, used only under the lock, from whichever thread holds it.
-        self._db = Database(sqlite3.connect(path, check_same_thread=False))
-        self._db.enable_wal()
-        self._db.execute("PRAGMA synchronous = FULL")
-        MIGRATIONS.apply(self._db)
+        self._db = open_durable(path, MIGRATIONS)  # used only under the lock
 
     def close(self) -> None:
         with self._lock:

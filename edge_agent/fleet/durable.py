@@ -1,0 +1,26 @@
+"""How the box's fleet files open: `outbox.db`, `fleet.db` and `rollouts.db` are each one
+SQLite connection in WAL mode with `synchronous=FULL`, migrated by sqlite-utils.
+
+FULL because each of them is acted on right after a commit — a seq the controller may see,
+a command acknowledged to the broker, a rollout's transition — so a power cut must not take
+a commit back. Batched commits keep it cheap (the outbox: FULL with batches of 100 as fast
+as NORMAL on loopback). One connection shared across threads (`check_same_thread=False`):
+each owner uses it only under its own lock.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from sqlite_utils import Database
+from sqlite_utils.migrations import Migrations
+
+
+def open_durable(path: Path, migrations: Migrations) -> Database:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = Database(sqlite3.connect(path, check_same_thread=False))
+    db.enable_wal()
+    db.execute("PRAGMA synchronous = FULL")
+    migrations.apply(db)
+    return db
