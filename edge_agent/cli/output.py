@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import IO, Any
 
 import click
 
@@ -46,3 +46,28 @@ def progress(label: str) -> Callable[[int, int], None]:
             state.clear()
 
     return update
+
+
+def is_terminal(stream: IO[Any]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
+def duration(seconds: float | None) -> str:
+    """An ETA as a clock: 0:07, 12:30, 1:02:03; `--` when unknown."""
+    if seconds is None:
+        return "--"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def transfer_figures(done: int, total: int, rate_bps: float, eta_s: float | None, *,
+                     sizes: bool = True) -> str:
+    """`42%  12.6/30.0 MB  3.1 MB/s  ETA 0:06` (without the sizes: for a table)."""
+    percent = 100 * done / total if total else 100.0
+    sizes_part = [f"{done / 1e6:.1f}/{total / 1e6:.1f} MB"] if sizes else []
+    return "  ".join([f"{percent:3.0f}%", *sizes_part, f"{rate_bps / 1e6:.1f} MB/s",
+                      f"ETA {duration(eta_s)}"])
