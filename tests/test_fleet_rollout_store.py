@@ -156,7 +156,11 @@ def test_refusals_from_events_and_results(store: FleetStore) -> None:
             "live": {"rollout_id": "other", "state": "STAGED"}}
     store.ingest([report("d0", busy, ts=10)])
     assert devices_of(store)["d0"].state == REFUSED
-    assert "busy" in (devices_of(store)["d0"].reason or "")
+    assert devices_of(store)["d0"].reason == "refused: busy (rollout other (STAGED) on the box)"
+    pulling = {**busy, "live": {"pull": "gemma3:270m@2", "pid": 812}}
+    store.ingest([report("d2", pulling, ts=10)])
+    assert devices_of(store)["d2"].reason == \
+        "refused: busy (models pull gemma3:270m@2 (pid 812) on the box)"
     expired = {"id": "c1", "type": "rollout.start", "status": "refused", "reason": "expired",
                "result": None}
     ok = {"id": "c0", "type": "rollout.start", "status": "ok", "result": {"accepted": True}}

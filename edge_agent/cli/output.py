@@ -1,4 +1,5 @@
-"""How commands print: JSON for scripts, aligned tables for people, progress on stderr."""
+"""How commands print: JSON for scripts, aligned tables for people, progress on stderr
+(a download's bar only where stderr is a terminal)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,37 @@ def transfer_figures(done: int, total: int, rate_bps: float, eta_s: float | None
     sizes_part = [f"{done / 1e6:.1f}/{total / 1e6:.1f} MB"] if sizes else []
     return "  ".join([f"{percent:3.0f}%", *sizes_part, f"{rate_bps / 1e6:.1f} MB/s",
                       f"ETA {duration(eta_s)}"])
+
+
+class TransferBar:
+    """A download's `progress(done, total, rate_bps, eta_s)`: one line on `file`, redrawn
+    in place: a bar, bytes done and total, the rate and the ETA. `close()` ends the line
+    (the transfer's last call may come short of the total when it stopped)."""
+
+    def __init__(self, label: str, file: IO[Any], width: int = 24) -> None:
+        self.label, self.file, self.width = label, file, width
+        self._drawn = 0  # characters of the line on screen; 0: none
+
+    def __call__(self, done: int, total: int, rate_bps: float, eta_s: float | None) -> None:
+        filled = self.width * done // total if total else self.width
+        line = (f"{self.label} [{'#' * filled}{' ' * (self.width - filled)}] "
+                f"{transfer_figures(done, total, rate_bps, eta_s)}")
+        self.file.write("\r" + line.ljust(self._drawn))
+        self.file.flush()
+        self._drawn = len(line)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self._drawn:
+            self.file.write("\n")
+            self.file.flush()
+            self._drawn = 0
+
+
+def transfer_bar(label: str, *, quiet: bool = False) -> TransferBar | None:
+    """A bar on stderr when it is a terminal (and not `quiet`, as with --json); else None:
+    a pipe or a log gets no carriage returns."""
+    if quiet or not is_terminal(sys.stderr):
+        return None
+    return TransferBar(label, sys.stderr)

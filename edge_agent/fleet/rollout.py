@@ -37,6 +37,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from edge_agent.fleet.activation import (
 from edge_agent.fleet.commands import Command, Handler
 from edge_agent.fleet.envelope import AUDIT
 from edge_agent.fleet.gate import Probe
+from edge_agent.fleet.name_claim import NameHeld, name_claim
 from edge_agent.fleet.outcomes import ReleaseFailed, ReleaseRejected
 from edge_agent.fleet.progress import Figures, ProgressThrottle
 from edge_agent.fleet.refusals import MALFORMED, CommandRefused
@@ -197,19 +199,29 @@ class RolloutManager:
     def begin(self, rollout_id: str, name: str, version: str,
               command_id: str | None = None) -> dict[str, Any]:
         """A new rollout (RECEIVED, committed) and its task; the same id again reports
-        it; refused while another rollout of the name is live."""
+        it; refused while another rollout of the name is live, or a `models pull` of it
+        runs (its row is created under the name's claim: `fleet.name_claim`)."""
+        key = normalize_name(name)
+        claim = name_claim(self.settings.state_dir, key, {"rollout_id": rollout_id}) \
+            if self.store.get(rollout_id) is None else nullcontext()
         try:
-            r, created = self.store.create(rollout_id, normalize_name(name), version,
-                                           command_id=command_id)
+            with claim:
+                r, created = self.store.create(rollout_id, key, version,
+                                               command_id=command_id)
         except NameBusy as busy:
-            body = {"accepted": False, "refused": "busy", "rollout_id": rollout_id,
-                    "name": busy.live.name, "live": busy.live.summary()}
-            self._publish({"event": "rollout.refused", **body})
-            return body
+            return self._busy(rollout_id, busy.live.name, busy.live.summary())
+        except NameHeld as held:
+            return self._busy(rollout_id, key, held.holder)
         if created:
             self._published(r, None)
             self._wake(r.id)
         return {"accepted": True, "created": created, **r.summary()}
+
+    def _busy(self, rollout_id: str, name: str, live: Mapping[str, Any]) -> dict[str, Any]:
+        body = {"accepted": False, "refused": "busy", "rollout_id": rollout_id,
+                "name": name, "live": dict(live)}
+        self._publish({"event": "rollout.refused", **body})
+        return body
 
     def cancel(self, rollout_id: str | None = None, name: str | None = None
                ) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from edge_agent.fleet.controller.waves import (
     REFUSED,
     SENT,
 )
+from edge_agent.fleet.name_claim import describe
 from edge_agent.fleet.rollout_state import ACTIVE, FAILED, REJECTED, ROLLED_BACK, STATES
 
 if TYPE_CHECKING:
@@ -360,7 +361,7 @@ class RolloutQueries:
             state = REFUSED
             live = body.get("live") if isinstance(body.get("live"), dict) else {}
             reason = f"refused: {body.get('refused')}" + (
-                f" (rollout {live.get('rollout_id')} is {live.get('state')})" if live else "")
+                f" ({describe(live)} on the box)" if live else "")
         else:
             return  # evidence: shown elsewhere
         if state not in _KNOWN_STATES:
