@@ -5,7 +5,7 @@ conditional decisions, the migrations."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -268,19 +268,28 @@ def test_next_command_seqs_share_the_streams_with_fleet_send(store: FleetStore) 
     assert store.next_command_seq("f1/d1") == 2
 
 
-@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres",
-                                                         marks=pytest.mark.postgres)])
+def _migrated(kind: str, before: str, fill: Callable[[FleetStore], object], tmp_path: Path,
+              request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FleetStore:
+    """A store made with the schema steps before `before` and filled by `fill`, then
+    opened again with every step."""
+    monkeypatch.setattr(store_module, "SCHEMA", tuple(s for s in SCHEMA if s[0] < before))
+    first = _open(kind, tmp_path, request)
+    fill(first)
+    first.close()
+    monkeypatch.setattr(store_module, "SCHEMA", SCHEMA)
+    return _open(kind, tmp_path, request)
+
+
+KINDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_store_of_the_previous_schema_gains_the_rollouts_and_keeps_its_data(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    older = tuple(step for step in SCHEMA if step[0] < "m003")
-    monkeypatch.setattr(store_module, "SCHEMA", older)
-    url = request.getfixturevalue("postgres_url") if kind == "postgres" else None
-    first = SQLiteStore(tmp_path / "controller.db") if url is None else PostgresStore(url)
-    first.ingest([report("d0", {"event": "hello"}, ts=1, kind="events")])
-    first.close()
-    monkeypatch.setattr(store_module, "SCHEMA", SCHEMA)
-    again = SQLiteStore(tmp_path / "controller.db") if url is None else PostgresStore(url)
+    again = _migrated(kind, "m003", lambda first: first.ingest(
+        [report("d0", {"event": "hello"}, ts=1, kind="events")]), tmp_path, request,
+        monkeypatch)
     try:
         assert len(again.messages("d0", kind="events")) == 1
         assert again.create_rollout(new(), now=1.0).state == RUNNING
@@ -288,20 +297,15 @@ def test_a_store_of_the_previous_schema_gains_the_rollouts_and_keeps_its_data(
         again.close()
 
 
-@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres",
-                                                         marks=pytest.mark.postgres)])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_store_without_the_progress_columns_gains_them_and_keeps_its_rollouts(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    older = tuple(step for step in SCHEMA if step[0] < "m004")
-    monkeypatch.setattr(store_module, "SCHEMA", older)
-    url = request.getfixturevalue("postgres_url") if kind == "postgres" else None
-    first = SQLiteStore(tmp_path / "controller.db") if url is None else PostgresStore(url)
-    first.create_rollout(new(), now=1.0)
-    first.ingest([transition("d0", "DOWNLOADING", 10)])
-    first.close()
-    monkeypatch.setattr(store_module, "SCHEMA", SCHEMA)
-    again = SQLiteStore(tmp_path / "controller.db") if url is None else PostgresStore(url)
+    def fill(first: FleetStore) -> None:
+        first.create_rollout(new(), now=1.0)
+        first.ingest([transition("d0", "DOWNLOADING", 10)])
+
+    again = _migrated(kind, "m004", fill, tmp_path, request, monkeypatch)
     try:
         d0 = devices_of(again)["d0"]
         assert (d0.state, d0.progress) == ("DOWNLOADING", None)
