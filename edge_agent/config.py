@@ -288,6 +288,9 @@ class FleetSettings(_Section):
         "link allows.")
     download_headroom_bytes: int = Field(
         1 << 30, ge=0, description="Free disk a download must leave besides the file itself.")
+    progress_interval_s: float = Field(
+        5.0, gt=0, description="Seconds between a rollout's download progress messages over "
+        "the link (audit, never dropped); the first and the last always go.")
     maintenance_window: str | None = Field(
         None, description='Local time when a staged release may be activated, "HH:MM-HH:MM" '
         '(may wrap midnight, e.g. "22:00-05:00"); unset: any time.')

@@ -1,10 +1,13 @@
 """The rollout engine (`controller.rollouts`) and `fleet rollout …` without a broker: a
 SQLite store, a signed release repository, a publisher that records (or is away), the
-boxes' reports fed through the store's ingest as `fleet serve`'s would be."""
+boxes' reports fed through the store's ingest as `fleet serve`'s would be; the status
+with a downloading box's progress, and `--watch`."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -260,3 +263,52 @@ def test_the_cli_needs_a_store(tmp_path: Path) -> None:
     config = tmp_path / "controller.toml"
     config.write_text(f'state_dir = "{tmp_path / "empty"}"\n')
     assert "no controller store" in cli(config, "status", code=1)
+
+
+def test_the_status_shows_a_downloading_boxs_progress_and_watches_to_the_end(
+        store: SQLiteStore, repo: Repo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    config = tmp_path / "controller.toml"
+    config.write_text(f'state_dir = "{store.state_dir}"\n')
+    cli(config, "start", f"{NAME}@2", "--devices", "d0,d1", "--waves", "100%", "--id", "p1")
+    tell(store, "d0", "p1", "RECEIVED", "DOWNLOADING", ts=10)
+    tell(store, "d1", "p1", "RECEIVED", "DOWNLOADING", "VERIFYING", ts=10)
+    store.ingest([Inbound("f1", device, "rollout", BOOT, next(SEQ), "audit", 11, {
+        "event": "rollout.progress", "rollout_id": "p1", "bytes": 42_000_000,
+        "total": 100_000_000, "rate_bps": 3_100_000, "eta_s": 18.7, "ts": 11}, 11)
+        for device in ("d0", "d1")])
+    rows = {line.split()[0]: line for line in cli(config, "status", "p1").splitlines()
+            if line.startswith("d")}
+    assert " 42%  3.1 MB/s  ETA 0:19" in rows["d0"]
+    assert "%" not in rows["d1"] and "VERIFYING" in rows["d1"]  # done downloading
+    shown = {d["device"]: d["progress"]
+             for d in json.loads(cli(config, "status", "p1", "--json"))["devices"]}
+    assert shown["d0"] == {"bytes": 42_000_000, "total": 100_000_000, "rate_bps": 3_100_000,
+                           "eta_s": 18.7, "ts": 11.0, "percent": 42.0}
+    assert shown["d1"] is None
+    assert "--watch follows one rollout" in cli(config, "status", "--watch", code=2)
+
+    def end_later(after_s: float, state: str) -> threading.Thread:
+        def end() -> None:  # what fleet serve would do: the operator's state, settled
+            time.sleep(after_s)
+            if state == "ABORTED":
+                rollout_ops.act(store, "p1", "abort", now=time.time())
+            assert store.apply_plan("p1", expect=state, state=state, wave=1, reason=None,
+                                    settled=True, timed_out=[], skipped=[], now=time.time())
+        thread = threading.Thread(target=end)
+        thread.start()
+        return thread
+
+    # No terminal: --watch waits for the end, then prints the report once.
+    ender, t0 = end_later(0.8, "ABORTED"), time.monotonic()
+    out = json.loads(cli(config, "status", "p1", "--watch", "0.5", "--json"))
+    ender.join()
+    assert out["state"] == "ABORTED" and out["settled"] and time.monotonic() - t0 >= 0.8
+    # In a terminal: redrawn every interval until it has ended.
+    rollout_ops.act(store, "p1", "rollback", now=time.time())  # work again: unsettled
+    monkeypatch.setattr("edge_agent.cli.fleet_rollout.is_terminal", lambda stream: True)
+    ender = end_later(0.8, "ROLLED_BACK")
+    text = cli(config, "status", "p1", "--watch", "0.5")
+    ender.join()
+    draws = text.split("rollout p1: simmodel:1b@2")
+    assert len(draws) >= 3 and "ROLLED_BACK" in draws[-1], text  # two draws or more

@@ -1,10 +1,11 @@
 """Controller rollouts in the store (`rollout_sql`): the same tests on SQLite and on a
-private PostgreSQL — one live rollout per name, the boxes' reports applied by the ingest,
-commands claimed once and published, the engine's conditional decisions, the migration."""
+private PostgreSQL — one live rollout per name, the boxes' reports applied by the ingest
+(their download progress too), commands claimed once and published, the engine's
+conditional decisions, the migrations."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,12 @@ from edge_agent.errors import ModelNotFound
 from edge_agent.fleet.controller import store as store_module
 from edge_agent.fleet.controller.records import Inbound
 from edge_agent.fleet.controller.rollout_ops import ACTIONS
-from edge_agent.fleet.controller.rollout_records import NewRollout, RolloutConflict
+from edge_agent.fleet.controller.rollout_ops import report as status_report
+from edge_agent.fleet.controller.rollout_records import (
+    DownloadProgress,
+    NewRollout,
+    RolloutConflict,
+)
 from edge_agent.fleet.controller.sql import SCHEMA
 from edge_agent.fleet.controller.store import FleetStore, PostgresStore, SQLiteStore
 from edge_agent.fleet.controller.waves import (
@@ -150,7 +156,11 @@ def test_refusals_from_events_and_results(store: FleetStore) -> None:
             "live": {"rollout_id": "other", "state": "STAGED"}}
     store.ingest([report("d0", busy, ts=10)])
     assert devices_of(store)["d0"].state == REFUSED
-    assert "busy" in (devices_of(store)["d0"].reason or "")
+    assert devices_of(store)["d0"].reason == "refused: busy (rollout other (STAGED) on the box)"
+    pulling = {**busy, "live": {"pull": "gemma3:270m@2", "pid": 812}}
+    store.ingest([report("d2", pulling, ts=10)])
+    assert devices_of(store)["d2"].reason == \
+        "refused: busy (models pull gemma3:270m@2 (pid 812) on the box)"
     expired = {"id": "c1", "type": "rollout.start", "status": "refused", "reason": "expired",
                "result": None}
     ok = {"id": "c0", "type": "rollout.start", "status": "ok", "result": {"accepted": True}}
@@ -168,6 +178,43 @@ def test_a_bad_report_is_stored_and_changes_nothing(store: FleetStore) -> None:
                          report("d0", {"event": "rollout.transition", "rollout_id": 5}, ts=11)])
     assert acks.stored == 2
     assert devices_of(store)["d0"].state == PENDING
+
+
+def progress(device: str, done: int, ts: float, rid: str = "r1") -> Inbound:
+    return report(device, {"event": "rollout.progress", "rollout_id": rid,
+                           "name": "gemma3:270m", "bytes": done, "total": 1000,
+                           "rate_bps": 250, "eta_s": (1000 - done) / 250}, ts=ts)
+
+
+def test_the_latest_download_progress_is_kept_and_shown_while_downloading(
+        store: FleetStore) -> None:
+    r = store.create_rollout(new(), now=1.0)
+    store.ingest([transition("d0", "DOWNLOADING", 10), progress("d0", 200, 11),
+                  progress("d0", 600, 13), progress("d1", 100, 11),  # d1: still PENDING
+                  progress("d2", 100, 11, rid="someone-else")])
+    store.ingest([progress("d0", 400, 12)])  # older, arriving late: ignored
+    rows = devices_of(store)
+    assert rows["d0"].progress == DownloadProgress(600, 1000, 250.0, 1.6, 13.0)
+    assert rows["d2"].progress is None
+    shown = {d["device"]: d["progress"]
+             for d in status_report(r, store.rollout_devices("r1"), 20.0)["devices"]}
+    assert shown["d0"] == {"bytes": 600, "total": 1000, "rate_bps": 250.0, "eta_s": 1.6,
+                           "ts": 13.0, "percent": 60.0}
+    assert shown["d1"] is None  # only a DOWNLOADING device's is shown
+    acks = store.ingest([report("d0", {"event": "rollout.progress", "rollout_id": "r1",
+                                       "bytes": 5, "total": 1, "rate_bps": 1}, ts=14),
+                         report("d0", {"event": "rollout.progress", "rollout_id": "r1",
+                                       "bytes": "9", "total": 10, "rate_bps": 1}, ts=14)])
+    assert acks.stored == 2 and devices_of(store)["d0"].progress.bytes == 600  # type: ignore
+    store.ingest([transition("d0", "VERIFYING", 15)])
+    d0 = devices_of(store)["d0"]
+    assert d0.to_json()["progress"] is None and d0.progress is not None  # kept, not shown
+    # A retry downloads again: the earlier attempt's figures are not this download's.
+    store.ingest([transition("d0", "FAILED", 16, details={"failures": 1, "limit": 3}),
+                  transition("d0", "RECEIVED", 17), transition("d0", "DOWNLOADING", 18)])
+    assert devices_of(store)["d0"].to_json()["progress"] is None
+    store.ingest([progress("d0", 100, 19)])
+    assert devices_of(store)["d0"].to_json()["progress"]["bytes"] == 100
 
 
 def test_commands_are_claimed_once_and_published(store: FleetStore) -> None:
@@ -221,21 +268,49 @@ def test_next_command_seqs_share_the_streams_with_fleet_send(store: FleetStore) 
     assert store.next_command_seq("f1/d1") == 2
 
 
-@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres",
-                                                         marks=pytest.mark.postgres)])
+def _migrated(kind: str, before: str, fill: Callable[[FleetStore], object], tmp_path: Path,
+              request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FleetStore:
+    """A store made with the schema steps before `before` and filled by `fill`, then
+    opened again with every step."""
+    monkeypatch.setattr(store_module, "SCHEMA", tuple(s for s in SCHEMA if s[0] < before))
+    first = _open(kind, tmp_path, request)
+    fill(first)
+    first.close()
+    monkeypatch.setattr(store_module, "SCHEMA", SCHEMA)
+    return _open(kind, tmp_path, request)
+
+
+KINDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_store_of_the_previous_schema_gains_the_rollouts_and_keeps_its_data(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    older = tuple(step for step in SCHEMA if step[0] < "m003")
-    monkeypatch.setattr(store_module, "SCHEMA", older)
-    url = request.getfixturevalue("postgres_url") if kind == "postgres" else None
-    first = SQLiteStore(tmp_path / "controller.db") if url is None else PostgresStore(url)
-    first.ingest([report("d0", {"event": "hello"}, ts=1, kind="events")])
-    first.close()
-    monkeypatch.setattr(store_module, "SCHEMA", SCHEMA)
-    again = SQLiteStore(tmp_path / "controller.db") if url is None else PostgresStore(url)
+    again = _migrated(kind, "m003", lambda first: first.ingest(
+        [report("d0", {"event": "hello"}, ts=1, kind="events")]), tmp_path, request,
+        monkeypatch)
     try:
         assert len(again.messages("d0", kind="events")) == 1
         assert again.create_rollout(new(), now=1.0).state == RUNNING
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_store_without_the_progress_columns_gains_them_and_keeps_its_rollouts(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def fill(first: FleetStore) -> None:
+        first.create_rollout(new(), now=1.0)
+        first.ingest([transition("d0", "DOWNLOADING", 10)])
+
+    again = _migrated(kind, "m004", fill, tmp_path, request, monkeypatch)
+    try:
+        d0 = devices_of(again)["d0"]
+        assert (d0.state, d0.progress) == ("DOWNLOADING", None)
+        again.ingest([progress("d0", 500, 11)])
+        assert devices_of(again)["d0"].progress == DownloadProgress(500, 1000, 250.0, 2.0,
+                                                                   11.0)
     finally:
         again.close()

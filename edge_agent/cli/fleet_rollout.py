@@ -3,7 +3,7 @@
     fleet rollout start NAME@VERSION [--devices SELECTOR] --waves 1,10%,50%,100%
                         [--abort-above 10%] [--min-executed 3] [--soak 10m]
                         [--device-timeout 2h] [--rollback-on-abort] [--id ID]
-    fleet rollout status [ID] [--json]
+    fleet rollout status [ID] [--json] [--watch [SECONDS]]
     fleet rollout pause|resume|abort|rollback ID
 
 These commands write the controller's store and nothing else: the running `fleet serve`
@@ -15,14 +15,24 @@ starts when it comes back. Thin: the rules are `fleet.controller.waves` and
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from edge_agent.cli.common import BadUsage, CheckFailed
 from edge_agent.cli.fleet_options import _open_existing, _settings, controller_options
-from edge_agent.cli.output import echo_json, json_option, table
+from edge_agent.cli.output import (
+    echo_json,
+    is_terminal,
+    json_option,
+    table,
+    transfer_figures,
+)
+
+if TYPE_CHECKING:
+    from edge_agent.fleet.controller.store import FleetStore
 
 SELECTOR_HELP = ("all (default), fleet:ID, a glob on device ids (store-0*), or device ids; "
                  "comma-separated, their union.")
@@ -110,21 +120,27 @@ def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_exe
 @controller_options
 @click.argument("rollout_id", metavar="[ID]", required=False)
 @json_option()
-def rollout_status(rollout_id: str | None, as_json: bool) -> None:
-    """Rollouts (newest first), or one rollout: counts per state, per wave, per device."""
+@click.option("--watch", type=click.FloatRange(min=0.5), is_flag=False, flag_value=2.0,
+              default=None, metavar="[SECONDS]",
+              help="Follow one rollout until it ends: redrawn every SECONDS (default 2) in "
+                   "a terminal; elsewhere (a pipe, --json) printed once it has ended.")
+def rollout_status(rollout_id: str | None, as_json: bool, watch: float | None) -> None:
+    """Rollouts (newest first), or one rollout: counts per state, per wave, per device,
+    and the download progress of devices in DOWNLOADING."""
     from edge_agent.fleet.controller import rollout_ops
 
+    if watch is not None and rollout_id is None:
+        raise BadUsage("--watch follows one rollout: give its ID")
+    redraw = watch is not None and not as_json and is_terminal(sys.stdout)
     store = _open_existing(_settings())
     try:
         if rollout_id is None:
             reports = [rollout_ops.report(r, store.rollout_devices(r.id), time.time())
                        for r in store.rollouts(limit=50)]
+        elif watch is not None:
+            reports = [_watch(store, rollout_id, watch, redraw=redraw)]
         else:
-            record = store.rollout(rollout_id)
-            if record is None:
-                raise CheckFailed(f"no rollout {rollout_id}")
-            reports = [rollout_ops.report(record, store.rollout_devices(rollout_id),
-                                          time.time())]
+            reports = [_report(store, rollout_id)]
     finally:
         store.close()
     if as_json:
@@ -139,7 +155,31 @@ def rollout_status(rollout_id: str | None, as_json: bool) -> None:
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created_at"]))]
                for r in reports))
         return
-    _show(reports[0])
+    if not redraw:  # else the last redraw shows it
+        _show(reports[0])
+
+
+def _report(store: FleetStore, rollout_id: str) -> dict[str, Any]:
+    from edge_agent.fleet.controller import rollout_ops
+
+    record = store.rollout(rollout_id)
+    if record is None:
+        raise CheckFailed(f"no rollout {rollout_id}")
+    return rollout_ops.report(record, store.rollout_devices(rollout_id), time.time())
+
+
+def _watch(store: FleetStore, rollout_id: str, every_s: float, *, redraw: bool
+           ) -> dict[str, Any]:
+    """The rollout's report once it has ended (no longer RUNNING or PAUSED, and `fleet
+    serve` done with it); with `redraw`, the screen shows each report meanwhile."""
+    while True:
+        report = _report(store, rollout_id)
+        if redraw:
+            click.clear()
+            _show(report)
+        if report["settled"] and not report["live"]:
+            return report
+        time.sleep(every_s)
 
 
 def _show(r: dict[str, Any]) -> None:
@@ -160,10 +200,18 @@ def _show(r: dict[str, Any]) -> None:
             f"{k} {v}" for k, v in w["phases"].items()))
     click.echo("")
     table([("DEVICE", "<24"), ("WAVE", ">4"), ("STATE", "<12"), ("PHASE", "<10"),
-           ("SENT", "<9"), ("ACTIVE", "<9"), ("REASON", "")],
+           ("SENT", "<9"), ("ACTIVE", "<9"), ("PROGRESS", "<25"), ("REASON", "")],
           ([d["device"], d["wave"], (d["outcome"] or d["state"]).upper(), d["phase"],
-            _when(d["started_at"]), _when(d["active_at"]), (d["reason"] or "")[:80]]
+            _when(d["started_at"]), _when(d["active_at"]), _progress(d["progress"]),
+            (d["reason"] or "")[:80]]
            for d in r["devices"]))
+
+
+def _progress(p: dict[str, Any] | None) -> str:
+    """A DOWNLOADING device's latest report: `42%  3.1 MB/s  ETA 0:06`."""
+    if p is None:
+        return ""
+    return transfer_figures(p["bytes"], p["total"], p["rate_bps"], p["eta_s"], sizes=False)
 
 
 def _act(action: str, rollout_id: str, as_json: bool) -> None:

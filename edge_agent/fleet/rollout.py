@@ -4,6 +4,7 @@
 
     RECEIVED     release looked up (TUF-verified facts; the gate spec checked)
     DOWNLOADING  resumable transfer into `<state>/rollouts/<id>/`, progress over the link
+                 (the first, at most one per `fleet.progress_interval_s`, the last)
     VERIFYING    length, sha256, GGUF header, then `ModelOps.install_verified` (inactive)
     STAGED       held by the maintenance window and `defer_while_busy`
     ACTIVATING, GATING, ACTIVE | ROLLED_BACK   — `fleet.activation`
@@ -36,6 +37,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -54,7 +56,9 @@ from edge_agent.fleet.activation import (
 from edge_agent.fleet.commands import Command, Handler
 from edge_agent.fleet.envelope import AUDIT
 from edge_agent.fleet.gate import Probe
+from edge_agent.fleet.name_claim import NameHeld, name_claim
 from edge_agent.fleet.outcomes import ReleaseFailed, ReleaseRejected
+from edge_agent.fleet.progress import Figures, ProgressThrottle
 from edge_agent.fleet.refusals import MALFORMED, CommandRefused
 from edge_agent.fleet.rollout_rules import (
     Releases,
@@ -85,7 +89,6 @@ from edge_agent.names import normalize_name
 
 log = logging.getLogger(__name__)
 KIND = "rollout"
-PROGRESS_EVERY_S = 2.0
 
 
 Emit = Callable[[str, str, Mapping[str, Any]], Any]
@@ -196,19 +199,29 @@ class RolloutManager:
     def begin(self, rollout_id: str, name: str, version: str,
               command_id: str | None = None) -> dict[str, Any]:
         """A new rollout (RECEIVED, committed) and its task; the same id again reports
-        it; refused while another rollout of the name is live."""
+        it; refused while another rollout of the name is live, or a `models pull` of it
+        runs (its row is created under the name's claim: `fleet.name_claim`)."""
+        key = normalize_name(name)
+        claim = name_claim(self.settings.state_dir, key, {"rollout_id": rollout_id}) \
+            if self.store.get(rollout_id) is None else nullcontext()
         try:
-            r, created = self.store.create(rollout_id, normalize_name(name), version,
-                                           command_id=command_id)
+            with claim:
+                r, created = self.store.create(rollout_id, key, version,
+                                               command_id=command_id)
         except NameBusy as busy:
-            body = {"accepted": False, "refused": "busy", "rollout_id": rollout_id,
-                    "name": busy.live.name, "live": busy.live.summary()}
-            self._publish({"event": "rollout.refused", **body})
-            return body
+            return self._busy(rollout_id, busy.live.name, busy.live.summary())
+        except NameHeld as held:
+            return self._busy(rollout_id, key, held.holder)
         if created:
             self._published(r, None)
             self._wake(r.id)
         return {"accepted": True, "created": created, **r.summary()}
+
+    def _busy(self, rollout_id: str, name: str, live: Mapping[str, Any]) -> dict[str, Any]:
+        body = {"accepted": False, "refused": "busy", "rollout_id": rollout_id,
+                "name": name, "live": dict(live)}
+        self._publish({"event": "rollout.refused", **body})
+        return body
 
     def cancel(self, rollout_id: str | None = None, name: str | None = None
                ) -> dict[str, Any]:
@@ -339,10 +352,18 @@ class RolloutManager:
                                      target_digest=digest,
                                      details={"bytes": release.length})
             fleet = self.settings.fleet
-            path = await asyncio.to_thread(
-                self.releases.download, release, self.work_dir / r.id,
-                progress=self._progress(r), max_bytes_per_s=fleet.max_download_bytes_per_s,
-                headroom=fleet.download_headroom_bytes)
+            throttle = ProgressThrottle(fleet.progress_interval_s)
+            try:
+                path = await asyncio.to_thread(
+                    self.releases.download, release, self.work_dir / r.id,
+                    progress=self._progress(r, throttle),
+                    max_bytes_per_s=fleet.max_download_bytes_per_s,
+                    headroom=fleet.download_headroom_bytes)
+            except (ReleaseFailed, ReleaseRejected):
+                held = throttle.held()  # where it stopped, if that report was kept back
+                if held is not None:
+                    self._publish_progress(r, held)
+                raise
             if r.state == DOWNLOADING:
                 r = await self._move(r, VERIFYING, expect=DOWNLOADING)
             self._check_stop(r.id)
@@ -450,22 +471,21 @@ class RolloutManager:
         except Exception:  # the link counts and logs its own refusals; never stop here
             log.exception("rollout: audit message not emitted")
 
-    def _progress(self, r: Rollout) -> Callable[[int, int], None]:
-        started, last = time.monotonic(), [0.0]
+    def _progress(self, r: Rollout, throttle: ProgressThrottle) -> Callable[[int, int], None]:
+        """The download's callback: a stop is checked at every call; what goes over the
+        link is the throttle's choice (`fleet.progress`)."""
 
         def progress(done: int, total: int) -> None:
             self._check_stop(r.id)
-            now = time.monotonic()
-            if now - last[0] < PROGRESS_EVERY_S and done < total:
-                return
-            last[0] = now
-            rate = done / (now - started) if now > started else 0.0
-            eta = (total - done) / rate if rate > 0 else None
-            self._publish({"event": "rollout.progress", "rollout_id": r.id, "name": r.name,
-                           "bytes": done, "total": total, "rate_bps": round(rate),
-                           "eta_s": round(eta, 1) if eta is not None else None})
+            figures = throttle.offer(done, total)
+            if figures is not None:
+                self._publish_progress(r, figures)
 
         return progress
+
+    def _publish_progress(self, r: Rollout, figures: Figures) -> None:
+        self._publish({"event": "rollout.progress", "rollout_id": r.id, "name": r.name,
+                       **figures})
 
     def _aborted(self, rollout_id: str) -> bool:
         with self._lock:

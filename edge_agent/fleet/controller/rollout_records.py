@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from edge_agent.errors import Conflict
 from edge_agent.fleet.controller.waves import DeviceView, Policy, parse_waves
+from edge_agent.fleet.rollout_state import DOWNLOADING
 
 
 class RolloutConflict(Conflict):
@@ -50,6 +51,21 @@ class RolloutRecord:
 
 
 @dataclass(frozen=True)
+class DownloadProgress:
+    """A box's latest `rollout.progress` report (`ts`: the box's clock)."""
+
+    bytes: int
+    total: int
+    rate_bps: float
+    eta_s: float | None
+    ts: float
+
+    def to_json(self) -> dict[str, Any]:
+        percent = 100.0 * self.bytes / self.total if self.total else 100.0
+        return {**asdict(self), "percent": round(percent, 1)}
+
+
+@dataclass(frozen=True)
 class DeviceRecord:
     device: str
     fleet: str
@@ -66,14 +82,24 @@ class DeviceRecord:
     updated_at: float
     cancel_sent: bool = False
     rollback_sent: bool = False
+    progress: DownloadProgress | None = None
 
     def view(self) -> DeviceView:
         return DeviceView(self.device, self.wave, self.state, self.retrying,
                           self.command_id is not None, self.started_at, self.active_at,
                           self.outcome, self.cancel_sent, self.rollback_sent)
 
+    def downloading(self) -> DownloadProgress | None:
+        """The progress to show: while the box is DOWNLOADING, and only a report sent
+        since it said so (an earlier attempt's figures are not this download's)."""
+        p = self.progress
+        if self.state != DOWNLOADING or p is None or self.outcome is not None:
+            return None
+        return p if self.reported_ts is None or p.ts >= self.reported_ts else None
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        shown = self.downloading()
+        return {**asdict(self), "progress": None if shown is None else shown.to_json()}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ and `RolloutQueries` (a mixin of `sql.SQLStore`; the records are `rollout_record
                       (PENDING and SENT before the box says anything, REFUSED when it
                       refused rollout.start), when rollout.start was published, when it
                       went ACTIVE, when it finished, the controller's own outcome
-                      (timed_out, skipped) and the last reason
+                      (timed_out, skipped), the last reason, and its latest download
+                      progress (bytes, total, rate, ETA, the box's time; newest wins)
     rollout_commands  the rollout.start/cancel/rollback commands recorded for a rollout,
                       and when the broker took each (unpublished ones are published again,
                       but a start the rollout stopped before it left is withdrawn)
@@ -17,7 +18,8 @@ and `RolloutQueries` (a mixin of `sql.SQLStore`; the records are `rollout_record
 The devices' reports reach `rollout_devices` inside the ingest's own transaction (`_rollout
 message`, `_rollout_result`): a rollout audit message or a refused rollout.start result is
 applied exactly once, when it is stored, and only if it is newer (device time) than what
-the row shows. Nothing here decides anything (that is `waves`) or publishes.
+the row shows; a `rollout.progress` message likewise, to the progress columns only.
+Nothing here decides anything (that is `waves`) or publishes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from edge_agent.errors import ModelNotFound
 from edge_agent.fleet.controller.records import Inbound
 from edge_agent.fleet.controller.rollout_records import (
     DeviceRecord,
+    DownloadProgress,
     NewRollout,
     RolloutConflict,
     RolloutRecord,
@@ -42,6 +45,7 @@ from edge_agent.fleet.controller.waves import (
     REFUSED,
     SENT,
 )
+from edge_agent.fleet.name_claim import describe
 from edge_agent.fleet.rollout_state import ACTIVE, FAILED, REJECTED, ROLLED_BACK, STATES
 
 if TYPE_CHECKING:
@@ -74,6 +78,11 @@ ROLLOUT_SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
             published_at DOUBLE PRECISION, withdrawn_at DOUBLE PRECISION)""",
         "CREATE INDEX rollout_commands_by_rollout ON rollout_commands (rollout_id, device)",
     )),
+    ("m004_rollout_progress", tuple(
+        f"ALTER TABLE rollout_devices ADD COLUMN {column}" for column in (
+            "progress_bytes BIGINT", "progress_total BIGINT",
+            "progress_rate_bps DOUBLE PRECISION", "progress_eta_s DOUBLE PRECISION",
+            "progress_ts DOUBLE PRECISION"))),
 )
 
 _ROLLOUT_COLUMNS = ("id, name, version, selector, waves, abort_above, min_executed, soak_s, "
@@ -81,7 +90,8 @@ _ROLLOUT_COLUMNS = ("id, name, version, selector, waves, abort_above, min_execut
                     "waves_total, devices_total, reason, wave_started_at, created_at, "
                     "updated_at")
 _DEVICE_COLUMNS = ("device, fleet, wave, state, retrying, reason, command_id, started_at, "
-                   "active_at, finished_at, outcome, reported_ts, updated_at")
+                   "active_at, finished_at, outcome, reported_ts, updated_at, progress_bytes, "
+                   "progress_total, progress_rate_bps, progress_eta_s, progress_ts")
 _KNOWN_STATES = frozenset(STATES) | {REFUSED}
 _FINAL = frozenset({ACTIVE, ROLLED_BACK, REJECTED, REFUSED, "CANCELLED"})
 
@@ -94,6 +104,30 @@ def _retrying(state: str, body: Mapping[str, Any]) -> bool:
         return False
     failures, limit = details.get("failures"), details.get("limit")
     return isinstance(failures, int) and isinstance(limit, int) and failures < limit
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _device_ts(msg: Inbound) -> float:
+    """When the box says it sent the report (its `ts`), else the envelope's time."""
+    ts: Any = msg.body.get("ts")
+    return float(ts) if _number(ts) else msg.ts
+
+
+def _progress_figures(body: Mapping[str, Any]) -> tuple[int, int, float, float | None]:
+    """(bytes, total, rate_bps, eta_s) of a `rollout.progress` body; ValueError if bad."""
+    values: list[Any] = [body.get(k) for k in ("bytes", "total", "rate_bps", "eta_s")]
+    done, total, rate, eta = values
+    if not (_count(done) and _count(total) and done <= total and _number(rate) and rate >= 0
+            and (eta is None or (_number(eta) and eta >= 0))):
+        raise ValueError("rollout.progress needs bytes <= total, rate_bps and eta_s >= 0")
+    return done, total, float(rate), None if eta is None else float(eta)
 
 
 def _short(value: Any, limit: int = 500) -> str | None:
@@ -204,9 +238,12 @@ class RolloutQueries:
         out = []
         for r in rows:
             mine = kinds.get(r[0], set())
+            progress = None if r[17] is None else DownloadProgress(
+                int(r[13]), int(r[14]), float(r[15]), r[16], float(r[17]))
             out.append(DeviceRecord(r[0], r[1], int(r[2]), r[3], bool(r[4]), r[5], r[6],
                                     r[7], r[8], r[9], r[10], r[11], r[12],
-                                    "rollout.cancel" in mine, "rollout.rollback" in mine))
+                                    "rollout.cancel" in mine, "rollout.rollback" in mine,
+                                    progress))
         return out
 
     # -- the engine's side ------------------------------------------------------------------
@@ -299,10 +336,20 @@ class RolloutQueries:
     # -- the ingest's side (inside its transaction) ------------------------------------------
     @staticmethod
     def _rollout_message(db: Exec, msg: Inbound) -> None:
-        """A box's rollout audit message: its state for that rollout, if newer."""
+        """A box's rollout audit message: its state for that rollout, or its download
+        progress, each if newer than what the row holds."""
         body = msg.body
         rollout_id, event = body.get("rollout_id"), body.get("event")
         if not isinstance(rollout_id, str):
+            return
+        if event == "rollout.progress":
+            done, total, rate, eta = _progress_figures(body)
+            ts = _device_ts(msg)
+            db.run("UPDATE rollout_devices SET progress_bytes = ?, progress_total = ?, "
+                   "progress_rate_bps = ?, progress_eta_s = ?, progress_ts = ? "
+                   "WHERE rollout_id = ? AND device = ? "
+                   "AND (progress_ts IS NULL OR progress_ts <= ?)",
+                   [done, total, rate, eta, ts, rollout_id, msg.device, ts])
             return
         reason = body.get("reason")
         if event == "rollout.transition":
@@ -314,13 +361,12 @@ class RolloutQueries:
             state = REFUSED
             live = body.get("live") if isinstance(body.get("live"), dict) else {}
             reason = f"refused: {body.get('refused')}" + (
-                f" (rollout {live.get('rollout_id')} is {live.get('state')})" if live else "")
+                f" ({describe(live)} on the box)" if live else "")
         else:
-            return  # progress, evidence: shown elsewhere
+            return  # evidence: shown elsewhere
         if state not in _KNOWN_STATES:
             raise ValueError(f"unknown rollout state {state!r}")
-        ts = body.get("ts")
-        ts = float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else msg.ts
+        ts = _device_ts(msg)
         retrying = _retrying(str(state), body)
         final = state in _FINAL or (state == FAILED and not retrying)
         db.run("UPDATE rollout_devices SET state = ?, retrying = ?, reason = ?, "
