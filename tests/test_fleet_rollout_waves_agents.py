@@ -1,12 +1,15 @@
-"""A rollout in waves to two real agents: `fleet rollout start --waves 1,100%` on the real
-controller (`fleet serve` signing and publishing), a real Mosquitto, two `edge-agent
-serve` with the real default model and their links on, clients streaming on both boxes
-all along. Both boxes end ACTIVE, the second only after the first soaked, their evidence
-rows exist (on the box and synced to the controller), and no client request fails.
+"""A rollout of gemma3:270m in waves to two real agents: `fleet rollout start --waves
+1,100%` on the real controller (`fleet serve` signing and publishing), a real Mosquitto,
+two `edge-agent serve` serving gemma3:270m as installed from the catalog (version 1),
+their links on, clients streaming chat to it on both boxes all along. Both boxes end
+ACTIVE, the second only after the first soaked, their evidence rows exist (on the box and
+synced to the controller), no client request fails, and version 2 answers chats after the
+switch.
 
-The release is the default model with one letter of its name changed (the approach of
-`test_fleet_rollout_e2e`), not gemma3:270m: another digest that loads and answers as
-fast, which keeps this test well under a minute of CI.
+gemma3:270m is a base model: its GGUF has no chat template, the catalog supplies one. The
+release (the catalog's file with one letter of its name changed: another digest) carries
+the catalog's template and parameters, as the central team publishes a base model; its
+golden prompt fits a base model: a chat through that template, held to its length.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
@@ -23,14 +27,23 @@ from edge_agent.cli import main
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.fleet.controller.store import SQLiteStore
 from tests.brokers import Mosquitto
-from tests.conftest import DEFAULT_MODEL, clone_state
+from tests.conftest import clone_state
 from tests.fleetkit import wait_until
-from tests.rolloutkit import PASSING, Controller, Repository, Streams, cli, start_box, variant
+from tests.rolloutkit import Box, Controller, Repository, Streams, cli, start_box, variant
 
 pytestmark = [pytest.mark.integration, pytest.mark.broker]
 
 BOXES = ("store-w1", "store-w2")
 RID = "rw-two"
+GEMMA = "gemma3:270m"
+BOX_ENV = {"EDGE_AGENT_DEFAULT_MODEL": GEMMA}  # loaded at start: /ready says when
+# A golden prompt a base model passes: a chat through the release's template (refused
+# without one: the release would roll back), held to its length, not to what it says (a
+# base model follows no instruction; a `prompt` is templated too). And the memory left
+# beside both versions loaded.
+GATE = {"prompts": [{"id": "chat", "max_tokens": 4, "expect": {"max_output_tokens": 4},
+                     "messages": [{"role": "user", "content": "Count to five."}]}],
+        "memory_headroom_bytes": 64 << 20, "tokens_per_s_floor": None}
 
 
 @pytest.fixture
@@ -38,11 +51,25 @@ def broker(mosquitto_factory: Callable[..., Mosquitto]) -> Mosquitto:
     return mosquitto_factory(devices=BOXES).start()
 
 
+@pytest.fixture(scope="module")
+def gemma_state(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's state with gemma3:270m installed from the catalog too: version 1,
+    what the boxes serve before the rollout (each box a clone)."""
+    state = clone_state(model_cache, tmp_path_factory.mktemp("gemma") / "state")
+    store = ModelStore(state)
+    store.pull(GEMMA)
+    store.close()  # models.db checkpointed: clones copy one file
+    return state
+
+
 @pytest.fixture
-def central(broker: Mosquitto, model_cache: Path, tmp_path: Path) -> Iterator[Controller]:
+def central(broker: Mosquitto, gemma_state: Path, tmp_path: Path) -> Iterator[Controller]:
     repo = Repository.create(tmp_path)
-    blob = ModelStore(model_cache).get(DEFAULT_MODEL).blob_path(model_cache)
-    repo.add(variant(blob, tmp_path / "v2.gguf", b"W"), DEFAULT_MODEL, "2", gate=PASSING)
+    store = ModelStore(gemma_state)
+    entry, blob = store.catalog()[GEMMA], store.get(GEMMA).blob_path(gemma_state)
+    store.close()
+    repo.add(variant(blob, tmp_path / "v2.gguf", b"W"), GEMMA, "2", gate=GATE,
+             template=entry.chat_template, parameters=entry.parameters)
     with repo.serve(broker, tmp_path, "rollout_tick_s = 0.5\n") as controller:
         yield controller
 
@@ -55,19 +82,20 @@ def _rollout(central: Controller) -> dict[str, Any]:
 
 
 def test_two_agents_in_waves_end_active_with_zero_failed_requests(
-        broker: Mosquitto, central: Controller, model_cache: Path, tmp_path: Path
+        broker: Mosquitto, central: Controller, gemma_state: Path, tmp_path: Path
         ) -> None:
     boxes = {name: start_box(name, broker, central,
-                             clone_state(model_cache, tmp_path / f"state-{name}"), tmp_path)
+                             clone_state(gemma_state, tmp_path / f"state-{name}"), tmp_path,
+                             BOX_ENV)
              for name in BOXES}
-    streams = Streams(DEFAULT_MODEL, list(boxes.values()))  # each store's assistant
+    streams = Streams(GEMMA, list(boxes.values()), num_predict=4)  # each store's assistant
     try:
         for box in boxes.values():
             box.wait_ready(central)
-        old = {name: box.digest(DEFAULT_MODEL) for name, box in boxes.items()}
+        old = {name: box.digest(GEMMA) for name, box in boxes.items()}
         streams.start()
         started = CliRunner().invoke(main, [
-            "fleet", "rollout", "start", f"{DEFAULT_MODEL}@2", "--id", RID, "--waves",
+            "fleet", "rollout", "start", f"{GEMMA}@2", "--id", RID, "--waves",
             "1,100%", "--soak", "2s", "--min-executed", "1", "--abort-above", "0%",
             "--device-timeout", "5m", "--config", str(central.config)])
         assert started.exit_code == 0, started.output
@@ -75,7 +103,7 @@ def test_two_agents_in_waves_end_active_with_zero_failed_requests(
             _rollout(central)
         streams.stop()
         report = _rollout(central)
-        assert report["state"] == "COMPLETED", report
+        assert report["state"] == "COMPLETED", json.dumps(report)
         assert report["states"] == {"ACTIVE": 2}
         assert streams.failures == [] and all(n > 0 for n in streams.served.values()), \
             (streams.failures, streams.served)
@@ -84,11 +112,14 @@ def test_two_agents_in_waves_end_active_with_zero_failed_requests(
         assert (rows[first]["wave"], rows[second]["wave"]) == (1, 2)
         assert rows[second]["started_at"] >= rows[first]["active_at"] + 2.0  # soaked first
         for name, box in boxes.items():
-            assert box.digest(DEFAULT_MODEL) != old[name]
-            history = json.loads(cli("models", "history", DEFAULT_MODEL, "--json",
+            assert box.digest(GEMMA) != old[name]
+            _chats_with_the_release_template(box)
+            history = json.loads(cli("models", "history", GEMMA, "--json",
                                      "--state-dir", str(box.state)).stdout)
             evidence = [e for e in history["evidence"] if e["rollout_id"] == RID]
             assert [e["outcome"] for e in evidence] == ["ACTIVE"]
+            assert {c["name"] for c in evidence[0]["checks"] if c["passed"]} >= {
+                "prompt:chat:max_output_tokens", "memory_headroom", "served_digest"}
         store = SQLiteStore(central.ctl / "controller.db")
         try:
             assert wait_until(lambda: all(any(
@@ -102,3 +133,16 @@ def test_two_agents_in_waves_end_active_with_zero_failed_requests(
         streams.stop()
         for box in boxes.values():
             box.stop()
+
+
+def _chats_with_the_release_template(box: Box) -> None:
+    """Version 2 serves with the template its release carried: a chat is answered."""
+    show = httpx.post(f"{box.base}/api/show", json={"model": GEMMA}, timeout=10).json()
+    assert show["modelfile"].startswith(f"# source: release:{GEMMA}@2")
+    assert "<start_of_turn>" in show["template"] and "<end_of_turn>" in show["parameters"]
+    r = httpx.post(f"{box.base}/api/chat", timeout=60, json={
+        "model": GEMMA, "stream": False, "options": {"num_predict": 8, "temperature": 0},
+        "messages": [{"role": "user", "content": "Count to five."}]})
+    assert r.status_code == 200, r.text
+    text = r.json()["message"]["content"]
+    assert text.strip() and "<start_of_turn>" not in text and "<end_of_turn>" not in text
