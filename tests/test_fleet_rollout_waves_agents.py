@@ -8,8 +8,9 @@ switch.
 
 gemma3:270m is a base model: its GGUF has no chat template, the catalog supplies one. The
 release (the catalog's file with one letter of its name changed: another digest) carries
-the catalog's template and parameters, as the central team publishes a base model; its
-golden prompt fits a base model: a chat through that template, held to its length.
+the catalog's template and parameters, as the central team publishes a base model (one
+without would roll back before its switch: `test_fleet_activation`); its golden prompt
+fits a base model: a chat through that template, held to its length.
 """
 
 from __future__ import annotations
@@ -37,10 +38,9 @@ BOXES = ("store-w1", "store-w2")
 RID = "rw-two"
 GEMMA = "gemma3:270m"
 BOX_ENV = {"EDGE_AGENT_DEFAULT_MODEL": GEMMA}  # loaded at start: /ready says when
-# A golden prompt a base model passes: a chat through the release's template (refused
-# without one: the release would roll back), held to its length, not to what it says (a
-# base model follows no instruction; a `prompt` is templated too). And the memory left
-# beside both versions loaded.
+# A golden prompt a base model passes: a chat through the release's template, held to
+# its length, not to what it says (a base model follows no instruction, and a `prompt` is
+# templated too); and the memory left with both versions loaded.
 GATE = {"prompts": [{"id": "chat", "max_tokens": 4, "expect": {"max_output_tokens": 4},
                      "messages": [{"role": "user", "content": "Count to five."}]}],
         "memory_headroom_bytes": 64 << 20, "tokens_per_s_floor": None}
