@@ -1,22 +1,21 @@
-"""A rollout in waves to two real agents: `fleet rollout start --waves 1,100%` on the real
-controller (`fleet serve` signing and publishing), a real Mosquitto, two `edge-agent
-serve` with the real default model and their links on, clients streaming on both boxes
-all along. Both boxes end ACTIVE, the second only after the first soaked, their evidence
-rows exist (on the box and synced to the controller), and no client request fails.
+"""A rollout of gemma3:270m in waves to two real agents: `fleet rollout start --waves
+1,100%` on the real controller (`fleet serve` signing and publishing), a real Mosquitto,
+two `edge-agent serve` serving gemma3:270m as installed from the catalog (version 1),
+their links on, clients streaming chat to it on both boxes all along. Both boxes end
+ACTIVE, the second only after the first soaked, their evidence rows exist (on the box and
+synced to the controller), no client request fails, and version 2 answers chats after the
+switch.
 
-The release is the default model with one letter of its name changed (the approach of
-`test_fleet_rollout_e2e`), not gemma3:270m: another digest that loads and answers as
-fast, which keeps this test well under a minute of CI.
+gemma3:270m is a base model: its GGUF has no chat template, the catalog supplies one. The
+release (the catalog's file with one letter of its name changed: another digest) carries
+the catalog's template and parameters, as the central team publishes a base model (one
+without would roll back before its switch: `test_fleet_activation`); its golden prompt
+fits a base model: a chat through that template, held to its length.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import signal
-import subprocess
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,15 +27,23 @@ from click.testing import CliRunner
 from edge_agent.cli import main
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.fleet.controller.store import SQLiteStore
-from tests.brokers import FLEET, Mosquitto
-from tests.conftest import DEFAULT_MODEL, clone_state, free_port
+from tests.brokers import Mosquitto
+from tests.conftest import clone_state
 from tests.fleetkit import wait_until
-from tests.test_fleet_rollout_e2e import ENV, PASSING, ROOT, _cli, _get, _variant
+from tests.rolloutkit import Box, Controller, Repository, Streams, cli, start_box, variant
 
 pytestmark = [pytest.mark.integration, pytest.mark.broker]
 
 BOXES = ("store-w1", "store-w2")
 RID = "rw-two"
+GEMMA = "gemma3:270m"
+BOX_ENV = {"EDGE_AGENT_DEFAULT_MODEL": GEMMA}  # loaded at start: /ready says when
+# A golden prompt a base model passes: a chat through the release's template, held to
+# its length, not to what it says (a base model follows no instruction, and a `prompt` is
+# templated too); and the memory left with both versions loaded.
+GATE = {"prompts": [{"id": "chat", "max_tokens": 4, "expect": {"max_output_tokens": 4},
+                     "messages": [{"role": "user", "content": "Count to five."}]}],
+        "memory_headroom_bytes": 64 << 20, "tokens_per_s_floor": None}
 
 
 @pytest.fixture
@@ -44,128 +51,76 @@ def broker(mosquitto_factory: Callable[..., Mosquitto]) -> Mosquitto:
     return mosquitto_factory(devices=BOXES).start()
 
 
+@pytest.fixture(scope="module")
+def gemma_state(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's state with gemma3:270m installed from the catalog too: version 1,
+    what the boxes serve before the rollout (each box a clone)."""
+    state = clone_state(model_cache, tmp_path_factory.mktemp("gemma") / "state")
+    store = ModelStore(state)
+    store.pull(GEMMA)
+    store.close()  # models.db checkpointed: clones copy one file
+    return state
+
+
 @pytest.fixture
-def central(broker: Mosquitto, model_cache: Path, tmp_path: Path
-            ) -> Iterator[dict[str, Any]]:
-    ctl, keys = tmp_path / "controller", tmp_path / "keys"
-    _cli("fleet", "keygen", "--out", str(keys))
-    _cli("fleet", "release", "init", "--state-dir", str(ctl), "--keys", str(keys))
-    blob = ModelStore(model_cache).get(DEFAULT_MODEL).blob_path(model_cache)
-    (tmp_path / "gate.json").write_text(json.dumps(PASSING))
-    _cli("fleet", "release", "add", str(_variant(blob, tmp_path / "v2.gguf", b"W")),
-         "--name", DEFAULT_MODEL, "--version", "2", "--state-dir", str(ctl),
-         "--keys", str(keys), "--gate", str(tmp_path / "gate.json"))
-    port = free_port()
-    config = tmp_path / "controller.toml"
-    config.write_text(f'state_dir = "{ctl}"\ncommand_key_file = "{keys / "command.pem"}"\n'
-                      "rollout_tick_s = 0.5\n"
-                      f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
-                      f'password_file = "{broker.password_file("controller")}"\n'
-                      f'[http]\nport = {port}\n')
-    proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "fleet", "serve", "--config",
-                             str(config)], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        assert wait_until(lambda: _get(f"http://127.0.0.1:{port}/healthz"), 60, 0.2)
-        yield {"config": config, "keys": keys, "ctl": ctl,
-               "releases": f"http://127.0.0.1:{port}/releases/",
-               "api": f"http://127.0.0.1:{port}"}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+def central(broker: Mosquitto, gemma_state: Path, tmp_path: Path) -> Iterator[Controller]:
+    repo = Repository.create(tmp_path)
+    store = ModelStore(gemma_state)
+    entry, blob = store.catalog()[GEMMA], store.get(GEMMA).blob_path(gemma_state)
+    store.close()
+    repo.add(variant(blob, tmp_path / "v2.gguf", b"W"), GEMMA, "2", gate=GATE,
+             template=entry.chat_template, parameters=entry.parameters)
+    with repo.serve(broker, tmp_path, "rollout_tick_s = 0.5\n") as controller:
+        yield controller
 
 
-def _box(name: str, broker: Mosquitto, central: dict[str, Any], model_cache: Path,
-         tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
-    state = clone_state(model_cache, tmp_path / f"state-{name}")
-    root = tmp_path / f"root-{name}.json"
-    shutil.copyfile(central["ctl"] / "releases" / "metadata" / "1.root.json", root)
-    config = tmp_path / f"{name}.toml"
-    config.write_text(
-        f'[fleet]\nenabled = true\nbroker = "{broker.url}"\nfleet_id = "{FLEET}"\n'
-        f'device_id = "{name}"\nusername = "{name}"\n'
-        f'password_file = "{broker.password_file(name)}"\n'
-        f'command_key_file = "{central["keys"] / "command.pub.pem"}"\n'
-        f'tuf_root_file = "{root}"\nartifacts_url = "{central["releases"]}"\n'
-        "download_headroom_bytes = 0\nreconnect_min_s = 0.2\nreconnect_max_s = 1.0\n")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config",
-                             str(config), "--state-dir", str(state), "--port", str(port)],
-                            env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    return proc, f"http://127.0.0.1:{port}", state
-
-
-def _digest(base: str) -> str:
-    tags = httpx.get(f"{base}/api/tags", timeout=10).json()["models"]
-    return str(next(m["digest"] for m in tags if m["name"] == DEFAULT_MODEL))
-
-
-def _rollout(central: dict[str, Any]) -> dict[str, Any]:
+def _rollout(central: Controller) -> dict[str, Any]:
     result = CliRunner().invoke(main, ["fleet", "rollout", "status", RID, "--json",
-                                       "--config", str(central["config"])])
+                                       "--config", str(central.config)])
     assert result.exit_code == 0, result.output
     return dict(json.loads(result.output))
 
 
 def test_two_agents_in_waves_end_active_with_zero_failed_requests(
-        broker: Mosquitto, central: dict[str, Any], model_cache: Path, tmp_path: Path
+        broker: Mosquitto, central: Controller, gemma_state: Path, tmp_path: Path
         ) -> None:
-    boxes = {name: _box(name, broker, central, model_cache, tmp_path) for name in BOXES}
-    failures: list[str] = []
-    served = dict.fromkeys(BOXES, 0)
-    stop = threading.Event()
-
-    def client(name: str, base: str) -> None:  # each store's assistant, streaming
-        while not stop.is_set():
-            try:
-                with httpx.stream("POST", f"{base}/api/chat", timeout=60, json={
-                        "model": DEFAULT_MODEL, "options": {"num_predict": 8},
-                        "messages": [{"role": "user", "content": "Count to five."}]}) as r:
-                    lines = [json.loads(x) for x in r.iter_lines() if x]
-                if r.status_code != 200 or not lines[-1].get("done") or "error" in lines[-1]:
-                    failures.append(f"{name}: {r.status_code} {lines[-1] if lines else ''}")
-                else:
-                    served[name] += 1
-            except httpx.HTTPError as exc:
-                failures.append(f"{name}: {exc!r}")
-
-    threads: list[threading.Thread] = []
+    boxes = {name: start_box(name, broker, central,
+                             clone_state(gemma_state, tmp_path / f"state-{name}"), tmp_path,
+                             BOX_ENV)
+             for name in BOXES}
+    streams = Streams(GEMMA, list(boxes.values()), num_predict=4)  # each store's assistant
     try:
-        for name, (_, base, _) in boxes.items():
-            assert wait_until(lambda b=base: _get(f"{b}/ready") is not None, 120, 0.2)
-            assert wait_until(lambda n=name: (_get(f"{central['api']}/devices/{n}") or {})
-                              .get("online"), 30, 0.2)
-        old = {name: _digest(base) for name, (_, base, _) in boxes.items()}
-        threads = [threading.Thread(target=client, args=(name, base))
-                   for name, (_, base, _) in boxes.items()]
-        for t in threads:
-            t.start()
+        for box in boxes.values():
+            box.wait_ready(central)
+        old = {name: box.digest(GEMMA) for name, box in boxes.items()}
+        streams.start()
         started = CliRunner().invoke(main, [
-            "fleet", "rollout", "start", f"{DEFAULT_MODEL}@2", "--id", RID, "--waves",
+            "fleet", "rollout", "start", f"{GEMMA}@2", "--id", RID, "--waves",
             "1,100%", "--soak", "2s", "--min-executed", "1", "--abort-above", "0%",
-            "--device-timeout", "5m", "--config", str(central["config"])])
+            "--device-timeout", "5m", "--config", str(central.config)])
         assert started.exit_code == 0, started.output
         assert wait_until(lambda: _rollout(central)["state"] != "RUNNING", 150, 0.5), \
             _rollout(central)
-        stop.set()
-        for t in threads:
-            t.join(60)
+        streams.stop()
         report = _rollout(central)
-        assert report["state"] == "COMPLETED", report
+        assert report["state"] == "COMPLETED", json.dumps(report)
         assert report["states"] == {"ACTIVE": 2}
-        assert failures == [] and all(n > 0 for n in served.values()), (failures, served)
+        assert streams.failures == [] and all(n > 0 for n in streams.served.values()), \
+            (streams.failures, streams.served)
         rows = {d["device"]: d for d in report["devices"]}
         first, second = sorted(BOXES, key=lambda n: rows[n]["wave"])
         assert (rows[first]["wave"], rows[second]["wave"]) == (1, 2)
         assert rows[second]["started_at"] >= rows[first]["active_at"] + 2.0  # soaked first
-        for name, (_, base, state) in boxes.items():
-            assert _digest(base) != old[name]
-            history = json.loads(_cli("models", "history", DEFAULT_MODEL, "--json",
-                                      "--state-dir", str(state)).stdout)
+        for name, box in boxes.items():
+            assert box.digest(GEMMA) != old[name]
+            _chats_with_the_release_template(box)
+            history = json.loads(cli("models", "history", GEMMA, "--json",
+                                     "--state-dir", str(box.state)).stdout)
             evidence = [e for e in history["evidence"] if e["rollout_id"] == RID]
             assert [e["outcome"] for e in evidence] == ["ACTIVE"]
-        store = SQLiteStore(central["ctl"] / "controller.db")
+            assert {c["name"] for c in evidence[0]["checks"] if c["passed"]} >= {
+                "prompt:chat:max_output_tokens", "memory_headroom", "served_digest"}
+        store = SQLiteStore(central.ctl / "controller.db")
         try:
             assert wait_until(lambda: all(any(
                 m["body"].get("event") == "rollout.evidence"
@@ -175,12 +130,19 @@ def test_two_agents_in_waves_end_active_with_zero_failed_requests(
         finally:
             store.close()
     finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-        for proc, _, _ in boxes.values():
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        streams.stop()
+        for box in boxes.values():
+            box.stop()
+
+
+def _chats_with_the_release_template(box: Box) -> None:
+    """Version 2 serves with the template its release carried: a chat is answered."""
+    show = httpx.post(f"{box.base}/api/show", json={"model": GEMMA}, timeout=10).json()
+    assert show["modelfile"].startswith(f"# source: release:{GEMMA}@2")
+    assert "<start_of_turn>" in show["template"] and "<end_of_turn>" in show["parameters"]
+    r = httpx.post(f"{box.base}/api/chat", timeout=60, json={
+        "model": GEMMA, "stream": False, "options": {"num_predict": 8, "temperature": 0},
+        "messages": [{"role": "user", "content": "Count to five."}]})
+    assert r.status_code == 200, r.text
+    text = r.json()["message"]["content"]
+    assert text.strip() and "<start_of_turn>" not in text and "<end_of_turn>" not in text

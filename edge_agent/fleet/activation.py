@@ -1,6 +1,8 @@
 """A staged release's activation: load beside (or drain), switch, gate, and keep or roll back.
 
-    ACTIVATING  previous digest committed; the previous version measured on the golden
+    ACTIVATING  previous digest committed; a release that would take the chat template
+                away (the previous version has one, the new one none) rolled back before
+                anything loads; the previous version measured on the golden
                 prompts (when a tokens/s floor is set); the new version loaded beside the
                 old one when it fits without evicting anything — both held loaded —, else
                 the name drained (new requests 503 + Retry-After, running ones finish on
@@ -130,6 +132,9 @@ class Activator:
             r = await self.move(r, ACTIVE, reason="already active")
             self.evidence(r, [])
             return r
+        template = self._template_check(r.name, previous, target)
+        if not template.passed:  # before the switch: no chat is refused meanwhile
+            return await self._roll_back(r, [template], held=False)
         checks: list[Check] = []
         baseline = None
         loader = self.ops.loader is not None
@@ -180,6 +185,11 @@ class Activator:
         await self._release(r, held, keep=target)
         self.evidence(r, report.checks)
         return r
+
+    def _template_check(self, name: str, previous: str | None, target: str) -> Check:
+        templates = {v.digest: v.model.chat_template for v in self.ops.store.versions(name)}
+        return gate.check_template(templates.get(previous) if previous else None,
+                                   templates.get(target))
 
     async def _gate(self, r: Rollout, spec: GateSpec, baseline: float | None,
                     switched_at: float, abort: Callable[[], bool]) -> GateReport:

@@ -344,6 +344,17 @@ def check_memory(available: int, need: int) -> Check:
                  "bytes available after the load")
 
 
+def check_template(previous: str | None, new: str | None) -> Check:
+    """The new version answers chats where the previous one did: a release with no chat
+    template (none in its GGUF, none in its manifest, as a base model published without
+    `--template`) replacing a version that had one would have every chat refused."""
+    kept = new is not None or previous is None
+    return Check("chat_template", kept, "present" if new is not None else "none",
+                 "present" if previous is not None else None,
+                 "" if kept else "the previous version serves chats with a template; the "
+                 "release brings none (fleet release add --template)")
+
+
 def check_served(answers: Sequence[ProbeAnswer], digest: str) -> Check:
     """Every golden prompt was answered by the new version (not by the old one)."""
     others = sorted({a.digest[:12] for a in answers if a.digest != digest})
