@@ -1,5 +1,6 @@
 """Figures for signed releases (not a test): download throughput against curl of the same
-file from the same server, and the time of `fleet release add`.
+file from the same server (the measurement of `edge-agent bench rollout`, against a bare
+artifacts server and a file of any size), and the time of `fleet release add`.
 
     python -m tests.release_bench [--mb 200] [--runs 5] [--gguf FILE] [--workdir DIR]
 
@@ -15,14 +16,13 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from edge_agent.fleet import transfer
+from edge_agent.bench.rollout import download_vs_curl
 from edge_agent.fleet.release import ReleaseSource
 from tests.conftest import free_port
 from tests.releasekit import device_settings, make_repo, sized_gguf
@@ -54,7 +54,7 @@ def _wait_up(port: int) -> None:
 def throughput(work: Path, mb: float, runs: int) -> dict[str, object]:
     repo = make_repo(work / "ctl")
     gguf = sized_gguf(work / "big.gguf", mb)
-    entry = repo.add(gguf, "bench:1", "1")
+    repo.add(gguf, "bench:1", "1")
     gguf.unlink()
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -66,41 +66,16 @@ def throughput(work: Path, mb: float, runs: int) -> dict[str, object]:
         device = work / "device"
         source = ReleaseSource(device_settings(device, repo.root_file, url).fleet, device)
         release = source.lookup("bench:1", "1")
-        rows: dict[str, list[float]] = {"transfer": [], "download": [], "curl": []}
-        for _ in range(runs):
-            dest = work / "dl"
-            shutil.rmtree(dest, ignore_errors=True)
-            ends: list[float] = []
-
-            def last_byte(done: int, total: int, rate: float, eta: float | None,
-                          ends: list[float] = ends) -> None:
-                if done == total:
-                    ends.append(time.perf_counter())
-
-            t0 = time.perf_counter()
-            transfer.download(release, dest, progress=last_byte)
-            t1 = time.perf_counter()
-            rows["transfer"].append(ends[0] - t0)
-            rows["download"].append(t1 - t0)
-            out = work / "curl.out"
-            t0 = time.perf_counter()
-            subprocess.run(["curl", "-sSf", "-o", str(out), release.url], check=True)
-            rows["curl"].append(time.perf_counter() - t0)
-            out.unlink()
+        result = download_vs_curl(release, work, runs)
     finally:
         server.terminate()
         server.wait()
-    size = entry.length
-    rate = {k: [size / t / 1e6 for t in v] for k, v in rows.items()}
-    return {
-        "bytes": size, "runs": runs,
-        "MB_per_s": {k: [round(x) for x in v] for k, v in rate.items()},
-        "median_MB_per_s": {k: round(statistics.median(v)) for k, v in rate.items()},
-        "ratio_transfer_vs_curl": round(statistics.median(rate["transfer"])
-                                        / statistics.median(rate["curl"]), 2),
-        "ratio_download_vs_curl": round(statistics.median(rate["download"])
-                                        / statistics.median(rate["curl"]), 2),
-    }
+    med = result["median_MB_per_s"]
+    return {"bytes": result["bytes"], "runs": runs,
+            "MB_per_s": {k: [round(x) for x in v] for k, v in result["MB_per_s"].items()},
+            "median_MB_per_s": {k: round(v) for k, v in med.items()},
+            "ratio_transfer_vs_curl": round(result["ratio"], 2),
+            "ratio_download_vs_curl": round(result["ratio_with_verification"], 2)}
 
 
 def release_add(work: Path, gguf: Path, runs: int) -> dict[str, object]:

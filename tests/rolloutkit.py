@@ -54,18 +54,6 @@ def get_json(url: str) -> Any:
         return None
 
 
-def variant(blob: Path, dest: Path, letter: bytes) -> Path:
-    """A model file with the first letter of its general.name changed: another digest that
-    loads and answers as the original does."""
-    shutil.copyfile(blob, dest)
-    with dest.open("r+b") as fh:
-        head = fh.read(1 << 16)
-        at = head.index(b"general.name") + len(b"general.name") + 4 + 8
-        fh.seek(at)
-        fh.write(letter)
-    return dest
-
-
 # -- the controller -----------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import statistics
 import threading
 import time
@@ -25,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from edge_agent.app import create_app
+from edge_agent.bench.rollout import variant
 from edge_agent.config import Settings, load_settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.request import GenerationRequest
@@ -200,18 +200,6 @@ def test_a_prompt_the_engine_refuses_is_a_failed_check() -> None:
 
 # -- on the real engine ----------------------------------------------------------------------
 
-def _variant(src: Path, dest: Path, letter: bytes) -> Path:
-    """The default model's GGUF with one letter of `general.name` changed: another digest,
-    the same weights (so the same greedy answers, the same speed)."""
-    shutil.copyfile(src, dest)
-    with dest.open("r+b") as fh:
-        head = fh.read(1 << 16)
-        at = head.index(b"general.name") + len(b"general.name") + 4 + 8
-        fh.seek(at)
-        fh.write(letter)
-    return dest
-
-
 @dataclass
 class Box:
     settings: Settings
@@ -299,7 +287,7 @@ def start_box(model_cache: Path, root: Path, **overrides: Any) -> Box:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.1)
     for version, letter in (("2", b"T"), ("3", b"U")):
-        releases.add(DEFAULT_MODEL, version, _variant(blob, root / f"v{version}.gguf", letter),
+        releases.add(DEFAULT_MODEL, version, variant(blob, root / f"v{version}.gguf", letter),
                      manifest)
     return Box(settings, url, server, thread, manager, loops[0], probe, releases, old, emitted)
 
@@ -512,7 +500,7 @@ def test_the_registry_loads_a_digest_holds_it_and_drains_a_name(
     state = clone_state(model_cache, tmp_path / "state")
     store = ModelStore(state)
     old = store.get(DEFAULT_MODEL)
-    new = store.import_file(_variant(old.blob_path(state), tmp_path / "v.gguf", b"T"),
+    new = store.import_file(variant(old.blob_path(state), tmp_path / "v.gguf", b"T"),
                             DEFAULT_MODEL, by="test", activate=False)
     settings = load_settings(None, state_dir=state, **{
         "runtime.context_length": 256, "runtime.threads": 1})

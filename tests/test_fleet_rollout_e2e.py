@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from edge_agent.bench.rollout import variant
 from edge_agent.engine.catalog import ModelStore
 from tests.brokers import Mosquitto
 from tests.conftest import DEFAULT_MODEL, clone_state
 from tests.fleetkit import wait_until
-from tests.rolloutkit import PASSING, Controller, Repository, Streams, cli, start_box, variant
+from tests.rolloutkit import PASSING, Controller, Repository, Streams, cli, start_box
 
 pytestmark = [pytest.mark.integration, pytest.mark.broker]
 

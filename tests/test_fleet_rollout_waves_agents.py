@@ -24,13 +24,14 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from edge_agent.bench.rollout import variant
 from edge_agent.cli import main
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.fleet.controller.store import SQLiteStore
 from tests.brokers import Mosquitto
 from tests.conftest import clone_state
 from tests.fleetkit import wait_until
-from tests.rolloutkit import Box, Controller, Repository, Streams, cli, start_box, variant
+from tests.rolloutkit import Box, Controller, Repository, Streams, cli, start_box
 
 pytestmark = [pytest.mark.integration, pytest.mark.broker]
 

@@ -5,7 +5,6 @@ with one letter of its `general.name` changed, so both versions load in the same
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import ollama
 import openai
 import pytest
 
+from edge_agent.bench.rollout import variant
 from edge_agent.config import load_settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
@@ -38,14 +38,8 @@ def _second_digest(state: Path, tmp: Path) -> tuple[str, str]:
     installed beside it, inactive."""
     store = ModelStore(state)
     old = store.get(DEFAULT_MODEL)
-    variant = tmp / "variant.gguf"
-    shutil.copyfile(old.blob_path(state), variant)
-    with variant.open("r+b") as fh:
-        head = fh.read(1 << 16)
-        key = head.index(b"general.name") + len(b"general.name") + 4 + 8  # type, length
-        fh.seek(key)
-        fh.write(b"T" if head[key:key + 1] != b"T" else b"U")
-    new = store.import_file(variant, DEFAULT_MODEL, by="test", activate=False)
+    copy = variant(old.blob_path(state), tmp / "variant.gguf", b"T")
+    new = store.import_file(copy, DEFAULT_MODEL, by="test", activate=False)
     store.close()
     return old.digest, new.digest
 

@@ -32,13 +32,16 @@ import time
 from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_agent.bench.fleet import _server_state
 from edge_agent.bench.peers import EdgeAgentPeer, Sample
 from edge_agent.bench.rollout_waves import run_waves, sim_devices
 from edge_agent.bench.targets import report
 from edge_agent.engine.catalog import ModelStore
+
+if TYPE_CHECKING:
+    from edge_agent.fleet.release import Release
 
 Echo = Callable[[str], None]
 FLEET, DEV = "bench", "bench-box"
@@ -55,8 +58,10 @@ def _cli(*args: str) -> str:
     return done.stdout
 
 
-def _variant(blob: Path, dest: Path, letter: bytes) -> Path:
-    """The model with one letter of its general.name changed: another digest."""
+def variant(blob: Path, dest: Path, letter: bytes) -> Path:
+    """A copy of a model file with the first letter of its general.name changed: another
+    digest that loads and answers as the original does (the same weights: the same greedy
+    answers, the same speed). The bench's and the tests' new versions."""
     shutil.copyfile(blob, dest)
     with dest.open("r+b") as fh:
         head = fh.read(1 << 16)
@@ -149,13 +154,21 @@ class Load:
 def _download_vs_curl(ctl_url: str, root_file: Path, work: Path, version: str,
                       model: str, runs: int) -> dict[str, Any]:
     from edge_agent.config import load_settings
-    from edge_agent.fleet import transfer
     from edge_agent.fleet.release import ReleaseSource
 
     device = work / "device"
     settings = load_settings(None, state_dir=device, **{
         "fleet.tuf_root_file": str(root_file), "fleet.artifacts_url": f"{ctl_url}/releases/"})
-    release = ReleaseSource(settings.fleet, device).lookup(model, version)
+    return download_vs_curl(ReleaseSource(settings.fleet, device).lookup(model, version),
+                            work, runs)
+
+
+def download_vs_curl(release: Release, work: Path, runs: int) -> dict[str, Any]:
+    """`transfer.download` of a verified release against `curl` of its URL, in turns:
+    MB/s to the last byte (`transfer`), with the sha256 and GGUF precheck that follow
+    (`download`), and curl's; the ratios of the medians."""
+    from edge_agent.fleet import transfer
+
     times: dict[str, list[float]] = {"transfer": [], "download": [], "curl": []}
     for _ in range(runs):
         dest = work / "dl"
@@ -209,7 +222,7 @@ def run_rollout_bench(state_dir: Path, model: str, *, runs: int, threads: int, c
         (root / "gate.json").write_text(json.dumps(GATE))
         versions = [str(i + 2) for i in range(runs)]
         for i, version in enumerate(versions):
-            gguf = _variant(blob, root / f"v{version}.gguf", b"ABCDEFGHIJKLMNOP"[i % 16:][:1])
+            gguf = variant(blob, root / f"v{version}.gguf", b"ABCDEFGHIJKLMNOP"[i % 16:][:1])
             _cli("fleet", "release", "add", str(gguf), "--name", model, "--version", version,
                  "--state-dir", str(ctl), "--keys", str(keys), "--gate",
                  str(root / "gate.json"))
