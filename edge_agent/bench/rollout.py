@@ -208,6 +208,7 @@ def run_rollout_bench(state_dir: Path, model: str, *, runs: int, threads: int, c
         if not store.is_installed(model):
             store.pull(model)
         blob = store.get(model).blob_path(state_dir)
+        entry = store.catalog().get(model)
     finally:
         store.close()
     echo(f"edge-agent bench rollout: {model}, {blob.stat().st_size / 1e6:.0f} MB, "
@@ -220,12 +221,19 @@ def run_rollout_bench(state_dir: Path, model: str, *, runs: int, threads: int, c
         _cli("fleet", "keygen", "--out", str(keys))
         _cli("fleet", "release", "init", "--state-dir", str(ctl), "--keys", str(keys))
         (root / "gate.json").write_text(json.dumps(GATE))
+        extra: list[str] = []  # what a catalog entry adds to its file, the release carries
+        if entry is not None and entry.chat_template:
+            (root / "template.jinja").write_text(entry.chat_template)
+            extra += ["--template", str(root / "template.jinja")]
+        if entry is not None and entry.parameters:
+            (root / "parameters.json").write_text(json.dumps(entry.parameters))
+            extra += ["--parameters", str(root / "parameters.json")]
         versions = [str(i + 2) for i in range(runs)]
         for i, version in enumerate(versions):
             gguf = variant(blob, root / f"v{version}.gguf", b"ABCDEFGHIJKLMNOP"[i % 16:][:1])
             _cli("fleet", "release", "add", str(gguf), "--name", model, "--version", version,
                  "--state-dir", str(ctl), "--keys", str(keys), "--gate",
-                 str(root / "gate.json"))
+                 str(root / "gate.json"), *extra)
             gguf.unlink()
         root_file = root / "provisioned-root.json"
         shutil.copyfile(ctl / "releases" / "metadata" / "1.root.json", root_file)
@@ -326,12 +334,18 @@ def _one_rollout(box: EdgeAgentPeer, db: Path, config: Path, model: str, version
     if bodies[-1]["to"] != "ACTIVE":
         raise RuntimeError(f"rollout {rid} ended {bodies[-1]['to']}: {bodies[-1]}")
     states = {a["to"]: b["ts"] - a["ts"] for a, b in pairwise(bodies)}
+    # Where the longest gap falls: each state's span on this process's clock (the box
+    # stamps transitions with its wall clock, the same machine's).
+    shift = time.time() - time.perf_counter()
+    gaps = {a["to"]: round(load.longest_gap(a["ts"] - shift, b["ts"] - shift) * 1000)
+            for a, b in pairwise(bodies)}
     before = load.ttfts(t_before, t_send)
     during = load.ttfts(t_send, t_active)
     row = {"version": version, "to_active_s": t_active - t_send, "states_s": states,
            "timings": bodies[-1].get("timings") or {},
            "longest_gap_ms": load.longest_gap(t_send, t_active) * 1000,
            "longest_gap_before_ms": load.longest_gap(t_before, t_send) * 1000,
+           "longest_gap_by_state_ms": gaps,
            "ttft_p99_before_ms": _p99(before) * 1000, "ttft_p99_during_ms": _p99(during) * 1000,
            "short_requests": {"before": len(before), "during": len(during)},
            "failed_requests": load.failed}
