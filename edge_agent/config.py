@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 from urllib.parse import urlsplit
 
 import tomllib
@@ -415,7 +415,35 @@ class ModelsSettings(BaseModel):
         return dict(self.__pydantic_extra__ or {})
 
 
-class Settings(BaseSettings):
+class LayeredSettings(BaseSettings):
+    """Settings read in layers, each over the ones before: defaults < TOML file <
+    environment < keyword arguments; `load_layered` names the file.
+
+    The environment is a layer only for a class with a prefix of its own (EDGE_AGENT_*):
+    without one, pydantic-settings would read bare field names (STATE_DIR, DB) that the
+    environment may hold for other programs."""
+
+    model_config = SettingsConfigDict(extra="forbid")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings]
+        if settings_cls.model_config.get("env_prefix"):
+            sources.append(env_settings)
+        toml_file = settings_cls.model_config.get("toml_file")
+        if toml_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+
+class Settings(LayeredSettings):
     model_config = SettingsConfigDict(
         env_prefix="EDGE_AGENT_",
         env_nested_delimiter="__",
@@ -466,21 +494,6 @@ class Settings(BaseSettings):
             raise ValueError(exc.message) from None
         return name
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        toml_file = settings_cls.model_config.get("toml_file")
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if toml_file:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
-        return tuple(sources)
-
     def model_override(self, name: str) -> ModelOverride:
         return self.models.overrides.get(name) or ModelOverride.model_validate({})
 
@@ -499,27 +512,27 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
-def load_settings(config_file: Path | None = None, **flags: Any) -> Settings:
-    """Build the settings; raises ConfigError with one line naming the bad key.
+L = TypeVar("L", bound=LayeredSettings)
 
-    `flags` use dotted keys for nested values (`**{"server.port": 8080}`).
-    """
+
+def load_layered(cls: type[L], config_file: Path | None, default_file: Path,
+                 flags: dict[str, Any]) -> L:
+    """`cls` from its layers: the TOML file `config_file` (else `default_file` if it
+    exists), then `flags`, dotted keys for nested values (None: unset). Raises ConfigError
+    with one line naming the file or the bad key."""
     path = config_file
-    if path is None and DEFAULT_CONFIG_FILE.is_file():
-        path = DEFAULT_CONFIG_FILE
+    if path is None and default_file.is_file():
+        path = default_file
     if path is not None:
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
         try:
             with path.open("rb") as fh:
-                tomllib.load(fh)
-        except tomllib.TOMLDecodeError as exc:
+                tomllib.load(fh)  # only for its errors: the TOML layer reads the file
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"config file {path}: {exc}") from exc
-    cls: type[Settings] = Settings
-    if path is not None:
-        cls = type(
-            "Settings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": path}}
-        )
+        cls = cast("type[L]", type(cls.__name__, (cls,), {
+            "model_config": {**cls.model_config, "toml_file": path}}))
     try:
         return cls(**_nest(flags))
     except ValidationError as exc:
@@ -527,3 +540,11 @@ def load_settings(config_file: Path | None = None, **flags: Any) -> Settings:
         key = ".".join(str(p) for p in err["loc"]) or "(root)"
         where = f" in {path}" if path else ""
         raise ConfigError(f"invalid setting {key}{where}: {err['msg']}") from exc
+
+
+def load_settings(config_file: Path | None = None, **flags: Any) -> Settings:
+    """Build the settings; raises ConfigError with one line naming the bad key.
+
+    `flags` use dotted keys for nested values (`**{"server.port": 8080}`).
+    """
+    return load_layered(Settings, config_file, DEFAULT_CONFIG_FILE, flags)

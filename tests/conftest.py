@@ -127,6 +127,17 @@ def live_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
     live.stop()
 
 
+@pytest.fixture(scope="module")
+def fuzz_live(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[LiveServer]:
+    """A server of the fuzz module's own, on which fuzzing stays cheap (tests/fuzzing.py)."""
+    from tests.fuzzing import start_fuzz_server  # imported here: it imports this module
+
+    live = start_fuzz_server(model_cache, tmp_path_factory.mktemp("fuzz") / "state")
+    yield live
+    live.stop()
+
+
 # -- The fleet link's real servers (tests/brokers.py) ----------------------------------------
 
 @pytest.fixture(scope="session")

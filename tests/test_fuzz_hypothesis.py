@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -37,7 +36,6 @@ from tests.fuzzing import (
     own_openapi_document,
     scheduler_problems,
     sets_deadline,
-    start_fuzz_server,
     tame_keep_alive,
     trace,
 )
@@ -138,14 +136,6 @@ def target(path: str) -> st.SearchStrategy[str]:
 
 
 # -- the run -------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def fuzz_live(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
-              ) -> Iterator[LiveServer]:
-    live = start_fuzz_server(model_cache, tmp_path_factory.mktemp("fuzz-hy") / "state")
-    yield live
-    live.stop()
-
 
 @pytest.fixture(scope="module")
 def client(fuzz_live: LiveServer) -> Iterator[httpx.Client]:

@@ -40,7 +40,6 @@ from tests.fuzzing import (
     own_openapi_document,
     scheduler_problems,
     sets_deadline,
-    start_fuzz_server,
     tame_keep_alive,
     trace,
 )
@@ -116,14 +115,6 @@ def test_document_agrees_with_validation(own_document: dict[str, Any], path: str
 
 
 # -- the fuzz runs ----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def fuzz_live(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
-              ) -> Iterator[LiveServer]:
-    live = start_fuzz_server(model_cache, tmp_path_factory.mktemp("fuzz-st") / "state")
-    yield live
-    live.stop()
-
 
 @pytest.fixture(scope="module")
 def tally() -> Iterator[Tally]:

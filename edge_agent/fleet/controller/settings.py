@@ -22,10 +22,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
 
-from edge_agent.config import BrokerAddress, ConfigError, parse_broker
+from edge_agent.config import (
+    BrokerAddress,
+    ConfigError,
+    LayeredSettings,
+    load_layered,
+    parse_broker,
+)
 
 DEFAULT_CONFIG_FILE = Path("/etc/edge-agent-fleet/controller.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/edge-agent-fleet")
@@ -91,7 +97,10 @@ class IngestSettings(_Section):
     batch_wait_s: float = Field(0.05, gt=0, description="Longest wait to fill a batch.")
 
 
-class ControllerSettings(_Section):
+class ControllerSettings(LayeredSettings):
+    # No environment layer (no env_prefix); keys in the file are spelt as here.
+    model_config = SettingsConfigDict(extra="forbid", case_sensitive=True)
+
     state_dir: Path = Field(DEFAULT_STATE_DIR, description="controller.db lives here.")
     db: str | None = Field(None, description="postgresql://… (unset: SQLite in state_dir).")
     broker: BrokerSettings = Field(default_factory=BrokerSettings)  # type: ignore[arg-type]
@@ -127,47 +136,8 @@ class ControllerSettings(_Section):
             raise ConfigError(f"cannot read broker.password_file {path}: {exc}") from exc
 
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    nested: dict[str, Any] = {}
-    for dotted, value in flat.items():
-        if value is None:
-            continue
-        node = nested
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return nested
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(
-            out.get(key), dict) else value
-    return out
-
-
 def load_controller_settings(config_file: Path | None = None,
                              **flags: Any) -> ControllerSettings:
     """Defaults < the TOML file (default /etc/edge-agent-fleet/controller.toml if present)
     < `flags` (dotted keys, None = unset). ConfigError with one line naming the bad key."""
-    path = config_file
-    if path is None and DEFAULT_CONFIG_FILE.is_file():
-        path = DEFAULT_CONFIG_FILE
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with path.open("rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"config file {path}: {exc}") from exc
-    try:
-        return ControllerSettings.model_validate(_merge(data, _nest(flags)))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        key = ".".join(str(p) for p in err["loc"]) or "(root)"
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"invalid setting {key}{where}: {err['msg']}") from exc
+    return load_layered(ControllerSettings, config_file, DEFAULT_CONFIG_FILE, flags)
