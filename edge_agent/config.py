@@ -291,6 +291,10 @@ class FleetSettings(_Section):
     progress_interval_s: float = Field(
         5.0, gt=0, description="Seconds between a rollout's download progress messages over "
         "the link (audit, never dropped); the first and the last always go.")
+    rollout_nice: int = Field(
+        10, ge=0, le=19, description="How much lower the CPU priority of a rollout's "
+        "download, verification and precheck runs than serving (nice increment; 0: the "
+        "same), so requests keep their cores while a release arrives.")
     maintenance_window: str | None = Field(
         None, description='Local time when a staged release may be activated, "HH:MM-HH:MM" '
         '(may wrap midnight, e.g. "22:00-05:00"); unset: any time.')

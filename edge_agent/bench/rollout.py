@@ -141,12 +141,13 @@ class Load:
     def ttfts(self, start: float, end: float) -> list[float]:
         return [s.ttft_s for s in list(self.shorts) if start <= s.start < end and s.arrivals]
 
-    def longest_gap(self, start: float, end: float) -> float:
-        """The longest interval without a token in a stream running within [start, end)."""
+    def longest_gap(self, start: float, end: float, *, begun: bool = False) -> float:
+        """The longest interval without a token in a stream running within [start, end)
+        (`begun`: only the intervals that began in it)."""
         gap = 0.0
         for s in list(self.streams):
             for a, b in pairwise(s.arrivals):
-                if b >= start and a < end:
+                if (start <= a if begun else b >= start) and a < end:
                     gap = max(gap, b - a)
         return gap
 
@@ -334,11 +335,11 @@ def _one_rollout(box: EdgeAgentPeer, db: Path, config: Path, model: str, version
     if bodies[-1]["to"] != "ACTIVE":
         raise RuntimeError(f"rollout {rid} ended {bodies[-1]['to']}: {bodies[-1]}")
     states = {a["to"]: b["ts"] - a["ts"] for a, b in pairwise(bodies)}
-    # Where the longest gap falls: each state's span on this process's clock (the box
-    # stamps transitions with its wall clock, the same machine's).
+    # Where the gaps begin: each state's span on this process's clock (the box stamps
+    # transitions with its wall clock, the same machine's).
     shift = time.time() - time.perf_counter()
-    gaps = {a["to"]: round(load.longest_gap(a["ts"] - shift, b["ts"] - shift) * 1000)
-            for a, b in pairwise(bodies)}
+    gaps = {a["to"]: round(load.longest_gap(a["ts"] - shift, b["ts"] - shift, begun=True)
+                           * 1000) for a, b in pairwise(bodies)}
     before = load.ttfts(t_before, t_send)
     during = load.ttfts(t_send, t_active)
     row = {"version": version, "to_active_s": t_active - t_send, "states_s": states,

@@ -9,15 +9,19 @@ The gate spec comes with the signed release manifest (`manifest["gate"]`):
                              "max_output_tokens": 16}},
                  {"id": "json", "prompt": "A user record:", "max_tokens": 64,
                   "expect": {"json_schema": {"type": "object", ...}}},
-                 {"id": "greedy", "prompt": "1, 2, 3,", "max_tokens": 8,
-                  "expect": {"exact": " 4, 5, 6, 7,"}}],
+                 {"id": "greedy", "messages": [{"role": "user", "content":
+                  "Continue: 1, 2, 3,"}], "max_tokens": 8,
+                  "expect": {"exact": "4, 5, 6, 7,"}}],
      "tokens_per_s_floor": 0.8, "ttft_ms_max": 1500,
      "memory_headroom_bytes": 268435456, "soak": {"requests": 20, "within_s": 600}}
 
 Every golden prompt runs greedily (temperature 0, seed 0) as a real request on the real
 engine (`Probe`, the app's adapter over the request path), so it meets the same template,
-limits and scheduler as a client's. A prompt with a `json_schema` is asked with that
-schema as its response format and its answer validated against it.
+limits and scheduler as a client's — a `prompt` too goes through the model's chat template
+when it has one, so a raw continuation cannot be asked of a templated model, and a base
+model's chat answers hold to their length, not to what they say. A prompt with a
+`json_schema` is asked with that schema as its response format and its answer validated
+against it.
 
 This module holds the spec's parsing, the pure checks (each a `Check` with its figure and
 limit) and `run_prompts`; it never switches a pointer, loads a model or reads the ledger
