@@ -1,5 +1,6 @@
 """The loop of the link's owner thread: connect and reconnect, publish the outbox, take the
-controller's acks and the commands, birth and death.
+controller's acks and the commands, birth and death. What is in flight (the window, the
+acks, the resends) is its base's, `fleet.send_window.SendWindow`.
 
 It runs on one thread only (the box's `fleet-link` thread), and is the only code that
 touches the outbox's file and receives commands. `run()` is the box's loop: one selector
@@ -21,14 +22,14 @@ import selectors
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.fleet import birth, topics
 from edge_agent.fleet.commands import CommandGate
-from edge_agent.fleet.envelope import AUDIT, decode_ack
-from edge_agent.fleet.outbox import Outbox, Row
+from edge_agent.fleet.envelope import AUDIT
+from edge_agent.fleet.outbox import Outbox
+from edge_agent.fleet.send_window import SendWindow
 from edge_agent.fleet.session import Event, LinkError, Session, connack_error
 from edge_agent.fleet.state import FleetState
 
@@ -44,7 +45,7 @@ def backoff_delay(attempt: int, min_s: float, max_s: float) -> float:
     return random.uniform(0, min(max_s, min_s * 2 ** min(attempt, 30)))
 
 
-class Owner:
+class Owner(SendWindow):
     def __init__(self, link: LinkCore, outbox: Outbox, gate: CommandGate,
                  state: FleetState, sel: selectors.BaseSelector | None = None) -> None:
         self.link = link
@@ -57,19 +58,8 @@ class Owner:
         self.sel = sel if sel is not None else selectors.DefaultSelector()
         self.session: Session | None = None
         self._fd: int | None = None  # the descriptor this owner registered in `sel`
-        self.inflight: dict[int, int] = {}  # mid -> outbox row id
-        self.ready: deque[Row] = deque()  # marked sent, not yet handed to paho
-        # At most this many QoS 1 messages without their PUBACK: our window, or less if the
-        # broker's CONNACK says so (MQTT 5 Receive Maximum; Mosquitto's is its
-        # max_inflight_messages, 20 unless configured). Exceeding it is a protocol error
-        # some brokers disconnect for.
-        self.window = link.options.window
+        super().__init__(link.options.window)  # what is in flight: `fleet.send_window`
         self.bdseq = 0
-        self.last_ack = time.monotonic()
-        # A PUBACK said nobody subscribed (the controller never connected, or its session
-        # expired): what was sent went nowhere, so it all goes again at the next ack.
-        self.unheard = False
-        self.checked = self.forced = time.monotonic()
         self._status = topics.topic(link.fleet_id, link.device, topics.STATUS)
         self._ack = topics.topic(link.fleet_id, link.device, topics.ACK)
         # The loop's own state: reconnect backoff, the CONNACK deadline, connection age.
@@ -298,25 +288,6 @@ class Owner:
             self.step(lambda: self._apply_acks(session, acks))
         return lost
 
-    def _apply_acks(self, session: Session, events: list[Event]) -> None:
-        merged: dict[str, list[list[int]]] = {}
-        for event in events:
-            try:
-                for boot_id, runs in decode_ack(event.payload).items():
-                    merged.setdefault(boot_id, []).extend([a, b] for a, b in runs)
-            except ValueError as exc:
-                self.link._count("bad_acks")
-                self.link._log_once("bad-ack", "fleet: a malformed ack was ignored: %s", exc)
-        if merged:
-            self.link._count("acked_rows", self.outbox.ack(merged))  # one transaction
-            self.last_ack = time.monotonic()
-            if self.unheard:  # the controller is back: what went to nobody goes again
-                self.unheard = False
-                self.ready.clear()  # offered again by `pending`, in order
-                self.link._count("resent", self.outbox.resend_all())
-        for event in events:  # after the rows are gone: a lost ack comes again
-            session.ack(event.mid, event.qos)
-
     def _command(self, session: Session, event: Event) -> None:
         # Stored in fleet.db before the PUBACK; if that raises, no PUBACK: the broker
         # delivers the command again.
@@ -329,55 +300,6 @@ class Owner:
             self.link._dispatch(delivery.command)
 
     # -- sending ------------------------------------------------------------------------
-
-    def _publish_pending(self) -> None:
-        """Publishes outbox rows while the window has room. Rows are taken `batch` at a
-        time and marked sent in one commit before they go out (a window of 20 must not
-        mean a commit per 20 messages); those still waiting here when the connection
-        drops are offered again by the `resend_all` of the next connect."""
-        session = self.session
-        if session is None:
-            return
-        sent = 0
-        while len(self.inflight) < self.window:
-            if not self.ready:
-                rows = self.outbox.pending(limit=self.options.batch)
-                if not rows:
-                    break
-                self.outbox.mark_sent([row.id for row in rows])
-                self.ready.extend(rows)
-            row = self.ready[0]
-            mid = session.publish(
-                topics.topic(self.link.fleet_id, self.link.device, row.kind), row.payload)
-            if mid is None:
-                break
-            self.ready.popleft()
-            self.inflight[mid] = row.id
-            sent += 1
-        if sent:
-            self.link._count("published", sent)
-
-    def _check_overdue(self, now: float) -> None:
-        """Rows sent more than `ack_timeout_s` ago and not acknowledged go again — when acks
-        are flowing (the controller is up, so such a row was lost on the way). With no acks
-        at all the controller is away and its broker session holds what was sent: then only
-        every tenth timeout, not a second backlog each time."""
-        timeout = self.options.ack_timeout_s
-        if now - self.checked < min(5.0, timeout / 4):
-            return
-        self.checked = now
-        if now - self.last_ack >= timeout:
-            if now - self.forced < 10 * timeout:
-                return
-            self.forced = now
-        self.step(self._resend_overdue)
-
-    def _resend_overdue(self) -> None:
-        n = self.outbox.resend_all(older_than_s=self.options.ack_timeout_s)
-        if n:
-            self.link._count("resent", n)
-            log.info("fleet: %d messages unacknowledged for %.0f s; sending them again", n,
-                     self.options.ack_timeout_s)
 
     def _publish_birth(self) -> None:
         if self.session is None:
