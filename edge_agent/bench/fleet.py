@@ -37,6 +37,7 @@ from edge_agent.bench.targets import report
 from edge_agent.config import FleetSettings
 from edge_agent.fleet.envelope import METRICS, build, encode
 from edge_agent.fleet.link import Link, LinkOptions
+from edge_agent.fleet.paho_thread import disconnect_and_stop
 from edge_agent.fleet.testbed import Broker, ControllerProcess, raise_nofile
 
 Echo = Callable[[str], None]
@@ -128,8 +129,7 @@ class PlainPublisher:
         return len(payloads) / (time.perf_counter() - start)
 
     def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
+        disconnect_and_stop(self.client)
 
 
 def _ingested(controller: ControllerProcess) -> float:

@@ -67,5 +67,7 @@ async def run_niced(increment: int, fn: Callable[..., T], /, *args: Any, **kwarg
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(settle, result, None)
 
-    threading.Thread(target=work, name="rollout-bulk", daemon=True).start()
+    # Not a daemon: the interpreter waits for it at exit, as it does for to_thread's pool
+    # (a download stops at its next progress report once the runner is stopping).
+    threading.Thread(target=work, name="rollout-bulk", daemon=False).start()
     return await done

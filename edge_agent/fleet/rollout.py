@@ -53,6 +53,7 @@ from edge_agent.fleet.activation import (
     interrupted,
     restore_pointer,
 )
+from edge_agent.fleet.background import run_niced
 from edge_agent.fleet.envelope import AUDIT
 from edge_agent.fleet.gate import Probe
 from edge_agent.fleet.outcomes import ReleaseFailed, ReleaseRejected
@@ -229,8 +230,8 @@ class RolloutManager(RolloutCommands):
             fleet = self.settings.fleet
             throttle = ProgressThrottle(fleet.progress_interval_s)
             try:
-                path = await asyncio.to_thread(
-                    self.releases.download, release, self.work_dir / r.id,
+                path = await run_niced(
+                    fleet.rollout_nice, self.releases.download, release, self.work_dir / r.id,
                     progress=self._progress(r, throttle),
                     max_bytes_per_s=fleet.max_download_bytes_per_s,
                     headroom=fleet.download_headroom_bytes)
@@ -242,8 +243,8 @@ class RolloutManager(RolloutCommands):
             if r.state == DOWNLOADING:
                 r = await self._move(r, VERIFYING, expect=DOWNLOADING)
             self._check_stop(r.id)
-            await asyncio.to_thread(self.releases.install, release, path, self.ops,
-                                    by=f"rollout:{r.id}")
+            await run_niced(fleet.rollout_nice, self.releases.install, release, path,
+                            self.ops, by=f"rollout:{r.id}")
             if not self._installed(r.name, digest):
                 raise ReleaseFailed("not_installed", {"digest": digest})
             await self._stage(r)

@@ -27,6 +27,7 @@ from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import FleetStore
 from edge_agent.fleet.envelope import dumps
 from edge_agent.fleet.ids import check_id
+from edge_agent.fleet.paho_thread import disconnect_and_stop
 from edge_agent.fleet.signing import sign
 
 ALL = topics.ALL
@@ -155,8 +156,7 @@ class Publisher:
         client, self._client = self._client, None
         self._connected.clear()
         if client is not None:
-            client.disconnect()
-            client.loop_stop()
+            disconnect_and_stop(client)
 
 
 def publish(settings: ControllerSettings, command: Mapping[str, Any], *,

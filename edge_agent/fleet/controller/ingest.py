@@ -36,6 +36,7 @@ from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.records import MAX_SEQ, Acks, Inbound
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import FleetStore
+from edge_agent.fleet.paho_thread import disconnect_and_stop
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +350,6 @@ class Ingest:
         self._queue.put(None)
         if self._writer is not None:
             self._writer.join(timeout)
-        self.client.disconnect()
-        self.client.loop_stop()
+        disconnect_and_stop(self.client)
         self._connected.clear()
         self._metrics.connected.set(0)
