@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-from edge_agent.fleet.background import lower_priority, run_niced
+from edge_agent.fleet.background import run_niced
+from edge_agent.priority import lower_thread_priority
 
 
 def _nice() -> int:
@@ -45,7 +46,7 @@ def test_an_error_reaches_the_awaiting_task() -> None:
 def test_arguments_pass_through_and_zero_leaves_the_priority() -> None:
     before = _nice()
     assert asyncio.run(run_niced(0, lambda a, *, b: (a, b, _nice()), 1, b=2)) == (1, 2, before)
-    assert lower_priority(0) is None
+    assert lower_thread_priority(0) is None
 
 
 def test_a_cancelled_wait_leaves_the_work_to_finish_quietly() -> None:

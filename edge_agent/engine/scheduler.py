@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -59,6 +58,7 @@ from edge_agent.engine.steppolicy import (
 )
 from edge_agent.engine.textstream import TextStream
 from edge_agent.errors import EdgeAgentError, ServiceUnavailable
+from edge_agent.priority import lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -742,12 +742,9 @@ def _lower_priority(tid: int, nice: int) -> None:
     """Make this thread, and the llama.cpp (OpenMP) threads it starts, which inherit it,
     `nice` steps nicer. With every core computing, a thread that wakes for a moment (the
     event loop with a token to send, a client) would otherwise wait for a time slice."""
-    if nice <= 0:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as exc:  # not permitted here (a sandbox): run at the usual priority
-        log.warning("could not lower the generation threads' priority: %s", exc)
+    if nice > 0 and lower_thread_priority(nice, tid) is None:
+        # not permitted here (a sandbox): run at the usual priority
+        log.warning("could not lower the generation threads' priority")
 
 
 class ThreadEmitter:

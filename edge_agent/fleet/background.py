@@ -3,42 +3,29 @@ install's hashing copy, the GGUF precheck's child process — runs on a thread o
 a lower CPU priority (`fleet.rollout_nice`, +10 by default), so the box's own requests keep
 their cores while a release arrives.
 
-Measured on two cores (`edge-agent bench rollout`): at the default priority the longest
-interval without a token of a running stream reached 0.7–0.9 s while a release downloaded
-and verified; the decode threads and the rollout's hashing shared the cores equally.
+The generation threads run `runtime.compute_nice` (5) steps nicer than the rest of the
+process, so a rollout's work at the usual priority outranks them (about 3 to 1 for the
+CPU): on two cores the longest interval without a token of a running stream reached
+0.7–0.9 s while a release downloaded and verified (`edge-agent bench rollout`). At +10 it
+is the generation threads that get about 3 parts in 4.
 
-Linux keeps a nice value per thread, and a child process starts with its creator's, so
-raising it on this thread covers the precheck's child too. Never on a shared pool thread
-(`asyncio.to_thread`'s): the raised value would stay with the thread for the next, unrelated
-job. Raising one's own nice needs no privilege; a platform without per-thread priorities
-runs the work at the normal priority.
+Linux keeps a nice value per thread (`edge_agent.priority`), and the precheck's child
+starts with its creator's, so it is covered too. Never on a shared pool thread
+(`asyncio.to_thread`'s): the raised value would stay with that thread for the next,
+unrelated job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from edge_agent.priority import lower_thread_priority
+
 T = TypeVar("T")
-MAX_NICE = 19
-
-
-def lower_priority(increment: int) -> int | None:
-    """Raises the calling thread's nice value by `increment` (capped at 19); the new value,
-    or None where it cannot (no per-thread priorities)."""
-    if increment <= 0 or not hasattr(os, "setpriority"):
-        return None
-    try:
-        tid = threading.get_native_id()
-        value = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, tid) + increment)
-        os.setpriority(os.PRIO_PROCESS, tid, value)
-        return value
-    except OSError:
-        return None
 
 
 async def run_niced(increment: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
@@ -57,7 +44,7 @@ async def run_niced(increment: int, fn: Callable[..., T], /, *args: Any, **kwarg
             done.set_result(result)  # type: ignore[arg-type]
 
     def work() -> None:
-        lower_priority(increment)
+        lower_thread_priority(increment)
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:  # handed to the awaiting task, never lost here
