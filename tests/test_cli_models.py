@@ -82,3 +82,22 @@ def test_a_staged_import_does_not_switch(tmp_path: Path) -> None:
     assert _active(state) == second
     code, out = _run("models", "verify", "--state-dir", state)
     assert code == 0 and out.count("ok ") == 3
+
+
+def test_show_prints_the_template_and_parameters_for_a_release(tmp_path: Path) -> None:
+    """`models show NAME --template` / `--parameters`: what `fleet release add --template
+    --parameters` takes, as Ollama's `show --template` / `--parameters` print them."""
+    state = str(tmp_path / "s")
+    template = "{% for m in messages %}<turn>{{ m['content'] }}</turn>\n{% endfor %}"
+    path = write_tiny_gguf(tmp_path / "t.gguf", template=template)
+    assert _run("models", "import", str(path), "--name", "tiny:1", "--state-dir", state)[0] == 0
+    code, out = _run("models", "show", "tiny:1", "--template", "--state-dir", state)
+    assert code == 0 and out == template + "\n"
+    code, out = _run("models", "show", "tiny:1", "--parameters", "--state-dir", state)
+    assert code == 0 and isinstance(json.loads(out), dict)
+    assert _run("models", "show", "tiny:1", "--template", "--parameters", "--state-dir",
+                state)[0] == 2
+    bare = write_tiny_gguf(tmp_path / "b.gguf")
+    assert _run("models", "import", str(bare), "--name", "bare:1", "--state-dir", state)[0] == 0
+    code, out = _run("models", "show", "bare:1", "--template", "--state-dir", state)
+    assert code == 1 and "has no chat template" in out

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from edge_agent.cli.common import EXIT_CHECK_FAILED, common_options, load
+from edge_agent.cli.common import EXIT_CHECK_FAILED, BadUsage, common_options, load
 from edge_agent.cli.output import echo_json, json_option, progress, table, transfer_bar
-from edge_agent.errors import ModelNotFound
+from edge_agent.errors import InvalidRequest, ModelNotFound
 
 if TYPE_CHECKING:
     from edge_agent.config import Settings
@@ -80,10 +80,24 @@ def models_list(as_json: bool) -> None:
 @models.command("show")
 @common_options
 @click.argument("name")
+@click.option("--template", "only_template", is_flag=True,
+              help="Print only the chat template (e.g. for `fleet release add --template`).")
+@click.option("--parameters", "only_parameters", is_flag=True,
+              help="Print only the default parameters, as JSON (for `--parameters`).")
 @json_option()
-def models_show(name: str, as_json: bool) -> None:
+def models_show(name: str, only_template: bool, only_parameters: bool, as_json: bool) -> None:
     """Show the manifest of a model's active version."""
     data = json.loads(_ops().show(name).model_dump_json())
+    if only_template and only_parameters:
+        raise BadUsage("--template and --parameters print one thing each; pick one")
+    if only_template:
+        if not data.get("chat_template"):
+            raise InvalidRequest(f"{name} has no chat template")
+        click.echo(data["chat_template"], nl=not data["chat_template"].endswith("\n"))
+        return
+    if only_parameters:
+        echo_json(data.get("parameters") or {})
+        return
     if as_json:
         echo_json(data)
         return
