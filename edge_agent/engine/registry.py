@@ -50,6 +50,7 @@ from edge_agent.engine.scheduler import (
 )
 from edge_agent.engine.templates import ChatTemplate
 from edge_agent.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
+from edge_agent.priority import BACKGROUND_NICE, run_niced
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ class ModelRegistry:
         info = self._version(name, digest)
         if _key(info) in self._loaded:
             return True
-        gguf = await asyncio.to_thread(probe, info.blob_path(self.store.state_dir))
+        gguf = await run_niced(BACKGROUND_NICE, probe, info.blob_path(self.store.state_dir))
         _, _, parallel, n_ctx, _ = self._plan(info)
         need = info.size + gguf.kv_bytes_per_token() * parallel * n_ctx
         used = sum(m.memory for m in self._loaded.values())
@@ -381,22 +382,30 @@ class ModelRegistry:
     async def _load(self, info: InstalledModel) -> LoadedModel:
         key = info.name
         # Digest + header on every load: a blob may rot on disk after it was installed.
-        gguf = await asyncio.to_thread(self.store.verify, info)
+        # Below the generation threads' priority: the models serving meanwhile keep the
+        # cores (the load itself is not niced: its scheduler's threads would keep it).
+        gguf = await run_niced(BACKGROUND_NICE, self.store.verify, info)
         _, _, parallel, n_ctx, _ = self._plan(info)
         need = info.size + gguf.kv_bytes_per_token() * parallel * n_ctx
         await self._make_room(key, need)
-        loaded = await asyncio.to_thread(self._load_blocking, info, need)
+        # The weights below the generation threads' priority too; the scheduler (its
+        # context and threads) at the usual one, or its threads would keep the raised value.
+        rt = self.settings.runtime
+        model = await run_niced(BACKGROUND_NICE, LlamaModel,
+                                info.blob_path(self.store.state_dir),
+                                n_gpu_layers=self._plan(info)[0],
+                                extra_buffers=resolve_extra_buffers(rt.cpu_extra_buffers))
+        loaded = await asyncio.to_thread(self._load_blocking, info, need, model)
         self._loaded[_key(info)] = loaded
         log.info("loaded %s sha256:%s (%d x %d context, gpu layers %d, ~%d MiB)", key,
                  info.digest[:12], parallel, loaded.worker.n_ctx,
                  loaded.worker.model.n_gpu_layers, need // 2**20)
         return loaded
 
-    def _load_blocking(self, info: InstalledModel, memory: int) -> LoadedModel:
+    def _load_blocking(self, info: InstalledModel, memory: int, model: LlamaModel
+                       ) -> LoadedModel:
         rt = self.settings.runtime
-        gpu, threads, parallel, n_ctx, n_batch = self._plan(info)
-        model = LlamaModel(info.blob_path(self.store.state_dir), n_gpu_layers=gpu,
-                           extra_buffers=resolve_extra_buffers(rt.cpu_extra_buffers))
+        _, threads, parallel, n_ctx, n_batch = self._plan(info)
         try:
             worker = ModelScheduler(
                 model, parallel=parallel, n_ctx_seq=n_ctx, n_batch=n_batch, n_threads=threads,

@@ -53,7 +53,6 @@ from edge_agent.fleet.activation import (
     interrupted,
     restore_pointer,
 )
-from edge_agent.fleet.background import run_niced
 from edge_agent.fleet.envelope import AUDIT
 from edge_agent.fleet.gate import Probe
 from edge_agent.fleet.outcomes import ReleaseFailed, ReleaseRejected
@@ -74,6 +73,7 @@ from edge_agent.fleet.rollout_state import (
     RolloutStore,
 )
 from edge_agent.names import normalize_name
+from edge_agent.priority import run_niced
 
 log = logging.getLogger(__name__)
 KIND = "rollout"
