@@ -40,8 +40,12 @@ def test_allowed_keys_are_applied_and_persisted(settings: Settings, tmp_path: Pa
                "fleet.ledger_interval_s": 120.5, "retention.ledger_days": 30,
                "retention.content_hours": 0, "tenants.shop.requests_per_minute": 5,
                "tenants.shop.tokens_per_minute": 1000, "tenants.shop.tokens_per_day": None,
-               "tenants.eu.north.tokens_per_day": 50_000}
+               "tenants.eu.north.tokens_per_day": 50_000,
+               "fleet.max_download_bytes_per_s": 2_000_000, "fleet.progress_interval_s": 30,
+               "fleet.rollout_nice": 15}
     new = apply_patch(settings, state, changes)
+    assert new.fleet.max_download_bytes_per_s == 2_000_000
+    assert (new.fleet.progress_interval_s, new.fleet.rollout_nice) == (30, 15)
     assert new.telemetry.interval_s == 10 and new.fleet.metrics_interval_s == 30
     assert new.fleet.ledger_interval_s == 120.5 and new.retention.ledger_days == 30
     assert new.tenants["shop"].requests_per_minute == 5
@@ -80,7 +84,8 @@ def test_a_key_outside_the_allow_list_is_refused(settings: Settings, tmp_path: P
     ("telemetry.interval_s", True), ("telemetry.interval_s", None),
     ("retention.content_hours", -1), ("fleet.metrics_interval_s", [1]),
     ("tenants.shop.tokens_per_day", 0), ("tenants.shop.requests_per_minute", 1.5),
-    ("retention.ledger_days", float("inf")),
+    ("retention.ledger_days", float("inf")), ("fleet.rollout_nice", 20),
+    ("fleet.max_download_bytes_per_s", 100), ("fleet.progress_interval_s", None),
 ])
 def test_a_bad_value_is_refused_naming_the_key(settings: Settings, tmp_path: Path, key: str,
                                                value: Any) -> None:
@@ -143,3 +148,10 @@ def test_the_handler_reports_live_and_restart_keys(settings: Settings, tmp_path:
         with pytest.raises(CommandRefused, match="malformed"):
             handle(_command(args))
     assert len(seen) == 1
+
+
+def test_the_download_cap_may_be_lifted_with_null(settings: Settings, tmp_path: Path) -> None:
+    capped = apply_patch(settings, tmp_path, {"fleet.max_download_bytes_per_s": 1_000_000})
+    assert capped.fleet.max_download_bytes_per_s == 1_000_000
+    lifted = apply_patch(capped, tmp_path, {"fleet.max_download_bytes_per_s": None})
+    assert lifted.fleet.max_download_bytes_per_s is None

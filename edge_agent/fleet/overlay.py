@@ -38,7 +38,11 @@ from edge_agent.fleet.refusals import MALFORMED, CommandRefused
 log = logging.getLogger(__name__)
 OVERLAY_FILE = "config.overlay.json"
 KEYS = frozenset({"telemetry.interval_s", "fleet.metrics_interval_s", "fleet.ledger_interval_s",
-                  "retention.ledger_days", "retention.content_hours"})
+                  "retention.ledger_days", "retention.content_hours",
+                  # a release's transfer on a slow or shared link, from its next download
+                  "fleet.max_download_bytes_per_s", "fleet.progress_interval_s",
+                  "fleet.rollout_nice"})
+NULLABLE = frozenset({"fleet.max_download_bytes_per_s"})  # null: no cap
 TENANT_KEYS = frozenset({"requests_per_minute", "tokens_per_minute", "tokens_per_day"})
 MAX_KEYS = 64
 
@@ -64,7 +68,7 @@ def _shown(text: str) -> str:
 
 
 def _check_value(key: str, path: list[str], value: Any) -> None:
-    if value is None and path[0] == "tenants":
+    if value is None and (path[0] == "tenants" or key in NULLABLE):
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise CommandRefused(MALFORMED, f"{_shown(key)} must be a number, not "
