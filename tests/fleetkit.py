@@ -18,6 +18,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edge_agent.config import FleetSettings
+from edge_agent.fleet import testbed
 from edge_agent.fleet.controller.ingest import Ingest
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.settings import (
@@ -32,13 +33,7 @@ from tests.brokers import FLEET, Mosquitto, MQTTClient
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
+    return testbed.wait_until(predicate, timeout, interval)
 
 
 def fast_options(**change: Any) -> LinkOptions:

@@ -28,6 +28,7 @@ from edge_agent.engine.request import GenerationRequest
 from edge_agent.errors import ModelFileError, ServiceUnavailable
 from edge_agent.fleet.outcomes import ReleaseFailed, ReleaseRejected
 from edge_agent.names import normalize_name
+from tests.ggufgen import write_tiny_gguf
 
 CHUNK = 64 * 1024
 
@@ -236,20 +237,5 @@ class ScriptedProbe:
 def write_gguf(path: Path, *, context_length: int = 256, floats: int = 24) -> Path:
     """A small valid GGUF whose size grows with `floats` (one f32 tensor), so a transfer
     has chunks to cut; distinct `context_length`s give distinct digests."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_name("rollout-test")
-    writer.add_context_length(context_length)
-    writer.add_embedding_length(8)
-    writer.add_block_count(1)
-    writer.add_file_type(0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(["a", "b", "c"])
-    writer.add_tensor("token_embd.weight", np.zeros((floats // 8, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tiny_gguf(path, context_length=context_length, name="rollout-test",
+                           floats=floats)

@@ -38,7 +38,7 @@ from edge_agent.config import FleetSettings
 from edge_agent.fleet.envelope import METRICS, build, encode
 from edge_agent.fleet.link import Link, LinkOptions
 from edge_agent.fleet.paho_thread import disconnect_and_stop
-from edge_agent.fleet.testbed import Broker, ControllerProcess, raise_nofile
+from edge_agent.fleet.testbed import Broker, ControllerProcess, raise_nofile, wait_until
 
 Echo = Callable[[str], None]
 LINK, PLAIN, SERVE = "bench-link", "bench-plain", "bench-serve"
@@ -55,14 +55,6 @@ def link_settings(broker: Broker, device: str, **change: Any) -> FleetSettings:
         "username": device, "password_file": broker.password_file(device),
         "reconnect_min_s": 0.2, "reconnect_max_s": 2.0, **change})
 
-
-def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True
 
 
 class PlainPublisher:
@@ -159,7 +151,7 @@ def bench_outbox(broker: Broker, controller: ControllerProcess, root: Path, *,
             rates["plain"].append(plain.run(payloads))
             # The controller takes in the plain run's backlog before the link's run starts;
             # how fast it does is the ceiling of any end-to-end figure on this machine.
-            if _wait(lambda: _ingested(controller) >= target, 300, 0.02):  # noqa: B023
+            if wait_until(lambda: _ingested(controller) >= target, 300, 0.02):  # noqa: B023
                 rates["controller"].append(messages / (time.perf_counter() - start))
             start = time.perf_counter()
             for _ in range(messages):
@@ -168,7 +160,7 @@ def bench_outbox(broker: Broker, controller: ControllerProcess, root: Path, *,
             def empty() -> bool:
                 stats = link.outbox_stats()
                 return stats is not None and stats.depth == 0 and stats.buffered == 0
-            if not _wait(empty, 300):
+            if not wait_until(empty, 300, 0.01):
                 raise RuntimeError("the link's outbox did not drain in 300 s")
             rates["link"].append(messages / (time.perf_counter() - start))
             ceiling = rates["controller"][-1] if rates["controller"] else float("nan")
@@ -237,7 +229,7 @@ def bench_serving(state_dir: Path, model: str, broker: Broker, controller: Contr
                                          parallel=4, env=env)
         for peer in peers.values():
             peer.chat([{"role": "user", "content": "warm up"}], 4)
-        if not _wait(lambda: controller.device(SERVE).get("online") is True, 30, 0.2):
+        if not wait_until(lambda: controller.device(SERVE).get("online") is True, 30, 0.2):
             raise RuntimeError("the link-on server's link did not reach the controller")
         for i in range(requests):
             # Which server goes first alternates: neither gains from the other's wake-up.

@@ -39,6 +39,7 @@ from edge_agent.bench.peers import EdgeAgentPeer, Sample
 from edge_agent.bench.rollout_waves import run_waves, sim_devices
 from edge_agent.bench.targets import report
 from edge_agent.engine.catalog import ModelStore
+from edge_agent.fleet.testbed import Broker, ControllerProcess, wait_until
 
 if TYPE_CHECKING:
     from edge_agent.fleet.release import Release
@@ -90,14 +91,6 @@ def _transitions(db: Path, rollout_id: str) -> list[dict[str, Any]]:
                    and m["body"].get("event") == "rollout.transition"),
                   key=lambda b: b["ts"])
 
-
-def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True
 
 
 class Load:
@@ -202,7 +195,6 @@ def download_vs_curl(release: Release, work: Path, runs: int) -> dict[str, Any]:
 def run_rollout_bench(state_dir: Path, model: str, *, runs: int, threads: int, context: int,
                       before_s: float = 5.0, long_tokens: int = 64, boxes: int = 100,
                       soak_s: float = 1.0, echo: Echo) -> dict[str, Any]:
-    from edge_agent.fleet.testbed import Broker, ControllerProcess
 
     store = ModelStore(state_dir)
     try:
@@ -272,7 +264,7 @@ def run_rollout_bench(state_dir: Path, model: str, *, runs: int, threads: int, c
             box = EdgeAgentPeer(_server_state(state_dir, root / "serve"), model,
                                 threads=threads, context=context, parallel=2, env=fleet_env)
             box.chat([{"role": "user", "content": "warm up"}], 4)
-            if not _wait(lambda: controller.device(DEV).get("online") is True, 60):
+            if not wait_until(lambda: controller.device(DEV).get("online") is True, 60, 0.2):
                 raise RuntimeError("the box's link did not reach the controller")
             result["rollouts"] = [
                 _one_rollout(box, controller.db, config, model, version, before_s,
@@ -326,8 +318,8 @@ def _one_rollout(box: EdgeAgentPeer, db: Path, config: Path, model: str, version
         _cli("fleet", "send", DEV, "rollout.start", "--config", str(config), "--wait", "0",
              "--arg", f"rollout_id={rid}", "--arg", f"name={model}",
              "--arg", f"version={version}")
-        if not _wait(lambda: any(b["to"] in ("ACTIVE", "ROLLED_BACK", "FAILED")
-                                 for b in _transitions(db, rid)), 600):
+        if not wait_until(lambda: any(b["to"] in ("ACTIVE", "ROLLED_BACK", "FAILED")
+                                      for b in _transitions(db, rid)), 600, 0.2):
             raise RuntimeError(f"rollout {rid} did not finish")
         t_active = time.perf_counter()
         time.sleep(0.5)  # the streams running at the end of the switch go on a little

@@ -11,6 +11,9 @@ each owner uses it only under its own lock.
 from __future__ import annotations
 
 import sqlite3
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sqlite_utils import Database
@@ -24,3 +27,19 @@ def open_durable(path: Path, migrations: Migrations) -> Database:
     db.execute("PRAGMA synchronous = FULL")
     migrations.apply(db)
     return db
+
+
+class DurableStore:
+    """One such file behind an instance lock: `_db` is used only while `_lock` is held,
+    from whichever thread holds it; `_clock` stamps rows (injected in tests)."""
+
+    def __init__(self, path: Path, migrations: Migrations, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._db = open_durable(path, migrations)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

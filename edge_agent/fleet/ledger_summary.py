@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from edge_agent.fleet.files import atomic_write
+
 log = logging.getLogger(__name__)
 STATE_FILE = "fleet-sync.json"
 OTHER_MODEL = "(other)"
@@ -250,19 +252,8 @@ def load(path: Path) -> Watermark:
 
 
 def save(path: Path, mark: Watermark) -> None:
-    """Atomically: a temp file, fsync, rename, fsync of the directory."""
+    """Atomically, the rename fsynced too."""
     data = {"v": _VERSION, "rowid": mark.rowid, "row_id": mark.row_id,
             "rejected_rowid": mark.rejected_rowid, "end": mark.end,
             "pending": asdict(mark.pending) if mark.pending else None}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    atomic_write(path, json.dumps(data).encode(), sync_dir=True)

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from edge_agent.config import Settings
 from edge_agent.fleet.commands import Command, Handler
+from edge_agent.fleet.files import atomic_write
 from edge_agent.fleet.refusals import MALFORMED, CommandRefused
 
 log = logging.getLogger(__name__)
@@ -120,26 +121,9 @@ def load_overlay(state_dir: Path) -> dict[str, Any]:
 
 
 def _save(state_dir: Path, values: Mapping[str, Any]) -> None:
-    """Temp file, fsync, rename, fsync the folder: a crash leaves the old or the new
-    overlay, never half of one."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    path = state_dir / OVERLAY_FILE
-    tmp = path.with_name(f".{OVERLAY_FILE}.tmp-{os.getpid()}")
+    """A crash leaves the old or the new overlay, never half of one."""
     data = json.dumps({"v": 1, "set": dict(values)}, indent=1, sort_keys=True).encode()
-    try:
-        with tmp.open("wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(state_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    atomic_write(state_dir / OVERLAY_FILE, data, sync_dir=True)
 
 
 def apply_patch(settings: Settings, state_dir: Path, changes: Mapping[str, Any]) -> Settings:

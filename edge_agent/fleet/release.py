@@ -30,10 +30,9 @@ and never imports the scheduler, the runtime or the registry: models are reached
 
 from __future__ import annotations
 
-import fcntl
 import time
-from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Collection
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -46,6 +45,7 @@ from edge_agent import __version__
 from edge_agent.config import FleetSettings
 from edge_agent.errors import EdgeAgentError, ModelFileError
 from edge_agent.fleet import outcomes
+from edge_agent.fleet.files import locked
 from edge_agent.fleet.manifest import (
     ManifestError,
     ReleaseManifest,
@@ -228,15 +228,9 @@ class ReleaseSource:
             raise ReleaseRejected(NOT_CONFIGURED, f"{ref}: fleet.tuf_root_file "
                                   f"{self.root_file}: {exc.strerror}") from None
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> AbstractContextManager[None]:
         self.metadata_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with open(self.metadata_dir / ".lock", "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        return locked(self.metadata_dir / ".lock")
 
 
 def name_of(path: str) -> str:

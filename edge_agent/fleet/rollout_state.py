@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from typing import Any
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-from edge_agent.fleet.durable import open_durable
+from edge_agent.fleet.durable import DurableStore
 
 MIGRATIONS = Migrations("edge-agent-rollouts")
 
@@ -165,19 +164,12 @@ def _row(values: tuple[Any, ...]) -> Rollout:
     return Rollout(**d)
 
 
-class RolloutStore:
+class RolloutStore(DurableStore):
     """Thread-safe: one connection, used under the instance lock (the link's command
     thread creates and cancels, the runner moves rows along)."""
 
     def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
-        self.path = path
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._db = open_durable(path, MIGRATIONS)  # used only under the lock
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        super().__init__(path, MIGRATIONS, clock=clock)
 
     # -- reading ---------------------------------------------------------------------------
     def get(self, rollout_id: str) -> Rollout | None:

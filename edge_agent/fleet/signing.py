@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from edge_agent.fleet.files import atomic_write
 from edge_agent.fleet.refusals import BAD_SIGNATURE, CommandRefused
 
 SIG = "sig"
@@ -53,28 +53,9 @@ def generate_keypair(private_path: Path, public_path: Path, *,
                                     serialization.NoEncryption())
     public_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
                                                serialization.PublicFormat.SubjectPublicKeyInfo)
-    _write(private_path, private_pem, 0o600)
-    _write(public_path, public_pem, 0o644)
+    atomic_write(private_path, private_pem, 0o600)  # never readable by others
+    atomic_write(public_path, public_pem, 0o644)
     return key.public_key()
-
-
-def _write(path: Path, data: bytes, mode: int) -> None:
-    """Written to a temporary file created with `mode`, then renamed over `path`: the key
-    is never readable by others, not even for an instant, and never half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        try:
-            os.fchmod(fd, mode)  # O_CREAT's mode is masked by the umask; this is not
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def load_private(path: Path) -> Ed25519PrivateKey:

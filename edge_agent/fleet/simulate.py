@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from edge_agent.config import FleetSettings
 from edge_agent.fleet.simdevice import Facts, Script, SimDevice, default_facts, default_metrics
 from edge_agent.fleet.simloop import MetricsBody, SimLoop, SimOptions
-from edge_agent.fleet.testbed import raise_nofile
+from edge_agent.fleet.testbed import raise_nofile, wait_until
 
 __all__ = ["SCRIPT_TYPES", "Facts", "MetricsBody", "Script", "SimDevice", "SimOptions",
            "Simulator"]
@@ -169,7 +169,7 @@ class Simulator(SimLoop):
 
     def wait_connected(self, timeout: float, count: int | None = None) -> bool:
         want = len(self.devices) if count is None else count
-        return _wait(lambda: self.connected() >= want, timeout)
+        return wait_until(lambda: self.connected() >= want, timeout)
 
     def drained(self) -> bool:
         """Every outbox empty: all that was emitted is acknowledged by the controller."""
@@ -177,7 +177,7 @@ class Simulator(SimLoop):
                    for s in (d.stats() for d in self.devices.values()))
 
     def wait_drained(self, timeout: float) -> bool:
-        return _wait(self.drained, timeout, interval=0.5)
+        return wait_until(self.drained, timeout, interval=0.5)
 
     def expected(self) -> dict[str, tuple[str, int]]:
         """Per device: (boot_id, last seq given): the controller must hold 1..last."""
@@ -193,11 +193,3 @@ class Simulator(SimLoop):
 
     def depth(self) -> int:
         return sum(d.stats().depth for d in self.devices.values())
-
-def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True

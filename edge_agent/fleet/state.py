@@ -18,7 +18,6 @@ decides whether a command may run (`commands` does).
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any, NamedTuple
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-from edge_agent.fleet.durable import open_durable
+from edge_agent.fleet.durable import DurableStore
 
 MIGRATIONS = Migrations("edge-agent-fleet")
 OK, REFUSED, FAILED = "ok", "refused", "failed"
@@ -58,16 +57,9 @@ class StoredCommand(NamedTuple):
     executed_at: float | None
 
 
-class FleetState:
+class FleetState(DurableStore):
     def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
-        self.path = path
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._db = open_durable(path, MIGRATIONS)  # used only under the lock
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        super().__init__(path, MIGRATIONS, clock=clock)
 
     # -- bdseq ---------------------------------------------------------------------------
 

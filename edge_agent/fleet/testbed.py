@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -75,6 +76,17 @@ def raise_nofile(want: int | None = None) -> int:
             return soft
         return target
     return soft
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.1
+               ) -> bool:
+    """Polls `predicate` until it is true (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
 
 
 def wait_port(port: int, timeout: float, alive: subprocess.Popen[bytes] | None = None) -> None:

@@ -35,15 +35,13 @@ signed sha256 whoever sends them). Never installs or activates anything
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import random
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -53,6 +51,7 @@ import urllib3
 from edge_agent import __version__
 from edge_agent.engine.gguf_probe import probe
 from edge_agent.errors import ModelFileError
+from edge_agent.fleet.files import locked
 from edge_agent.fleet.release import (
     BAD_MANIFEST,
     HASH_MISMATCH,
@@ -125,7 +124,7 @@ def _download(release: Release, dest_dir: Path, progress: Progress | None,
               free_space: FreeSpace, retry: Retry, timeout_s: float) -> Path:
     dest_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     final, part = paths(release, dest_dir)
-    with _locked(dest_dir / f"{release.sha256}.lock"):
+    with locked(dest_dir / f"{release.sha256}.lock"):
         if final.exists():  # finished before a stop, not yet installed: check it again
             try:
                 return verify(release, final)
@@ -383,13 +382,3 @@ def _prechecked(path: Path, release: Release) -> Path:
                               f"{info.architecture} model; its manifest says "
                               f"{release.manifest.architecture}")
     return path
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from edge_agent.config import ConfigError
 from edge_agent.fleet import topics
+from edge_agent.fleet.files import atomic_write
 from edge_agent.fleet.ids import check_id
 
 # Mosquitto 2's password hash: PBKDF2-SHA512, 101 iterations, 12-byte salt, 64-byte key.
@@ -163,21 +164,6 @@ def conf_text(plan: BrokerPlan, conf_dir: Path) -> str:
         if plan.tls.ca is not None:
             lines.append(f"cafile {plan.tls.ca}")
     return "\n".join(lines) + "\n"
-
-
-def atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Write beside `path` with `mode` from the start, fsync, then rename over it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _passwd_lines(passwords: dict[str, str], out: Path, tool: str | None) -> str:

@@ -28,12 +28,11 @@ need for the step at hand.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -56,6 +55,7 @@ from edge_agent.engine.gguf_probe import open_regular, precheck_open, probe
 from edge_agent.engine.staging import Progress, hash_copy
 from edge_agent.errors import EdgeAgentError, ModelNotFound
 from edge_agent.fleet.controller.release_keys import KeyDir, root_keys, root_signers
+from edge_agent.fleet.files import atomic_write, locked
 from edge_agent.fleet.manifest import ReleaseManifest, parse, target_path
 
 RELEASES_DIR = "releases"
@@ -328,17 +328,12 @@ class ReleaseRepository:
         return _State(targets, snap, ts)
 
     def _write(self, md: Metadata[Any], name: str) -> None:
-        _write_bytes(self.metadata / name, md.to_bytes(_PRETTY))
+        # 0644: metadata is public (it is served), its integrity is the signatures'
+        atomic_write(self.metadata / name, md.to_bytes(_PRETTY))
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> AbstractContextManager[None]:
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / "repo.lock", "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        return locked(self.root / "repo.lock")
 
 
 @dataclass
@@ -365,20 +360,4 @@ def _expiry(seconds: int) -> datetime:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    _write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename: a reader sees the old file or the new, never a gap. Mode
-    0644: metadata is public (it is served), its integrity is the signatures'."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, (json.dumps(data, indent=2) + "\n").encode())

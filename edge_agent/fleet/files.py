@@ -1,0 +1,53 @@
+"""Writing a small file whole — the fleet's keys, the broker's passwd/ACL/config, release
+metadata, the config overlay, the ledger-summary watermark — and holding a lock file (the
+release repository, the box's TUF metadata, one download's part) across processes.
+
+A temporary file beside the target is created private (mkstemp: 0600, a unique name, so
+two writers never share it), set to `mode`, written, fsynced, then renamed over the
+target: a reader sees the old file or the new one, never a gap, and a key is never
+readable by others, not even for an instant. `sync_dir` also fsyncs the folder, so the
+rename itself survives a power cut (state a box acts on at its next start).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644, *, sync_dir: bool = False
+                 ) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if sync_dir:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` (created if missing) for the block: one holder at a
+    time across processes, released even when the holder is killed."""
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
