@@ -160,10 +160,11 @@ def _all_known(central: Central) -> None:
 
 
 def link_fleet(central: Central, outcomes: dict[str, str] | None = None,
-               step_s: float = 0.05) -> LinkFleet:
+               step_s: float = 0.05, slow_step_s: float | None = None) -> LinkFleet:
     """The fleet simulator's boxes (the link's own code), connected and known."""
     sim = LinkFleet(central.broker, central.public_key, central.devices,
-                    central.state.parent / "sim", outcomes=outcomes, step_s=step_s)
+                    central.state.parent / "sim", outcomes=outcomes, step_s=step_s,
+                    slow_step_s=slow_step_s)
     sim.connect()
     _all_known(central)
     return sim
@@ -206,12 +207,14 @@ def test_a_fifth_failing_aborts_inside_the_wave_that_crosses_the_threshold(
     waves = waves_of(rid, central.devices, WAVES)
     assert [len(waves[w]) for w in (1, 2, 3, 4)] == [1, 9, 40, 50]
     # 20 of 100 fail (8 of wave 3, 12 of wave 4), in every way a box can; waves 1 and 2
-    # are clean, so the threshold can only be crossed inside wave 3. Wave 3's sound boxes
-    # are slow: the abort finds them mid-way.
+    # are clean, so the threshold can only be crossed inside wave 3. The failing boxes
+    # walk their paths at once (a retrying one caught by the abort's cancel would end
+    # CANCELLED, not FAILED: the engine's tick must not fall inside a path); wave 3's
+    # sound boxes take 2 s a step: the abort finds them mid-way.
     kinds = cycle(["rolled_back", "rejected", "failed", "busy"])
     failing = {d: next(kinds) for d in waves[3][:8] + waves[4][:12]}
     outcomes = {**dict.fromkeys(waves[3], "slow"), **failing}
-    sim = link_fleet(central, outcomes)
+    sim = link_fleet(central, outcomes, step_s=0.0, slow_step_s=2.0)
     try:
         central.cli("start", f"{NAME}@2", "--id", rid, "--waves", WAVES, "--abort-above",
                     "10%", "--min-executed", "3", "--soak", "1s", "--device-timeout", "2m")

@@ -9,7 +9,7 @@ loop) with a `BoxRollouts` per device. What the controller's wave tests and
 Outcomes:
 
     active        RECEIVED … GATING → ACTIVE
-    slow          the same, each step five times slower
+    slow          the same, each step `slow_step_s` long (default five times step_s)
     rolled_back   … GATING → ROLLED_BACK (a gate check failed)
     rejected      RECEIVED → REJECTED (agent_too_old)
     failed        RECEIVED → DOWNLOADING → FAILED, retried once, FAILED for good
@@ -48,9 +48,11 @@ class BoxRollouts:
     state) of every transition reported."""
 
     def __init__(self, outcome: str, step_s: float, emit: Callable[[str, dict[str, Any]], Any],
-                 later: Callable[[float, Callable[[], None]], None]) -> None:
+                 later: Callable[[float, Callable[[], None]], None], *,
+                 slow_step_s: float | None = None) -> None:
         self.outcome = outcome
-        self.step_s = step_s * (5 if outcome == "slow" else 1)
+        self.step_s = (5 * step_s if slow_step_s is None else slow_step_s) \
+            if outcome == "slow" else step_s
         self.emit = emit
         self.later = later
         self.commands: list[tuple[float, str, dict[str, Any]]] = []
@@ -161,7 +163,8 @@ class LinkFleet:
 
     def __init__(self, broker_url: str, *, fleet: str, password_file: Callable[[str], Path],
                  public_key: Ed25519PublicKey, devices: Iterable[str], root: Path,
-                 outcomes: dict[str, str] | None = None, step_s: float = 0.05) -> None:
+                 outcomes: dict[str, str] | None = None, step_s: float = 0.05,
+                 slow_step_s: float | None = None) -> None:
         names = list(devices)
         self.sim = Simulator(broker_url, fleet=fleet, devices=names,
                              password_file=password_file, root=root,
@@ -169,7 +172,8 @@ class LinkFleet:
                              options=SimOptions(reconnect_min_s=0.2, reconnect_max_s=1.0,
                                                 sweep_s=2.0, stop_wait_s=3.0))
         self.boxes = {d: BoxRollouts((outcomes or {}).get(d, "active"), step_s,
-                                     self._emitter(self.sim.devices[d]), self.sim.call_later)
+                                     self._emitter(self.sim.devices[d]), self.sim.call_later,
+                                     slow_step_s=slow_step_s)
                       for d in names}
 
     @staticmethod
