@@ -176,9 +176,18 @@ def test_a_socket_paho_closes_during_a_turn_leaves_the_shared_selector_at_once(
         fd = session.fd
 
         def after_the_turn() -> None:  # on the loop thread, at the next pass
+            # Whether the kernel hands the number out again at once depends on what other
+            # threads open meanwhile, so look at the selector itself first.
+            key = sim.sel.get_map().get(fd)
+            current = device.owner.session
+            if key is None:
+                seen.append("left")
+            elif current is not session and current is not None and current.fd == fd:
+                seen.append("taken by the new session")
+            else:
+                seen.append("still registered")
             sock = socket.socket()
             try:
-                seen.append("same number" if sock.fileno() == fd else "other number")
                 sim.sel.register(sock, selectors.EVENT_READ, None)
                 sim.sel.unregister(sock)
                 seen.append("registered")
@@ -195,7 +204,8 @@ def test_a_socket_paho_closes_during_a_turn_leaves_the_shared_selector_at_once(
         session.publish = failing_publish  # type: ignore[method-assign]
         device.emit("events", AUDIT, {"event": "probe"})
         assert wait_until(lambda: len(seen) == 2, 10), seen
-        assert seen == ["same number", "registered"]
+        assert seen[0] in {"left", "taken by the new session"}, seen
+        assert seen[1] == "registered", seen
         # It reconnects by itself, what it emitted goes on the new connection, and the
         # loop counted no error.
         assert wait_until(lambda: device.owner.session is not None
