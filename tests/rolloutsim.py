@@ -6,8 +6,8 @@
     SimFleet    a paho client per box (`SimBox`) with a persistent session the broker
                 keeps while the box is offline: the offline and restart scenarios.
 
-The outcomes (`active`, `slow`, `rolled_back`, `rejected`, `failed`, `busy`, `silent`) are
-`BoxRollouts`'.
+The outcomes (`active`, `slow`, `rolled_back`, `rejected`, `failed`, `busy`, `busy_once`,
+`silent`) are `BoxRollouts`'.
 """
 
 from __future__ import annotations

@@ -163,6 +163,45 @@ def test_a_broker_away_holds_the_commands_back_never_the_decision(
     assert all(d.started_at == clock() for d in store.rollout_devices("r2"))
 
 
+def test_a_busy_box_is_sent_a_new_start_for_what_is_left_of_its_timeout(
+        any_store: Any, repo: Repo) -> None:
+    """A box that refused as busy (a `models pull` of the name there) gets a new signed
+    rollout.start after rollout_busy_retry_s, valid for what is left of its device
+    timeout; it then goes ACTIVE and the rollout completes with nothing counted failed."""
+    store = any_store
+    clock = Clock()
+    eng, sent = engine(store, repo, clock)
+    policy = Policy(parse_waves("100%"), abort_above=0.0, min_executed=1,
+                    device_timeout_s=600)
+    rollout_ops.start(store, store.state_dir, f"{NAME}@2", "d1,d2", policy, now=clock(),
+                      rollout_id="r5")
+    eng.tick()
+    first = {c["device"]: c for c in sent.sent}
+    tell(store, "d1", "r5", "RECEIVED", "ACTIVE", ts=clock())
+    store.ingest([Inbound("f1", "d2", "cmd/result", BOOT, next(SEQ), "audit", clock(), {
+        "id": first["d2"]["id"], "type": "rollout.start", "status": "ok",
+        "result": {"accepted": False, "refused": "busy", "live": {"pull": f"{NAME}@2",
+                                                                   "pid": 9}}}, clock())])
+    clock.now += 10
+    plan = eng.tick()["r5"]
+    assert (plan.state, plan.retry, plan.counts.get("failed", 0)) == ("RUNNING", (), 0)
+    assert len(sent.sent) == 2
+    clock.now += 30  # rollout_busy_retry_s
+    assert eng.tick()["r5"].retry == ("d2",)
+    again = sent.sent[2]
+    verify(again, load_public(repo.keys.public_file("command")))
+    assert (again["device"], again["type"], again["args"]) == ("d2", "rollout.start",
+                                                               first["d2"]["args"])
+    assert again["id"] != first["d2"]["id"] and again["seq"] == 2
+    assert again["expires_at"] - again["issued_at"] == pytest.approx(600 - 40)
+    eng.tick()
+    assert len(sent.sent) == 3  # asked once until it answers again
+    tell(store, "d2", "r5", "RECEIVED", "ACTIVE", ts=clock())
+    plan = eng.tick()["r5"]
+    assert plan.state == "COMPLETED" and (plan.counts["succeeded"], plan.counts["failed"]) == (
+        2, 0)
+
+
 def test_a_start_never_published_is_withdrawn_when_the_rollout_stops(
         any_store: Any, repo: Repo) -> None:
     store = any_store

@@ -170,6 +170,36 @@ def test_refusals_from_events_and_results(store: FleetStore) -> None:
     assert (rows["d1"].state, rows["d1"].reason) == (REFUSED, "refused: expired")
     assert rows["d0"].state == REFUSED  # an ok result never un-refuses
     assert store.command_results("c1")[0]["status"] == "refused"  # stored as before
+    # Busy is not the end: the device is retrying, not finished; a refusal is.
+    assert (rows["d0"].retrying, rows["d0"].finished_at) == (True, None)
+    assert rows["d1"].retrying is False and rows["d1"].finished_at is not None
+
+
+def test_a_busy_box_gets_a_new_start_and_only_a_busy_one(store: FleetStore) -> None:
+    store.create_rollout(new(), now=1.0)
+    store.claim_commands("r1", {"d0": command("d0", "rollout.start", "c0"),
+                                "d1": command("d1", "rollout.start", "c1")}, 2.0)
+    store.mark_published(["c0", "c1"], 3.0)
+    busy = {"id": "c0", "type": "rollout.start", "status": "ok",
+            "result": {"accepted": False, "refused": "busy"}}
+    expired = {"id": "c1", "type": "rollout.start", "status": "refused", "reason": "expired",
+               "result": None}
+    store.ingest([report("d0", busy, ts=10, kind="cmd/result"),
+                  report("d1", expired, ts=10, kind="cmd/result")])
+    assert devices_of(store)["d0"].retrying is True
+    again = {"d0": command("d0", "rollout.start", "c2"),
+             "d1": command("d1", "rollout.start", "c3")}
+    assert store.claim_commands("r1", again, 40.0, require_state="RUNNING") == []  # no retry
+    assert store.claim_commands("r1", again, 40.0, require_state="RUNNING",
+                                retry=True) == ["d0"]
+    store.mark_published(["c2"], 41.0)
+    d0 = devices_of(store)["d0"]
+    assert (d0.state, d0.retrying, d0.command_id) == (SENT, False, "c2")
+    assert d0.started_at == 3.0  # its device timeout counts from the first start
+    assert [c["id"] for c in store.unpublished_commands("r1")] == []
+    # The second start goes ahead: the box reports, as for any start.
+    store.ingest([transition("d0", "RECEIVED", 50)])
+    assert devices_of(store)["d0"].state == "RECEIVED"
 
 
 def test_a_bad_report_is_stored_and_changes_nothing(store: FleetStore) -> None:

@@ -134,7 +134,7 @@ def central_for(mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path
         config = tmp_path / "controller.toml"
         config.write_text(
             f'state_dir = "{state}"\ncommand_key_file = "{repo.keys.private("command")}"\n'
-            "rollout_tick_s = 0.5\n"
+            "rollout_tick_s = 0.5\nrollout_busy_retry_s = 1\n"
             f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
             f'password_file = "{broker.password_file("controller")}"\n'
             f"[http]\nport = {port}\n")
@@ -210,10 +210,13 @@ def test_a_fifth_failing_aborts_inside_the_wave_that_crosses_the_threshold(
     # are clean, so the threshold can only be crossed inside wave 3. The failing boxes
     # walk their paths at once (a retrying one caught by the abort's cancel would end
     # CANCELLED, not FAILED: the engine's tick must not fall inside a path); wave 3's
-    # sound boxes take 2 s a step: the abort finds them mid-way.
-    kinds = cycle(["rolled_back", "rejected", "failed", "busy"])
+    # sound boxes take 2 s a step: the abort finds them mid-way. Two boxes of wave 3 stay
+    # busy (another change of the name under way there): not failed, asked again, and
+    # skipped by the abort.
+    kinds = cycle(["rolled_back", "rejected", "failed"])
     failing = {d: next(kinds) for d in waves[3][:8] + waves[4][:12]}
-    outcomes = {**dict.fromkeys(waves[3], "slow"), **failing}
+    busy = waves[3][8:10]
+    outcomes = {**dict.fromkeys(waves[3], "slow"), **failing, **dict.fromkeys(busy, "busy")}
     sim = link_fleet(central, outcomes, step_s=0.0, slow_step_s=2.0)
     try:
         central.cli("start", f"{NAME}@2", "--id", rid, "--waves", WAVES, "--abort-above",
@@ -226,12 +229,13 @@ def test_a_fifth_failing_aborts_inside_the_wave_that_crosses_the_threshold(
         assert {rows[d].outcome for d in waves[4]} == {"skipped"}
         assert all(rows[d].command_id is None for d in waves[4])
         for device in waves[1] + waves[2] + waves[3]:
-            assert len(sim[device].got("rollout.start")) == 1
+            assert len(sim[device].got("rollout.start")) == 1 or device in busy
         assert {rows[d].state for d in waves[1] + waves[2]} == {"ACTIVE"}
         assert {rows[d].state for d in failing if d in waves[3]} == {
-            "ROLLED_BACK", "REJECTED", "FAILED", "REFUSED"}
+            "ROLLED_BACK", "REJECTED", "FAILED"}
+        assert {(rows[d].state, rows[d].outcome) for d in busy} == {("REFUSED", "skipped")}
         # Inside the wave: its sound boxes were still on their way, and were cancelled.
-        sound = [d for d in waves[3] if d not in failing]
+        sound = [d for d in waves[3] if d not in failing and d not in busy]
         cancelled = [d for d in sound if rows[d].state == "CANCELLED"]
         assert cancelled, {d: rows[d].state for d in sound}
         for device in sound:
@@ -251,7 +255,10 @@ def test_a_clean_rollout_completes_wave_after_soaked_wave_then_rolls_back(
     central = central_for(100)
     rid, soak = "r-clean", 1.0
     waves = waves_of(rid, central.devices, WAVES)
-    sim = link_fleet(central)
+    # A box of each of waves 2-4 is busy at the first rollout.start (a `models pull` of
+    # the name, say): it is asked again a second later, and the rollout still completes.
+    busy = [waves[w][0] for w in (2, 3, 4)]
+    sim = link_fleet(central, dict.fromkeys(busy, "busy_once"))
     try:
         cpu0, t0, wall0 = central.serve.cpu_s(), time.time(), time.monotonic()
         central.cli("start", f"{NAME}@2", "--id", rid, "--waves", WAVES, "--soak", "1s")
@@ -264,7 +271,9 @@ def test_a_clean_rollout_completes_wave_after_soaked_wave_then_rolls_back(
         assert [r["id"] for r in httpx.get(f"{api}/rollouts").json()["rollouts"]] == [rid]
         assert httpx.get(f"{api}/rollouts/nope").status_code == 404
         for device in central.devices:
-            assert len(sim[device].got("rollout.start")) == 1
+            assert len(sim[device].got("rollout.start")) == (2 if device in busy else 1)
+        starts = sim[busy[0]].got("rollout.start")
+        assert starts[1] - starts[0] >= 1.0  # rollout_busy_retry_s
         for w in (1, 2, 3):
             active = max(sim[d].reached(rid, "ACTIVE") or 0.0 for d in waves[w])
             first_next = min(sim[d].got("rollout.start")[0] for d in waves[w + 1])

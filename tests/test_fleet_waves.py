@@ -267,6 +267,33 @@ def test_timeouts_can_abort() -> None:
     assert plan.state == ABORTED and len(plan.timed_out) == 3
 
 
+def test_a_busy_box_is_asked_again_until_its_device_timeout_and_never_counts_failed() -> None:
+    """A box that refused rollout.start as busy (another change of the name under way
+    there) is running, not failed: asked again every busy_retry_s while the rollout runs,
+    failed only once its device timeout (from the first start) passes."""
+    policy = Policy(STEPS, abort_above=0.0, min_executed=1, device_timeout_s=100)
+    views = [dev("a", 1, ACTIVE), dev("b", 1, REFUSED, retrying=True, started_at=0.0,
+                                       updated_at=50.0)]
+    assert phase(views[1]) == "running"
+    plan = decide(RUNNING, 1, policy, views, now=60.0, busy_retry_s=30)
+    assert (plan.state, plan.retry, plan.waiting_for) == (RUNNING, (), "wave 1 in progress")
+    assert plan.counts["failed"] == 0
+    plan = decide(RUNNING, 1, policy, views, now=80.0, busy_retry_s=30)
+    assert (plan.state, plan.retry, plan.start, plan.cancel) == (RUNNING, ("b",), (), ())
+    # Paused: not asked; its clock runs on.
+    assert decide(PAUSED, 1, policy, views, now=80.0, busy_retry_s=30).retry == ()
+    # Past the device timeout: failed (here that aborts), nothing to cancel on the box.
+    plan = decide(RUNNING, 1, policy, views, now=101.0, busy_retry_s=30)
+    assert (plan.state, plan.timed_out, plan.retry, plan.cancel) == (ABORTED, ("b",), (), ())
+    # A rollout that stops first skips it, and settles.
+    for stopped in (ABORTED, ROLLED_BACK):
+        plan = decide(stopped, 1, policy, [views[1]], now=60.0)
+        assert (plan.skipped, plan.cancel, plan.rollback, plan.settled) == (("b",), (), (),
+                                                                           True)
+    # Refused for another reason (expired, a bad signature): failed at once.
+    assert phase(dev("c", 1, REFUSED, started_at=0.0)) == "failed"
+
+
 def test_the_last_wave_finished_completes_without_soaking() -> None:
     policy = Policy(STEPS, abort_above=0.5, soak_s=3600)
     views = fleet({1: [ACTIVE], 2: [ACTIVE, ROLLED_BACK]})

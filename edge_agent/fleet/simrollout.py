@@ -13,7 +13,8 @@ Outcomes:
     rolled_back   … GATING → ROLLED_BACK (a gate check failed)
     rejected      RECEIVED → REJECTED (agent_too_old)
     failed        RECEIVED → DOWNLOADING → FAILED, retried once, FAILED for good
-    busy          rollout.start refused (another rollout of the name is live)
+    busy          rollout.start refused (another rollout of the name is live), always
+    busy_once     refused so the first time; the next rollout.start goes on as `active`
     silent        nothing at all (a box that lost its way: the device timeout)
 
 Cancels and rollbacks follow the box's rules (`fleet.rollout`): a cancel before the
@@ -76,7 +77,8 @@ class BoxRollouts:
     def _start(self, rid: str) -> dict[str, Any] | None:
         if self.outcome == "silent":
             return None
-        if self.outcome == "busy":
+        if self.outcome == "busy" or (self.outcome == "busy_once" and not any(
+                t == "rollout.start" for _, t, _ in self.commands[:-1])):
             self.emit("rollout", {"event": "rollout.refused", "accepted": False,
                                   "refused": "busy", "rollout_id": rid,
                                   "live": {"rollout_id": "older", "state": "STAGED"}})

@@ -87,7 +87,8 @@ class DeviceRecord:
     def view(self) -> DeviceView:
         return DeviceView(self.device, self.wave, self.state, self.retrying,
                           self.command_id is not None, self.started_at, self.active_at,
-                          self.outcome, self.cancel_sent, self.rollback_sent)
+                          self.outcome, self.cancel_sent, self.rollback_sent,
+                          self.updated_at)
 
     def downloading(self) -> DownloadProgress | None:
         """The progress to show: while the box is DOWNLOADING, and only a report sent
@@ -136,7 +137,8 @@ class RolloutStore(Protocol):
     def next_command_seqs(self, streams: Sequence[str]) -> dict[str, int]: ...
 
     def claim_commands(self, rollout_id: str, commands: Mapping[str, Mapping[str, Any]],
-                       now: float, *, require_state: str | None = None) -> list[str]: ...
+                       now: float, *, require_state: str | None = None,
+                       retry: bool = False) -> list[str]: ...
 
     def unpublished_commands(self, rollout_id: str) -> list[dict[str, Any]]: ...
 

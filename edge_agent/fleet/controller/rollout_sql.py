@@ -98,12 +98,18 @@ _FINAL = frozenset({ACTIVE, ROLLED_BACK, REJECTED, REFUSED, "CANCELLED"})
 
 def _retrying(state: str, body: Mapping[str, Any]) -> bool:
     """A FAILED box still retries while its failures are under its limit (both are in
-    the transition's details)."""
+    the transition's details); a box that refused as busy is asked again (`waves`)."""
+    if state == REFUSED:
+        return body.get("refused") == "busy"
     details = body.get("details")
     if state != FAILED or not isinstance(details, dict):
         return False
     failures, limit = details.get("failures"), details.get("limit")
     return isinstance(failures, int) and isinstance(limit, int) and failures < limit
+
+
+# A device whose box refused rollout.start as busy, not yet timed out or skipped.
+_BUSY = f"state = '{REFUSED}' AND retrying = 1 AND outcome IS NULL"
 
 
 def _number(value: Any) -> bool:
@@ -285,11 +291,13 @@ class RolloutQueries:
         return out
 
     def claim_commands(self, rollout_id: str, commands: Mapping[str, Mapping[str, Any]],
-                       now: float, *, require_state: str | None = None) -> list[str]:
+                       now: float, *, require_state: str | None = None,
+                       retry: bool = False) -> list[str]:
         """Record signed rollout commands (one per device, all of one type) before they
         are published; returns the devices whose command was recorded. A rollout.start
-        is recorded only for a device not yet commanded, and only while the rollout is
-        in `require_state`; a cancel or rollback at most once per device."""
+        is recorded only for a device not yet commanded (with `retry`: only for one whose
+        box refused it as busy, and not yet timed out), and only while the rollout is in
+        `require_state`; a cancel or rollback at most once per device."""
         claimed: list[str] = []
         with self._tx() as db:
             # A no-op UPDATE rather than a SELECT: it holds the row (PostgreSQL) until the
@@ -301,9 +309,10 @@ class RolloutQueries:
             for device, command in commands.items():
                 type_ = str(command["type"])
                 if type_ == "rollout.start":
+                    unsent = _BUSY if retry else "command_id IS NULL"
                     if not db.run("UPDATE rollout_devices SET command_id = ?, state = ?, "
-                                  "updated_at = ? WHERE rollout_id = ? AND device = ? "
-                                  "AND command_id IS NULL",
+                                  "retrying = 0, updated_at = ? WHERE rollout_id = ? AND "
+                                  f"device = ? AND {unsent}",
                                   [command["id"], SENT, now, rollout_id, device]):
                         continue
                 elif db.rows("SELECT 1 FROM rollout_commands WHERE rollout_id = ? AND "
@@ -368,7 +377,7 @@ class RolloutQueries:
             raise ValueError(f"unknown rollout state {state!r}")
         ts = _device_ts(msg)
         retrying = _retrying(str(state), body)
-        final = state in _FINAL or (state == FAILED and not retrying)
+        final = (state in _FINAL or state == FAILED) and not retrying
         db.run("UPDATE rollout_devices SET state = ?, retrying = ?, reason = ?, "
                "reported_ts = ?, updated_at = ?, active_at = COALESCE(active_at, ?), "
                "finished_at = COALESCE(finished_at, ?) WHERE rollout_id = ? AND device = ? "
@@ -390,8 +399,10 @@ class RolloutQueries:
             return
         why = body.get("reason") or (result.get("refused") if isinstance(result, dict)
                                      else None)
-        db.run("UPDATE rollout_devices SET state = ?, reason = ?, reported_ts = ?, "
-               "finished_at = COALESCE(finished_at, ?), updated_at = ? WHERE command_id = ? "
+        busy = body.get("status") == "ok" and why == "busy"
+        db.run("UPDATE rollout_devices SET state = ?, retrying = ?, reason = ?, "
+               "reported_ts = ?, finished_at = CASE WHEN ? = 1 THEN finished_at ELSE "
+               "COALESCE(finished_at, ?) END, updated_at = ? WHERE command_id = ? "
                "AND device = ? AND state = ?",
-               [REFUSED, _short(f"{body.get('status')}: {why}"), msg_ts, received, received,
-                body.get("id"), device, SENT])
+               [REFUSED, int(busy), _short(f"{body.get('status')}: {why}"), msg_ts,
+                int(busy), received, received, body.get("id"), device, SENT])

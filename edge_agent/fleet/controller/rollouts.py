@@ -117,7 +117,8 @@ class RolloutEngine:
         holds the commands back, never the decision)."""
         devices = self.store.rollout_devices(r.id)
         now = self.clock()
-        plan = decide(r.state, r.wave, r.policy(), [d.view() for d in devices], now)
+        plan = decide(r.state, r.wave, r.policy(), [d.view() for d in devices], now,
+                      busy_retry_s=self.settings.rollout_busy_retry_s)
         if not self.store.apply_plan(r.id, expect=r.state, state=plan.state, wave=plan.wave,
                                      reason=plan.reason, settled=plan.settled,
                                      timed_out=plan.timed_out, skipped=plan.skipped, now=now):
@@ -132,9 +133,13 @@ class RolloutEngine:
         self._said.discard("broker")
         fleets = {d.device: d.fleet for d in devices}
         ttl = max(r.device_timeout_s, 1.0)
-        self._send(r, START, plan.start, fleets,
-                   {"rollout_id": r.id, "name": r.name, "version": r.version}, ttl,
-                   require_state=RUNNING)
+        start = {"rollout_id": r.id, "name": r.name, "version": r.version}
+        self._send(r, START, plan.start, fleets, start, ttl, require_state=RUNNING)
+        first = {d.device: d.started_at for d in devices}
+        for device in plan.retry:  # what is left of its device timeout, at least a second
+            left = (first[device] or now) + r.device_timeout_s - now
+            self._send(r, START, [device], fleets, start, max(left, 1.0),
+                       require_state=RUNNING, retry=True)
         later = max(ttl, self.settings.command_ttl_s)
         self._send(r, CANCEL, plan.cancel, fleets, {"rollout_id": r.id}, later)
         self._send(r, ROLLBACK, plan.rollback, fleets, {"rollout_id": r.id}, later)
@@ -142,7 +147,7 @@ class RolloutEngine:
 
     def _send(self, r: RolloutRecord, type_: str, devices: Sequence[str],
               fleets: Mapping[str, str], args: Mapping[str, Any], ttl_s: float, *,
-              require_state: str | None = None) -> None:
+              require_state: str | None = None, retry: bool = False) -> None:
         assert self.key is not None
         for at in range(0, len(devices), CHUNK):
             chunk = devices[at:at + CHUNK]
@@ -152,9 +157,10 @@ class RolloutEngine:
                                        type_=type_, args=args, ttl_s=ttl_s, clock=self.clock,
                                        seq=seqs[streams[d]]) for d in chunk}
             claimed = self.store.claim_commands(r.id, built, self.clock(),
-                                                require_state=require_state)
-            if claimed and type_ != START:  # a wave's starts are logged with the wave
-                log.info("fleet rollout %s: %s to %d device(s)", r.id, type_, len(claimed))
+                                                require_state=require_state, retry=retry)
+            if claimed and (type_ != START or retry):  # a wave's starts: with the wave
+                log.info("fleet rollout %s: %s%s to %d device(s)", r.id, type_,
+                         " again (busy before)" if retry else "", len(claimed))
             self._publish([built[d] for d in claimed])
 
     def _republish(self, rollout_id: str) -> None:

@@ -112,6 +112,9 @@ class ControllerSettings(LayeredSettings):
     command_ttl_s: float = Field(300.0, gt=0, description="Seconds a sent command stays valid.")
     rollout_tick_s: float = Field(1.0, gt=0, le=60, description="Seconds between two passes "
                                   "of the rollout engine over the running rollouts.")
+    rollout_busy_retry_s: float = Field(30.0, gt=0, description="Seconds before a box that "
+                                        "refused rollout.start as busy (another change of "
+                                        "the name under way there) is asked again.")
 
     @field_validator("state_dir")
     @classmethod

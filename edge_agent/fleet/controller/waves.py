@@ -17,7 +17,11 @@ counts, and what the engine (`controller.rollouts`) must do next.
 
 How a device counts (`phase`): ACTIVE succeeded; ROLLED_BACK, REJECTED, FAILED once the
 box gave up retrying, REFUSED (the box refused rollout.start) and timed out failed;
-CANCELLED (by the controller) neither; everything else still running. The rollout's
+CANCELLED (by the controller) neither; everything else still running. A box that refused
+as *busy* (another rollout of the name, or a `models pull` of it, under way there) has not
+failed: it is sent rollout.start again every `busy_retry_s` while the rollout runs, until
+its device timeout (counted from the first start) makes it timed out; a rollout that
+stops first skips it. The rollout's
 failed share is cumulative over every wave started so far (AWS IoT Jobs' abort criteria:
 a threshold after a minimum number of executed things).
 
@@ -240,13 +244,19 @@ class DeviceView:
     device: str
     wave: int
     state: str = PENDING
-    retrying: bool = False  # FAILED, with the box still retrying
+    retrying: bool = False  # FAILED with the box still retrying; REFUSED as busy
     commanded: bool = False  # rollout.start recorded (maybe not yet published)
     started_at: float | None = None  # rollout.start published
     active_at: float | None = None  # ACTIVE seen by the controller
     outcome: str | None = None  # TIMED_OUT or SKIPPED, decided by the controller
     cancel_sent: bool = False
     rollback_sent: bool = False
+    updated_at: float | None = None  # the controller's clock at the row's last change
+
+
+def busy(d: DeviceView) -> bool:
+    """Refused rollout.start as busy, and neither timed out nor skipped yet."""
+    return d.state == REFUSED and d.retrying and d.outcome is None
 
 
 def phase(d: DeviceView) -> str:
@@ -257,6 +267,8 @@ def phase(d: DeviceView) -> str:
         return CANCELLED_PHASE if d.outcome == SKIPPED else WAITING
     if d.state == ACTIVE:
         return SUCCEEDED
+    if busy(d):
+        return IN_FLIGHT
     if d.state in (ROLLED_BACK, REJECTED, REFUSED) or (d.state == FAILED and not d.retrying):
         return FAILED_PHASE
     if d.state == CANCELLED:
@@ -326,6 +338,7 @@ class Plan:
     wave: int
     reason: str | None
     start: tuple[str, ...] = ()  # send rollout.start
+    retry: tuple[str, ...] = ()  # send rollout.start again (the box said busy)
     cancel: tuple[str, ...] = ()  # send rollout.cancel
     rollback: tuple[str, ...] = ()  # send rollout.rollback
     timed_out: tuple[str, ...] = ()  # mark TIMED_OUT
@@ -336,7 +349,7 @@ class Plan:
 
 
 def decide(state: str, wave: int, policy: Policy, devices: Sequence[DeviceView],
-           now: float) -> Plan:
+           now: float, *, busy_retry_s: float = 30.0) -> Plan:
     """The next step of a rollout in `state` whose waves up to `wave` have started."""
     late = {d.device for d in devices if timed_out(d, policy.device_timeout_s, now)}
     views = [_with(d, outcome=TIMED_OUT) if d.device in late else d for d in devices]
@@ -349,6 +362,7 @@ def decide(state: str, wave: int, policy: Policy, devices: Sequence[DeviceView],
         if reason is not None:
             state = ABORTED
     start: list[str] = []
+    retry: list[str] = []
     if state == RUNNING:
         if wave == 0:
             wave = 1
@@ -365,6 +379,8 @@ def decide(state: str, wave: int, policy: Policy, devices: Sequence[DeviceView],
         else:
             waiting_for = f"wave {wave} in progress"
         start = [d.device for d in views if d.wave <= wave and phase(d) == WAITING]
+        retry = [d.device for d in views if busy(d)
+                 and (d.updated_at is None or now - d.updated_at >= busy_retry_s)]
     elif state == PAUSED:
         waiting_for = "paused"
     cancel, rollback, skipped = _stops(state, policy, views)
@@ -374,8 +390,9 @@ def decide(state: str, wave: int, policy: Policy, devices: Sequence[DeviceView],
     in_flight = any(phase(d) == IN_FLIGHT for d in after)
     settled = state not in LIVE and not (start or cancel or rollback or in_flight)
     counts = tally(after).counts
-    return Plan(state, wave, reason, tuple(start), tuple(cancel), tuple(rollback),
-                tuple(sorted(late)), tuple(skipped), settled, waiting_for, counts)
+    return Plan(state, wave, reason, tuple(start), tuple(retry), tuple(cancel),
+                tuple(rollback), tuple(sorted(late)), tuple(skipped), settled, waiting_for,
+                counts)
 
 
 def _stops(state: str, policy: Policy, views: Sequence[DeviceView]
@@ -389,7 +406,7 @@ def _stops(state: str, policy: Policy, views: Sequence[DeviceView]
     skipped: list[str] = []
     if state in (ABORTED, ROLLED_BACK):
         # Never sent, or recorded but never taken by the broker (it was away): withdrawn.
-        skipped = [d.device for d in views if phase(d) == WAITING or (
+        skipped = [d.device for d in views if phase(d) == WAITING or busy(d) or (
             d.commanded and d.started_at is None and d.state == SENT)]
     if state == ABORTED:
         # Not yet switched: cancelled (a box refuses a cancel from ACTIVATING on; the
