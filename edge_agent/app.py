@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -23,6 +24,7 @@ from edge_agent.engine.catalog import normalize_name
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.errors import EdgeAgentError
+from edge_agent.fleet.name_claim import by_hand
 from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.keys import KeyStore
 from edge_agent.governance.redaction import Detectors, MetadataRedactor, Redactor, device_key
@@ -72,7 +74,8 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
                                 keep_content=settings.retention.content_hours > 0,
                                 record=record)
     parts = AppParts(settings=settings, store=store, registry=registry, service=service,
-                     ops=modelops, metrics=metrics, governor=governor)
+                     ops=modelops, metrics=metrics, governor=governor,
+                     hold_name=functools.partial(by_hand, settings.state_dir))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

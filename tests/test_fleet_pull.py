@@ -311,3 +311,31 @@ with name_claim(Path(sys.argv[1]), sys.argv[2], {"pull": "held", "pid": 0}):
     print("held", flush=True)
     time.sleep(60)
 """
+
+
+def test_changes_by_hand_wait_for_a_live_rollout_of_the_name(box: Box,
+                                                             tmp_path: Path) -> None:
+    """`models import|activate|rollback|rm` of a name under a live rollout are refused,
+    naming it, with nothing changed; another name is free; `--force` goes ahead; once the
+    rollout has ended the name is free again."""
+    store = RolloutStore(box.state / "rollouts.db")
+    store.create("ro-9", NAME, "2")
+    store.transition("ro-9", DOWNLOADING)
+    v3 = write_tiny_gguf(tmp_path / "v3.gguf", name="tiny-v3")
+    box.cli("import", str(v3), "--name", NAME, "--no-activate", "--force")
+    staged = [d for d, active in box.versions() if not active]
+    before = box.versions()
+    refused = f"{NAME} is being changed on this box by rollout ro-9 (DOWNLOADING)"
+    for args in (("import", str(v3), "--name", NAME), ("activate", NAME, staged[0]),
+                 ("rollback", NAME), ("rm", NAME, "--digest", staged[0])):
+        assert refused in box.cli(*args, code=1), args
+    assert box.versions() == before
+    assert "imported other:1" in box.cli("import", str(v3), "--name", "other:1")
+    assert "now serves" in box.cli("activate", NAME, staged[0], "--force")
+    store.transition("ro-9", "CANCELLED", live=False)
+    store.close()
+    assert "rolled back" in box.cli("rollback", NAME)
+    # While a pull of the name runs, a change by hand is refused too (and names it).
+    with name_claim(box.state, NAME, {"pull": f"{NAME}@2", "pid": 812}):
+        out = box.cli("rollback", NAME, "--force", code=1)
+    assert f"by models pull {NAME}@2 (pid 812)" in out

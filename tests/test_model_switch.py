@@ -20,6 +20,7 @@ from edge_agent.bench.rollout import variant
 from edge_agent.config import load_settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
+from edge_agent.fleet.rollout_state import CANCELLED, STAGED, RolloutStore
 from edge_agent.governance.keys import KeyStore
 from tests.conftest import (
     DEFAULT_MODEL,
@@ -124,6 +125,33 @@ def test_a_switch_while_four_streams_run(box: tuple[LiveServer, str, str]) -> No
     history = _ops(live).history(DEFAULT_MODEL)
     assert (history[0].action, history[0].previous, history[0].by) == (
         "activate", old, "cli:test")
+
+
+def test_a_live_rollout_holds_its_name_against_delete_and_copy(
+        box: tuple[LiveServer, str, str]) -> None:
+    """/api/delete and /api/copy onto a name a fleet rollout is changing on this box: 409
+    in Ollama's shape, naming the rollout, and nothing changed; free again once it ends."""
+    live, _, _ = box
+    url, held = live.base_url, "held:1"
+    client = ollama.Client(host=live.ollama_url)
+    assert client.copy(DEFAULT_MODEL, held).status == "success"
+    rollouts = RolloutStore(live.settings.state_dir / "rollouts.db")
+    try:
+        rollouts.create("ro-h", held, "2")
+        rollouts.transition("ro-h", STAGED)
+        for method, path, body in (
+                ("DELETE", "/api/delete", {"model": held}),
+                ("POST", "/api/copy", {"source": DEFAULT_MODEL, "destination": held})):
+            r = httpx.request(method, f"{url}{path}", json=body)
+            assert r.status_code == 409 and set(r.json()) == {"error"}, r.text
+            assert f"{held} is being changed on this box by rollout ro-h (STAGED)" in \
+                r.json()["error"]
+        assert held in {m.model for m in client.list().models}
+        rollouts.transition("ro-h", CANCELLED, live=False)
+    finally:
+        rollouts.close()
+    assert httpx.request("DELETE", f"{url}/api/delete", json={"model": held}).status_code \
+        == 200
 
 
 def test_rollback_restores_the_previous_digest_and_survives_a_restart(

@@ -126,7 +126,8 @@ async def delete(request: Request, parts: Parts) -> Response:
     body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
     authenticated(request).check_manage(f"deleting '{normalize_name(body.ref)}'")
     # 404, then the default model (400), then serving requests (503): as ModelOps decides.
-    await parts.ops.delete(body.ref, by=_operator(request))
+    with parts.held(body.ref, "DELETE /api/delete"):
+        await parts.ops.delete(body.ref, by=_operator(request))
     return Response(status_code=200)
 
 
@@ -138,7 +139,8 @@ async def copy(request: Request, parts: Parts) -> Response:
     source = _name(body.source, "source")
     destination = _name(body.destination, "destination")
     authenticated(request).check_manage(f"copying '{source}' to '{destination}'")
-    await asyncio.to_thread(parts.ops.copy, source, destination, by=_operator(request))
+    with parts.held(destination, "POST /api/copy"):
+        await asyncio.to_thread(parts.ops.copy, source, destination, by=_operator(request))
     return Response(status_code=200)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -27,6 +29,12 @@ class AppParts:
     metrics: Metrics | None = None
     governor: Governor | None = None
     ledger: LedgerWriter | None = None  # set while the app runs
+    # hold_name(name, change): a change of a model by hand, under the box's claim on the
+    # name and refused (409) while a fleet rollout of it is live (`fleet.name_claim`).
+    hold_name: Callable[[str, str], AbstractContextManager[None]] | None = None
+
+    def held(self, name: str, change: str) -> AbstractContextManager[None]:
+        return nullcontext() if self.hold_name is None else self.hold_name(name, change)
 
 
 def _parts(request: Request) -> AppParts:

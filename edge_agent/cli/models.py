@@ -11,6 +11,8 @@ from __future__ import annotations
 import getpass
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,22 @@ def _ops_for(settings: Settings) -> ModelOps:
     from edge_agent.engine.modelops import ModelOps
 
     return ModelOps.for_settings(settings)
+
+
+@contextmanager
+def _by_hand(settings: Settings, name: str, change: str, force: bool) -> Iterator[None]:
+    """The change under the name's claim, refused while a fleet rollout of the name is
+    live on this box (`fleet.name_claim.by_hand`)."""
+    from edge_agent.fleet.name_claim import by_hand
+
+    with by_hand(settings.state_dir, name, change, force=force):
+        yield
+
+
+force_option = click.option(
+    "--force", is_flag=True,
+    help="Even while a fleet rollout of the name is under way on this box (its health "
+    "gate, if it is switching, may still switch back).")
 
 
 def _by() -> str:
@@ -112,8 +130,9 @@ def models_show(name: str, only_template: bool, only_parameters: bool, as_json: 
 @click.argument("name", metavar="NAME[@VERSION]")
 @click.option("--activate/--no-activate", default=True, show_default=True,
               help="Make it the version the name serves (else keep it staged).")
+@force_option
 @json_option()
-def models_pull(name: str, activate: bool, as_json: bool) -> None:
+def models_pull(name: str, activate: bool, force: bool, as_json: bool) -> None:
     """Install NAME from the catalog's package (no network), or the signed release
     NAME@VERSION from the fleet's repository (fleet.artifacts_url, verified through TUF
     against fleet.tuf_root_file; a cut download resumes). In a terminal a bar on stderr
@@ -121,8 +140,11 @@ def models_pull(name: str, activate: bool, as_json: bool) -> None:
     if "@" in name:
         _pull_release(*name.rsplit("@", 1), activate=activate, as_json=as_json)
         return
-    m = _ops().install_catalog(name, progress=None if as_json else progress(f"copying {name}"),
-                               by=_by(), activate=activate)
+    settings = load()
+    with _by_hand(settings, name, "models pull", force):
+        m = _ops_for(settings).install_catalog(
+            name, progress=None if as_json else progress(f"copying {name}"), by=_by(),
+            activate=activate)
     if as_json:
         echo_json({"name": m.name, "digest": m.digest, "size": m.size, "active": activate,
                    "origin": m.origin})
@@ -160,11 +182,15 @@ def _pull_release(name: str, version: str, *, activate: bool, as_json: bool) -> 
 @click.option("--name", required=True, help="Name to serve it under, as name:tag.")
 @click.option("--activate/--no-activate", default=True, show_default=True,
               help="Make it the version the name serves (else keep it staged).")
-def models_import(path: Path, name: str, activate: bool) -> None:
+@force_option
+def models_import(path: Path, name: str, activate: bool, force: bool) -> None:
     """Import a local GGUF file; its header is checked before anything is copied. Under a
     name already installed it becomes a new version of that name."""
-    m = _ops().import_file(path, name, progress=progress(f"importing {path.name}"),
-                           by=_by(), activate=activate)
+    settings = load()
+    with _by_hand(settings, name, "models import", force):
+        m = _ops_for(settings).import_file(path, name,
+                                           progress=progress(f"importing {path.name}"),
+                                           by=_by(), activate=activate)
     click.echo(f"imported {m.name} sha256:{m.digest[:12]} ({m.architecture}, "
                f"context {m.context_length}, {m.quantization})"
                + ("" if activate else ", not active"))
@@ -194,10 +220,13 @@ def models_verify(ctx: click.Context, name: str | None) -> None:
 @click.argument("name")
 @click.option("--digest", default=None,
               help="Remove only this inactive version (12+ hex digits), not the whole name.")
-def models_rm(name: str, digest: str | None) -> None:
+@force_option
+def models_rm(name: str, digest: str | None, force: bool) -> None:
     """Remove an installed model, or one of its versions (a blob goes when no other name
     uses it)."""
-    m = _ops().remove(name, digest, by=_by())
+    settings = load()
+    with _by_hand(settings, name, "models rm", force):
+        m = _ops_for(settings).remove(name, digest, by=_by())
     click.echo(f"removed {m.name}" + (f"@{m.digest[:12]}" if digest else ""))
 
 
@@ -205,12 +234,15 @@ def models_rm(name: str, digest: str | None) -> None:
 @common_options
 @click.argument("name")
 @click.argument("digest")
-def models_activate(name: str, digest: str) -> None:
+@force_option
+def models_activate(name: str, digest: str, force: bool) -> None:
     """Switch NAME to an installed DIGEST (in full or 12+ hex digits). Requests already
     running finish on the old version; the next ones get this one."""
-    ops = _ops()
+    settings = load()
+    ops = _ops_for(settings)
     before = ops.show(name).digest
-    m = ops.activate(name, digest, by=_by())
+    with _by_hand(settings, name, "models activate", force):
+        m = ops.activate(name, digest, by=_by())
     if m.digest == before:
         click.echo(f"{m.name} already serves sha256:{m.digest[:12]}")
     else:
@@ -220,11 +252,14 @@ def models_activate(name: str, digest: str) -> None:
 @models.command("rollback")
 @common_options
 @click.argument("name")
-def models_rollback(name: str) -> None:
+@force_option
+def models_rollback(name: str, force: bool) -> None:
     """Switch NAME back to the version that was active before the current one."""
-    ops = _ops()
+    settings = load()
+    ops = _ops_for(settings)
     before = ops.show(name).digest
-    m = ops.rollback(name, by=_by())
+    with _by_hand(settings, name, "models rollback", force):
+        m = ops.rollback(name, by=_by())
     click.echo(f"{m.name} rolled back to sha256:{m.digest[:12]} (was {before[:12]})")
 
 

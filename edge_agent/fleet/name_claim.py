@@ -12,7 +12,11 @@ by kill -9, holds nothing: the kernel drops the lock with the file descriptor.
   (`RolloutManager.begin`): from then on the row itself holds the name (one live rollout
   per name, `rollout_state`), and a pull refuses it.
 
-So a pull never overlaps a rollout of its name, in either order. `.names` cannot be a
+So a pull never overlaps a rollout of its name, in either order. Changes by hand (`models
+import|activate|rollback|rm`, HTTP `/api/delete` and `/api/copy`) go through `by_hand`: the
+claim for their run, and refused while a rollout of the name is live (a switch under a
+rollout's gate would be judged as the release's, or undone by its rollback); `force` skips
+that refusal, not the claim. `.names` cannot be a
 rollout's folder beside it: a rollout id holds no dot. Lock files are never deleted (a
 file removed while another process waits on it would let two holders in).
 """
@@ -29,8 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.errors import Conflict
+from edge_agent.fleet.rollout_state import RolloutStore
+from edge_agent.names import normalize_name
 
 CLAIMS = Path("rollouts") / ".names"
+ROLLOUTS_DB = "rollouts.db"
 
 
 class NameHeld(Conflict):
@@ -47,6 +54,8 @@ def describe(holder: Mapping[str, Any]) -> str:
     """`models pull m:1@2 (pid 812)`, `rollout ro-1 (DOWNLOADING)`."""
     if holder.get("pull"):
         return f"models pull {holder['pull']} (pid {holder.get('pid', '?')})"
+    if holder.get("change"):
+        return f"{holder['change']} (pid {holder.get('pid', '?')})"
     if holder.get("rollout_id"):
         state = holder.get("state")
         return f"rollout {holder['rollout_id']}" + (f" ({state})" if state else "")
@@ -84,3 +93,31 @@ def _holder(fd: int) -> dict[str, Any]:
     except ValueError:
         return {}
     return found if isinstance(found, dict) else {}
+
+
+def refuse_live_rollout(state_dir: Path, name: str) -> None:
+    """NameHeld while a rollout of `name` is live here (checked under the name's claim,
+    which a new rollout's row is created under too)."""
+    path = state_dir / ROLLOUTS_DB
+    if not path.exists():
+        return
+    store = RolloutStore(path)
+    try:
+        live = store.live_for(name)
+    finally:
+        store.close()
+    if live is not None:
+        raise NameHeld(name, {"rollout_id": live.id, "state": live.state,
+                              "version": live.version})
+
+
+@contextmanager
+def by_hand(state_dir: Path, name: str, change: str, *, force: bool = False
+            ) -> Iterator[None]:
+    """A change of `name` by hand (`change` says which, for whoever is refused): under
+    the name's claim, and refused while a rollout of the name is live unless `force`."""
+    key = normalize_name(name)
+    with name_claim(state_dir, key, {"change": change, "pid": os.getpid()}):
+        if not force:
+            refuse_live_rollout(state_dir, key)
+        yield

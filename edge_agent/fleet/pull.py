@@ -23,18 +23,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from edge_agent.config import ConfigError, Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.records import InstalledModel
 from edge_agent.fleet import release as signed
 from edge_agent.fleet import transfer
-from edge_agent.fleet.name_claim import NameHeld, name_claim
-from edge_agent.fleet.rollout_state import RolloutStore
+from edge_agent.fleet.name_claim import name_claim, refuse_live_rollout
 from edge_agent.names import normalize_name
-
-ROLLOUTS_DB = "rollouts.db"
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,7 @@ def pull(settings: Settings, ops: ModelOps, name: str, version: str, *, by: str,
     ref = f"{key}@{version}"
     state = settings.state_dir
     with name_claim(state, key, {"pull": ref, "pid": os.getpid()}):
-        _refuse_live_rollout(state, key)
+        refuse_live_rollout(state, key)
         release = (source or signed.ReleaseSource(fleet, state)).lookup(key, version)
         have = [v.model for v in ops.store.versions(key) if v.digest == release.sha256]
         if have:
@@ -74,18 +70,3 @@ def pull(settings: Settings, ops: ModelOps, name: str, version: str, *, by: str,
     return Pulled(model, ref, downloaded=not have,
                   active=ops.store.active_digest(key) == release.sha256)
 
-
-def _refuse_live_rollout(state_dir: Path, name: str) -> None:
-    """NameHeld while a rollout of `name` is live here (checked under the name's claim,
-    which a new rollout's row is created under too)."""
-    path = state_dir / ROLLOUTS_DB
-    if not path.exists():
-        return
-    store = RolloutStore(path)
-    try:
-        live = store.live_for(name)
-    finally:
-        store.close()
-    if live is not None:
-        raise NameHeld(name, {"rollout_id": live.id, "state": live.state,
-                              "version": live.version})
