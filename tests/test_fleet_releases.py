@@ -128,7 +128,7 @@ def test_keygen_init_add_list_show_timestamp(tmp_path: Path) -> None:
               "--gate", str(tmp_path / "gate.json"), "--template", str(tmp_path / "tmpl.jinja"),
               "--min-agent-version", "0.1.0", "--tier", "production", "--license", "MIT",
               "--json")
-    added = json.loads(out)
+    added = json.loads(out)  # no warning: the template was given
     assert added["target"] == "tiny/1b/2/model.gguf"
     assert added["manifest"]["context_length"] == 512
     assert added["manifest"]["parameters"] == {"temperature": 0.7, "top_k": 40,
@@ -363,6 +363,8 @@ def test_end_to_end_release_to_an_inactive_version(setup: tuple[Repo, ArtifactSe
         "--state-dir", str(repo.repo.root.parent), "--keys", str(repo.keys.path),
         "--license", "MIT", "--tier", "production"])
     assert result.exit_code == 0, result.output
+    # No template in the GGUF, none given: said before the boxes find out.
+    assert "warning: tiny:1@2: the GGUF has no chat template" in result.stderr
     mirror(repo.repo.root, server.root)
     source = _source(server, repo, device)
     release = source.lookup("tiny:1", "2")

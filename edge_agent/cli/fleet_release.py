@@ -159,14 +159,17 @@ def release_add(state_dir: Path, keys_dir: Path | None, file: Path, name: str, v
     repo = _repo(state_dir)
     keys = _keys(repo, keys_dir)
     started = time.perf_counter()
+    notes: list[str] = []
     try:
         manifest = manifest_for(
-            file, name=name, version=version, license=license_, tier=tier,
+            file, name=name, version=version, notes=notes, license=license_, tier=tier,
             chat_template=template.read_text(encoding="utf-8") if template else None,
             parameters=_table(parameters, "--parameters"), gate=_table(gate, "--gate"),
             min_agent_version=min_agent_version)
     except ManifestError as exc:
         raise BadUsage(str(exc)) from None
+    for note in notes:
+        click.echo(f"warning: {note}", err=True)
     entry = repo.add(file, manifest, keys, progress=None if as_json else progress("publishing"))
     if as_json:
         echo_json(entry.to_json())

@@ -343,12 +343,20 @@ class _State:
     timestamp: Metadata[Timestamp]
 
 
-def manifest_for(gguf: Path, *, name: str, version: str, **fields: Any) -> ReleaseManifest:
+def manifest_for(gguf: Path, *, name: str, version: str, notes: list[str] | None = None,
+                 **fields: Any) -> ReleaseManifest:
     """The manifest of `gguf` as `name@version`: architecture, quantization, context
     length and parameter size from its header (read in the bounded child process), the
     rest from `fields` (license, tier, chat_template, parameters, min_agent_version, gate).
-    """
+    What the publisher should know before the boxes find out goes into `notes`: a model
+    with no chat template anywhere answers no chat, and a box whose previous version did
+    rolls it back (its `chat_template` check)."""
     info = probe(gguf)
+    if notes is not None and not info.chat_template and not fields.get("chat_template"):
+        notes.append(f"{name}@{version}: the GGUF has no chat template and none was given "
+                     "(--template): boxes serve it for /api/generate and /v1/completions "
+                     "only, and a box whose current version answers chats rolls it back "
+                     "(gate check chat_template)")
     return parse({"name": name, "version": version, "architecture": info.architecture,
                   "quantization": info.quantization, "context_length": info.context_length,
                   "parameter_size": info.parameter_size, "created_at": int(time.time()),
