@@ -83,3 +83,51 @@ def test_remove_keeps_a_blob_another_name_still_uses(tmp_path: Path) -> None:
 def test_clone_state_shares_blobs(model_cache: Path, tmp_path: Path) -> None:
     state = clone_state(model_cache, tmp_path / "s")
     assert ModelStore(state).get(DEFAULT_MODEL).name == DEFAULT_MODEL
+
+
+def test_a_moved_import_takes_the_file_by_rename_and_still_hashes_what_it_keeps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`move`: one file on the disk, not two; a digest that does not match is refused
+    (the file goes); a sound file the store cannot record comes back; across two
+    filesystems (EXDEV) it is copied as before."""
+    import errno
+    import hashlib
+    import os
+
+    from edge_agent.engine import catalog
+
+    store = ModelStore(tmp_path / "state")
+    src = write_tiny_gguf(tmp_path / "dl.gguf")
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()
+    inode = src.stat().st_ino
+    m = store.import_file(src, "tiny:1", by="test", expected_digest=digest, move=True)
+    assert not src.exists() and m.blob_path(store.state_dir).stat().st_ino == inode
+    assert store.verify(m).architecture == "llama"
+
+    bad = write_tiny_gguf(tmp_path / "bad.gguf", name="other")
+    with pytest.raises(ModelFileError, match="sha256"):
+        store.import_file(bad, "tiny:2", by="test", expected_digest=digest, move=True)
+    assert not bad.exists() and not list(store.blobs.glob(".incoming-*"))
+
+    sound = write_tiny_gguf(tmp_path / "sound.gguf", name="sound")
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "models.db: I/O error")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ModelStore, "_commit", broken)
+        with pytest.raises(OSError, match="I/O error"):
+            store.import_file(sound, "tiny:3", by="test", move=True)
+    assert sound.exists() and not list(store.blobs.glob(".incoming-*"))
+
+    real_replace = os.replace
+
+    def cross_device(a: object, b: object) -> None:
+        if Path(str(a)) == sound:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real_replace(a, b)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(catalog.os, "replace", cross_device)
+    copied = store.import_file(sound, "tiny:3", by="test", move=True)
+    assert sound.exists()  # copied: the caller removes its own file
+    assert copied.blob_path(store.state_dir).stat().st_ino != sound.stat().st_ino

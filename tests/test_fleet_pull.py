@@ -339,3 +339,32 @@ def test_changes_by_hand_wait_for_a_live_rollout_of_the_name(box: Box,
     with name_claim(box.state, NAME, {"pull": f"{NAME}@2", "pid": 812}):
         out = box.cli("rollback", NAME, "--force", code=1)
     assert f"by models pull {NAME}@2 (pid 812)" in out
+
+
+def test_a_release_needs_room_for_one_copy_of_the_file_not_two(box: Box,
+                                                                tmp_path: Path) -> None:
+    """A box whose state dir is a 6 MB filesystem takes the 4 MB release: the store takes
+    the verified download by rename, so the free-disk check counts the file once."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
+    try:
+        state = mnt / "box"
+        ops = ModelOps(ModelStore(state))
+        ops.import_file(write_tiny_gguf(tmp_path / "v1.gguf"), NAME, by="test")
+        ops.store.close()
+        assert not transfer.store_copy_needed(transfer.downloads_dir(state), state / "blobs")
+        assert transfer.store_copy_needed(tmp_path, state / "blobs")
+        result = CliRunner().invoke(main, ["models", "pull", f"{NAME}@2", "--json",
+                                           "--state-dir", str(state)],
+                                    env={**box.env,
+                                         "EDGE_AGENT_FLEET__DOWNLOAD_HEADROOM_BYTES": "0"})
+        assert result.exit_code == 0, result.output
+        got = json.loads(result.output)
+        assert (got["digest"], got["downloaded"], got["active"]) == (box.new, True, True)
+        assert not list(transfer.downloads_dir(state).glob("*.gguf"))
+    finally:  # lazily: the CLI's model store may still hold models.db open
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -372,8 +372,10 @@ def test_end_to_end_release_to_an_inactive_version(setup: tuple[Repo, ArtifactSe
     path = transfer.download(release, transfer.downloads_dir(device),
                              progress=lambda *a: seen.append(a))
     assert seen[-1][0] == seen[-1][1] == release.length
+    inode = path.stat().st_ino
     model = install(release, path, ops, by="rollout:test")
-    assert not path.exists()  # the store holds its own copy
+    assert not path.exists()  # the store took it by rename: no second copy on the disk
+    assert model.blob_path(device).stat().st_ino == inode
     assert (model.digest, model.license, model.tier, model.origin) == (
         release.sha256, "MIT", "production", "release:tiny:1@2")
     assert [(v.digest, v.active) for v in ops.versions("tiny:1")] == [

@@ -14,6 +14,8 @@ threads and processes (the CLI beside the server).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.resources
 import os
 import threading
@@ -27,6 +29,7 @@ from edge_agent.engine.staging import (
     Progress,
     Staging,
     copy_hashing,
+    hash_copy,
     materialize,
     sha256_file,
 )
@@ -334,7 +337,7 @@ class ModelStore:
         self, path: Path, name: str, progress: Progress | None = None, *, by: str = "local",
         activate: bool = True, expected_digest: str | None = None,
         expected_size: int | None = None, extras: ManifestExtras | None = None,
-        origin: str | None = None,
+        origin: str | None = None, move: bool = False,
     ) -> InstalledModel:
         """Copy any local GGUF into the store under `name`, after checking its header.
 
@@ -342,13 +345,18 @@ class ModelStore:
         waited on); its header is walked before gigabytes are copied, and the full read in
         the bounded child is of the staged copy, so the bytes checked are the bytes kept.
         With `expected_digest` (a verified download) the staged copy must hash to it.
+        With `move` (a file of the box's own, such as a download) it is renamed into the
+        staging place instead where it is on the blobs' filesystem: no second copy on the
+        disk, and the bytes hashed are still the ones kept (the same open file).
         """
         key = normalize_name(name)
         with os.fdopen(open_regular(path), "rb") as src:
             precheck_open(src, path)
             src.seek(0)
             with self._staging() as tmp:
-                digest = copy_hashing(src, tmp, progress)
+                moved = move and _renamed(path, tmp)
+                digest = hash_copy(src, None, progress) if moved else \
+                    copy_hashing(src, tmp, progress)
                 size = tmp.stat().st_size
                 if expected_size is not None and size != expected_size:
                     raise ModelFileError(f"{path}: {size} bytes, expected {expected_size}")
@@ -356,9 +364,15 @@ class ModelStore:
                     raise ModelFileError(f"{path}: sha256 {digest[:12]}, expected "
                                          f"{expected_digest[:12]}")
                 info = probe(tmp, label=path)
-                return self._commit(tmp, digest, key, info,
-                                    origin=origin or f"import:{path.name}", extras=extras,
-                                    by=by, activate=activate)
+                try:
+                    return self._commit(tmp, digest, key, info,
+                                        origin=origin or f"import:{path.name}",
+                                        extras=extras, by=by, activate=activate)
+                except BaseException:
+                    if moved:  # a sound file the store could not take: give it back
+                        with contextlib.suppress(OSError):
+                            os.replace(tmp, path)
+                    raise
 
     def _staging(self) -> Staging:
         self.blobs.mkdir(parents=True, exist_ok=True)
@@ -412,3 +426,12 @@ class ModelStore:
         return model
 
 
+def _renamed(path: Path, dest: Path) -> bool:
+    """`path` renamed over `dest`; False where they are on two filesystems."""
+    try:
+        os.replace(path, dest)
+    except OSError as exc:
+        if exc.errno == errno.EXDEV:
+            return False
+        raise
+    return True

@@ -178,18 +178,19 @@ class ModelOps:
     def install_verified(self, path: Path, name: str, expected_digest: str, *, by: str,
                          expected_size: int | None = None,
                          extras: ManifestExtras | None = None, origin: str = "verified",
-                         activate: bool = False,
+                         activate: bool = False, move: bool = False,
                          progress: Progress | None = None) -> InstalledModel:
         """A downloaded file whose digest was announced (a rollout): copied into the
-        store only if its bytes hash to `expected_digest` (and are `expected_size` long)
-        and its GGUF header reads; installed inactive by default, for `activate` later."""
+        store (`move`: taken by rename where it can be, the file is then gone) only if its
+        bytes hash to `expected_digest` (and are `expected_size` long) and its GGUF header
+        reads; installed inactive by default, for `activate` later."""
         digest = expected_digest.removeprefix("sha256:").lower()
         if len(digest) != 64 or not _HEX.fullmatch(digest):
             raise InvalidRequest(f"'{expected_digest}' is not a sha256 digest",
                                  param="digest")
         return self.store.import_file(path, name, progress, by=by, activate=activate,
                                       expected_digest=digest, expected_size=expected_size,
-                                      extras=extras, origin=origin)
+                                      extras=extras, origin=origin, move=move)
 
     # -- switching -------------------------------------------------------------------------
     def resolve(self, name: str, digest: str) -> InstalledModel:

@@ -61,9 +61,12 @@ def pull(settings: Settings, ops: ModelOps, name: str, version: str, *, by: str,
         if have:
             model = have[0]
         else:
-            path = transfer.download(release, transfer.downloads_dir(state), progress=progress,
+            dest = transfer.downloads_dir(state)
+            path = transfer.download(release, dest, progress=progress,
                                      max_bytes_per_s=fleet.max_download_bytes_per_s,
-                                     headroom=fleet.download_headroom_bytes, retry=retry)
+                                     headroom=fleet.download_headroom_bytes, retry=retry,
+                                     install_copy=transfer.store_copy_needed(
+                                         dest, ops.store.blobs))
             model = signed.install(release, path, ops, by=by)
         if activate:
             model = ops.activate(key, release.sha256, by=by)

@@ -278,19 +278,18 @@ def classify(exc: BaseException, ref: str) -> ReleaseError:
     return ReleaseFailed(ERROR, f"{ref}: {kind}: {detail}", error=kind)
 
 
-def install(release: Release, path: Path, modelops: ModelOps, *, by: str,
-            keep_download: bool = False) -> InstalledModel:
+def install(release: Release, path: Path, modelops: ModelOps, *, by: str) -> InstalledModel:
     """The verified download into the model store as a new version of the release's name,
-    NOT active (activation is the rollout's next step). The store checks length, sha256
-    and the header once more on its own copy; the download is removed afterwards (unless
-    `keep_download`). ReleaseFailed when the store refuses the file."""
+    NOT active (activation is the rollout's next step). The store takes the file by rename
+    where it is on the blobs' filesystem (else copies it) and checks length, sha256 and the
+    header once more on what it keeps; the download is gone afterwards. ReleaseFailed when
+    the store refuses the file."""
     try:
         model = modelops.install_verified(
             path, release.name, release.sha256, by=by, expected_size=release.length,
             extras=release.manifest.extras(), origin=f"release:{release.ref}",
-            activate=False)
+            activate=False, move=True)
     except ModelFileError as exc:
         raise ReleaseFailed(INSTALL_FAILED, f"{release.ref}: {exc.message}") from exc
-    if not keep_download:
-        path.unlink(missing_ok=True)
+    path.unlink(missing_ok=True)  # copied from another filesystem
     return model

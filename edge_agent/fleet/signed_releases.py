@@ -47,6 +47,7 @@ class SignedReleases:
     def __init__(self, fleet: FleetSettings, state_dir: Path, *,
                  source: signed.ReleaseSource | None = None) -> None:
         self.source = source or signed.ReleaseSource(fleet, state_dir)
+        self.blobs = state_dir / "blobs"  # the model store's (`engine.catalog`)
 
     def lookup(self, name: str, version: str) -> Found:
         return Found(self.source.lookup(name, version))
@@ -58,7 +59,8 @@ class SignedReleases:
             progress(done, total)  # a cancel raises here and leaves the part file
 
         return transfer.download(release.release, dest_dir, progress=report,
-                                 max_bytes_per_s=max_bytes_per_s, headroom=headroom)
+                                 max_bytes_per_s=max_bytes_per_s, headroom=headroom,
+                                 install_copy=transfer.store_copy_needed(dest_dir, self.blobs))
 
     def install(self, release: Found, path: Path, modelops: ModelOps, *, by: str) -> Any:
         return signed.install(release.release, path, modelops, by=by)

@@ -5,9 +5,10 @@
                     headroom=fleet.download_headroom_bytes)
 
 In order:
-1. free disk first: what is left to fetch, plus the model store's copy of the file
-   (`ModelOps.install_verified` copies it into blobs/, on the same disk), plus `headroom`;
-   refused (ReleaseRejected, `no_space`) with the three numbers and the directory;
+1. free disk first: what is left to fetch, plus the model store's copy of the file where
+   it needs one (`install_copy`: `ModelOps.install_verified` takes a download on the
+   blobs' filesystem by rename, `store_copy_needed`), plus `headroom`; refused
+   (ReleaseRejected, `no_space`) with the three numbers and the directory;
 2. the bytes go to `<dest>/<sha256>.part`; a part left by a dropped link, a stopped agent
    or a `kill -9` is continued with `Range: bytes=N-` (its bytes are hashed once first);
    a server that ignores Range (200) is read from the start again;
@@ -97,6 +98,22 @@ def disk_free(path: Path) -> int:
 def paths(release: Release, dest_dir: Path) -> tuple[Path, Path]:
     """(the finished file, its part) for `release` in `dest_dir`."""
     return dest_dir / f"{release.sha256}.gguf", dest_dir / f"{release.sha256}.part"
+
+
+def store_copy_needed(dest_dir: Path, blobs_dir: Path) -> bool:
+    """Whether the model store must copy a download from `dest_dir` into `blobs_dir`
+    (two filesystems) rather than rename it: what the free-disk check counts."""
+    return _device(dest_dir) != _device(blobs_dir)
+
+
+def _device(path: Path) -> int:
+    """The filesystem of `path`, or of its nearest folder that exists."""
+    for p in (path, *path.parents):
+        try:
+            return os.stat(p).st_dev
+        except FileNotFoundError:
+            continue
+    return -1
 
 
 def discard(release: Release, dest_dir: Path) -> None:
