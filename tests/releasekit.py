@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
 import threading
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import uvicorn
 from fastapi import FastAPI
 from gguf import GGUFWriter
@@ -205,3 +208,18 @@ class ArtifactServer:
 def device_settings(state: Path, root_file: Path, url: str, **extra: Any) -> Settings:
     return load_settings(None, state_dir=state, **{
         "fleet.tuf_root_file": str(root_file), "fleet.artifacts_url": url, **extra})
+
+
+@contextmanager
+def small_filesystem(mnt: Path, size: str) -> Iterator[Path]:
+    """A real filesystem of `size` (a tmpfs, "8m") at `mnt`; the test is skipped where
+    mounting is not permitted. Unmounted lazily: a store may still hold a file open."""
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

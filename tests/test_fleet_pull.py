@@ -37,7 +37,15 @@ from edge_agent.fleet.rollout import RolloutManager
 from edge_agent.fleet.rollout_state import DOWNLOADING, RolloutStore
 from edge_agent.fleet.signed_releases import SignedReleases
 from tests.ggufgen import write_tiny_gguf
-from tests.releasekit import ArtifactServer, Repo, device_settings, make_repo, mirror, sized_gguf
+from tests.releasekit import (
+    ArtifactServer,
+    Repo,
+    device_settings,
+    make_repo,
+    mirror,
+    sized_gguf,
+    small_filesystem,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "tiny:1"
@@ -345,13 +353,7 @@ def test_a_release_needs_room_for_one_copy_of_the_file_not_two(box: Box,
                                                                 tmp_path: Path) -> None:
     """A box whose state dir is a 6 MB filesystem takes the 4 MB release: the store takes
     the verified download by rename, so the free-disk check counts the file once."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
-    try:
+    with small_filesystem(tmp_path / "small", "6m") as mnt:
         state = mnt / "box"
         ops = ModelOps(ModelStore(state))
         ops.import_file(write_tiny_gguf(tmp_path / "v1.gguf"), NAME, by="test")
@@ -366,5 +368,3 @@ def test_a_release_needs_room_for_one_copy_of_the_file_not_two(box: Box,
         got = json.loads(result.output)
         assert (got["digest"], got["downloaded"], got["active"]) == (box.new, True, True)
         assert not list(transfer.downloads_dir(state).glob("*.gguf"))
-    finally:  # lazily: the CLI's model store may still hold models.db open
-        subprocess.run(["umount", "-l", str(mnt)], check=False)

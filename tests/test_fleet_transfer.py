@@ -37,7 +37,14 @@ from edge_agent.fleet.release import (
     ReleaseRejected,
     ReleaseSource,
 )
-from tests.releasekit import ArtifactServer, device_settings, make_repo, mirror, sized_gguf
+from tests.releasekit import (
+    ArtifactServer,
+    device_settings,
+    make_repo,
+    mirror,
+    sized_gguf,
+    small_filesystem,
+)
 
 MB = 1_000_000
 FAST = transfer.Retry(attempts=20, base_s=0.05, max_s=0.5)
@@ -278,20 +285,12 @@ def test_a_real_small_filesystem_refuses_the_download(tmp_path: Path,
                                                       served: tuple[ArtifactServer, Release]
                                                       ) -> None:
     _, release = served
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
-    try:
+    with small_filesystem(tmp_path / "tmpfs", "8m") as mnt:
         with pytest.raises(ReleaseRejected) as err:
             transfer.download(release, mnt / "downloads", headroom=0)
         assert err.value.reason == NO_SPACE
         assert 7 * MB < err.value.details["free"] <= 8 * 1024 * 1024
         assert err.value.details["needed"] == 2 * release.length
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_stops_at_the_signed_length_and_verifies(served: tuple[ArtifactServer, Release],
