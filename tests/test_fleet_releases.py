@@ -351,6 +351,28 @@ def test_transport_failures_are_retryable(setup: tuple[Repo, ArtifactServer, Pat
     assert unset.value.reason == rel.NOT_CONFIGURED
 
 
+def test_a_release_of_a_catalog_name_without_its_template_or_parameters_is_warned_of(
+        tmp_path: Path) -> None:
+    """gemma3:270m's GGUF has no template and the catalog gives it parameters: a release
+    that carries neither says so, and where to get them; one that carries both says
+    nothing."""
+    from edge_agent.fleet.controller.releases import manifest_for
+
+    gguf = write_tiny_gguf(tmp_path / "g.gguf")
+    notes: list[str] = []
+    manifest_for(gguf, name="gemma3:270m", version="2", notes=notes)
+    assert len(notes) == 2, notes
+    assert "no chat template" in notes[0] and "models show gemma3:270m --template" in notes[0]
+    assert "(stop, temperature, top_k, top_p)" in notes[1]
+    assert "models show gemma3:270m --parameters" in notes[1]
+    notes.clear()
+    manifest_for(gguf, name="gemma3:270m", version="2", notes=notes, chat_template="{{ x }}",
+                 parameters={"stop": ["<end_of_turn>"]})
+    assert notes == []
+    manifest_for(gguf, name="tiny:1", version="2", notes=notes, chat_template="{{ x }}")
+    assert notes == []  # not a catalog name: no parameters expected
+
+
 def test_end_to_end_release_to_an_inactive_version(setup: tuple[Repo, ArtifactServer, Path],
                                                    tmp_path: Path) -> None:
     repo, server, device = setup

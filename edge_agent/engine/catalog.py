@@ -48,7 +48,20 @@ from edge_agent.names import MAX_NAME_CHARS, normalize_name
 
 # What callers have always imported from here.
 __all__ = ["MAX_NAME_CHARS", "CatalogEntry", "InstalledModel", "ManifestExtras", "ModelStore",
-           "PackageSource", "Progress", "normalize_name", "packaged_catalog_dir", "sha256_file"]
+           "PackageSource", "Progress", "normalize_name", "packaged_catalog_dir", "read_catalog",
+           "sha256_file"]
+
+
+def read_catalog(catalog_dir: Path) -> dict[str, CatalogEntry]:
+    """The entries of a catalog folder (`*.toml`), by normalized name."""
+    import tomllib
+
+    entries: dict[str, CatalogEntry] = {}
+    for path in sorted(catalog_dir.glob("*.toml")):
+        with path.open("rb") as fh:
+            entry = CatalogEntry.model_validate(tomllib.load(fh))
+        entries[normalize_name(entry.name)] = entry
+    return entries
 
 
 def packaged_catalog_dir() -> Path:
@@ -79,14 +92,7 @@ class ModelStore:
 
     # -- catalog ---------------------------------------------------------------------------
     def catalog(self) -> dict[str, CatalogEntry]:
-        import tomllib
-
-        entries: dict[str, CatalogEntry] = {}
-        for path in sorted(self.catalog_dir.glob("*.toml")):
-            with path.open("rb") as fh:
-                entry = CatalogEntry.model_validate(tomllib.load(fh))
-            entries[normalize_name(entry.name)] = entry
-        return entries
+        return read_catalog(self.catalog_dir)
 
     # -- models.db -------------------------------------------------------------------------
     def _versions(self, create: bool = False) -> VersionDB | None:

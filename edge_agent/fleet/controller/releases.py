@@ -51,12 +51,14 @@ from tuf.api.metadata import (
 from tuf.api.serialization.json import JSONSerializer
 
 from edge_agent.config import ConfigError
-from edge_agent.engine.gguf_probe import open_regular, precheck_open, probe
+from edge_agent.engine.catalog import packaged_catalog_dir, read_catalog
+from edge_agent.engine.gguf_probe import GGUFInfo, open_regular, precheck_open, probe
 from edge_agent.engine.staging import Progress, hash_copy
 from edge_agent.errors import EdgeAgentError, ModelNotFound
 from edge_agent.fleet.controller.release_keys import KeyDir, root_keys, root_signers
 from edge_agent.fleet.files import atomic_write, locked
 from edge_agent.fleet.manifest import ReleaseManifest, parse, target_path
+from edge_agent.names import normalize_name
 
 RELEASES_DIR = "releases"
 DAY = 86400
@@ -352,15 +354,34 @@ def manifest_for(gguf: Path, *, name: str, version: str, notes: list[str] | None
     with no chat template anywhere answers no chat, and a box whose previous version did
     rolls it back (its `chat_template` check)."""
     info = probe(gguf)
-    if notes is not None and not info.chat_template and not fields.get("chat_template"):
-        notes.append(f"{name}@{version}: the GGUF has no chat template and none was given "
-                     "(--template): boxes serve it for /api/generate and /v1/completions "
-                     "only, and a box whose current version answers chats rolls it back "
-                     "(gate check chat_template)")
-    return parse({"name": name, "version": version, "architecture": info.architecture,
-                  "quantization": info.quantization, "context_length": info.context_length,
-                  "parameter_size": info.parameter_size, "created_at": int(time.time()),
-                  **{k: v for k, v in fields.items() if v is not None}})
+    manifest = parse({"name": name, "version": version, "architecture": info.architecture,
+                      "quantization": info.quantization,
+                      "context_length": info.context_length,
+                      "parameter_size": info.parameter_size, "created_at": int(time.time()),
+                      **{k: v for k, v in fields.items() if v is not None}})
+    if notes is not None:
+        notes += _missing(manifest.name, version, info, fields)
+    return manifest
+
+
+def _missing(name: str, version: str, info: GGUFInfo, fields: dict[str, Any]) -> list[str]:
+    """What a release leaves out that its boxes will miss: a chat template where the
+    GGUF has none, the catalog's default parameters for a catalog name."""
+    entry = read_catalog(packaged_catalog_dir()).get(normalize_name(name))
+    out = []
+    if not info.chat_template and not fields.get("chat_template"):
+        out.append(f"{name}@{version}: the GGUF has no chat template and none was given "
+                   "(--template): boxes serve it for /api/generate and /v1/completions "
+                   "only, and a box whose current version answers chats rolls it back "
+                   "(gate check chat_template)" + (
+                       f"; `edge-agent models show {name} --template` prints the catalog's"
+                       if entry is not None and entry.chat_template else ""))
+    if entry is not None and entry.parameters and not fields.get("parameters"):
+        out.append(f"{name}@{version}: the catalog gives {name} default parameters "
+                   f"({', '.join(sorted(entry.parameters))}) and none were given "
+                   "(--parameters): the release goes out without them; `edge-agent models "
+                   f"show {name} --parameters` prints the catalog's")
+    return out
 
 
 def _expiry(seconds: int) -> datetime:
