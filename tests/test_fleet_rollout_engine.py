@@ -326,6 +326,9 @@ def test_the_status_shows_a_downloading_boxs_progress_and_watches_to_the_end(
                            "eta_s": 18.7, "ts": 11.0, "percent": 42.0}
     assert shown["d1"] is None
     assert "--watch follows one rollout" in cli(config, "status", "--watch", code=2)
+    assert "--watch follows one rollout" in cli(config, "status", "--watch", "3", code=2)
+    assert "at least 0.5 seconds" in cli(config, "status", "p1", "--watch", "0.1", code=2)
+    assert "takes seconds, not 'p2'" in cli(config, "status", "p1", "--watch", "p2", code=2)
 
     def end_later(after_s: float, state: str) -> threading.Thread:
         def end() -> None:  # what fleet serve would do: the operator's state, settled
@@ -351,3 +354,5 @@ def test_the_status_shows_a_downloading_boxs_progress_and_watches_to_the_end(
     ender.join()
     draws = text.split("rollout p1: simmodel:1b@2")
     assert len(draws) >= 3 and "ROLLED_BACK" in draws[-1], text  # two draws or more
+    # The ID may follow --watch too (its default interval then).
+    assert "rollout p1: simmodel:1b@2" in cli(config, "status", "--watch", "p1")

@@ -116,21 +116,42 @@ def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_exe
                f"{record.id}")
 
 
+WATCH_S, MIN_WATCH_S = 2.0, 0.5
+
+
+def _watch_args(rollout_id: str | None, watch: str | None) -> tuple[str | None, float | None]:
+    """(ID, seconds): `--watch ID` reads as `ID --watch` (an optional value takes the next
+    word, and an ID is not a number)."""
+    if watch is None:
+        return rollout_id, None
+    try:
+        seconds = float(watch)
+    except ValueError:
+        if rollout_id is not None:
+            raise BadUsage(f"--watch takes seconds, not {watch!r}") from None
+        rollout_id, seconds = watch, WATCH_S
+    if not MIN_WATCH_S <= seconds < float("inf"):
+        raise BadUsage(f"--watch takes at least {MIN_WATCH_S:g} seconds, not {watch}")
+    if rollout_id is None:
+        raise BadUsage("--watch follows one rollout: give its ID")
+    return rollout_id, seconds
+
+
 @rollout.command("status")
 @controller_options
 @click.argument("rollout_id", metavar="[ID]", required=False)
 @json_option()
-@click.option("--watch", type=click.FloatRange(min=0.5), is_flag=False, flag_value=2.0,
-              default=None, metavar="[SECONDS]",
-              help="Follow one rollout until it ends: redrawn every SECONDS (default 2) in "
-                   "a terminal; elsewhere (a pipe, --json) printed once it has ended.")
-def rollout_status(rollout_id: str | None, as_json: bool, watch: float | None) -> None:
+@click.option("--watch", "watch_arg", is_flag=False, flag_value=str(WATCH_S), default=None,
+              metavar="[SECONDS]",
+              help=f"Follow one rollout until it ends: redrawn every SECONDS (default "
+                   f"{WATCH_S:g}, at least {MIN_WATCH_S:g}) in a terminal; elsewhere (a pipe, "
+                   "--json) printed once it has ended.")
+def rollout_status(rollout_id: str | None, as_json: bool, watch_arg: str | None) -> None:
     """Rollouts (newest first), or one rollout: counts per state, per wave, per device,
     and the download progress of devices in DOWNLOADING."""
     from edge_agent.fleet.controller import rollout_ops
 
-    if watch is not None and rollout_id is None:
-        raise BadUsage("--watch follows one rollout: give its ID")
+    rollout_id, watch = _watch_args(rollout_id, watch_arg)
     redraw = watch is not None and not as_json and is_terminal(sys.stdout)
     store = _open_existing(_settings())
     try:
