@@ -75,6 +75,32 @@ def test_the_documented_spec_parses() -> None:
     assert spec.needs_baseline
 
 
+def test_the_readme_gate_parses() -> None:
+    """The gate the README shows is one the boxes take."""
+    import json
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### The health gate", 1)[1]
+    block = re.search(r"```json\n(.*?)```", section, re.S)
+    assert block is not None
+    spec = parse_spec(json.loads(block.group(1)))
+    assert [p.raw for p in spec.prompts] == [False, False, True]
+
+
+def test_a_raw_prompt_is_sent_as_it_is() -> None:
+    """`raw`: no chat template (Ollama's raw generate), for a base model's continuation;
+    only with a prompt."""
+    spec = parse_spec({"prompts": [{"id": "count", "prompt": "1, 2, 3,", "raw": True},
+                                   {"id": "chat", "prompt": "Hi"}]})
+    raw, templated = (p.request(DEFAULT_MODEL) for p in spec.prompts)
+    assert (raw.prompt, raw.raw, templated.raw) == ("1, 2, 3,", True, False)
+    for bad in ({"prompt": "x", "raw": "yes"},
+                {"messages": [{"role": "user", "content": "y"}], "raw": True}):
+        with pytest.raises(ValueError, match="raw: true or false, with a prompt"):
+            parse_spec({"prompts": [bad]})
+
+
 def test_spec_defaults() -> None:
     assert parse_spec(None) == gate.GateSpec() and not parse_spec({}).needs_baseline
     one = parse_spec({"prompts": [{"prompt": "x"}], "soak": {"requests": 3}})

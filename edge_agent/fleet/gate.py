@@ -9,6 +9,8 @@ The gate spec comes with the signed release manifest (`manifest["gate"]`):
                              "max_output_tokens": 16}},
                  {"id": "json", "prompt": "A user record:", "max_tokens": 64,
                   "expect": {"json_schema": {"type": "object", ...}}},
+                 {"id": "count", "prompt": "1, 2, 3,", "raw": true, "max_tokens": 8,
+                  "expect": {"contains": ["4"]}},
                  {"id": "greedy", "messages": [{"role": "user", "content":
                   "Continue: 1, 2, 3,"}], "max_tokens": 8,
                   "expect": {"exact": "4, 5, 6, 7,"}}],
@@ -18,8 +20,9 @@ The gate spec comes with the signed release manifest (`manifest["gate"]`):
 Every golden prompt runs greedily (temperature 0, seed 0) as a real request on the real
 engine (`Probe`, the app's adapter over the request path), so it meets the same template,
 limits and scheduler as a client's — a `prompt` too goes through the model's chat template
-when it has one, so a raw continuation cannot be asked of a templated model, and a base
-model's chat answers hold to their length, not to what they say. A prompt with a
+when it has one, unless it says `"raw": true` (Ollama's raw generate: a continuation of the
+text as it is, what a base model is good for); a base model's chat answers hold to their
+length, not to what they say. A prompt with a
 `json_schema` is asked with that schema as its response format and its answer validated
 against it.
 
@@ -89,11 +92,12 @@ class GoldenPrompt:
     prompt: str | None
     max_tokens: int
     expect: Expect
+    raw: bool = False  # the prompt as it is, no template
 
     def request(self, model: str) -> GenerationRequest:
         """Greedy, so `exact` means something and two versions are compared fairly."""
         return GenerationRequest(
-            model=model, messages=self.messages, prompt=self.prompt,
+            model=model, messages=self.messages, prompt=self.prompt, raw=self.raw,
             sampling={"temperature": 0.0, "seed": 0}, max_tokens=self.max_tokens,
             json_schema=self.expect.json_schema, dialect=GATE_DIALECT)
 
@@ -188,7 +192,7 @@ def _prompt(raw: Any, index: int) -> GoldenPrompt:
     where = f"gate.prompts[{index}]"
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where}: not an object")
-    unknown = set(raw) - {"id", "messages", "prompt", "max_tokens", "expect"}
+    unknown = set(raw) - {"id", "messages", "prompt", "raw", "max_tokens", "expect"}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
     pid = raw.get("id", f"p{index}")
@@ -204,11 +208,14 @@ def _prompt(raw: Any, index: int) -> GoldenPrompt:
         raise ValueError(f"{where}.messages: a list of {{role, content}} objects")
     if prompt is not None and not isinstance(prompt, str):
         raise ValueError(f"{where}.prompt: a string")
+    as_is = raw.get("raw", False)
+    if not isinstance(as_is, bool) or (as_is and prompt is None):
+        raise ValueError(f"{where}.raw: true or false, with a prompt (not messages)")
     max_tokens = _int(raw.get("max_tokens", DEFAULT_MAX_TOKENS), f"{where}.max_tokens")
     if not max_tokens:
         raise ValueError(f"{where}.max_tokens: at least 1")
     return GoldenPrompt(pid, [dict(m) for m in messages] if messages else None, prompt,
-                        max_tokens, _expect(raw.get("expect") or {}, where))
+                        max_tokens, _expect(raw.get("expect") or {}, where), as_is)
 
 
 def _expect(raw: Any, where: str) -> Expect:
