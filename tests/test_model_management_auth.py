@@ -137,6 +137,39 @@ def test_show_outside_the_scope_is_403_whether_or_not_the_model_exists(
 
 
 @pytest.mark.integration
+def test_listings_show_only_the_models_a_key_may_reach(
+        managed: tuple[LiveServer, dict[str, str]]) -> None:
+    """/api/tags, /api/ps and /v1/models list the tenant's `models` (an operator all of
+    them); /v1/models/{id} outside the scope is 403 like /api/show, in OpenAI's shape."""
+    live, keys = managed
+
+    def names(key: str, path: str) -> set[str]:
+        r = httpx.get(f"{live.base_url}{path}", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        if path == "/v1/models":
+            return {m["id"] for m in r.json()["data"]}
+        return {m["name"] for m in r.json()["models"]}
+
+    installed = names(keys["beta-admin"], "/api/tags")
+    assert {DEFAULT_MODEL, WARM} <= installed
+    assert names(keys["shop"], "/api/tags") == {
+        n for n in installed if n.startswith(("smollm2:", "copy:"))}
+    for path in ("/api/tags", "/api/ps", "/v1/models"):
+        assert DEFAULT_MODEL not in names(keys["beta"], path), path  # gemma3:* only
+        assert not names(keys["beta"], path) - {"gemma3:270m"}, path
+    assert DEFAULT_MODEL in names(keys["shop"], "/api/ps")  # loaded, in its scope
+    assert names(keys["beta-admin"], "/v1/models") == installed  # an operator sees all
+    url = f"{live.base_url}/v1/models/{DEFAULT_MODEL}"
+    refused = httpx.get(url, headers={"Authorization": f"Bearer {keys['beta']}"})
+    assert refused.status_code == 403 and refused.json()["error"]["param"] == "model"
+    nowhere = httpx.get(f"{live.base_url}/v1/models/nope:1",
+                        headers={"Authorization": f"Bearer {keys['beta']}"})
+    assert nowhere.status_code == 403  # outside the scope: says nothing of existence
+    shown = httpx.get(url, headers={"Authorization": f"Bearer {keys['shop']}"})
+    assert shown.status_code == 200 and shown.json()["id"] == DEFAULT_MODEL
+
+
+@pytest.mark.integration
 def test_load_outside_the_scope_and_unload_need_an_operator(
         managed: tuple[LiveServer, dict[str, str]]) -> None:
     live, keys = managed

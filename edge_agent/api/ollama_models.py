@@ -66,11 +66,14 @@ def _details(m: InstalledModel) -> dict[str, Any]:
 
 
 @router.get("/api/tags")
-async def tags(parts: Parts) -> dict[str, Any]:
+async def tags(request: Request, parts: Parts) -> dict[str, Any]:
+    """Each name's active version, of the names the caller may reach (its tenant's
+    `models`, or all for an operator): a listing says no more than /api/show would."""
+    tenant = authenticated(request)
     return {"models": [
         {"name": m.name, "model": m.name, "modified_at": _iso(m.installed_at), "size": m.size,
          "digest": m.digest, "details": _details(m)}
-        for m in parts.ops.installed()  # each name's active version
+        for m in parts.ops.installed() if tenant.reaches(m.name)
     ]}
 
 
@@ -117,8 +120,10 @@ def _ps_row(m: LoadedModel) -> dict[str, Any]:
 
 
 @router.get("/api/ps")
-async def ps(parts: Parts) -> dict[str, Any]:
-    return {"models": [_ps_row(m) for m in parts.registry.loaded()]}
+async def ps(request: Request, parts: Parts) -> dict[str, Any]:
+    tenant = authenticated(request)
+    return {"models": [_ps_row(m) for m in parts.registry.loaded()
+                       if tenant.reaches(m.info.name)]}
 
 
 @router.delete("/api/delete", openapi_extra=request_body(ModelRef))

@@ -23,12 +23,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
-from edge_agent.api.auth import authenticate, tenant_of
+from edge_agent.api.auth import authenticate, authenticated, tenant_of
 from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.errors import openai_body
 from edge_agent.api.openapi import request_body
 from edge_agent.api.state import AppParts, Parts
-from edge_agent.engine.catalog import InstalledModel
+from edge_agent.engine.catalog import InstalledModel, normalize_name
 from edge_agent.engine.request import (
     DoneEvent,
     EmbeddingRequest,
@@ -501,10 +501,15 @@ def _model_obj(m: InstalledModel) -> dict[str, Any]:
 
 
 @router.get("/models")
-async def list_models(parts: Parts) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_obj(m) for m in parts.ops.installed()]}
+async def list_models(request: Request, parts: Parts) -> dict[str, Any]:
+    """The models the key may use (OpenAI lists what a key can access)."""
+    tenant = authenticated(request)
+    return {"object": "list", "data": [_model_obj(m) for m in parts.ops.installed()
+                                       if tenant.reaches(m.name)]}
 
 
 @router.get("/models/{model_id:path}")
-async def get_model(model_id: str, parts: Parts) -> dict[str, Any]:
+async def get_model(request: Request, model_id: str, parts: Parts) -> dict[str, Any]:
+    # Outside the scope: 403 on the name alone, as /api/show and generation answer.
+    authenticated(request).check_reach(normalize_name(model_id))
     return _model_obj(parts.ops.show(model_id))

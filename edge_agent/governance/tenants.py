@@ -50,6 +50,10 @@ class TenantContext:
             raise Forbidden(f"model '{model}' is not allowed for tenant '{self.name}'",
                             param="model")
 
+    def reaches(self, model: str) -> bool:
+        """What `check_reach` lets through; listings show only these."""
+        return self.manage or self.allows(model)
+
     def check_reach(self, model: str) -> None:
         """Reading or loading a model: within the scope, or any model for an operator."""
         if not self.manage:
