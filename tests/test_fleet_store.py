@@ -246,3 +246,58 @@ def test_device_text_the_databases_would_refuse_is_made_safe(store: FleetStore) 
         store.record_dropped("d1", {BOOT: [[1, 2**63]]}, 0.0)
     assert store.ingest([msg(3, kind="events", body={"event": "outbox.dropped",
                                                      "ranges": {BOOT: [[1, 2**70]]}})]).stored == 1
+
+
+def test_retention_removes_old_messages_in_batches_and_keeps_loss_accounting(
+        store: FleetStore) -> None:
+    """Metrics older than their retention go, audit messages by their own; what went is
+    accounted for (no gap), a loss above it still shows, and nothing younger is touched."""
+    from edge_agent.fleet.controller.retention import Retention, cutoffs
+    from edge_agent.fleet.controller.settings import RetentionSettings
+
+    old, new = 1_000.0, 1_000.0 + 40 * 86400
+    store.ingest([msg(s, received=old) for s in range(1, 8)]  # 7 old metrics
+                 + [msg(8, kind="events", received=old)]  # an old audit message
+                 + [msg(s, received=new) for s in (9, 11)])  # 10 never came: a loss
+    settings = RetentionSettings(metrics_days=30, audit_days=365, batch=3)
+    assert cutoffs(settings, new) == {"metrics": new - 30 * 86400, "audit": new - 365 * 86400}
+    assert Retention(settings, store, clock=lambda: new).run_once() == 7  # 3 + 3 + 1
+    assert store.stored_ranges("d1", BOOT) == [[8, 9], [11, 11]]
+    assert store.retired("d1", BOOT) == 7 and store.retired("d1", BOOT2) == 0
+    assert store.gaps("d1", BOOT) == [[10, 10]]  # the purge is no loss; the loss stays
+    assert store.latest_metrics("d1") is not None  # the young ones are there
+    # A year on, the audit message goes too; the watermark only moves up.
+    later = new + 400 * 86400
+    assert Retention(settings, store, clock=lambda: later).run_once() == 3
+    assert store.retired("d1", BOOT) == 11 and store.gaps("d1", BOOT) == []
+    assert Retention(RetentionSettings(metrics_days=None, audit_days=None), store).run_once() \
+        == 0
+
+
+def test_the_retention_thread_survives_a_failed_pass(caplog: pytest.LogCaptureFixture) -> None:
+    from edge_agent.fleet.controller.retention import Retention
+    from edge_agent.fleet.controller.settings import RetentionSettings
+
+    calls: list[dict[str, float]] = []
+    done = threading.Event()
+
+    class Store:
+        def purge_messages(self, before: Any, batch: int = 5000) -> int:
+            calls.append(dict(before))
+            if len(calls) == 1:
+                raise RuntimeError("the database went away")
+            done.set()
+            return 0
+
+    retention = Retention(RetentionSettings(metrics_days=1, audit_days=None, every_s=0.05),
+                          Store())
+    retention.start()
+    try:
+        assert done.wait(10)
+    finally:
+        retention.stop()
+    assert set(calls[0]) == {"metrics"}  # audit kept for ever: no cutoff
+    assert "this pass failed" in caplog.text
+    idle = Retention(RetentionSettings(metrics_days=None, audit_days=None), Store())
+    idle.start()
+    assert idle._thread is None  # noqa: SLF001 - nothing to purge, no thread

@@ -1,10 +1,12 @@
-"""`fleet serve` put together: the store, the ingest session, the rollout engine and the
-HTTP API in one process, started in that order and stopped in the reverse one.
+"""`fleet serve` put together: the store, the ingest session, the rollout engine, the
+retention and the HTTP API in one process, started in that order and stopped in the
+reverse one.
 
-The HTTP server runs in the calling thread (uvicorn handles SIGINT/SIGTERM); the ingest
-and the rollout engine (`rollouts`, which signs with `command_key_file`) have their own
-threads. Stopping commits and acknowledges what the ingest holds before the
-broker connection closes, then closes the store.
+The HTTP server runs in the calling thread (uvicorn handles SIGINT/SIGTERM); the ingest,
+the rollout engine (`rollouts`, which signs with `command_key_file`) and the retention
+(`retention`: old messages out, hourly) have their own threads. Stopping commits and
+acknowledges what the ingest holds before the broker connection closes, then closes the
+store.
 
 Under systemd (`Type=notify`) it reports as the agent does (`edge_agent.sdnotify`): STATUS=
 while it connects to the broker, READY=1 once the HTTP port is bound and the ingest is
@@ -27,6 +29,7 @@ from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.ingest import Ingest
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.releases import releases_dir
+from edge_agent.fleet.controller.retention import Retention
 from edge_agent.fleet.controller.rollouts import RolloutEngine
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import FleetStore, open_store
@@ -43,6 +46,7 @@ class Controller:
     metrics: ControllerMetrics
     ingest: Ingest
     rollouts: RolloutEngine | None = None
+    retention: Retention | None = None
 
     @classmethod
     def open(cls, settings: ControllerSettings) -> Controller:
@@ -50,12 +54,15 @@ class Controller:
         store = open_store(settings.db, settings.state_dir)
         metrics = ControllerMetrics(store)
         return cls(settings, store, metrics, Ingest(settings, store, metrics),
-                   RolloutEngine(settings, store, key, metrics=metrics))
+                   RolloutEngine(settings, store, key, metrics=metrics),
+                   Retention(settings.retention, store))
 
     def start(self) -> None:
         self.ingest.start()
         if self.rollouts is not None:
             self.rollouts.start()
+        if self.retention is not None:
+            self.retention.start()
 
     def http_server(self, *, log_level: str = "warning") -> uvicorn.Server:
         app = create_app(self.store, self.metrics,
@@ -70,6 +77,8 @@ class Controller:
             serving=f"ingesting from {broker}; HTTP on {config.host}:{config.port}")
 
     def close(self) -> None:
+        if self.retention is not None:
+            self.retention.stop()
         if self.rollouts is not None:
             self.rollouts.stop()
         self.ingest.stop()

@@ -14,6 +14,9 @@ from `broker.password_file` when connecting, and a database URL's password is ne
     [http]
     host = "127.0.0.1"
     port = 9464
+    [retention]
+    metrics_days = 30
+    audit_days = 365
 """
 
 from __future__ import annotations
@@ -92,6 +95,17 @@ class HTTPSettings(_Section):
     port: int = Field(9464, ge=0, le=65535)
 
 
+class RetentionSettings(_Section):
+    metrics_days: float | None = Field(
+        30.0, gt=0, description="Days the store keeps a box's metrics messages (null: for "
+        "ever); Prometheus, scraping /metrics, is where long history lives.")
+    audit_days: float | None = Field(
+        365.0, gt=0, description="Days the store keeps audit messages (rollout transitions "
+        "and evidence, command results' reports…; null: for ever).")
+    every_s: float = Field(3600.0, gt=0, description="Seconds between two purges.")
+    batch: int = Field(5000, ge=1, description="Messages removed per transaction.")
+
+
 class IngestSettings(_Section):
     batch_max: int = Field(500, ge=1, description="Messages committed in one transaction.")
     batch_wait_s: float = Field(0.05, gt=0, description="Longest wait to fill a batch.")
@@ -106,6 +120,8 @@ class ControllerSettings(LayeredSettings):
     broker: BrokerSettings = Field(default_factory=BrokerSettings)  # type: ignore[arg-type]
     http: HTTPSettings = Field(default_factory=HTTPSettings)  # type: ignore[arg-type]
     ingest: IngestSettings = Field(default_factory=IngestSettings)  # type: ignore[arg-type]
+    retention: RetentionSettings = Field(
+        default_factory=RetentionSettings)  # type: ignore[arg-type]
     command_key_file: Path | None = Field(
         None, description="The controller's ed25519 private key (PEM, from `fleet keygen`) "
         "that signs commands; boxes hold its public half as fleet.command_key_file.")

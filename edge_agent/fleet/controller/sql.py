@@ -26,6 +26,7 @@ from edge_agent.fleet.controller.records import (
     merge_ranges,
     to_ranges,
 )
+from edge_agent.fleet.controller.retention import RETENTION_SCHEMA, RetentionQueries
 from edge_agent.fleet.controller.rollout_sql import ROLLOUT_SCHEMA, RolloutQueries
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
             PRIMARY KEY (id, device))""",
     )),
     *ROLLOUT_SCHEMA,  # rollouts, their devices and commands (rollout_sql)
+    *RETENTION_SCHEMA,  # what retention removed (retention)
 )
 
 _DEVICE_COLUMNS = ("device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, "
@@ -105,9 +107,9 @@ def _text(value: Any, limit: int = 1000) -> str | None:
     return text.replace("\x00", "\ufffd")[:limit]
 
 
-class SQLStore(RolloutQueries):
+class SQLStore(RolloutQueries, RetentionQueries):
     """The store's behaviour over `_tx()` (a write transaction) and `_read()`; the
-    rollouts' queries are `RolloutQueries`'."""
+    rollouts' queries are `RolloutQueries`', the purge `RetentionQueries`'."""
 
     def _tx(self) -> AbstractContextManager[Exec]:
         raise NotImplementedError
@@ -211,8 +213,11 @@ class SQLStore(RolloutQueries):
 
     def gaps(self, device: str, boot_id: str) -> Ranges:
         """Seqs of (device, boot) up to the highest known that are neither stored nor
-        reported dropped: what was lost."""
-        covered = merge_ranges(self.stored_ranges(device, boot_id) + self.dropped(device, boot_id))
+        reported dropped nor removed by retention: what was lost."""
+        retired = self.retired(device, boot_id)
+        covered = merge_ranges(self.stored_ranges(device, boot_id)
+                               + self.dropped(device, boot_id)
+                               + ([[1, retired]] if retired else []))
         return complement(covered, covered[-1][1]) if covered else []
 
     def boots(self, device: str) -> list[str]:
