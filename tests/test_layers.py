@@ -46,7 +46,7 @@ def test_the_code_keeps_every_contract() -> None:
     # a store reporting to the fleet itself
     ("telemetry/metrics.py", "import edge_agent.fleet.topics", "know nothing of the request"),
     # the bottom importing the top
-    ("config.py", "import edge_agent.cli", "cli -> app"),
+    ("config/__init__.py", "import edge_agent.cli", "cli -> app"),
 ])
 def test_a_broken_contract_fails(copy: Path, module: str, line: str, contract: str) -> None:
     path = copy / "edge_agent" / module
