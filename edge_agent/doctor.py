@@ -7,6 +7,8 @@ running server's memory, and finishes in seconds plus one digest pass over the b
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import shutil
 import socket
 import tempfile
@@ -38,7 +40,9 @@ class Check:
 def run_checks(settings: Settings) -> list[Check]:
     checks = [Check("ok", "config", "settings are valid")]
     state = settings.state_dir
-    checks.append(_state_dir(state))
+    checks.append(writable := _state_dir(state))
+    if writable.status == "ok":
+        checks.append(_ownership(state))
     store = ModelStore(state, settings.catalog_dir)
     models = store.installed() if state.is_dir() else []
     checks.append(_disk(state, store))
@@ -91,6 +95,50 @@ def _state_dir(state: Path) -> Check:
         return Check("fail", "state dir", f"{state} is not writable ({exc.strerror})",
                      "chown the directory to the service user, or set --state-dir")
     return Check("ok", "state dir", f"{state} is writable")
+
+
+OWNERSHIP_SCAN_MAX = 20_000  # entries looked at; a state dir holds far fewer
+
+
+def _ownership(state: Path) -> Check:
+    """Files under the state dir owned by another user than the dir's own (the service's):
+    what a command run as root leaves behind (a lock folder, a database's -shm file), which
+    the service then cannot write: a rollout's or a switch's failure much later."""
+    owner = state.stat().st_uid
+    strangers: list[str] = []
+    seen = 0
+    stack = [state]
+    while stack and seen < OWNERSHIP_SCAN_MAX:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            seen += 1
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if info.st_uid != owner:
+                strangers.append(os.path.relpath(entry.path, state))
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(Path(entry.path))
+    name = _user(owner)
+    if strangers:
+        shown = ", ".join(sorted(strangers)[:3]) + (", …" if len(strangers) > 3 else "")
+        return Check("fail", "state ownership",
+                     f"{len(strangers)} file(s) not owned by {name}, the state dir's owner "
+                     f"(the service cannot write them): {shown}",
+                     f"sudo chown -R {name}: {state}; run edge-agent commands as that user "
+                     f"(sudo -u {name} edge-agent …)")
+    return Check("ok", "state ownership", f"every file is {name}'s")
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def _disk(state: Path, store: ModelStore) -> Check:

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from edge_agent.cli import main
@@ -47,6 +49,29 @@ def test_doctor_fails_on_a_state_dir_it_cannot_write() -> None:
     check = next(c for c in checks if c["name"] == "state dir")
     assert check["status"] == "fail" and "not writable" in check["detail"]
     assert "chown" in check["fix"]
+
+
+def test_doctor_fails_on_files_another_user_left_in_the_state_dir(model_cache: Path,
+                                                                  tmp_path: Path) -> None:
+    """What a command run as root leaves (here a lock folder of another uid): named, with
+    the chown that fixes it; the rest of the state dir is fine."""
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a file to another user")
+    state = clone_state(model_cache, tmp_path / "s")
+    stray = state / "rollouts" / ".names"
+    stray.mkdir(parents=True)
+    (stray / "x.lock").write_text("")
+    for path in (stray, stray / "x.lock"):
+        os.chown(path, 4242, 4242)
+    code, checks = _doctor(state)
+    assert code == 1
+    check = next(c for c in checks if c["name"] == "state ownership")
+    assert check["status"] == "fail" and check["detail"].startswith("2 file(s) not owned by")
+    assert "rollouts/.names" in check["detail"] and f"chown -R root: {state}" in check["fix"]
+    for path in (stray, stray / "x.lock"):
+        os.chown(path, 0, 0)
+    code, checks = _doctor(state)
+    assert next(c for c in checks if c["name"] == "state ownership")["status"] == "ok"
 
 
 def test_doctor_fails_when_the_port_is_taken(model_cache: Path, tmp_path: Path) -> None:
