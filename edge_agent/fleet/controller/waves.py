@@ -21,9 +21,8 @@ CANCELLED (by the controller) neither; everything else still running. A box that
 as *busy* (another rollout of the name, or a `models pull` of it, under way there) has not
 failed: it is sent rollout.start again every `busy_retry_s` while the rollout runs, until
 its device timeout (counted from the first start) makes it timed out; a rollout that
-stops first skips it. The rollout's
-failed share is cumulative over every wave started so far (AWS IoT Jobs' abort criteria:
-a threshold after a minimum number of executed things).
+stops first skips it. The rollout's failed share is cumulative over every wave started so
+far (AWS IoT Jobs' abort criteria: a threshold after a minimum number of executed things).
 
 When the next wave starts (`decide`): every device of the waves started so far finished
 (succeeded, or failed within the threshold), no abort, and the last wave's ACTIVE devices
