@@ -258,6 +258,8 @@ def test_a_live_rollout_of_the_name_refuses_the_pull(box: Box) -> None:
     out = box.cli("pull", f"{NAME}@2", code=1)
     assert f"{NAME} is being changed on this box by rollout ro-7 (DOWNLOADING)" in out
     assert box.blob_bytes() == 0 and box.versions() == [(box.old, True)]
+    # --force: the rollout is not checked (the claim still is).
+    assert f"installed {NAME}@2" in box.cli("pull", f"{NAME}@2", "--force")
 
 
 def test_a_running_pull_makes_a_rollout_start_busy(box: Box) -> None:

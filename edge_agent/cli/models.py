@@ -138,7 +138,7 @@ def models_pull(name: str, activate: bool, force: bool, as_json: bool) -> None:
     against fleet.tuf_root_file; a cut download resumes). In a terminal a bar on stderr
     shows the bytes, the rate and the ETA."""
     if "@" in name:
-        _pull_release(*name.rsplit("@", 1), activate=activate, as_json=as_json)
+        _pull_release(*name.rsplit("@", 1), activate=activate, as_json=as_json, force=force)
         return
     settings = load()
     with _by_hand(settings, name, "models pull", force):
@@ -153,7 +153,8 @@ def models_pull(name: str, activate: bool, force: bool, as_json: bool) -> None:
                + ("" if activate else ", not active"))
 
 
-def _pull_release(name: str, version: str, *, activate: bool, as_json: bool) -> None:
+def _pull_release(name: str, version: str, *, activate: bool, as_json: bool,
+                  force: bool) -> None:
     from edge_agent.fleet.pull import pull
 
     settings = load()
@@ -161,7 +162,7 @@ def _pull_release(name: str, version: str, *, activate: bool, as_json: bool) -> 
     bar = transfer_bar(f"{name}@{version}", quiet=as_json)
     try:
         pulled = pull(settings, ops, name, version, by=_by(), activate=activate,
-                      progress=bar)
+                      progress=bar, force=force)
     finally:
         if bar is not None:
             bar.close()

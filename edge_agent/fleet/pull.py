@@ -44,7 +44,7 @@ class Pulled:
 def pull(settings: Settings, ops: ModelOps, name: str, version: str, *, by: str,
          activate: bool = True, progress: transfer.Progress | None = None,
          source: signed.ReleaseSource | None = None,
-         retry: transfer.Retry | None = None) -> Pulled:
+         retry: transfer.Retry | None = None, force: bool = False) -> Pulled:
     fleet = settings.fleet
     missing = [f"fleet.{key}" for key in ("tuf_root_file", "artifacts_url")
                if getattr(fleet, key) is None]
@@ -55,7 +55,8 @@ def pull(settings: Settings, ops: ModelOps, name: str, version: str, *, by: str,
     ref = f"{key}@{version}"
     state = settings.state_dir
     with name_claim(state, key, {"pull": ref, "pid": os.getpid()}):
-        refuse_live_rollout(state, key)
+        if not force:  # `models pull --force`: the claim, not the rollout check
+            refuse_live_rollout(state, key)
         release = (source or signed.ReleaseSource(fleet, state)).lookup(key, version)
         have = [v.model for v in ops.store.versions(key) if v.digest == release.sha256]
         if have:
