@@ -101,7 +101,9 @@ def test_a_moved_import_takes_the_file_by_rename_and_still_hashes_what_it_keeps(
     digest = hashlib.sha256(src.read_bytes()).hexdigest()
     inode = src.stat().st_ino
     m = store.import_file(src, "tiny:1", by="test", expected_digest=digest, move=True)
-    assert not src.exists() and m.blob_path(store.state_dir).stat().st_ino == inode
+    blob = m.blob_path(store.state_dir).stat()
+    assert not src.exists() and blob.st_ino == inode
+    assert blob.st_mode & 0o777 == 0o600  # as a copy's staging file
     assert store.verify(m).architecture == "llama"
 
     bad = write_tiny_gguf(tmp_path / "bad.gguf", name="other")

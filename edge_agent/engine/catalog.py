@@ -433,11 +433,13 @@ class ModelStore:
 
 
 def _renamed(path: Path, dest: Path) -> bool:
-    """`path` renamed over `dest`; False where they are on two filesystems."""
+    """`path` renamed over `dest` (with the staging file's mode, owner-only, as a copy
+    gets); False where they are on two filesystems."""
     try:
         os.replace(path, dest)
     except OSError as exc:
         if exc.errno == errno.EXDEV:
             return False
         raise
+    os.chmod(dest, 0o600)
     return True
