@@ -24,7 +24,13 @@ from pathlib import Path
 
 from edge_agent.engine import manifests
 from edge_agent.engine.gguf_probe import GGUFInfo, open_regular, precheck_open, probe
-from edge_agent.engine.records import CatalogEntry, InstalledModel, ManifestExtras, PackageSource
+from edge_agent.engine.records import (
+    CatalogEntry,
+    InstalledModel,
+    ManifestExtras,
+    PackageSource,
+    blobs_dir,
+)
 from edge_agent.engine.staging import (
     Progress,
     Staging,
@@ -84,7 +90,7 @@ class ModelStore:
                  keep_previous: int = 1) -> None:
         self.state_dir = state_dir
         self.catalog_dir = catalog_dir or packaged_catalog_dir()
-        self.blobs = state_dir / "blobs"
+        self.blobs = blobs_dir(state_dir)
         self.manifests = state_dir / "manifests"
         self.keep_previous = keep_previous
         self._db: VersionDB | None = None

@@ -34,7 +34,12 @@ class InstalledModel(BaseModel):
     parameters: dict[str, Any] = Field(default_factory=dict)
 
     def blob_path(self, state_dir: Path) -> Path:
-        return state_dir / "blobs" / f"sha256-{self.digest}"
+        return blobs_dir(state_dir) / f"sha256-{self.digest}"
+
+
+def blobs_dir(state_dir: Path) -> Path:
+    """Where the model store keeps its blobs (and stages new ones)."""
+    return state_dir / "blobs"
 
 
 class ManifestExtras(BaseModel):

@@ -12,6 +12,7 @@ from typing import Any
 
 from edge_agent.config import FleetSettings
 from edge_agent.engine.modelops import ModelOps
+from edge_agent.engine.records import blobs_dir
 from edge_agent.fleet import release as signed
 from edge_agent.fleet import transfer
 
@@ -47,7 +48,7 @@ class SignedReleases:
     def __init__(self, fleet: FleetSettings, state_dir: Path, *,
                  source: signed.ReleaseSource | None = None) -> None:
         self.source = source or signed.ReleaseSource(fleet, state_dir)
-        self.blobs = state_dir / "blobs"  # the model store's (`engine.catalog`)
+        self.blobs = blobs_dir(state_dir)
 
     def lookup(self, name: str, version: str) -> Found:
         return Found(self.source.lookup(name, version))

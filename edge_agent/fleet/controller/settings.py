@@ -35,6 +35,7 @@ from edge_agent.config import (
     load_layered,
     parse_broker,
 )
+from edge_agent.fleet.controller.waves import BUSY_RETRY_S
 
 DEFAULT_CONFIG_FILE = Path("/etc/edge-agent-fleet/controller.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/edge-agent-fleet")
@@ -128,7 +129,7 @@ class ControllerSettings(LayeredSettings):
     command_ttl_s: float = Field(300.0, gt=0, description="Seconds a sent command stays valid.")
     rollout_tick_s: float = Field(1.0, gt=0, le=60, description="Seconds between two passes "
                                   "of the rollout engine over the running rollouts.")
-    rollout_busy_retry_s: float = Field(30.0, gt=0, description="Seconds before a box that "
+    rollout_busy_retry_s: float = Field(BUSY_RETRY_S, gt=0, description="Seconds before a box that "
                                         "refused rollout.start as busy (another change of "
                                         "the name under way there) is asked again.")
 

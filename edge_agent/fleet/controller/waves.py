@@ -79,6 +79,7 @@ WAITING, IN_FLIGHT, SUCCEEDED, FAILED_PHASE, CANCELLED_PHASE = (
 PHASES = (WAITING, IN_FLIGHT, SUCCEEDED, FAILED_PHASE, CANCELLED_PHASE)
 
 MAX_WAVES = 32
+BUSY_RETRY_S = 30.0  # the controller's rollout_busy_retry_s by default
 _STEP = re.compile(r"(\d+(?:\.\d+)?)(%?)")
 _SHARE = re.compile(r"(\d+(?:\.\d+)?)%")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
@@ -348,7 +349,7 @@ class Plan:
 
 
 def decide(state: str, wave: int, policy: Policy, devices: Sequence[DeviceView],
-           now: float, *, busy_retry_s: float = 30.0) -> Plan:
+           now: float, *, busy_retry_s: float = BUSY_RETRY_S) -> Plan:
     """The next step of a rollout in `state` whose waves up to `wave` have started."""
     late = {d.device for d in devices if timed_out(d, policy.device_timeout_s, now)}
     views = [_with(d, outcome=TIMED_OUT) if d.device in late else d for d in devices]
