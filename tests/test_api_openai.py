@@ -272,9 +272,10 @@ def test_a_client_that_disconnects_stops_its_generation(live_server: LiveServer)
                 break  # generation is under way
         if worker.running != 1:  # say how it ended, to tell a lost job from a stray one
             rest = list(r.iter_lines())
-            pytest.fail(f"the generation was not running: {worker.stats}, loaded "
-                        f"{[(m.info.name, m.info.digest[:12]) for m in registry.loaded()]}, "
-                        f"stream {seen[-2:]} … {rest[-4:]}")
+            loaded = [(m.info.name, m.info.digest[:12], m.worker is worker)
+                      for m in registry.loaded()]
+            pytest.fail(f"the generation was not running: {worker.stats}, loaded (name, "
+                        f"digest, this worker) {loaded}, stream {seen[-2:]} … {rest[-4:]}")
     # 1,500 tokens would take over ten seconds; a cancelled job ends within a few steps.
     deadline = time.monotonic() + 3
     while worker.running and time.monotonic() < deadline:
