@@ -88,7 +88,8 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
         tasks = [asyncio.create_task(_reap(registry, governor)),
                  asyncio.create_task(_purge_hourly(settings))]
         if preload:
-            tasks.append(asyncio.create_task(_preload(modelops, settings.default_model)))
+            tasks.append(asyncio.create_task(
+                _preload(modelops, registry, settings.default_model)))
         # The link runs on its own threads and never holds the start back: with the broker
         # unreachable the box serves exactly as without it.
         sync_box: list[Any] = []  # the producers, once built (config.patch reaches them)
@@ -251,9 +252,11 @@ def _gpus() -> list[dict[str, Any]]:
             for i, name in enumerate(nvml.gpus)]
 
 
-async def _preload(modelops: ModelOps, name: str) -> None:
+async def _preload(modelops: ModelOps, registry: ModelRegistry, name: str) -> None:
+    install = asyncio.ensure_future(asyncio.to_thread(ensure_default_model, modelops, name))
+    registry.installing(name, install)  # its requests wait for it meanwhile, not 404
     try:
-        await asyncio.to_thread(ensure_default_model, modelops, name)
+        await install
         await modelops.load(name)
     except EdgeAgentError as exc:
         log.error("default model %s not loaded: %s", name, exc.message)

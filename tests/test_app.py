@@ -1,12 +1,17 @@
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from edge_agent.config import load_settings
-from tests.conftest import DEFAULT_MODEL, free_port, start_server
+from edge_agent.engine.modelops import ModelOps
+from tests.conftest import DEFAULT_MODEL, LiveServer, free_port, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -26,5 +31,75 @@ def test_first_start_on_an_empty_state_dir_installs_and_loads_the_default_model(
                 "messages": [{"role": "user", "content": "hi"}]}) as r:
             lines = list(r.iter_lines())
         assert len(lines) >= 2 and '"done": true' in lines[-1]
+    finally:
+        live.stop()
+
+
+@pytest.fixture
+def held_install(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """The first start's install of the default model waits for the event: the window in
+    which a slow disk (an SD card, a Jetson's eMMC) keeps it, held open for the test."""
+    go = threading.Event()
+    real = ModelOps.install_catalog
+
+    def held(self: ModelOps, *args: Any, **kwargs: Any) -> Any:
+        assert go.wait(60), "the test never let the install go on"
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelOps, "install_catalog", held)
+    yield go
+    go.set()
+
+
+def _wait_ready(live: LiveServer) -> None:
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{live.base_url}/ready").status_code != 200:
+        assert time.monotonic() < deadline, "the default model did not load"
+        time.sleep(0.1)
+
+
+def test_a_request_during_the_first_start_install_waits_for_the_default_model(
+        tmp_path: Path, held_install: threading.Event) -> None:
+    settings = load_settings(None, state_dir=tmp_path / "var",
+                             **{"server.port": free_port(), "runtime.context_length": 512})
+    live = start_server(settings, wait_for_model=None)
+    try:
+        ready = httpx.get(f"{live.base_url}/ready")
+        assert ready.status_code == 503
+        assert f"default model {DEFAULT_MODEL} is being installed" in ready.json()["reasons"]
+        threading.Timer(1.0, held_install.set).start()
+        started = time.monotonic()
+        r = httpx.post(f"{live.base_url}/api/chat", timeout=60, json={
+            "model": DEFAULT_MODEL, "stream": False, "options": {"num_predict": 4},
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text  # not "model not found": it was on its way
+        assert r.json()["done"] is True and time.monotonic() - started >= 0.9
+    finally:
+        live.stop()
+
+
+def test_without_load_wait_the_first_start_install_answers_503_in_each_dialect(
+        tmp_path: Path, held_install: threading.Event) -> None:
+    settings = load_settings(None, state_dir=tmp_path / "var", **{
+        "server.port": free_port(), "runtime.context_length": 512,
+        "runtime.load_wait": False})
+    live = start_server(settings, wait_for_model=None)
+    try:
+        chat = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        calls = [("/api/chat", {**chat, "options": {"num_predict": 4}}),
+                 ("/v1/chat/completions", {**chat, "max_tokens": 4}),
+                 ("/v1/completions", {"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 4})]
+        for path, body in calls:
+            r = httpx.post(f"{live.base_url}{path}", json=body, timeout=30)
+            assert r.status_code == 503, (path, r.text)
+            assert int(r.headers["Retry-After"]) >= 1
+            error = r.json()["error"]
+            message = error if path.startswith("/api/") else error["message"]
+            assert message == f"model '{DEFAULT_MODEL}' is being installed; retry shortly"
+        held_install.set()
+        _wait_ready(live)
+        digest = httpx.get(f"{live.base_url}/api/tags").json()["models"][0]["digest"]
+        r = httpx.post(f"{live.base_url}/v1/completions", json=calls[2][1], timeout=60)
+        assert r.status_code == 200 and r.json()["system_fingerprint"] == f"fp_{digest[:12]}"
     finally:
         live.stop()

@@ -27,7 +27,7 @@ from edge_agent.api.auth import authenticate, authenticated, tenant_of
 from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.errors import openai_body
 from edge_agent.api.openapi import request_body
-from edge_agent.api.state import AppParts, Parts
+from edge_agent.api.state import Parts
 from edge_agent.engine.catalog import InstalledModel, normalize_name
 from edge_agent.engine.request import (
     DoneEvent,
@@ -270,10 +270,6 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def _fingerprint(parts: AppParts, model: str) -> str:
-    return "fp_" + parts.store.get(model).digest[:12]
-
-
 @router.post("/chat/completions", openapi_extra=request_body(ChatBody))
 async def chat_completions(request: Request, parts: Parts) -> Response:
     body = validate(ChatBody, await read_json(request, parts.settings.server.max_body_bytes))
@@ -388,10 +384,6 @@ async def completions(request: Request, parts: Parts) -> Response:
         _common(body, req)
         apply_controls(request, req, body.timeout_ms)
         requests.append(req)
-    ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-    head = {"id": ident, "created": created, "object": "text_completion",
-            "model": parts.store.get(body.model).name,
-            "system_fingerprint": _fingerprint(parts, body.model)}
 
     def echo(req: GenerationRequest) -> str:
         return (req.prompt or "") if body.echo else ""
@@ -404,10 +396,16 @@ async def completions(request: Request, parts: Parts) -> Response:
                 exc.param = f"prompt.{i}"  # which of the prompts
             raise
 
+    first = await prepare(0)  # refuse (scope, a model that is not there) before any head
+    ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+    head = {"id": ident, "created": created, "object": "text_completion",
+            "model": first.model.info.name,
+            "system_fingerprint": "fp_" + first.model.info.digest[:12]}
+
     if not body.stream:
         choices, totals = [], [0, 0, 0]
         for i, req in enumerate(requests):
-            done = await parts.service.complete(await prepare(i))
+            done = await parts.service.complete(await prepare(i) if i else first)
             choices.append({"index": i, "text": echo(req) + done.text, "logprobs": None,
                             "finish_reason": done.reason})
             totals = [totals[0] + done.usage.prompt_tokens,
@@ -418,7 +416,6 @@ async def completions(request: Request, parts: Parts) -> Response:
             "total_tokens": totals[0] + totals[1],
             "prompt_tokens_details": {"cached_tokens": totals[2]}}})
 
-    first = await prepare(0)  # refuse before the stream starts
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(i: int, text: str, finish: str | None = None) -> bytes:

@@ -27,7 +27,9 @@ def readiness_problems(parts: AppParts) -> list[str]:
     reasons = []
     default = normalize_name(parts.settings.default_model)
     if not parts.registry.is_loaded(default):
-        state = "loading" if parts.registry.is_loading(default) else "not loaded"
+        registry = parts.registry
+        state = "being installed" if registry.is_installing(default) else \
+            "loading" if registry.is_loading(default) else "not loaded"
         reasons.append(f"default model {default} is {state}")
     ledger = parts.ledger
     if ledger is None:

@@ -18,6 +18,11 @@ them (the new one before its switch, the old one until the new one passed its he
 gate, so a switch back is instant), ask whether a version `fits` beside what is loaded,
 and `drain` a name: new requests for it get 503 with Retry-After while running ones end.
 Holds and drains live in this process only: a restart forgets them, as it should.
+
+On a first start the default model is still being copied into the store when the port
+opens (`installing`): a request for it meanwhile waits for it, as for a load (503 with
+Retry-After under `runtime.load_wait = false`), rather than hear that it does not exist,
+which a client takes for good.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
@@ -177,6 +183,7 @@ class ModelRegistry:
         self._background: set[asyncio.Task[None]] = set()
         self._held: set[tuple[str, str]] = set()
         self._draining: dict[str, float] = {}  # name -> Retry-After seconds
+        self._installing: dict[str, asyncio.Future[Any]] = {}
 
     def loaded(self) -> list[LoadedModel]:
         return list(self._loaded.values())
@@ -190,6 +197,27 @@ class ModelRegistry:
         key = normalize_name(name)
         return any(k[0] == key for k in self._loading)
 
+    def installing(self, name: str, done: asyncio.Future[Any]) -> None:
+        """`name` is being put into the store until `done` ends, however it ends."""
+        key = normalize_name(name)
+        self._installing[key] = done
+        done.add_done_callback(lambda _f: self._installing.pop(key, None))
+
+    def is_installing(self, name: str) -> bool:
+        return normalize_name(name) in self._installing
+
+    async def _installed(self, name: str) -> None:
+        """Returns once `name` is not being installed (waiting, or 503 without load_wait);
+        whether the install worked is for the store lookup that follows to say."""
+        key = normalize_name(name)
+        pending = self._installing.get(key)
+        if pending is None:
+            return
+        if not self.settings.runtime.load_wait:
+            raise ServiceUnavailable(f"model '{key}' is being installed; retry shortly",
+                                     retry_after=2.0)
+        await asyncio.wait([pending])
+
     async def acquire(
         self, name: str, keep_alive: float | None = None, digest: str | None = None
     ) -> tuple[LoadedModel, int]:
@@ -197,6 +225,7 @@ class ModelRegistry:
         loaded, and how long this call waited for it to load (ns). A draining name
         refuses requests for its active version (503, Retry-After)."""
         if digest is None:
+            await self._installed(name)
             retry = self._draining.get(normalize_name(name))
             if retry is not None:
                 raise ServiceUnavailable(f"model '{normalize_name(name)}' is switching "
