@@ -221,3 +221,26 @@ def test_least_recently_used_model_is_evicted(narrow_server: LiveServer) -> None
     assert [m.model for m in client.ps().models] == ["gemma3:270m"]
     client.generate(model=DEFAULT_MODEL, prompt="Hi", options={"num_predict": 2})
     assert [m.model for m in client.ps().models] == [DEFAULT_MODEL]
+
+
+def test_the_default_model_comes_back_once_the_model_that_displaced_it_is_gone(
+        narrow_server: LiveServer) -> None:
+    """One model at a time: gemma's load evicts the default, and the box is not ready.
+    Once gemma's keep_alive runs out, the reaper unloads it and loads the default again,
+    so the next assistant request finds it warm (not at that request's expense)."""
+    store = ModelStore(narrow_server.settings.state_dir)
+    if not store.is_installed("gemma3:270m"):
+        store.pull("gemma3:270m")
+    store.close()
+    client = ollama.Client(host=narrow_server.ollama_url)
+    client.generate(model="gemma3:270m", prompt="Hi", keep_alive="1s",
+                    options={"num_predict": 2})
+    assert [m.model for m in client.ps().models] == ["gemma3:270m"]
+    ready = httpx.get(f"{narrow_server.base_url}/ready")
+    assert ready.status_code == 503 and ready.json()["reasons"] == [
+        f"default model {DEFAULT_MODEL} is not loaded"]
+    deadline = time.monotonic() + 30  # 1 s of keep_alive, a 5 s reaper pass, a load
+    while httpx.get(f"{narrow_server.base_url}/ready").status_code != 200:
+        assert time.monotonic() < deadline, f"still loaded: {client.ps().models}"
+        time.sleep(0.2)
+    assert [m.model for m in client.ps().models] == [DEFAULT_MODEL]

@@ -184,6 +184,8 @@ class ModelRegistry:
         self._held: set[tuple[str, str]] = set()
         self._draining: dict[str, float] = {}  # name -> Retry-After seconds
         self._installing: dict[str, asyncio.Future[Any]] = {}
+        self._freed = False  # a model was unloaded since the last reaper pass
+        self._displaced = False  # the default model was evicted to make room for another
 
     def loaded(self) -> list[LoadedModel]:
         return list(self._loaded.values())
@@ -322,13 +324,14 @@ class ModelRegistry:
         if self._loaded.get(key) is not model or model.in_use > 0:
             return False
         del self._loaded[key]
+        self._freed = True
         await asyncio.to_thread(model.worker.close)
         log.info("unloaded %s (sha256:%s)", key[0], key[1][:12])
         if model.keep_alive == FOREVER and self._superseded(model):
             self._reload(model.info.name)
         return True
 
-    def _reload(self, name: str) -> None:
+    def _reload(self, name: str, why: str = "after its switch") -> None:
         """A pinned model (the default) that was switched to another version: its new
         version is loaded now, not by the next request, so the box stays ready."""
         if self.is_loaded(name) or self.is_loading(name) or not self.store.is_installed(name):
@@ -339,7 +342,7 @@ class ModelRegistry:
                 model, _ = await self.acquire(name)
                 await self.release(model)
             except Exception as exc:
-                log.error("%s not loaded after its switch: %s", name, exc)
+                log.error("%s not loaded %s: %s", name, why, exc)
 
         task = asyncio.get_running_loop().create_task(load())
         self._background.add(task)
@@ -347,11 +350,36 @@ class ModelRegistry:
 
     async def reap_expired(self) -> None:
         """Unloads idle models whose keep_alive ran out, and idle versions that are no
-        longer active (switched by this process or another)."""
+        longer active (switched by this process or another); then, if anything was
+        unloaded since the last pass, brings the default model back if a load displaced
+        it and it fits again."""
         now = time.time()
         for model in list(self._loaded.values()):
             if model.in_use == 0 and (model.expires_at <= now or self._superseded(model)):
                 await self._unload(model)
+        if self._displaced and self._freed:
+            self._freed = await self._restore_default()
+
+    async def _restore_default(self) -> bool:
+        """The default model, displaced by another model's load (`max_loaded_models`, the
+        memory budget), loaded again once it fits beside what is loaded, never by
+        evicting: until then the box was cold and `/ready` 503 until its next request.
+        Tried only after an unload (room may have come back), so the probe that `fits`
+        takes is not paid at every pass; True: look again at the next pass (a load or a
+        switch was under way)."""
+        name = normalize_name(self.settings.default_model)
+        if self.is_loaded(name):
+            self._displaced = False
+            return False
+        if self._loading or self.is_installing(name) or name in self._draining:
+            return True
+        digest = self.store.active_digest(name)
+        if digest is None or len(self._loaded) >= self.settings.runtime.max_loaded_models \
+                or not await self.fits(name, digest):
+            return False
+        log.info("loading %s again: there is room for it beside the loaded models", name)
+        self._reload(name, "again once there was room")
+        return False
 
     async def close(self) -> None:
         for reload in list(self._background):
@@ -402,6 +430,8 @@ class ModelRegistry:
                     retry_after=5.0)
             victim = min(idle, key=lambda m: m.last_used)
             log.info("evicting %s to make room for %s", victim.info.name, key)
+            if victim.info.name == normalize_name(self.settings.default_model):
+                self._displaced = True
             await self._unload(victim)
         if need > self.memory_budget:
             raise ServiceUnavailable(
