@@ -260,6 +260,8 @@ async def _preload(modelops: ModelOps, registry: ModelRegistry, name: str) -> No
         await modelops.load(name)
     except EdgeAgentError as exc:
         log.error("default model %s not loaded: %s", name, exc.message)
+    except Exception:  # a full disk, a read-only state dir: said once, and by /ready
+        log.exception("default model %s not installed", name)
 
 
 async def _purge_hourly(settings: Settings) -> None:

@@ -12,6 +12,7 @@ import pytest
 from edge_agent.config import load_settings
 from edge_agent.engine.modelops import ModelOps
 from tests.conftest import DEFAULT_MODEL, LiveServer, free_port, start_server
+from tests.releasekit import small_filesystem
 
 pytestmark = pytest.mark.integration
 
@@ -103,3 +104,38 @@ def test_without_load_wait_the_first_start_install_answers_503_in_each_dialect(
         assert r.status_code == 200 and r.json()["system_fingerprint"] == f"fp_{digest[:12]}"
     finally:
         live.stop()
+
+
+def test_a_first_start_install_that_fails_for_want_of_disk_is_said_not_hidden(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A real 20 MB filesystem for the state dir: the 98 MB default cannot go in. The
+    log says so once, `/ready` gives the reason, and a request for the model hears that
+    the box could not install it (503), not that the name does not exist (404)."""
+    with small_filesystem(tmp_path / "mnt", "20m") as mnt:
+        state = mnt / "var"
+        settings = load_settings(None, state_dir=state, **{
+            "server.port": free_port(), "runtime.context_length": 512})
+        live = start_server(settings, wait_for_model=None)
+        try:
+            deadline = time.monotonic() + 60
+            reasons = httpx.get(f"{live.base_url}/ready").json()["reasons"]
+            while not any("failed" in r for r in reasons):
+                assert time.monotonic() < deadline, reasons
+                time.sleep(0.1)
+                reasons = httpx.get(f"{live.base_url}/ready").json()["reasons"]
+            assert reasons[0].startswith(f"default model {DEFAULT_MODEL} is not installed: "
+                                         "its install at start failed (")
+            assert "No space left on device" in reasons[0]
+            chat = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            for path in ("/api/chat", "/v1/chat/completions"):
+                r = httpx.post(f"{live.base_url}{path}", json=chat, timeout=30)
+                assert r.status_code == 503, (path, r.text)
+                error = r.json()["error"]
+                message = error if path.startswith("/api/") else error["message"]
+                assert message.startswith(f"model '{DEFAULT_MODEL}' could not be installed "
+                                          "at start: ") and "No space left" in message
+            assert [p.name for p in (state / "blobs").iterdir()] == []  # nothing half-kept
+        finally:
+            live.stop()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        f"default model {DEFAULT_MODEL} not installed"]

@@ -30,6 +30,9 @@ def readiness_problems(parts: AppParts) -> list[str]:
         registry = parts.registry
         state = "being installed" if registry.is_installing(default) else \
             "loading" if registry.is_loading(default) else "not loaded"
+        failed = registry.install_failure(default)
+        if failed is not None and not parts.store.is_installed(default):
+            state = f"not installed: its install at start failed ({failed})"
         reasons.append(f"default model {default} is {state}")
     ledger = parts.ledger
     if ledger is None:

@@ -184,6 +184,7 @@ class ModelRegistry:
         self._held: set[tuple[str, str]] = set()
         self._draining: dict[str, float] = {}  # name -> Retry-After seconds
         self._installing: dict[str, asyncio.Future[Any]] = {}
+        self._install_failed: dict[str, str] = {}  # name -> why its install failed
         self._freed = False  # a model was unloaded since the last reaper pass
         self._displaced = False  # the default model was evicted to make room for another
 
@@ -200,13 +201,27 @@ class ModelRegistry:
         return any(k[0] == key for k in self._loading)
 
     def installing(self, name: str, done: asyncio.Future[Any]) -> None:
-        """`name` is being put into the store until `done` ends, however it ends."""
+        """`name` is being put into the store until `done` ends; if it ends in an error,
+        requests for the name that is still not installed hear why (`install_failure`)."""
         key = normalize_name(name)
         self._installing[key] = done
-        done.add_done_callback(lambda _f: self._installing.pop(key, None))
+        self._install_failed.pop(key, None)
+
+        def ended(f: asyncio.Future[Any]) -> None:
+            self._installing.pop(key, None)
+            exc = None if f.cancelled() else f.exception()
+            if exc is not None:
+                self._install_failed[key] = getattr(exc, "message", None) or str(exc) \
+                    or type(exc).__name__
+
+        done.add_done_callback(ended)
 
     def is_installing(self, name: str) -> bool:
         return normalize_name(name) in self._installing
+
+    def install_failure(self, name: str) -> str | None:
+        """Why the install `installing` announced for `name` failed (None: it did not)."""
+        return self._install_failed.get(normalize_name(name))
 
     async def _installed(self, name: str) -> None:
         """Returns once `name` is not being installed (waiting, or 503 without load_wait);
@@ -232,7 +247,16 @@ class ModelRegistry:
             if retry is not None:
                 raise ServiceUnavailable(f"model '{normalize_name(name)}' is switching "
                                          "versions; retry shortly", retry_after=retry)
-            info = self.store.get(name)  # the pointer, read now; 404 before any waiting
+            try:
+                info = self.store.get(name)  # the pointer, read now; 404 before any waiting
+            except ModelNotFound:
+                failed = self.install_failure(name)
+                if failed is None:
+                    raise
+                # Not the client's mistake, and not for it to fix: say so, not "not found".
+                raise ServiceUnavailable(
+                    f"model '{normalize_name(name)}' could not be installed at start: "
+                    f"{failed} (fix it, then restart the service)", retry_after=60.0) from None
         else:
             info = self._version(name, digest)
         key = _key(info)
