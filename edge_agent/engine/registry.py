@@ -22,7 +22,9 @@ Holds and drains live in this process only: a restart forgets them, as it should
 On a first start the default model is still being copied into the store when the port
 opens (`installing`): a request for it meanwhile waits for it, as for a load (503 with
 Retry-After under `runtime.load_wait = false`), rather than hear that it does not exist,
-which a client takes for good.
+which a client takes for good; if that install failed, 503 saying why. The default model,
+evicted to make room for another, is loaded again by the reaper once it fits beside what
+is loaded (never by evicting), so the box does not stay cold until its next request.
 """
 
 from __future__ import annotations
