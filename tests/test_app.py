@@ -12,6 +12,7 @@ import pytest
 from edge_agent.config import load_settings
 from edge_agent.engine.modelops import ModelOps
 from tests.conftest import DEFAULT_MODEL, LiveServer, free_port, start_server
+from tests.fleetkit import wait_until
 from tests.releasekit import small_filesystem
 
 pytestmark = pytest.mark.integration
@@ -52,11 +53,15 @@ def held_install(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     go.set()
 
 
-def _wait_ready(live: LiveServer) -> None:
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{live.base_url}/ready").status_code != 200:
-        assert time.monotonic() < deadline, "the default model did not load"
-        time.sleep(0.1)
+def _reasons(live: LiveServer) -> list[str]:
+    """What `/ready` says still stops the box from being ready ([] once it is)."""
+    return list(httpx.get(f"{live.base_url}/ready").json()["reasons"])
+
+
+def _error_text(path: str, r: httpx.Response) -> str:
+    """The error's text in either dialect's shape: Ollama's string, OpenAI's object."""
+    error = r.json()["error"]
+    return str(error if path.startswith("/api/") else error["message"])
 
 
 def test_a_request_during_the_first_start_install_waits_for_the_default_model(
@@ -94,11 +99,10 @@ def test_without_load_wait_the_first_start_install_answers_503_in_each_dialect(
             r = httpx.post(f"{live.base_url}{path}", json=body, timeout=30)
             assert r.status_code == 503, (path, r.text)
             assert int(r.headers["Retry-After"]) >= 1
-            error = r.json()["error"]
-            message = error if path.startswith("/api/") else error["message"]
-            assert message == f"model '{DEFAULT_MODEL}' is being installed; retry shortly"
+            assert _error_text(path, r) == \
+                f"model '{DEFAULT_MODEL}' is being installed; retry shortly"
         held_install.set()
-        _wait_ready(live)
+        assert wait_until(lambda: _reasons(live) == [], 120, 0.1), "the model did not load"
         digest = httpx.get(f"{live.base_url}/api/tags").json()["models"][0]["digest"]
         r = httpx.post(f"{live.base_url}/v1/completions", json=calls[2][1], timeout=60)
         assert r.status_code == 200 and r.json()["system_fingerprint"] == f"fp_{digest[:12]}"
@@ -117,12 +121,9 @@ def test_a_first_start_install_that_fails_for_want_of_disk_is_said_not_hidden(
             "server.port": free_port(), "runtime.context_length": 512})
         live = start_server(settings, wait_for_model=None)
         try:
-            deadline = time.monotonic() + 60
-            reasons = httpx.get(f"{live.base_url}/ready").json()["reasons"]
-            while not any("failed" in r for r in reasons):
-                assert time.monotonic() < deadline, reasons
-                time.sleep(0.1)
-                reasons = httpx.get(f"{live.base_url}/ready").json()["reasons"]
+            assert wait_until(lambda: any("failed" in r for r in _reasons(live)), 60, 0.1), \
+                _reasons(live)
+            reasons = _reasons(live)
             assert reasons[0].startswith(f"default model {DEFAULT_MODEL} is not installed: "
                                          "its install at start failed (")
             assert "No space left on device" in reasons[0]
@@ -130,8 +131,7 @@ def test_a_first_start_install_that_fails_for_want_of_disk_is_said_not_hidden(
             for path in ("/api/chat", "/v1/chat/completions"):
                 r = httpx.post(f"{live.base_url}{path}", json=chat, timeout=30)
                 assert r.status_code == 503, (path, r.text)
-                error = r.json()["error"]
-                message = error if path.startswith("/api/") else error["message"]
+                message = _error_text(path, r)
                 assert message.startswith(f"model '{DEFAULT_MODEL}' could not be installed "
                                           "at start: ") and "No space left" in message
             assert [p.name for p in (state / "blobs").iterdir()] == []  # nothing half-kept

@@ -26,6 +26,7 @@ from tests.conftest import (
     free_port,
     start_server,
 )
+from tests.fleetkit import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -239,8 +240,7 @@ def test_the_default_model_comes_back_once_the_model_that_displaced_it_is_gone(
     ready = httpx.get(f"{narrow_server.base_url}/ready")
     assert ready.status_code == 503 and ready.json()["reasons"] == [
         f"default model {DEFAULT_MODEL} is not loaded"]
-    deadline = time.monotonic() + 30  # 1 s of keep_alive, a 5 s reaper pass, a load
-    while httpx.get(f"{narrow_server.base_url}/ready").status_code != 200:
-        assert time.monotonic() < deadline, f"still loaded: {client.ps().models}"
-        time.sleep(0.2)
+    # 1 s of keep_alive, a 5 s reaper pass, a load
+    assert wait_until(lambda: httpx.get(f"{narrow_server.base_url}/ready").status_code == 200,
+                      30, 0.2), f"still loaded: {client.ps().models}"
     assert [m.model for m in client.ps().models] == [DEFAULT_MODEL]
