@@ -259,7 +259,9 @@ def _fleet(settings: Settings, timeout_s: float = 5.0) -> list[Check]:
         out.append(Check("ok", "fleet files", "every configured file is readable"))
     if fleet.command_key_file is None:
         out.append(Check("warn", "fleet commands", "no fleet.command_key_file: every command "
-                         "will be refused", "install the controller's public key "
+                         "will be refused and the controller's acks cannot be verified (the "
+                         "broker's ACL alone guards the outbox)",
+                         "install the controller's public key "
                          "(edge-agent fleet keygen) and set fleet.command_key_file"))
     found = probe(fleet, timeout_s)
     where = f"{address.host}:{address.port}"

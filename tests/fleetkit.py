@@ -61,8 +61,10 @@ def fleet_settings(broker: Mosquitto, device: str, *, tls: bool = False,
 class Controller:
     """The real ingest and store; `start`/`stop` as often as a test needs."""
 
-    def __init__(self, broker: Mosquitto, root: Path) -> None:
+    def __init__(self, broker: Mosquitto, root: Path, *,
+                 key: Ed25519PrivateKey | None = None) -> None:
         root.mkdir(parents=True, exist_ok=True)
+        self.key = key  # signs the acks, as `fleet serve` with its command_key_file
         self.settings = ControllerSettings(
             state_dir=root,
             broker=BrokerSettings(url=broker.url, username="controller",
@@ -73,7 +75,7 @@ class Controller:
         self.ingest: Ingest | None = None
 
     def start(self) -> Controller:
-        self.ingest = Ingest(self.settings, self.store, self.metrics)
+        self.ingest = Ingest(self.settings, self.store, self.metrics, key=self.key)
         self.ingest.start()
         assert self.ingest.wait_connected(15), "the controller did not connect"
         return self

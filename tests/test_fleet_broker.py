@@ -84,12 +84,16 @@ def test_files_are_private_and_a_rerun_keeps_the_passwords(tmp_path: Path) -> No
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp file left
 
 
-def test_the_acl_names_each_device_its_tree_and_the_fleets_commands() -> None:
+def test_the_acl_lets_a_device_send_only_what_devices_send() -> None:
     text = acl_text(BrokerPlan(fleet="f1", devices=("d1", "d2")))
     assert "pattern" not in text  # explicit lines: no %u to reach through
     block = text.split("user d1\n")[1].split("\n\n")[0]
-    assert block.splitlines() == ["topic readwrite edge/v1/f1/d1/#",
-                                  "topic read edge/v1/f1/all/cmd"]
+    assert block.splitlines() == [
+        "topic write edge/v1/f1/d1/cmd/result", "topic write edge/v1/f1/d1/events",
+        "topic write edge/v1/f1/d1/ledger", "topic write edge/v1/f1/d1/metrics",
+        "topic write edge/v1/f1/d1/rollout", "topic write edge/v1/f1/d1/status",
+        "topic read edge/v1/f1/d1/ack", "topic read edge/v1/f1/d1/cmd",
+        "topic read edge/v1/f1/all/cmd"]
     assert "user controller\ntopic readwrite edge/v1/#" in text
 
 
@@ -163,6 +167,24 @@ def test_a_device_cannot_publish_into_another_devices_topics(
     assert a.publish(f"edge/v1/{FLEET}/{A}/metrics", b"mine") in (0, 16)
     assert controller.wait(lambda: bool(controller.received(f"edge/v1/{FLEET}/{A}/")))
     assert all(p != b"forged" for _, p, _ in controller.received())
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("kind", ["ack", "cmd"])
+def test_a_device_cannot_publish_an_ack_or_a_command_even_on_its_own_topics(
+        kind: str, connect: Callable[..., MQTTClient]) -> None:
+    """A second client with a box's own credentials forging the controller's side: the
+    broker refuses it (MQTT 5 PUBACK 0x87) and delivers nothing to the box."""
+    a, box = connect(A), connect(A, client_id="the-box")
+    box.subscribe(f"edge/v1/{FLEET}/{A}/ack", f"edge/v1/{FLEET}/{A}/cmd")
+    forged = b'{"v":1,"acks":{"' + b"0" * 32 + b'":[[1,1000000]]}}'
+    assert a.publish(f"edge/v1/{FLEET}/{A}/{kind}", forged) == 0x87
+    assert a.client.is_connected()
+    assert a.publish(f"edge/v1/{FLEET}/{A}/metrics", b"mine") in (0, 16)  # still a device
+    controller = connect("controller")
+    controller.publish(f"edge/v1/{FLEET}/{A}/{kind}", b"marker")
+    assert box.wait(lambda: any(p == b"marker" for _, p, _ in box.received()))
+    assert all(p != forged for _, p, _ in box.received())
 
 
 @pytest.mark.broker

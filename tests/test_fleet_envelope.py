@@ -6,9 +6,18 @@ import json
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edge_agent.fleet import envelope
-from edge_agent.fleet.envelope import Envelope, build, decode, decode_ack, encode, encode_ack
+from edge_agent.fleet.envelope import (
+    AckRefused,
+    Envelope,
+    build,
+    decode,
+    decode_ack,
+    encode,
+    encode_ack,
+)
 
 BOOT = "0123456789abcdef0123456789abcdef"
 
@@ -72,13 +81,35 @@ def test_ranges() -> None:
 
 
 def test_ack_round_trip_and_strictness() -> None:
-    data = encode_ack({BOOT: [[1, 100], [105, 107]]})
-    assert data == b'{"v":1,"acks":{"%s":[[1,100],[105,107]]}}' % BOOT.encode()
-    assert decode_ack(data) == {BOOT: [(1, 100), (105, 107)]}
+    data = encode_ack({BOOT: [[1, 100], [105, 107]]}, device="d1")
+    assert data == b'{"v":1,"device":"d1","acks":{"%s":[[1,100],[105,107]]}}' % BOOT.encode()
+    assert decode_ack(data, device="d1", public_key=None, signed=False) == {
+        BOOT: [(1, 100), (105, 107)]}
     for bad in (b'{"v":1}', b'{"v":1,"acks":{"x":[[1,2]]}}', b'{"v":2,"acks":{}}',
-                b'{"v":1,"acks":{"%s":[[3,2]]}}' % BOOT.encode(), b'{"v":1,"acks":[]}'):
+                b'{"v":1,"acks":{"%s":[[3,2]]}}' % BOOT.encode(), b'{"v":1,"acks":[]}',
+                b'{"v":1,"acks":{},"extra":1}'):
         with pytest.raises(ValueError):
-            decode_ack(bad)
+            decode_ack(bad, device="d1", public_key=None, signed=False)
+
+
+def test_a_signed_ack_is_taken_only_with_the_controllers_key_and_for_its_device() -> None:
+    key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    acks = {BOOT: [[1, 10]]}
+    good = encode_ack(acks, device="d1", key=key)
+    assert decode_ack(good, device="d1", public_key=key.public_key()) == {BOOT: [(1, 10)]}
+    refused = {
+        "unsigned": encode_ack(acks, device="d1"),
+        "no device": b'{"v":1,"acks":{"%s":[[1,10]]}}' % BOOT.encode(),
+        "another key": encode_ack(acks, device="d1", key=other),
+        "another device": encode_ack(acks, device="d2", key=key),
+        "ranges changed": good.replace(b"[[1,10]]", b"[[1,1000]]"),
+    }
+    for why, payload in refused.items():
+        with pytest.raises(AckRefused):
+            decode_ack(payload, device="d1", public_key=key.public_key())
+            pytest.fail(why)
+    with pytest.raises(AckRefused, match="unreadable"):  # a key configured, none loaded
+        decode_ack(good, device="d1", public_key=None)
 
 
 def test_envelope_dataclass_is_what_the_controller_reads() -> None:

@@ -21,6 +21,7 @@ from edge_agent.fleet.handlers import box_handlers, copy_patched
 from edge_agent.fleet.link import Link
 from edge_agent.fleet.overlay import OVERLAY_FILE
 from edge_agent.fleet.session import probe
+from edge_agent.fleet.signing import sign
 from edge_agent.fleet.state import FleetState
 from tests.brokers import FLEET, Mosquitto, MQTTClient, free_port
 from tests.fleetkit import (
@@ -371,3 +372,53 @@ def test_credentials_and_tls_are_reported_by_kind(
         broker, DEV, password_file=wrong))
     assert wait_until(lambda: refused.counts.get("connect_failures", 0) >= 2, 5)
     assert not refused.connected and refused.counts.get("connects", 0) == 0
+
+
+def test_a_forged_ack_deletes_nothing_even_where_the_acl_lets_it_through(
+        mosquitto_factory: Callable[..., Mosquitto], links: Callable[..., Link],
+        tmp_path: Path) -> None:
+    """A second client logged in with the box's own credentials, on a broker whose ACL was
+    opened on purpose (the device's whole tree read-write, as before), publishes acks
+    covering every seq: unsigned, signed by another key, and signed by the controller's
+    key for another device. The box deletes none of its undelivered rows (audit ones
+    included); the real controller's signed acks then drain them, every row stored once."""
+    broker = mosquitto_factory(devices=(DEV, "store-y"))
+    opened = broker.files.acl.read_text().replace(
+        f"user {DEV}\n", f"user {DEV}\ntopic readwrite edge/v1/{FLEET}/{DEV}/#\n", 1)
+    broker.files.acl.write_text(opened)
+    broker.start()
+    signer, other = Signer(tmp_path / "keys"), Signer(tmp_path / "other")
+    link = links(broker, tmp_path / "state", options=fast_options(ack_timeout_s=300),
+                 fleet=fleet_settings(broker, DEV, command_key_file=signer.public_path))
+    assert link.wait_connected(10)
+    for i in range(20):
+        link.emit("events", "audit", {"event": "test", "i": i})
+        link.emit("metrics", "metrics", {"i": i})
+    assert wait_until(lambda: link.counts.get("published", 0) >= 41, 10), link.counts
+    depth = link.outbox_stats().depth  # type: ignore[union-attr]
+    assert depth >= 41
+
+    forger = MQTTClient(broker, DEV, client_id="forger")
+    assert not forger.connect().is_failure
+    everything = {link.boot_id: [[1, 10**6]]}
+    forged = [json.dumps({"v": 1, "acks": everything}).encode(),
+              json.dumps({"v": 1, "device": DEV, "acks": everything}).encode(),
+              json.dumps(sign({"v": 1, "device": DEV, "acks": everything}, other.key)).encode(),
+              json.dumps(sign({"v": 1, "device": "store-y", "acks": everything},
+                              signer.key)).encode()]
+    for payload in forged:
+        assert forger.publish(f"edge/v1/{FLEET}/{DEV}/ack", payload) in (0, 16)
+    assert wait_until(lambda: link.counts.get("refused_acks", 0) >= len(forged), 10), link.counts
+    assert link.outbox_stats().depth == depth  # type: ignore[union-attr]
+    forger.close()
+
+    ctl = Controller(broker, tmp_path / "controller", key=signer.key).start()
+    try:
+        link.emit("metrics", "metrics", {"i": 20})
+        assert wait_until(lambda: drained(link), 15), (link.outbox_stats(), link.counts)
+        assert_all_stored_once(ctl, link, depth + 1)
+        mine = [m["body"]["i"] for m in ctl.store.messages(DEV, kind="events", limit=1000)
+                if m["body"].get("event") == "test"]
+        assert sorted(mine) == list(range(20))  # every audit row, once
+    finally:
+        ctl.close()

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edge_agent.cli import main
 from edge_agent.fleet.commands import Command, CommandRefused
@@ -41,8 +42,8 @@ def ids(n: int) -> tuple[str, ...]:
 def controller_for(tmp_path: Path) -> Iterator[Callable[[Mosquitto], Controller]]:
     made: list[Controller] = []
 
-    def make(broker: Mosquitto) -> Controller:
-        ctl = Controller(broker, tmp_path / "controller").start()
+    def make(broker: Mosquitto, key: Ed25519PrivateKey | None = None) -> Controller:
+        ctl = Controller(broker, tmp_path / "controller", key=key).start()
         made.append(ctl)
         return ctl
 
@@ -99,9 +100,9 @@ def test_scripted_command_outcomes_come_back_as_results(
         controller_for: Callable[[Mosquitto], Controller], tmp_path: Path) -> None:
     devices = ids(9)
     broker = mosquitto_factory(devices=devices).start()
-    ctl = controller_for(broker)
     generate_keypair(tmp_path / "cmd.key", tmp_path / "cmd.pub")
     key = load_private(tmp_path / "cmd.key")
+    ctl = controller_for(broker, key)
     ran: list[tuple[str, str]] = []
 
     def outcome(device: SimDevice, command: Command) -> dict[str, Any]:

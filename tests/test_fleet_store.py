@@ -52,7 +52,8 @@ def test_ingest_stores_each_message_once_and_acks_duplicates_too(store: FleetSto
     again = store.ingest([msg(s) for s in (2, 3, 4, 4, 6)])
     assert (again.stored, again.duplicates) == (2, 3)  # 4 and 6 new; 2, 3 and the 2nd 4 dups
     assert again.ranges == {"d1": {BOOT: [[2, 4], [6, 6]]}}
-    assert again.payload("d1") == b'{"v":1,"acks":{"' + BOOT.encode() + b'":[[2,4],[6,6]]}}'
+    assert again.payload("d1") == (b'{"v":1,"device":"d1","acks":{"' + BOOT.encode()
+                                   + b'":[[2,4],[6,6]]}}')
     assert [m["seq"] for m in store.messages("d1", limit=100)] == [1, 2, 3, 4, 5, 6]
     assert store.messages("d1", limit=1)[0]["body"] == {"n": 1}  # the first copy kept
 

@@ -3,7 +3,15 @@ but `status`) and what the controller answers once it has stored it.
 
     {"v":1,"device":"store-042","boot_id":"<uuid4 hex>","seq":17,"kind":"metrics",
      "class":"metrics","ts":1764520000.123,"body":{...}}
-    {"v":1,"acks":{"<boot_id>":[[1,100],[105,107]]}}
+    {"v":1,"device":"store-042","acks":{"<boot_id>":[[1,100],[105,107]]},"sig":"<base64>"}
+
+The ack is signed with the controller's command key (`fleet.signing`, the same canonical
+form as a command's): deleting outbox rows is the one thing a message can make the box do
+without a command, so a box that holds the key's public half deletes nothing on an ack it
+cannot verify — not one signed by another key, for another device, or not signed at all.
+`device` binds an ack to its box (boot ids are random, but a signature should say whom it
+is for). A controller without a command key sends the unsigned form, which only a box
+without the key accepts (and says at start that it trusts the broker's ACL alone).
 
 This module owns the byte form of both: compact UTF-8 JSON, at most `MAX_BYTES`, decoded
 strictly (the controller drops and counts what `decode` refuses, so a field of the wrong
@@ -19,7 +27,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from edge_agent.fleet import signing
 from edge_agent.fleet.ids import check_id
+from edge_agent.fleet.refusals import CommandRefused
 from edge_agent.fleet.topics import OUTBOX_KINDS
 
 VERSION = 1
@@ -30,6 +42,8 @@ METRICS = "metrics"
 CLASSES = frozenset({AUDIT, METRICS})
 BOOT_ID = re.compile(r"[0-9a-f]{32}")
 _FIELDS = frozenset({"v", "device", "boot_id", "seq", "kind", "class", "ts", "body"})
+_ACK_FIELDS = frozenset({"v", "acks"})
+_SIGNED_ACK_FIELDS = _ACK_FIELDS | {"device", signing.SIG}
 
 
 def class_of(kind: str) -> str:
@@ -174,16 +188,44 @@ def check_acks(acks: Any) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
-def encode_ack(acks: Mapping[str, Sequence[Sequence[int]]]) -> bytes:
+class AckRefused(ValueError):
+    """A well-formed ack the box must not act on: unsigned, signed by another key, or
+    addressed to another device."""
+
+
+def encode_ack(acks: Mapping[str, Sequence[Sequence[int]]], *, device: str,
+               key: Ed25519PrivateKey | None = None) -> bytes:
+    """The ack for `device`: signed when the controller has its command key."""
     checked = check_acks(acks)
-    return dumps({"v": VERSION, "acks": {b: [list(r) for r in rs] for b, rs in checked.items()}})
+    check_id("device", device)
+    obj: dict[str, Any] = {"v": VERSION, "device": device,
+                           "acks": {b: [list(r) for r in rs] for b, rs in checked.items()}}
+    return dumps(signing.sign(obj, key) if key is not None else obj)
 
 
-def decode_ack(payload: bytes) -> dict[str, list[tuple[int, int]]]:
-    """The ranges in an ingest acknowledgement; ValueError for anything else."""
+def decode_ack(payload: bytes, *, device: str, public_key: Ed25519PublicKey | None,
+               signed: bool = True) -> dict[str, list[tuple[int, int]]]:
+    """The ranges in an ingest acknowledgement for `device`: ValueError for anything
+    malformed, AckRefused for one that `public_key` (the box's command key) does not
+    verify. `signed=False` (a box configured without a key): nothing to verify against,
+    the ranges as they came."""
     obj = loads(payload, MAX_ACK_BYTES)
-    if not isinstance(obj, dict) or set(obj) != {"v", "acks"}:
-        raise ValueError("ack is not {\"v\":1,\"acks\":{...}}")
+    if (not isinstance(obj, dict) or not _ACK_FIELDS <= set(obj)
+            or not set(obj) <= _SIGNED_ACK_FIELDS):
+        raise ValueError("ack is not {\"v\":1,\"device\":...,\"acks\":{...},\"sig\":...}")
     if obj["v"] != VERSION or not _is_int(obj["v"]):
         raise ValueError(f"ack version {obj['v']!r} is not {VERSION}")
-    return check_acks(obj["acks"])
+    acks = check_acks(obj["acks"])
+    if "device" in obj and obj["device"] != device:
+        raise AckRefused(f"ack is for device {str(obj['device'])[:40]!r}, not {device!r}")
+    if not signed:
+        return acks
+    if public_key is None:  # configured but unreadable: verify nothing, trust nothing
+        raise AckRefused("the box's command key is unreadable")
+    if "device" not in obj:
+        raise AckRefused("ack names no device")
+    try:
+        signing.verify(obj, public_key)
+    except CommandRefused as exc:
+        raise AckRefused(f"ack is not the controller's ({exc.message})") from None
+    return acks

@@ -170,7 +170,11 @@ class Link(LinkCore):
         else:
             return None
         key = None
-        if self.fleet.command_key_file is not None:
+        if self.fleet.command_key_file is None:
+            log.warning("fleet: no fleet.command_key_file: every command will be refused and "
+                        "the controller's acks are taken unverified (the broker's ACL alone "
+                        "guards the outbox)")
+        else:
             try:
                 key = load_public(self.fleet.command_key_file)
             except Exception as exc:

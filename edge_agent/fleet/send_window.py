@@ -20,11 +20,12 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from edge_agent.fleet import topics
-from edge_agent.fleet.envelope import decode_ack
+from edge_agent.fleet.envelope import AckRefused, decode_ack
 from edge_agent.fleet.outbox import Outbox, Row
 from edge_agent.fleet.session import Event, Session
 
 if TYPE_CHECKING:
+    from edge_agent.fleet.commands import CommandGate
     from edge_agent.fleet.core import LinkCore, LinkOptions
 
 log = logging.getLogger("edge_agent.fleet.owner")  # the owner's lines keep their logger
@@ -35,6 +36,8 @@ class SendWindow:
     link: LinkCore
     options: LinkOptions
     outbox: Outbox
+    gate: CommandGate  # its command key verifies the acks too
+    signed_acks: bool  # a command key is configured: every ack must carry its signature
     session: Session | None
 
     def __init__(self, window: int) -> None:
@@ -58,11 +61,19 @@ class SendWindow:
         merged: dict[str, list[list[int]]] = {}
         for event in events:
             try:
-                for boot_id, runs in decode_ack(event.payload).items():
-                    merged.setdefault(boot_id, []).extend([a, b] for a, b in runs)
+                acks = decode_ack(event.payload, device=self.link.device,
+                                  public_key=self.gate.public_key, signed=self.signed_acks)
+            except AckRefused as exc:  # nothing it names is deleted, not even metrics
+                self.link._count("refused_acks")
+                self.link._log_once("refused-ack", "fleet: an ack the controller did not sign "
+                                    "was refused; nothing deleted: %s", exc)
+                continue
             except ValueError as exc:
                 self.link._count("bad_acks")
                 self.link._log_once("bad-ack", "fleet: a malformed ack was ignored: %s", exc)
+                continue
+            for boot_id, runs in acks.items():
+                merged.setdefault(boot_id, []).extend([a, b] for a, b in runs)
         if merged:
             self.link._count("acked_rows", self.outbox.ack(merged))  # one transaction
             self.last_ack = time.monotonic()

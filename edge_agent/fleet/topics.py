@@ -5,8 +5,13 @@
 | status | device → controller | yes | birth / death (not through the outbox: it is state) |
 | metrics | device → controller | no | outbox envelope, class `metrics` |
 | ledger, events, cmd/result, rollout | device → controller | no | outbox envelope, class `audit` |
-| ack | controller → device | no | the ranges the controller has stored |
+| ack | controller → device | no | the ranges the controller stored, signed (command key) |
 | cmd | controller → device | no | a signed command |
+
+The direction is enforced twice: the broker's ACL (`fleet.controller.broker`) lets a device
+publish only the kinds a device sends (`DEVICE_KINDS`) and only read the kinds the
+controller sends (`CONTROLLER_KINDS`); the box then checks every ack's signature, so a client
+holding a box's own credentials cannot make it delete what no controller stored.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ ACK = "ack"
 CMD = "cmd"
 RESULT = "cmd/result"
 OUTBOX_KINDS = frozenset({"metrics", "ledger", "events", RESULT, "rollout"})
-KINDS = OUTBOX_KINDS | {STATUS, ACK, CMD}
+DEVICE_KINDS = OUTBOX_KINDS | {STATUS}
+CONTROLLER_KINDS = frozenset({ACK, CMD})
+KINDS = DEVICE_KINDS | CONTROLLER_KINDS
 
 
 class Topic(NamedTuple):

@@ -5,11 +5,15 @@ The devices file is plain text: one device id per line; blank lines and `#` comm
 ignored. Every id goes through `ids.check_id`; one bad or repeated id refuses the whole run
 (naming its line), since a half-written ACL is worse than none.
 
-The ACL gives each device explicit `topic` lines under its own `user` block — its tree
-`edge/v1/{fleet}/{id}/#` read-write and `edge/v1/{fleet}/all/cmd` read — and the
-controller user `edge/v1/#`. Explicit lines rather than `pattern … %u`: a user added to the
-password file by hand with a `/` in its name would reach into another device's tree
-through `%u`; with explicit lines a user the ACL does not name can do nothing.
+The ACL gives each device explicit `topic` lines under its own `user` block — write on the
+kinds a device sends (`topics.DEVICE_KINDS`: status and the outbox's kinds), read on the
+kinds the controller sends it (`topics.CONTROLLER_KINDS`: its `ack` and `cmd`) and on
+`edge/v1/{fleet}/all/cmd` — and the controller user `edge/v1/#`. A device can never publish
+an ack or a command, not even on its own topics: a second client logged in with a box's
+credentials could otherwise make that box delete outbox rows no controller stored.
+Explicit lines rather than `pattern … %u`: a user added to the password file by hand with a
+`/` in its name would reach into another device's tree through `%u`; with explicit lines a
+user the ACL does not name can do nothing.
 
 Passwords: generated (URL-safe random) unless `credentials/<user>.txt` already holds one,
 so re-running after adding a device does not change everyone's password (delete a file to
@@ -135,9 +139,12 @@ def acl_text(plan: BrokerPlan) -> str:
              "nothing.", f"user {plan.controller_user}", f"topic readwrite {topics.PREFIX}/#", ""]
     everyone = topics.topic(plan.fleet, topics.ALL, topics.CMD)
     for device in plan.devices:
-        lines += [f"user {device}",
-                  f"topic readwrite {topics.PREFIX}/{plan.fleet}/{device}/#",
-                  f"topic read {everyone}", ""]
+        lines.append(f"user {device}")
+        lines += [f"topic write {topics.topic(plan.fleet, device, kind)}"
+                  for kind in sorted(topics.DEVICE_KINDS)]
+        lines += [f"topic read {topics.topic(plan.fleet, device, kind)}"
+                  for kind in sorted(topics.CONTROLLER_KINDS)]
+        lines += [f"topic read {everyone}", ""]
     return "\n".join(lines)
 
 

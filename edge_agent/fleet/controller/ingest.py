@@ -6,8 +6,9 @@ the broker (PUBACK) only after the batch holding it has committed — a controll
 mid-batch gets the message again from its session, not never. paho's callbacks only parse
 and enqueue: the store is written by one writer thread, in batches (`ingest.batch_max`
 messages or `ingest.batch_wait_s`), never inside a callback (they run under paho's lock).
-After each commit the writer publishes each device's ack (`{"v":1,"acks":{…}}` on its
-`ack` topic): the only thing that lets the device delete its outbox rows.
+After each commit the writer publishes each device's ack (`{"v":1,"device":…,"acks":{…},
+"sig":…}` on its `ack` topic, signed with the command key when the controller has one): the
+only thing that lets the device delete its outbox rows.
 
 Dropped and counted, never stored: topics that do not parse (bad ids included), payloads
 that are not strict JSON, envelopes or status messages missing what the protocol says.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -125,8 +127,10 @@ class Ingest:
     """Start with `start()`; `stop()` commits what it holds and disconnects."""
 
     def __init__(self, settings: ControllerSettings, store: FleetStore,
-                 metrics: ControllerMetrics, *, clock: Callable[[], float] = time.time) -> None:
+                 metrics: ControllerMetrics, *, key: Ed25519PrivateKey | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self._settings = settings
+        self._key = key  # signs the acks: a box holding its public half trusts no other
         self._store = store
         self._metrics = metrics
         self._clock = clock
@@ -328,7 +332,7 @@ class Ingest:
         fleets = {env.device: env.fleet for env in envelopes}
         for device in acks.ranges:
             self.client.publish(topics.topic(fleets[device], device, topics.ACK),
-                                acks.payload(device), qos=1)
+                                acks.payload(device, self._key), qos=1)
             m.acks.inc()
         for item in batch:
             # A PUBACK for a message of an earlier connection could acknowledge another

@@ -1,16 +1,19 @@
 """What the controller's store takes and gives back: an inbound envelope, the acks a batch
 earns, and inclusive seq ranges.
 
-Plain data and pure functions only: no database, no MQTT. The ranges are the wire form of
-the ingest acknowledgement (`{"v":1,"acks":{"<boot_id>":[[1,100],[105,107]]}}`).
+Plain data and pure functions only: no database, no MQTT. The ranges are what the ingest
+acknowledgement carries; its wire form (signed) is `fleet.envelope.encode_ack`'s.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from edge_agent.fleet.envelope import encode_ack
 
 Ranges = list[list[int]]
 """Inclusive, sorted, disjoint, non-adjacent `[first, last]` seq ranges."""
@@ -55,13 +58,10 @@ class Acks:
         for kind, count in other.stored_by_kind.items():
             self.stored_by_kind[kind] = self.stored_by_kind.get(kind, 0) + count
 
-    def payload(self, device: str) -> bytes:
-        """The ack message for `device` (compact JSON, as on the wire)."""
-        return ack_payload(self.ranges.get(device, {}))
-
-
-def ack_payload(by_boot: Mapping[str, Ranges]) -> bytes:
-    return json.dumps({"v": 1, "acks": dict(by_boot)}, separators=(",", ":")).encode()
+    def payload(self, device: str, key: Ed25519PrivateKey | None = None) -> bytes:
+        """The ack message for `device`, signed with the command key when there is one
+        (its wire form is `fleet.envelope`'s)."""
+        return encode_ack(self.ranges.get(device, {}), device=device, key=key)
 
 
 def to_ranges(seqs: Iterable[int]) -> Ranges:

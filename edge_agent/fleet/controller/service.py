@@ -53,7 +53,7 @@ class Controller:
         key = command_key(settings)  # a bad key file stops the start, not a rollout later
         store = open_store(settings.db, settings.state_dir)
         metrics = ControllerMetrics(store)
-        return cls(settings, store, metrics, Ingest(settings, store, metrics),
+        return cls(settings, store, metrics, Ingest(settings, store, metrics, key=key),
                    RolloutEngine(settings, store, key, metrics=metrics),
                    Retention(settings.retention, store))
 
@@ -86,7 +86,8 @@ class Controller:
 
 
 def command_key(settings: ControllerSettings) -> Ed25519PrivateKey | None:
-    """The key that signs the rollout engine's commands (None: rollouts wait, and say so)."""
+    """The key that signs the rollout engine's commands and the ingest's acks (None:
+    rollouts wait, and say so; acks go unsigned, which only a box without the key takes)."""
     path = settings.command_key_file
     if path is None:
         return None
