@@ -33,6 +33,7 @@ from edge_agent.ledger.retention import purge_before, purge_expired
 from edge_agent.ledger.store import REQUESTS
 from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.logs import RequestContext
+from edge_agent.owner_only import private_dir
 from edge_agent.telemetry.hardware import HardwareSampler, NvmlReader, default_readers
 from edge_agent.telemetry.metrics import Metrics
 
@@ -79,7 +80,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        settings.state_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(settings.state_dir, narrow=True)  # owner-only, under any umask
         parts.ledger = LedgerWriter(settings.state_dir / "ledger.db",
                                     window_s=settings.ledger.batch_window_ms / 1000)
         if settings.telemetry.hardware:

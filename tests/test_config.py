@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,34 @@ def test_relative_folders_are_pinned_where_the_command_ran(
     assert s.catalog_dir == tmp_path / "cat"
     monkeypatch.chdir("/")
     assert s.state_dir == tmp_path / "var"  # unchanged by a later chdir
+
+
+@pytest.mark.parametrize(("key", "value", "bound"), [
+    ("telemetry.interval_s", "1e10", "less than or equal to 86400"),
+    ("telemetry.interval_s", "1e-6", "greater than or equal to 1"),
+    ("fleet.metrics_interval_s", "1e-6", "greater than or equal to 1"),
+    ("fleet.ledger_interval_s", "0", "greater than or equal to 1"),
+    ("fleet.progress_interval_s", "1e10", "less than or equal to 86400"),
+    ("retention.ledger_days", "1e10", "less than or equal to 3650"),
+    ("retention.content_hours", "1e10", "less than or equal to 8760"),
+])
+def test_a_value_out_of_its_bounds_stops_the_start_from_the_file_or_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str, value: str,
+        bound: str) -> None:
+    """The bounds `config.patch` is held to are the model's own: a config file or an
+    environment variable with the same value is one config error naming key and bound."""
+    section, leaf = key.split(".")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f"[{section}]\n{leaf} = {value}\n")
+    with pytest.raises(ConfigError, match=rf"invalid setting {re.escape(key)} in .*{bound}"):
+        load_settings(cfg)
+    monkeypatch.setenv(f"EDGE_AGENT_{section.upper()}__{leaf.upper()}", value)
+    with pytest.raises(ConfigError, match=rf"invalid setting {re.escape(key)}: .*{bound}"):
+        load_settings(None)
+
+
+def test_a_tenant_limit_out_of_its_bounds_stops_the_start(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f"[tenants.shop]\ntokens_per_day = {2**64}\n")
+    with pytest.raises(ConfigError, match=r"tenants\.shop\.tokens_per_day .*1000000000000"):
+        load_settings(cfg)

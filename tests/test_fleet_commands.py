@@ -1,12 +1,16 @@
 """The command gate: every refusal with its exact reason and nothing run; stored before
-acknowledged; run once however often delivered; state that survives a restart."""
+acknowledged; run once however often delivered; state that survives a restart; numbers
+past their range (seq 2**64) refused before fleet.db, and a flaw met while one message is
+handled answered and acknowledged — on the real broker too, where such a message was never
+answered and came back after every reconnect."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from edge_agent.fleet.commands import (
     CLOCK_SKEW_S,
     MAX_COMMAND_BYTES,
+    MAX_SEQ,
     Command,
     CommandGate,
     CommandRefused,
@@ -24,6 +29,8 @@ from edge_agent.fleet.commands import (
 )
 from edge_agent.fleet.signing import sign
 from edge_agent.fleet.state import FleetState
+from tests.brokers import Mosquitto
+from tests.commandbox import CommandBox
 
 FLEET, DEVICE = "f1", "store-042"
 OWN = f"edge/v1/{FLEET}/{DEVICE}/cmd"
@@ -337,3 +344,117 @@ def test_prune_forgets_only_finished_old_commands(gate: CommandGate, state: Flee
     assert state.prune(time.time() + 1) == 1
     assert state.command(finished["id"]) is None
     assert state.command(waiting["id"]) is not None
+
+
+# -- numbers past their range, and a flaw met while one message is handled ------------------
+
+@pytest.mark.parametrize("change", [
+    {"seq": MAX_SEQ + 1}, {"seq": 2**64}, {"seq": 10**400}, {"issued_at": 10**400},
+    {"expires_at": 10**400}, {"issued_at": -(10**400)},
+])
+def test_a_number_past_its_range_is_malformed_before_fleet_db(
+        gate: CommandGate, state: FleetState, counter: Counter, change: dict[str, Any]) -> None:
+    obj = command(**change)  # validly signed: only its numbers are wrong
+    delivery = gate.receive(wire(obj), OWN)
+    assert_refused(delivery, "malformed", counter)
+    assert delivery.result is not None and delivery.result.result is not None
+    field = next(iter(change))
+    assert field in delivery.result.result["message"]
+    if field == "seq":
+        assert str(MAX_SEQ) in delivery.result.result["message"]
+    assert state.command(obj["id"]) is None and state.last_seq(DEVICE) == 0
+    # The box goes on: the next command of the stream runs.
+    follow = gate.receive(wire(command(seq=7)), OWN)
+    assert follow.execute and follow.command is not None
+    assert gate.execute(follow.command).status == "ok"
+
+
+def test_the_largest_seq_is_taken(gate: CommandGate, state: FleetState,
+                                  counter: Counter) -> None:
+    obj = command(seq=MAX_SEQ)
+    delivery = gate.receive(wire(obj), OWN)
+    assert delivery.execute and delivery.command is not None
+    assert gate.execute(delivery.command).status == "ok"
+    assert state.last_seq(DEVICE) == MAX_SEQ
+    counter.calls.clear()
+    assert_refused(gate.receive(wire(command(seq=MAX_SEQ)), OWN), "replay", counter)
+
+
+class FlawedState(FleetState):
+    """fleet.db whose next `accept` raises `error`, as a flaw (or a full disk) would."""
+
+    error: BaseException | None = None
+
+    def accept(self, *args: Any, **kwargs: Any) -> bool:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return super().accept(*args, **kwargs)
+
+
+def test_an_unexpected_error_is_answered_failed_and_the_gate_goes_on(
+        tmp_path: Path, counter: Counter, caplog: pytest.LogCaptureFixture) -> None:
+    state = FlawedState(tmp_path / "fleet.db")
+    gate = gate_for(state, counter)
+    state.error = OverflowError("Python int too large to convert to SQLite INTEGER")
+    obj = command()
+    with caplog.at_level("ERROR", logger="edge_agent.fleet.commands"):
+        delivery = gate.receive(wire(obj), OWN)  # does not raise: the PUBACK goes
+    assert not delivery.execute and delivery.result is not None
+    assert delivery.result.body() == {"id": obj["id"], "type": "count", "status": "failed",
+                                      "reason": "OverflowError", "result": None}
+    assert obj["id"] in caplog.text and "OverflowError" in caplog.text
+    follow = gate.receive(wire(command()), OWN)
+    assert follow.execute and follow.command is not None
+    assert gate.execute(follow.command).status == "ok"
+    state.close()
+
+
+@pytest.mark.parametrize("error", [
+    sqlite3.OperationalError("database or disk is full"), OSError(28, "No space left"),
+    sqlite3.DatabaseError("database disk image is malformed"),
+])
+def test_fleet_db_that_cannot_be_written_still_withholds_the_puback(
+        tmp_path: Path, counter: Counter, error: Exception) -> None:
+    state = FlawedState(tmp_path / "fleet.db")
+    gate = gate_for(state, counter)
+    state.error = error
+    payload = wire(command())
+    with pytest.raises(type(error)):
+        gate.receive(payload, OWN)
+    assert gate.receive(payload, OWN).execute  # delivered again once the disk takes it
+    state.close()
+
+
+@pytest.mark.broker
+def test_a_seq_past_sqlite_on_the_real_broker_is_refused_and_acknowledged(
+        tmp_path: Path, mosquitto_factory: Callable[..., Mosquitto], counter: Counter) -> None:
+    """A validly signed command with seq 2**64 is answered (refused, `malformed`), its
+    message acknowledged: the next command runs, and after a reconnect the broker delivers
+    nothing again."""
+    box_id = "store-big"
+    broker = mosquitto_factory(devices=(box_id,)).start()
+    box = CommandBox(broker, tmp_path, box_id, {"ping": ping, "count": counter})
+    try:
+        huge = [box.command("count", seq=2**64), box.command("count", seq=10**30),
+                box.command("count", issued_at=10**400)]
+        for obj in huge:
+            box.send(obj)
+        for obj in huge:
+            got = box.result(obj)
+            assert (got["status"], got["reason"]) == ("refused", "malformed"), got
+            assert "bad field(s)" in got["result"]["message"]
+        assert str(MAX_SEQ) in box.result(huge[0])["result"]["message"]
+        follow = box.command("count", seq=3)
+        box.send(follow)
+        got = box.result(follow)
+        assert got["status"] == "ok" and counter.calls == [follow["id"]]
+        # Every message was acknowledged: a new session on the same state is sent nothing.
+        seen = box.link.counts.get("commands", 0)
+        assert seen == len(huge) + 1, box.link.counts
+        link = box.restart()
+        time.sleep(1.5)
+        assert link.counts.get("commands", 0) == 0, link.counts
+        assert link.counts.get("errors", 0) == 0, link.counts
+    finally:
+        box.close()

@@ -181,13 +181,15 @@ def test_what_breaks_the_protocol_is_dropped_counted_and_survived(
     device.publish(f"edge/v1/{FLEET}/{A}/metrics", b"not json")
     device.publish(f"edge/v1/{FLEET}/{A}/metrics", envelope(1, device=B))
     device.publish(f"edge/v1/{FLEET}/{A}/status", b'{"v":1,"type":"birth"}')
+    huge_ts = json.dumps({**json.loads(envelope(2)), "ts": 10**400}).encode()
+    device.publish(f"edge/v1/{FLEET}/{A}/metrics", huge_ts)  # once raised in paho's callback
     device.publish(f"edge/v1/{FLEET}/{A}/metrics", envelope(1))
     assert Acked(device).covers(1, 1)
     m = controller.metrics
     assert controller.store.messages(A) and len(controller.store.messages(A)) == 1
     assert counter(m, "edge_fleet_messages_rejected_total", reason="topic") == 2
     assert counter(m, "edge_fleet_messages_rejected_total", reason="json") == 1
-    assert counter(m, "edge_fleet_messages_rejected_total", reason="envelope") == 1
+    assert counter(m, "edge_fleet_messages_rejected_total", reason="envelope") == 2
     assert counter(m, "edge_fleet_messages_rejected_total", reason="status") == 1
     assert counter(m, "edge_fleet_messages_ignored_total") == 1
     known = [d["device"] for d in controller.store.devices()]

@@ -126,6 +126,8 @@ def test_spec_defaults() -> None:
     ({"prompts": [{"prompt": "x", "expect": {"matches": "x"}}]}, "unknown field"),
     ({"tokens_per_s_floor": -1}, "tokens_per_s_floor"),
     ({"ttft_ms_max": True}, "ttft_ms_max"),
+    ({"ttft_ms_max": 10**400}, "ttft_ms_max"),  # past any float: refused, not OverflowError
+    ({"soak": {"requests": 2, "within_s": -(10**400)}}, "soak.within_s"),
     ({"memory_headroom_bytes": 1.5}, "memory_headroom_bytes"),
     ({"soak": {"requests": 2, "window": 3}}, "soak"),
     ({"prompts": [{"prompt": "x"}] * 33}, "at most 32"),

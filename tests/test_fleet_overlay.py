@@ -1,24 +1,37 @@
-"""config.patch: only the allow-list, values validated as the config file's are, persisted
-atomically and applied at start."""
+"""config.patch: only the allow-list, values validated as the config file's are (every key
+within its bounds, the same from a file, the environment or a patch, and the docs saying
+them), persisted atomically and applied at start; a patch out of bounds refused over the
+real broker with nothing changed."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+import annotated_types
 import pytest
 
-from edge_agent.config import Settings, load_settings
+from edge_agent.config import Settings, TenantPolicy, load_settings
+from edge_agent.fleet import overlay
 from edge_agent.fleet.commands import Command, CommandRefused
+from edge_agent.fleet.handlers import box_handlers, copy_patched
 from edge_agent.fleet.overlay import (
+    KEYS,
+    NULLABLE,
     OVERLAY_FILE,
+    TENANT_KEYS,
     apply_overlay,
     apply_patch,
     config_patch_handler,
     load_overlay,
     patched,
 )
+from edge_agent.telemetry.hardware import HardwareSampler
+from tests.brokers import Mosquitto
+from tests.commandbox import CommandBox
 
 
 @pytest.fixture
@@ -155,3 +168,172 @@ def test_the_download_cap_may_be_lifted_with_null(settings: Settings, tmp_path: 
     assert capped.fleet.max_download_bytes_per_s == 1_000_000
     lifted = apply_patch(capped, tmp_path, {"fleet.max_download_bytes_per_s": None})
     assert lifted.fleet.max_download_bytes_per_s is None
+
+
+# -- bounds: every allowed key has them, in the Settings, and the docs say them ---------------
+
+@pytest.mark.parametrize(("key", "value", "bound"), [
+    ("telemetry.interval_s", 1e10, "86400"), ("telemetry.interval_s", 1e-6, "1"),
+    ("telemetry.interval_s", 0.5, "1"), ("fleet.metrics_interval_s", 1e-6, "1"),
+    ("fleet.metrics_interval_s", 86_401, "86400"), ("fleet.ledger_interval_s", 1e-6, "1"),
+    ("fleet.ledger_interval_s", 1e10, "86400"), ("fleet.progress_interval_s", 0.01, "0.1"),
+    ("fleet.progress_interval_s", 1e10, "86400"),
+    ("fleet.max_download_bytes_per_s", 10**30, "10000000000"),
+    ("retention.ledger_days", 0.001, "1"), ("retention.ledger_days", 1e10, "3650"),
+    ("retention.content_hours", 1e10, "8760"), ("fleet.rollout_nice", -1, "0"),
+    ("tenants.shop.requests_per_minute", 2**64, "1000000"),
+    ("tenants.shop.tokens_per_minute", 10**10, "1000000000"),
+    ("tenants.eu.north.tokens_per_day", 10**13, "1000000000000"),
+])
+def test_a_value_past_its_bound_is_refused_naming_the_key_and_the_bound(
+        settings: Settings, tmp_path: Path, key: str, value: Any, bound: str) -> None:
+    apply_patch(settings, tmp_path, {"retention.ledger_days": 7})
+    before = (tmp_path / OVERLAY_FILE).read_bytes()
+    with pytest.raises(CommandRefused) as info:
+        # with a good key beside it: the whole patch is refused, nothing of it half-taken
+        apply_patch(settings, tmp_path, {"telemetry.interval_s": 10, key: value})
+    message = refused(info)
+    assert key in message and message.endswith(f" {bound}"), message
+    assert (tmp_path / OVERLAY_FILE).read_bytes() == before
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400)])
+def test_an_integer_past_any_float_is_refused_not_raised(settings: Settings, tmp_path: Path,
+                                                         value: int) -> None:
+    for key in ("telemetry.interval_s", "tenants.shop.tokens_per_day"):
+        with pytest.raises(CommandRefused) as info:
+            apply_patch(settings, tmp_path, {key: value})
+        assert key in refused(info) and "finite" in refused(info)
+    assert not (tmp_path / OVERLAY_FILE).exists()
+
+
+def test_the_bounds_themselves_are_taken(settings: Settings, tmp_path: Path) -> None:
+    edges = {"telemetry.interval_s": (1, 86_400), "fleet.metrics_interval_s": (1, 86_400),
+             "fleet.ledger_interval_s": (1, 86_400), "fleet.progress_interval_s": (0.1, 86_400),
+             "fleet.max_download_bytes_per_s": (1024, 10**10),
+             "retention.ledger_days": (1, 3650), "retention.content_hours": (0, 8760),
+             "tenants.shop.requests_per_minute": (1, 10**6),
+             "tenants.shop.tokens_per_minute": (1, 10**9),
+             "tenants.shop.tokens_per_day": (1, 10**12)}
+    for key, pair in edges.items():
+        for value in pair:
+            assert _leaf(apply_patch(settings, tmp_path, {key: value}), key) == value
+
+
+def _leaf(settings: Settings, key: str) -> Any:
+    node: Any = settings
+    if key.startswith("tenants."):
+        name, _, leaf = key[len("tenants."):].rpartition(".")
+        return getattr(settings.tenants[name], leaf)
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def settings_bounds(key: str) -> tuple[float, float, bool]:
+    """(low, high, nullable) of a patchable key, as the Settings model's fields hold them."""
+    if key.startswith("tenants."):
+        model: Any = TenantPolicy
+    else:
+        model = Settings.model_fields[key.split(".")[0]].annotation
+    info = model.model_fields[key.rpartition(".")[2]]
+    low = high = None
+    for bound in info.metadata:
+        assert not isinstance(bound, annotated_types.Gt | annotated_types.Lt), (
+            f"{key}: the docs give bounds as inclusive (ge/le)")
+        if isinstance(bound, annotated_types.Ge):
+            low = bound.ge
+        if isinstance(bound, annotated_types.Le):
+            high = bound.le
+    assert low is not None and high is not None, f"{key} has no bounds in the Settings"
+    return float(low), float(high), type(None) in get_args(info.annotation)
+
+
+def _documented(rows: list[tuple[str, str]]) -> dict[str, tuple[float, float, bool]]:
+    out = {}
+    for key, cell in rows:
+        m = re.match(r"\s*([\d_.]+) … ([\d_.]+)", cell)
+        assert m is not None, f"{key}: no 'low … high' in {cell!r}"
+        out[key] = (float(m.group(1)), float(m.group(2)), "null" in cell)
+    return out
+
+
+def _patchable() -> set[str]:
+    return set(KEYS) | {f"tenants.<name>.{leaf}" for leaf in TENANT_KEYS}
+
+
+def test_the_documented_bounds_are_the_settings_own() -> None:
+    """The allow-list with its bounds, in this module's docstring and in the README, is
+    the Settings' constraints and the overlay's keys — no more, no less."""
+    settings = {key: settings_bounds(key) for key in _patchable()}
+    assert {k for k, (_, _, nullable) in settings.items() if nullable} == (
+        set(NULLABLE) | {k for k in settings if k.startswith("tenants.")})
+    doc = overlay.__doc__ or ""
+    rows = re.findall(r"^ {4}((?:telemetry|fleet|retention|tenants)\.\S+) +(.+)$", doc, re.M)
+    assert _documented(rows) == settings
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### `config.patch`: settings the controller may change", 1)[1]
+    section = section.split("\n### ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_<>.]+)` \| ([^|]+) \|", section, re.M)
+    assert _documented(rows) == settings
+
+
+@pytest.mark.broker
+def test_a_patch_past_a_bound_on_the_real_broker_is_refused_and_nothing_changes(
+        tmp_path: Path, mosquitto_factory: Callable[..., Mosquitto]) -> None:
+    """`telemetry.interval_s = 1e10` (which ended the hardware sampler at every start) and
+    `fleet.metrics_interval_s = 1e-6` (hundreds of messages a second) are refused with the
+    key and the bound; nothing is persisted or applied; a good patch after them is taken."""
+    box_id = "store-patch"
+    broker = mosquitto_factory(devices=(box_id,)).start()
+    state = tmp_path / "state"
+    settings = Settings(state_dir=state, tenants={"shop": TenantPolicy()})
+    sampler = HardwareSampler([], interval_s=settings.telemetry.interval_s)
+    sampler.start()
+
+    def apply_live(new: Settings, changes: dict[str, Any]) -> list[str]:
+        done = copy_patched(settings, new, changes)
+        sampler.interval_s = settings.telemetry.interval_s
+        return done
+
+    handlers = box_handlers(settings, state, purge=lambda before: 0,
+                            revoke=lambda prefix: False, apply_live=apply_live)
+    box = CommandBox(broker, tmp_path, box_id, handlers)
+    try:
+        bad = [(box.command("config.patch", {"set": {"telemetry.interval_s": 1e10}}),
+                "'telemetry.interval_s': Input should be less than or equal to 86400"),
+               (box.command("config.patch", {"set": {"fleet.metrics_interval_s": 1e-6,
+                                                     "retention.ledger_days": 30}}),
+                "'fleet.metrics_interval_s': Input should be greater than or equal to 1")]
+        for command, _ in bad:
+            box.send(command)
+        for command, message in bad:
+            got = box.result(command)
+            assert (got["status"], got["reason"]) == ("refused", "malformed"), got
+            assert got["result"] == {"message": message}
+        assert not (state / OVERLAY_FILE).exists()
+        assert (settings.telemetry.interval_s, settings.fleet.metrics_interval_s,
+                settings.retention.ledger_days) == (5.0, 60.0, 90)
+        good = box.command("config.patch", {"set": {"telemetry.interval_s": 86_400}})
+        box.send(good)
+        assert box.result(good)["status"] == "ok"
+        assert load_overlay(state) == {"telemetry.interval_s": 86_400}
+        assert sampler.interval_s == 86_400 and sampler.running
+    finally:
+        box.close()
+        sampler.stop()
+
+
+def test_an_overlay_saved_past_a_bound_is_skipped_at_start(
+        settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An overlay written before the bounds held (`telemetry.interval_s = 1e10`, which ended
+    the hardware sampler at every start) no longer reaches the box: the config file's
+    value applies, the warning names the key and the bound."""
+    (tmp_path / OVERLAY_FILE).write_text(json.dumps({"v": 1, "set": {
+        "telemetry.interval_s": 1e10, "fleet.metrics_interval_s": 1e-6,
+        "retention.ledger_days": 30}}))
+    with caplog.at_level("WARNING", logger="edge_agent.fleet.overlay"):
+        new = apply_overlay(settings, tmp_path)
+    assert (new.telemetry.interval_s, new.fleet.metrics_interval_s,
+            new.retention.ledger_days) == (5.0, 60.0, 30)
+    assert "'telemetry.interval_s' not applied" in caplog.text and "86400" in caplog.text

@@ -128,6 +128,37 @@ def test_paths_outside_the_tree_are_not_served(tree: Path, tmp_path: Path) -> No
         server.stop()
 
 
+def test_absurd_range_numbers_are_answered_as_any_other_range(tree: Path) -> None:
+    """Positions of thousands of digits (past int()'s 4,300-digit limit) over a live server:
+    a start past the end is a 416 with `bytes */size`, an end or a suffix past the file
+    is the whole of it (206, as RFC 9110 reads them), leading zeros are only zeros; a
+    header that is not one byte range gets the whole file (200). Never a 500."""
+    huge = "9" * 5000
+    server = ArtifactServer(tree).start()
+    try:
+        def get(value: str) -> tuple[int, str | None, bytes]:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+                conn.request("GET", "/releases/targets/m/blob.gguf", headers={"Range": value})
+                resp = conn.getresponse()
+                return resp.status, resp.getheader("content-range"), resp.read()
+            finally:
+                conn.close()
+
+        whole = bytes(range(256)) * 4
+        for value in (f"bytes={huge}-", f"bytes={huge}-{huge}"):
+            assert get(value) == (416, "bytes */1024", b""), value[:20]
+        for value in (f"bytes=0-{huge}", f"bytes=-{huge}"):
+            assert get(value) == (206, "bytes 0-1023/1024", whole), value[:20]
+        assert get(f"bytes=1000-{huge}") == (206, "bytes 1000-1023/1024", whole[1000:])
+        assert get(f"bytes={'0' * 5000}10-{'0' * 5000}19") == (
+            206, "bytes 10-19/1024", whole[10:20])
+        for value in (f"bytes={huge}", f"bytes=-{huge}-", f"bytes={huge}-{huge},0-1"):
+            assert get(value) == (200, None, whole), value[:20]
+    finally:
+        server.stop()
+
+
 # -- downloads --------------------------------------------------------------------------
 
 

@@ -117,3 +117,70 @@ def test_psutil_reader_and_sampler(tmp_path: Path) -> None:
     assert 0 <= got[("cpu_utilization_ratio", ())] <= 1
     names = {r.name for r in sampler.snapshot}
     assert {"process_resident_bytes", "state_disk_free_bytes", "load_average"} <= names
+
+
+def _wait_for(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(predicate())
+
+
+class Counting:
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def read(self) -> list[Reading]:
+        self.reads += 1
+        return [Reading("reads_total", self.reads)]
+
+
+def test_the_sampler_outlives_an_interval_no_wait_can_take() -> None:
+    """`telemetry.interval_s = 1e10` once ended the thread (a wait past
+    threading.TIMEOUT_MAX raises OverflowError): the wait is held to a day, and an interval
+    patched back is followed within a second, not after the day."""
+    reader = Counting()
+    sampler = HardwareSampler([reader], interval_s=0.05)
+    sampler.start()
+    try:
+        assert _wait_for(lambda: reader.reads >= 3, 5)
+        sampler.interval_s = 1e10
+        time.sleep(0.3)
+        sampler.interval_s = 0.05
+        reads = reader.reads
+        assert _wait_for(lambda: reader.reads >= reads + 3, 5), "sampling did not resume"
+        assert sampler.running
+        sampler.interval_s = 1e10
+        assert sampler.pause_s() == 86400.0
+        for odd in (float("nan"), float("inf"), -1.0, 0.0, 10**400):
+            sampler.interval_s = odd
+            assert sampler.pause_s() == 5.0
+    finally:
+        sampler.stop()
+    assert not sampler.running
+
+
+def test_a_step_that_raises_is_logged_and_sampling_goes_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    reader = Counting()
+    sampler = HardwareSampler([reader], interval_s=0.05)
+    calls = [0]
+    real = sampler.sample
+
+    def flaky() -> list[Reading]:
+        calls[0] += 1
+        if calls[0] == 2:  # the thread's first step
+            raise RuntimeError("snapshot lost")
+        return real()
+
+    sampler.sample = flaky  # type: ignore[method-assign]
+    with caplog.at_level("ERROR", logger="edge_agent.telemetry.hardware"):
+        sampler.start()
+        try:
+            assert _wait_for(lambda: reader.reads >= 3, 5), "sampling stopped after an error"
+            assert sampler.running
+        finally:
+            sampler.stop()
+    assert "snapshot lost" in caplog.text and "sampling goes on" in caplog.text

@@ -179,30 +179,29 @@ def _sse(live: LiveServer, path: str, body: dict[str, Any]) -> list[str]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("second", "code"), [("", None),
-                                              ("word " * 3000, "context_length_exceeded")])
-def test_a_multi_prompt_stream_ends_with_an_error_event_not_a_cut(
-        live_server: LiveServer, second: str, code: str | None) -> None:
-    events = _sse(live_server, "/completions", {
-        "model": DEFAULT_MODEL, "prompt": ["Hi", second], "stream": True, "max_tokens": 2,
-        "temperature": 0})
-    assert "[DONE]" not in events
-    last = json.loads(events[-1])
-    assert last["error"]["param"] == "prompt.1" and last["error"]["code"] == code
-    finished = [json.loads(e)["choices"][0] for e in events[:-1]]
-    assert finished[-1]["index"] == 0 and finished[-1]["finish_reason"] == "length"
-
-
-@pytest.mark.integration
-def test_the_official_client_sees_the_error_of_a_later_prompt(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.APIError) as err:
-        list(client.completions.create(model=DEFAULT_MODEL, prompt=["Hi", ""], stream=True,
-                                       max_tokens=2, temperature=0))
-    assert type(err.value) is openai.APIError  # an error event, not a dropped connection
-    assert isinstance(err.value.body, dict) and err.value.body["param"] == "prompt.1"
-    with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model=DEFAULT_MODEL, prompt=["Hi", ""], max_tokens=2)
-    assert isinstance(bad.value.body, dict) and bad.value.body["param"] == "prompt.1"
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(("prompts", "code"), [
+    (["Hi", ""], None),
+    (["Hi", "word " * 3000], "context_length_exceeded"),
+    ([[1, 2, 3], [10**9]], None),  # a token id outside the vocabulary
+], ids=["empty", "too-long", "bad-token-id"])
+def test_a_later_prompt_is_refused_before_anything_is_generated(
+        client: openai.OpenAI, live_server: LiveServer, stream: bool,
+        prompts: list[Any], code: str | None) -> None:
+    """Every prompt of a list is checked before the response starts: a 400 naming the
+    prompt, stream or not (no stream opened), and no generation served (the request's
+    ledger row is the refusal's, with no tokens generated)."""
+    trace = f"compat-later-{len(prompts[1])}-{int(stream)}"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=DEFAULT_MODEL, prompt=prompts, stream=stream,
+                                  max_tokens=2, temperature=0,
+                                  extra_headers={"X-Request-Id": trace})
+    assert isinstance(err.value.body, dict)
+    assert err.value.body["param"] == "prompt.1" and err.value.body["code"] == code
+    assert err.value.body["type"] == "invalid_request_error"
+    row = _ledger(live_server, [trace])[trace]
+    assert row["status"] == 400
+    assert row["completion_tokens"] is None and row["done_reason"] is None
 
 
 @pytest.mark.integration

@@ -10,12 +10,13 @@ stream ends with `data: [DONE]` or, after an error, with an error event.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import secrets
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -388,14 +389,26 @@ async def completions(request: Request, parts: Parts) -> Response:
     def echo(req: GenerationRequest) -> str:
         return (req.prompt or "") if body.echo else ""
 
-    async def prepare(i: int) -> PreparedGeneration:
+    @contextlib.contextmanager
+    def naming_prompt(i: int) -> Iterator[None]:
         try:
-            return await parts.service.prepare(requests[i], tenant=tenant_of(request))
+            yield
         except InvalidRequest as exc:
             if exc.param == "prompt" and len(requests) > 1:
                 exc.param = f"prompt.{i}"  # which of the prompts
             raise
 
+    async def prepare(i: int) -> PreparedGeneration:
+        with naming_prompt(i):
+            return await parts.service.prepare(requests[i], tenant=tenant_of(request))
+
+    if len(requests) > 1:
+        # Every prompt is found acceptable (or refused, 400 naming it) before the first
+        # byte: the prompts run one after another, and a refusal found at a later one's
+        # turn could only end a response already under way.
+        for i, req in enumerate(requests):
+            with naming_prompt(i):
+                await parts.service.check(req, tenant=tenant_of(request))
     first = await prepare(0)  # refuse (scope, a model that is not there) before any head
     ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
     head = {"id": ident, "created": created, "object": "text_completion",
@@ -426,7 +439,8 @@ async def completions(request: Request, parts: Parts) -> Response:
         return _sse(obj)
 
     async def events() -> AsyncIterator[bytes]:
-        """The prompts one after the other; a later prompt refused (or failing) ends the
+        """The prompts one after the other (each checked before the stream started); a
+        later prompt that cannot run at its turn (rate, queue, deadline) or fails ends the
         stream with an error event, like an error while generating."""
         usage = [0, 0, 0]
         for i, req in enumerate(requests):

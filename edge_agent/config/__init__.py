@@ -27,14 +27,14 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from edge_agent.config.base import ConfigError, _Section
+from edge_agent.config.base import MAX_INTERVAL_S, MIN_INTERVAL_S, ConfigError, _Section
 from edge_agent.config.fleet import BrokerAddress, FleetSettings, parse_broker, parse_window
 
-__all__ = ["DEFAULT_CONFIG_FILE", "BrokerAddress", "ConfigError", "FleetSettings",
-           "LayeredSettings", "LedgerSettings", "ModelOverride", "ModelsSettings",
-           "RedactionSettings", "RetentionSettings", "RuntimeSettings", "ServerSettings",
-           "Settings", "TelemetrySettings", "TenantPolicy", "load_layered", "load_settings",
-           "parse_broker", "parse_window"]
+__all__ = ["DEFAULT_CONFIG_FILE", "MAX_INTERVAL_S", "MIN_INTERVAL_S", "BrokerAddress",
+           "ConfigError", "FleetSettings", "LayeredSettings", "LedgerSettings",
+           "ModelOverride", "ModelsSettings", "RedactionSettings", "RetentionSettings",
+           "RuntimeSettings", "ServerSettings", "Settings", "TelemetrySettings",
+           "TenantPolicy", "load_layered", "load_settings", "parse_broker", "parse_window"]
 
 DEFAULT_CONFIG_FILE = Path("/etc/edge-agent/config.toml")
 
@@ -80,9 +80,12 @@ class TenantPolicy(_Section):
     models: list[str] = Field(["*"], description="Model names or globs the tenant may use.")
     max_context_tokens: int | None = Field(None, ge=16)
     max_output_tokens: int | None = Field(None, ge=1)
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-    tokens_per_day: int | None = Field(None, ge=1)
+    # Upper bounds far above what one box serves (a million requests a minute), so that a
+    # limit is a limit: past them a figure is a typo or an attack on the arithmetic, not a
+    # ceiling anyone means (unset is "no ceiling").
+    requests_per_minute: int | None = Field(None, ge=1, le=1_000_000)
+    tokens_per_minute: int | None = Field(None, ge=1, le=1_000_000_000)
+    tokens_per_day: int | None = Field(None, ge=1, le=1_000_000_000_000)
     priority: Literal["interactive", "batch"] = "interactive"
     truncate: Literal["error", "oldest_turns"] = Field(
         "error", description="A prompt over the context: refuse (400) or drop oldest turns."
@@ -118,13 +121,20 @@ class LedgerSettings(_Section):
 
 
 class RetentionSettings(_Section):
-    ledger_days: float = Field(90, gt=0, description="Days request metadata is kept.")
+    # At least a day: the hourly purge with a smaller figure empties the ledger as it
+    # fills; at most ten years (and a year of content, which is a short window by design).
+    ledger_days: float = Field(
+        90, ge=1, le=3650, description="Days request metadata is kept (1 to 3650).")
     content_hours: float = Field(
-        0, ge=0, description="Hours redacted prompt/response text is kept (0: never stored).")
+        0, ge=0, le=8760,
+        description="Hours redacted prompt/response text is kept (0: never stored; at most "
+        "8760, a year).")
 
 
 class TelemetrySettings(_Section):
-    interval_s: float = Field(5.0, gt=0, description="Seconds between hardware samples.")
+    interval_s: float = Field(
+        5.0, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S,
+        description="Seconds between hardware samples (1 to 86400).")
     hardware: bool = Field(True, description="Sample CPU, memory, GPU and Jetson sensors.")
     metrics: bool = Field(True, description="Serve /metrics and observe every request.")
 

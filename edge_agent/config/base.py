@@ -5,6 +5,16 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+# The bounds of the box's periodic work (a hardware sample, a metrics or ledger summary
+# over the fleet link): more often than once a second floods the link (a metrics interval
+# of 1e-6 s measured 151-469 messages a second) or takes a core on an idle box (a sampling
+# interval of 1e-6 s: 0.3-0.8 of one); less often than once a day is no longer telemetry,
+# and far beyond it a thread's wait overflows (`threading.TIMEOUT_MAX`). The same bounds
+# hold for the config file, the environment and `config.patch`, since all three are
+# checked by the one model.
+MIN_INTERVAL_S = 1.0
+MAX_INTERVAL_S = 86400.0
+
 
 class ConfigError(Exception):
     """A configuration problem, reported to the operator as one line (exit 2)."""

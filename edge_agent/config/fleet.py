@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from edge_agent.config.base import _Section
+from edge_agent.config.base import MAX_INTERVAL_S, MIN_INTERVAL_S, _Section
 
 
 class BrokerAddress(NamedTuple):
@@ -24,6 +24,11 @@ class BrokerAddress(NamedTuple):
 
 
 _BROKER_SCHEMES = {"mqtt": (1883, False), "mqtts": (8883, True)}
+# A download's progress is offered at most every 0.25 s (`fleet.transfer`), so an interval
+# below that sends no more often; the floor only keeps the figure sane.
+MIN_PROGRESS_INTERVAL_S = 0.1
+# A cap above any link's speed (10 GB/s) caps nothing: no cap is written as unset.
+MAX_DOWNLOAD_BYTES_PER_S = 10_000_000_000
 
 
 def parse_broker(url: str, *, credentials: str = "fleet.username and fleet.password_file"
@@ -78,9 +83,11 @@ class FleetSettings(_Section):
         None, description="The controller's ed25519 public key (PEM). Commands are "
         "verified against it; unset: every command is refused (bad_signature).")
     metrics_interval_s: float = Field(
-        60.0, gt=0, description="Seconds between metrics messages.")
+        60.0, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S,
+        description="Seconds between metrics messages (1 to 86400).")
     ledger_interval_s: float = Field(
-        60.0, gt=0, description="Seconds between ledger summaries.")
+        60.0, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S,
+        description="Seconds between ledger summaries (1 to 86400).")
     outbox_max_bytes: int = Field(
         64 * 1024 * 1024, ge=64 * 1024,
         description="Bytes the outbox may hold; past it the oldest metrics rows are dropped "
@@ -99,13 +106,28 @@ class FleetSettings(_Section):
         "controller's `fleet serve`, or any HTTP server / object store with Range), e.g. "
         "http://controller:8480/releases/.")
     max_download_bytes_per_s: int | None = Field(
-        None, ge=1024, description="Cap on a model download's rate; unset: as fast as the "
-        "link allows.")
+        None, ge=1024, le=MAX_DOWNLOAD_BYTES_PER_S,
+        description="Cap on a model download's rate (1024 to 10^10 bytes a second); unset: "
+        "as fast as the link allows.")
     download_headroom_bytes: int = Field(
         1 << 30, ge=0, description="Free disk a download must leave besides the file itself.")
+    min_transfer_bytes_per_s: int = Field(
+        4096, ge=1, description="The slowest a release's metadata and model file may arrive "
+        "on average once transfer_grace_s has passed (TUF's slow-retrieval defence): a "
+        "fetch that falls behind is cut (too_slow, retried by a rollout), so a file of N "
+        "bytes has transfer_grace_s + N / this seconds. Under max_download_bytes_per_s a "
+        "download's floor is at most half the cap.")
+    transfer_grace_s: float = Field(
+        30.0, gt=0, description="Seconds a release fetch has before "
+        "min_transfer_bytes_per_s applies (connecting, the first bytes); also the longest "
+        "a read waits for any byte.")
+    metadata_deadline_s: float = Field(
+        120.0, gt=0, description="Seconds one release lookup may spend fetching metadata "
+        "(root, timestamp, snapshot, targets) in all; past it the lookup fails (too_slow).")
     progress_interval_s: float = Field(
-        5.0, gt=0, description="Seconds between a rollout's download progress messages over "
-        "the link (audit, never dropped); the first and the last always go.")
+        5.0, ge=MIN_PROGRESS_INTERVAL_S, le=MAX_INTERVAL_S,
+        description="Seconds between a rollout's download progress messages over the link "
+        "(audit, never dropped; 0.1 to 86400); the first and the last always go.")
     rollout_nice: int = Field(
         10, ge=0, le=19, description="How much lower the CPU priority of a rollout's "
         "download, verification and precheck runs than serving (nice increment; 0: the "

@@ -51,6 +51,7 @@ from edge_agent.engine.versions import (
 )
 from edge_agent.errors import Conflict, InvalidRequest, ModelFileError, ModelNotFound
 from edge_agent.names import MAX_NAME_CHARS, normalize_name
+from edge_agent.owner_only import private_dir
 
 # What callers have always imported from here.
 __all__ = ["MAX_NAME_CHARS", "CatalogEntry", "InstalledModel", "ManifestExtras", "ModelStore",
@@ -387,8 +388,7 @@ class ModelStore:
                     raise
 
     def _staging(self) -> Staging:
-        self.blobs.mkdir(parents=True, exist_ok=True)
-        return Staging(self.blobs)
+        return Staging(private_dir(self.blobs))
 
     def _commit(
         self,

@@ -21,6 +21,7 @@ from urllib.parse import quote
 from pydantic import ValidationError
 
 from edge_agent.engine.records import InstalledModel
+from edge_agent.owner_only import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def read_all(folder: Path) -> list[InstalledModel]:
 
 
 def write(folder: Path, model: InstalledModel) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
+    private_dir(folder)
     # A name of its own per writer ('.' and no .json: never read as a manifest), then a
     # rename: a reader sees the old file or the new one.
     fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".tmp", dir=folder)

@@ -27,6 +27,7 @@ from sqlite_utils.migrations import Migrations
 
 from edge_agent.engine.records import InstalledModel
 from edge_agent.errors import ModelNotFound
+from edge_agent.owner_only import private_file
 
 MODELS_DB = "models.db"
 MIGRATIONS = Migrations("edge-agent-models")
@@ -200,7 +201,7 @@ class VersionDB:
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_file(path)  # 0600, and so its -wal and -shm
         conn = self._conn()
         db = Database(conn)
         db.enable_wal()

@@ -8,8 +8,11 @@ the one place that runs them.
 reason that applies (`CommandRefused.reason`):
 
 1. size <= 64 KiB (`oversized`), before anything is parsed;
-2. strict JSON with exactly the fields above, each of its type (`malformed`) — but a
-   missing or non-text `sig` is left to step 4;
+2. strict JSON with exactly the fields above, each of its type and within its range
+   (`malformed`): `seq` 1 … 2**63-1 (`MAX_SEQ`: fleet.db keeps it as an SQLite INTEGER,
+   signed 64-bit, and a seq beyond would fail the store at every redelivery), the times
+   finite numbers — so nothing out of range ever reaches fleet.db; but a missing or
+   non-text `sig` is left to step 4;
 3. fleet is this box's, device is this box's or `all`, and the topic it came on is that
    same device's (or `all`'s) `cmd` topic (`wrong_device`);
 4. the controller's signature (`bad_signature`);
@@ -22,10 +25,14 @@ reason that applies (`CommandRefused.reason`):
 
 An accepted command is committed to fleet.db BEFORE `receive` returns; only then may the
 link send the PUBACK (paho `manual_ack=True`). Every outcome of `receive` means "send the
-PUBACK now"; `receive` raises only when fleet.db cannot be written, and then the PUBACK
-must not be sent. Refusals from step 6 on are stored under the command's id (it is
-authentic); earlier ones are not — an unauthenticated message must not be able to occupy
-the id of a real command to come.
+PUBACK now"; `receive` raises only when fleet.db cannot be written (an OSError, sqlite3's
+operational errors, a damaged file), and then the PUBACK must not be sent: the broker
+delivers the command again once the disk takes it. Any other exception while one message
+is handled is a flaw that the same message would meet at every delivery (a poison message,
+redelivered after every reconnect and never answered): it is logged and answered `failed`
+with the exception's type, not stored, and the PUBACK is sent. Refusals from step 6 on are
+stored under the command's id (it is authentic); earlier ones are not — an unauthenticated
+message must not be able to occupy the id of a real command to come.
 
 `execute(command)` runs an accepted command's handler once and records its outcome once
 (ok / refused / failed). A handler raises CommandRefused to refuse (e.g. `malformed`
@@ -37,8 +44,10 @@ reaches the caller. This module never publishes: the link turns `Result.body()` 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -62,10 +71,14 @@ from edge_agent.fleet.refusals import (
 from edge_agent.fleet.signing import verify
 from edge_agent.fleet.state import FAILED, OK, REFUSED, FleetState, StoredCommand
 
-__all__ = ["CLOCK_SKEW_S", "MAX_COMMAND_BYTES", "REASONS", "Command", "CommandGate",
-           "CommandRefused", "Delivery", "Handler", "Result", "ping"]
+__all__ = ["CLOCK_SKEW_S", "MAX_COMMAND_BYTES", "MAX_SEQ", "REASONS", "Command",
+           "CommandGate", "CommandRefused", "Delivery", "Handler", "Result",
+           "is_finite_number", "ping"]
 
+log = logging.getLogger(__name__)
 MAX_COMMAND_BYTES = 64 * 1024
+# The largest seq: fleet.db stores it as an SQLite INTEGER (signed 64-bit).
+MAX_SEQ = 2**63 - 1
 # A box's clock may lag the controller's by seconds (NTP not yet synced after boot); a
 # command is still taken this long after its expiry. Replay is stopped by seq, not by this.
 CLOCK_SKEW_S = 30.0
@@ -73,6 +86,11 @@ _FIELDS = frozenset({"v", "id", "fleet", "device", "type", "seq", "issued_at", "
                      "args", "sig"})
 _COMMAND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TYPE = re.compile(r"[a-z][a-z0-9_.-]{0,63}")
+# What a numeric field must be, said in its refusal so that the controller's operator
+# sees the range and not only the name.
+_HINTS = {"seq": f"a whole number from 1 to {MAX_SEQ} (2**63-1)",
+          "issued_at": "a finite number (unix time)",
+          "expires_at": "a finite number (unix time)"}
 
 
 @dataclass(frozen=True)
@@ -133,8 +151,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_finite_number(value: Any) -> bool:
+    """A JSON number (not a bool) that is finite as a float. A JSON integer has no size
+    limit, and one past the float range would make `math.isfinite` itself raise
+    OverflowError: such a number is simply not one."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _is_time(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    return is_finite_number(value)
 
 
 def parse(payload: bytes) -> dict[str, Any]:
@@ -160,14 +190,16 @@ def parse(payload: bytes) -> dict[str, Any]:
         ("fleet", isinstance(obj["fleet"], str)),
         ("device", isinstance(obj["device"], str)),
         ("type", isinstance(obj["type"], str) and bool(_TYPE.fullmatch(obj["type"]))),
-        ("seq", _is_int(obj["seq"]) and obj["seq"] >= 1),
+        ("seq", _is_int(obj["seq"]) and 1 <= obj["seq"] <= MAX_SEQ),
         ("issued_at", _is_time(obj["issued_at"])),
         ("expires_at", _is_time(obj["expires_at"])),
         ("args", isinstance(obj["args"], dict)),
     ]
     bad = [name for name, ok in checks if not ok]
     if bad:
-        raise CommandRefused(MALFORMED, f"bad field(s): {', '.join(bad)}")
+        hints = "; ".join(f"{name}: {_HINTS[name]}" for name in bad if name in _HINTS)
+        raise CommandRefused(MALFORMED, f"bad field(s): {', '.join(bad)}"
+                                        + (f" ({hints})" if hints else ""))
     if obj["expires_at"] <= obj["issued_at"]:
         raise CommandRefused(MALFORMED, "expires_at is not after issued_at")
     return obj
@@ -191,8 +223,23 @@ class CommandGate:
         self._execute_lock = threading.Lock()  # one command at a time: they are rare
 
     def receive(self, payload: bytes, topic: str) -> Delivery:
-        """Checks a command and stores it before returning (module docstring)."""
+        """Checks a command and stores it before returning (module docstring). Raises only
+        when fleet.db cannot be written; any other exception is this message's alone, and
+        is answered `failed` so that its PUBACK goes and it is not delivered forever."""
         payload = bytes(payload)
+        try:
+            return self._receive(payload, topic)
+        except Exception as exc:
+            if _storage_failed(exc):
+                raise
+            command_id, type_ = _best_effort_names(None, payload)
+            log.error("fleet: command %s (%s) could not be handled: %s: %s; answered failed "
+                      "and acknowledged", command_id, type_, type(exc).__name__, exc,
+                      exc_info=True)
+            return Delivery(None, Result(command_id, type_, FAILED, type(exc).__name__, None),
+                            False)
+
+    def _receive(self, payload: bytes, topic: str) -> Delivery:
         obj: Any = None
         try:
             obj = parse(payload)
@@ -294,6 +341,15 @@ class CommandGate:
                 return Delivery(command, None, False)
             self._handed_out.add(command.id)
         return Delivery(command, None, True)
+
+
+def _storage_failed(exc: BaseException) -> bool:
+    """fleet.db could not be read or written: a full disk, an I/O error, a lock held past
+    its timeout, a damaged file. Those pass, and the message comes again; the other
+    sqlite3 errors (a value it cannot bind, a constraint) are the message's own."""
+    return (isinstance(exc, OSError | MemoryError | sqlite3.OperationalError
+                       | sqlite3.InternalError)
+            or type(exc) is sqlite3.DatabaseError)
 
 
 def _command(obj: dict[str, Any], payload: bytes) -> Command:

@@ -19,10 +19,12 @@ from pathlib import Path
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
+from edge_agent.owner_only import private_file
+
 
 def open_durable(path: Path, migrations: Migrations) -> Database:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    db = Database(sqlite3.connect(path, check_same_thread=False))
+    # 0600, and so its -wal and -shm, under any umask
+    db = Database(sqlite3.connect(private_file(path), check_same_thread=False))
     db.enable_wal()
     db.execute("PRAGMA synchronous = FULL")
     migrations.apply(db)

@@ -102,7 +102,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    # An int is finite however large (math.isfinite would raise OverflowError on 10**400).
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def check_boot_id(value: Any) -> str:

@@ -1,6 +1,7 @@
 """Writing a small file whole — the fleet's keys, the broker's passwd/ACL/config, release
-metadata, the config overlay, the ledger-summary watermark — and holding a lock file (the
-release repository, the box's TUF metadata, one download's part) across processes.
+metadata, the config overlay, the ledger-summary watermark — holding a lock file (the
+release repository, the box's TUF metadata, one download's part) across processes, and
+naming a file inside a directory from a name that came from elsewhere (`inside`).
 
 A temporary file beside the target is created private (mkstemp: 0600, a unique name, so
 two writers never share it), set to `mode`, written, fsynced, then renamed over the
@@ -17,6 +18,27 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+class EscapesDirectory(ValueError):
+    """A file name that would put the file somewhere other than directly in the
+    directory meant to hold it."""
+
+
+def inside(directory: Path, name: str) -> Path:
+    """`directory / name`, or EscapesDirectory unless that is a file directly in
+    `directory`: a plain name (no separator, no `..`, no NUL) that still lands there once
+    resolved, links included. Names built from signed metadata or a stored row (a
+    download's `<sha256>.part`) pass through here, so a name is never a path, whatever
+    the checks before it let through, and a link planted where a file is written never
+    sends the bytes (or an unlink) elsewhere."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise EscapesDirectory(f"{name[:80]!r} is not a plain file name")
+    path = directory / name
+    base = directory.resolve()
+    if path.resolve().parent != base:
+        raise EscapesDirectory(f"{name[:80]!r} resolves outside {base}")
+    return path
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644, *, sync_dir: bool = False

@@ -253,9 +253,18 @@ def _number(value: Any, name: str, *, positive: bool = False) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or (positive and value <= 0):
+            or not _finite(value) or (positive and value <= 0):
         raise ValueError(f"gate.{name}: a {'positive ' if positive else ''}number")
     return float(value)
+
+
+def _finite(value: int | float) -> bool:
+    """A JSON integer past the float range is not a number here: `math.isfinite` would
+    raise OverflowError on it, which is not the ValueError a bad spec is refused with."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _int(value: Any, name: str) -> int | None:

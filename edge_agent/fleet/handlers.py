@@ -10,23 +10,17 @@ start. Handlers run on the link's `fleet-commands` thread, never on the owner th
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from edge_agent.config import Settings
-from edge_agent.fleet.commands import Command, Handler
+from edge_agent.fleet.commands import Command, Handler, is_finite_number
 from edge_agent.fleet.overlay import config_patch_handler
 from edge_agent.fleet.refusals import MALFORMED, CommandRefused
 
 KEY_PREFIX = re.compile(r"[A-Za-z0-9]{1,64}")
-
-
-def _number(value: Any) -> bool:
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value))
 
 
 def ledger_purge_handler(purge: Callable[[float | None], int]) -> Handler:
@@ -38,7 +32,7 @@ def ledger_purge_handler(purge: Callable[[float | None], int]) -> Handler:
         if set(args) - {"before"}:
             raise CommandRefused(MALFORMED, 'args must be {} or {"before": unix_time}')
         before = args.get("before")
-        if before is not None and not _number(before):
+        if before is not None and not is_finite_number(before):
             raise CommandRefused(MALFORMED, "before must be a number (unix time)")
         return {"removed": purge(before), "before": before}
 

@@ -35,6 +35,7 @@ from typing import Any
 from edge_agent.errors import Conflict
 from edge_agent.fleet.rollout_state import RolloutStore
 from edge_agent.names import normalize_name
+from edge_agent.owner_only import private_dir
 
 CLAIMS = Path("rollouts") / ".names"
 ROLLOUTS_DB = "rollouts.db"
@@ -70,7 +71,7 @@ def claim_path(state_dir: Path, name: str) -> Path:
 def name_claim(state_dir: Path, name: str, holder: Mapping[str, Any]) -> Iterator[None]:
     """Holds `name` (normalized) for the block; NameHeld at once if another holds it."""
     path = claim_path(state_dir, name)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(path.parent)  # the state dir too, when this is its first file
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:

@@ -1,28 +1,41 @@
 """`config.patch`: the settings the controller may change on a box, kept in
 `<state_dir>/config.overlay.json` and applied over the config file at every start.
 
-Allow-list (nothing else, ever — a patch cannot reach the broker, keys, paths or models):
+Allow-list (nothing else, ever — a patch cannot reach the broker, keys, paths or models),
+with the bounds of each key. The bounds are the Settings' own (`edge_agent.config`), so a
+config file or an environment variable outside them stops the start just as a patch is
+refused; this table copies them and a test holds the two (and the README's) together:
 
-    telemetry.interval_s, fleet.metrics_interval_s, fleet.ledger_interval_s,
-    retention.ledger_days, retention.content_hours,
-    tenants.<name>.requests_per_minute, tenants.<name>.tokens_per_minute,
-    tenants.<name>.tokens_per_day        (the tenant must exist in the config file)
+    key                                  bounds
+    telemetry.interval_s                 1 … 86_400 (seconds)
+    fleet.metrics_interval_s             1 … 86_400 (seconds)
+    fleet.ledger_interval_s              1 … 86_400 (seconds)
+    fleet.progress_interval_s            0.1 … 86_400 (seconds)
+    fleet.max_download_bytes_per_s       1_024 … 10_000_000_000 (bytes a second), or null
+    fleet.rollout_nice                   0 … 19 (nice increment)
+    retention.ledger_days                1 … 3_650 (days)
+    retention.content_hours              0 … 8_760 (hours)
+    tenants.<name>.requests_per_minute   1 … 1_000_000, or null
+    tenants.<name>.tokens_per_minute     1 … 1_000_000_000, or null
+    tenants.<name>.tokens_per_day        1 … 1_000_000_000_000, or null
 
-Values are JSON numbers (null too for a tenant's limits: no ceiling), validated by building
-the whole Settings with the patch applied, so the model's own bounds apply (an interval of
-0 is refused like in the file). A refused patch changes nothing (CommandRefused
-`malformed`, the message naming the key). The file is
-`{"v":1,"set":{"telemetry.interval_s":10,...}}`, replaced atomically (temp file, fsync,
-rename); it beats the config file, the environment and command-line flags, because it is
-the later decision. This module never applies a value to a running component: the link
-passes `apply_live` for the keys that can change without a restart.
+A tenant's keys need the tenant in the config file (a patch never creates one). Values are
+JSON numbers; null where the table says so: no cap, no ceiling. They are validated by
+building the whole Settings with the patch applied, before anything is written, so the
+model's own bounds apply. A refused patch changes nothing, neither the overlay file nor
+the running box (CommandRefused `malformed`, the message naming the key and the bound it
+breaks, e.g. `'telemetry.interval_s': Input should be less than or equal to 86400`).
+
+The file is `{"v":1,"set":{"telemetry.interval_s":10,...}}`, replaced atomically (temp
+file, fsync, rename); it beats the config file, the environment and command-line flags,
+because it is the later decision. This module never applies a value to a running
+component: the link passes `apply_live` for the keys that can change without a restart.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
@@ -32,7 +45,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from edge_agent.config import Settings
-from edge_agent.fleet.commands import Command, Handler
+from edge_agent.fleet.commands import Command, Handler, is_finite_number
 from edge_agent.fleet.files import atomic_write
 from edge_agent.fleet.refusals import MALFORMED, CommandRefused
 
@@ -71,9 +84,11 @@ def _shown(text: str) -> str:
 def _check_value(key: str, path: list[str], value: Any) -> None:
     if value is None and (path[0] == "tenants" or key in NULLABLE):
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise CommandRefused(MALFORMED, f"{_shown(key)} must be a number, not "
                                         f"{type(value).__name__}")
+    if not is_finite_number(value):  # inf, or an integer past any float
+        raise CommandRefused(MALFORMED, f"{_shown(key)} must be a finite number")
 
 
 def patched(settings: Settings, changes: Mapping[str, Any]) -> Settings:

@@ -7,7 +7,9 @@ The steps a rollout takes, from the same modules, so nothing is checked differen
    the box's `<state>/tuf/`); tampered, replayed or expired metadata is refused there;
 2. the resumable, verified download (`transfer.download`) into `<state>/downloads/`,
    where a cut pull leaves its part and the next pull of the release resumes it
-   (`max_download_bytes_per_s` and `download_headroom_bytes` apply);
+   (`max_download_bytes_per_s` and `download_headroom_bytes` apply, and the floor of
+   `min_transfer_bytes_per_s` after `transfer_grace_s`: a trickling server fails the pull
+   `too_slow` within its deadline rather than holding it);
 3. the install as a new version of the name (`release.install`), then, unless
    `activate` is False, the switch to it (`ModelOps.activate`). A version installed
    already is not fetched again.
@@ -66,6 +68,7 @@ def pull(settings: Settings, ops: ModelOps, name: str, version: str, *, by: str,
             path = transfer.download(release, dest, progress=progress,
                                      max_bytes_per_s=fleet.max_download_bytes_per_s,
                                      headroom=fleet.download_headroom_bytes, retry=retry,
+                                     pace=signed.Pace.of(fleet),
                                      install_copy=transfer.store_copy_needed(
                                          dest, ops.store.blobs))
             model = signed.install(release, path, ops, by=by)

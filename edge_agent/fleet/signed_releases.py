@@ -48,6 +48,7 @@ class SignedReleases:
     def __init__(self, fleet: FleetSettings, state_dir: Path, *,
                  source: signed.ReleaseSource | None = None) -> None:
         self.source = source or signed.ReleaseSource(fleet, state_dir)
+        self.pace = signed.Pace.of(fleet)
         self.blobs = blobs_dir(state_dir)
 
     def lookup(self, name: str, version: str) -> Found:
@@ -61,7 +62,8 @@ class SignedReleases:
 
         return transfer.download(release.release, dest_dir, progress=report,
                                  max_bytes_per_s=max_bytes_per_s, headroom=headroom,
-                                 install_copy=transfer.store_copy_needed(dest_dir, self.blobs))
+                                 install_copy=transfer.store_copy_needed(dest_dir, self.blobs),
+                                 pace=self.pace)
 
     def install(self, release: Found, path: Path, modelops: ModelOps, *, by: str) -> Any:
         return signed.install(release.release, path, modelops, by=by)

@@ -2,7 +2,7 @@
 
     path = download(release, downloads_dir(state_dir), progress=cb,
                     max_bytes_per_s=fleet.max_download_bytes_per_s,
-                    headroom=fleet.download_headroom_bytes)
+                    headroom=fleet.download_headroom_bytes, pace=Pace.of(fleet))
 
 In order:
 1. free disk first: what is left to fetch, plus the model store's copy of the file where
@@ -11,12 +11,22 @@ In order:
    (ReleaseRejected, `no_space`) with the three numbers and the directory;
 2. the bytes go to `<dest>/<sha256>.part`; a part left by a dropped link, a stopped agent
    or a `kill -9` is continued with `Range: bytes=N-` (its bytes are hashed once first);
-   a server that ignores Range (200) is read from the start again;
+   a server that ignores Range (200) is read from the start again. Every file name here
+   goes through `files.inside` (a name that would leave `dest`, a link planted there:
+   ReleaseRejected, `bad_target`), behind `Release`'s own check of the hash;
 3. transient errors (connection refused or reset, timeouts, 5xx, a body cut short) are
    retried with exponential backoff and jitter; the count restarts whenever bytes arrived,
    so a flaky but moving link is not given up on; `retry.attempts` failures in a row give
    ReleaseFailed (`unreachable`); a 404 gives ReleaseFailed (`not_found`) at once;
-4. optional rate cap (`max_bytes_per_s`, a token bucket);
+4. optional rate cap (`max_bytes_per_s`, a token bucket), and a floor (`pace`, TUF's
+   slow-retrieval defence): from the first request, after `pace.grace_s`, the bytes of
+   this call must keep up with `pace.min_bytes_per_s` on average (at most half the cap
+   under one), checked at each read and before each retry, so what is left of the file
+   has grace + left / rate seconds in all; no read waits longer than the grace. Falling
+   behind is ReleaseFailed (`too_slow`, the figures named) at once, never retried here:
+   a trickle that sends a byte now and then would otherwise reset the count of failures
+   for ever. The part is kept. Until a first byte came, the count of failures alone
+   decides (a server that is down is `unreachable`, as before);
 5. sha256 computed as the bytes arrive; nothing past the signed length is written; length
    and sha256 must match the signed target, else the part is deleted and ReleaseFailed
    (`hash_mismatch`): the next attempt starts from zero;
@@ -43,7 +53,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -52,15 +62,18 @@ import urllib3
 from edge_agent import __version__
 from edge_agent.engine.gguf_probe import probe
 from edge_agent.errors import ModelFileError
-from edge_agent.fleet.files import locked
+from edge_agent.fleet.files import EscapesDirectory, inside, locked
 from edge_agent.fleet.release import (
     BAD_MANIFEST,
+    BAD_TARGET,
     HASH_MISMATCH,
     INVALID_MODEL,
     LOCAL_IO,
     NO_SPACE,
     NOT_FOUND,
+    TOO_SLOW,
     UNREACHABLE,
+    Pace,
     Release,
     ReleaseFailed,
     ReleaseRejected,
@@ -97,7 +110,16 @@ def disk_free(path: Path) -> int:
 
 def paths(release: Release, dest_dir: Path) -> tuple[Path, Path]:
     """(the finished file, its part) for `release` in `dest_dir`."""
-    return dest_dir / f"{release.sha256}.gguf", dest_dir / f"{release.sha256}.part"
+    return _named(release, dest_dir, "gguf"), _named(release, dest_dir, "part")
+
+
+def _named(release: Release, dest_dir: Path, suffix: str) -> Path:
+    try:
+        return inside(dest_dir, f"{release.sha256}.{suffix}")
+    except EscapesDirectory as exc:
+        raise ReleaseRejected(BAD_TARGET, f"{release.ref}: invalid release: its file "
+                              f"would not stay in {dest_dir} ({exc})", where=str(dest_dir)
+                              ) from None
 
 
 def store_copy_needed(dest_dir: Path, blobs_dir: Path) -> bool:
@@ -119,18 +141,21 @@ def _device(path: Path) -> int:
 def discard(release: Release, dest_dir: Path) -> None:
     """Remove what a download of `release` left (a rollout given up on)."""
     final, part = paths(release, dest_dir)
-    for p in (final, part, dest_dir / f"{release.sha256}.lock"):
+    for p in (final, part, _named(release, dest_dir, "lock")):
         p.unlink(missing_ok=True)
 
 
 def download(release: Release, dest_dir: Path, *, progress: Progress | None = None,
              max_bytes_per_s: int | None = None, headroom: int = 0,
              install_copy: bool = True, free_space: FreeSpace = disk_free,
-             retry: Retry | None = None, timeout_s: float = 30.0) -> Path:
-    """The verified file of `release` in `dest_dir` (see the module's doc)."""
+             retry: Retry | None = None, timeout_s: float = 30.0,
+             pace: Pace | None = None) -> Path:
+    """The verified file of `release` in `dest_dir` (see the module's doc). `pace`: the
+    floor (None: the fleet settings' defaults)."""
     try:
         return _download(release, dest_dir, progress, max_bytes_per_s, headroom,
-                         install_copy, free_space, retry or Retry(), timeout_s)
+                         install_copy, free_space, retry or Retry(), timeout_s,
+                         pace or Pace.of())
     except OSError as exc:  # this box's disk (the link's errors are retried inside)
         raise ReleaseFailed(LOCAL_IO, f"{release.ref}: {dest_dir}: {exc}",
                             where=str(dest_dir)) from exc
@@ -138,10 +163,11 @@ def download(release: Release, dest_dir: Path, *, progress: Progress | None = No
 
 def _download(release: Release, dest_dir: Path, progress: Progress | None,
               max_bytes_per_s: int | None, headroom: int, install_copy: bool,
-              free_space: FreeSpace, retry: Retry, timeout_s: float) -> Path:
+              free_space: FreeSpace, retry: Retry, timeout_s: float, pace: Pace) -> Path:
+    final, part = paths(release, dest_dir)  # refused before anything is created
+    lock = _named(release, dest_dir, "lock")
     dest_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    final, part = paths(release, dest_dir)
-    with locked(dest_dir / f"{release.sha256}.lock"):
+    with locked(lock):
         if final.exists():  # finished before a stop, not yet installed: check it again
             try:
                 return verify(release, final)
@@ -153,7 +179,8 @@ def _download(release: Release, dest_dir: Path, progress: Progress | None,
             have = 0
         _check_space(release, dest_dir, have, headroom, install_copy, free_space)
         digest = _hash_prefix(part) if have else hashlib.sha256()
-        fetch = _Fetch(release, part, digest, have, progress, max_bytes_per_s, timeout_s)
+        fetch = _Fetch(release, part, digest, have, progress, max_bytes_per_s, timeout_s,
+                       pace)
         fetch.run(retry)
         if fetch.have != release.length or fetch.digest.hexdigest() != release.sha256:
             part.unlink(missing_ok=True)
@@ -167,15 +194,23 @@ def _download(release: Release, dest_dir: Path, progress: Progress | None,
 
 
 class _Fetch:
-    """One download's attempts: the open part, the running hash, the rate cap."""
+    """One download's attempts: the open part, the running hash, the rate cap, the
+    floor."""
 
     def __init__(self, release: Release, part: Path, digest: hashlib._Hash, have: int,
                  progress: Progress | None, max_bytes_per_s: int | None,
-                 timeout_s: float) -> None:
+                 timeout_s: float, pace: Pace) -> None:
         self.release, self.part, self.digest, self.have = release, part, digest, have
         self.restarts, self.max_restarts = 0, 0
         self.meter = _Meter(release.length, progress, have)
         self.bucket = _TokenBucket(max_bytes_per_s) if max_bytes_per_s else None
+        if max_bytes_per_s:  # the cap's own pace never trips the floor
+            pace = replace(pace, min_bytes_per_s=max(1, min(pace.min_bytes_per_s,
+                                                            max_bytes_per_s // 2)))
+        self.pace = pace
+        self.got, self.started = 0, time.monotonic()  # this call's bytes, from its start
+        self.left = release.length - have  # what this call set out to fetch
+        timeout_s = min(timeout_s, pace.grace_s)
         # Under a cap, smaller reads keep the pace even (about 8 reads a second).
         self.chunk = min(CHUNK, max(16384, max_bytes_per_s // 8)) if max_bytes_per_s \
             else CHUNK
@@ -187,6 +222,7 @@ class _Fetch:
 
     def run(self, retry: Retry) -> None:
         self.max_restarts = retry.attempts
+        self.started = time.monotonic()
         failures, last_error = 0, ""
         try:
             while self.have < self.release.length:
@@ -198,6 +234,8 @@ class _Fetch:
                     last_error = str(exc)
                 except (urllib3.exceptions.HTTPError, OSError) as exc:  # the link's
                     last_error = f"{type(exc).__name__}: {exc}"
+                if self.got:  # nothing at all yet: the count of failures decides
+                    self._check_pace(last_error)
                 failures = 1 if self.have > before else failures + 1
                 if failures > retry.attempts:
                     raise ReleaseFailed(
@@ -205,7 +243,12 @@ class _Fetch:
                         f"{self.release.length} bytes after {retry.attempts} failed attempts "
                         f"in a row ({last_error}); the part is kept and resumed next time",
                         url=self.release.url, done=self.have, error=last_error)
-                time.sleep(retry.delay(failures))
+                delay = retry.delay(failures)
+                if self.got:
+                    time.sleep(min(delay, self._left_s()))
+                    self._check_pace(last_error)
+                else:
+                    time.sleep(delay)
         finally:
             self.meter.done(self.have)
             self.http.clear()
@@ -266,9 +309,31 @@ class _Fetch:
                     where=str(self.part)) from exc
             self.digest.update(block)
             self.have += len(block)
+            self.got += len(block)
             self.meter.update(self.have)
+            self._check_pace()
             if self.bucket is not None:
                 self.bucket.take(len(block))
+
+    def _left_s(self) -> float:
+        """Seconds until the floor, at the bytes received so far, is crossed."""
+        pace = self.pace
+        return max(0.0, self.started + pace.grace_s + self.got / pace.min_bytes_per_s
+                   - time.monotonic())
+
+    def _check_pace(self, last_error: str = "") -> None:
+        elapsed = time.monotonic() - self.started
+        why = self.pace.behind(self.got, elapsed)
+        if why is None:
+            return
+        raise ReleaseFailed(
+            TOO_SLOW, f"{self.release.ref}: the download is too slow: {why}; the "
+            f"{self.left} bytes left were due within "
+            f"{self.pace.deadline_s(self.left):.0f} s; stopped at {self.have} of "
+            f"{self.release.length} bytes, the part is kept and resumed next time"
+            + (f" (last error: {last_error})" if last_error else ""),
+            url=self.release.url, done=self.have, bytes_per_s=round(self.got / elapsed),
+            min_bytes_per_s=self.pace.min_bytes_per_s, error=last_error or None)
 
     def _check_range(self, content_range: str) -> None:
         # "bytes 1000-4999/5000": the answer must start where the part ends

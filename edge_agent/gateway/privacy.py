@@ -31,16 +31,20 @@ class RequestPrivacy:
         self.keep_content = keep_content  # store redacted text (retention.content_hours > 0)
         self.record = record
 
-    def redact_prompt(self, req: GenerationRequest, tenant: TenantContext | None
-                      ) -> GenerationRequest:
-        """Returns the request the model will see (redacted when the tenant says so)."""
+    def redact_prompt(self, req: GenerationRequest, tenant: TenantContext | None, *,
+                      keep: bool = True) -> GenerationRequest:
+        """Returns the request the model will see (redacted when the tenant says so). With
+        `keep` False nothing reaches the redaction log or the content table: the request
+        is only being checked, and is redacted again, and logged, when it runs."""
         policy = tenant.policy if tenant is not None else None
         hide = bool(policy and policy.redact_prompt)
-        if self.redactor is None or not (hide or self.keep_content):
+        if self.redactor is None or not (hide or keep and self.keep_content):
             return req
         texts = [(m["role"], str(m.get("content") or "")) for m in req.messages] \
             if req.messages is not None else [("user", req.prompt or "")]
-        redacted = [self.redact_and_log(text, "prompt", i, role)
+        redactor = self.redactor
+        redacted = [self.redact_and_log(text, "prompt", i, role) if keep
+                    else redactor.redact(text, lenient=False)[0]
                     for i, (role, text) in enumerate(texts)]
         if not hide:
             return req

@@ -1,7 +1,9 @@
 """A generation request's way through the box: refuse early, then run and observe.
 
 `prepare` does everything that can refuse a request (scope 403, quota 429, bad parameter
-400, context 400, unknown model 404, queue full 503) before any response starts; `stream`
+400, context 400, unknown model 404, queue full 503) before any response starts; `check`
+does the part of it that depends on the request alone, for a response made of several
+generations that must all be acceptable before its first byte; `stream`
 yields the events, enforces the deadline, reads tool calls out of a tool-mode answer, and
 ends with exactly one observation (access line / ledger row, metrics, quota charge).
 """
@@ -101,6 +103,25 @@ class GenerationService:
         return PreparedGeneration(model=model, request=req, generation=generation,
                                   served=served, tool_mode=tool_mode(req), deadline=deadline,
                                   fit=fitted)
+
+    async def check(self, req: GenerationRequest, *, tenant: TenantContext | None = None
+                    ) -> None:
+        """What `prepare` refuses of the request itself — scope, an unknown model, a bad
+        parameter, its prompt (empty, a token id outside the vocabulary, too long for the
+        window) — found without queuing it. For a response made of generations run one
+        after another (a completion's list of prompts): every part is checked before the
+        response starts, so a later part cannot be refused after an earlier one streamed.
+        Nothing is observed, logged or charged here; rate and quota (what running spends),
+        the deadline and the queue are `prepare`'s, at each part's turn."""
+        if tenant is not None:
+            tenant.check_model(normalize_name(req.model))
+        req = self.privacy.redact_prompt(req, tenant, keep=False)
+        model, load_ns = await self.registry.acquire(req.model)
+        try:
+            grammar = await asyncio.to_thread(grammar_for, req)
+            self._plan(req, tenant, model, load_ns, grammar)
+        finally:
+            await self.registry.release(model)
 
     def _deadline(self, loop: asyncio.AbstractEventLoop, asked: float | None) -> float | None:
         timeout = asked or self.default_timeout_s

@@ -19,6 +19,8 @@ from typing import NamedTuple
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
+from edge_agent.owner_only import private_file
+
 MIGRATIONS = Migrations("edge-agent-keys")
 
 
@@ -67,8 +69,7 @@ class KeyStore:
         self.path = state_dir / "keys.db"
 
     def _db(self) -> Database:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = Database(self.path)
+        db = Database(private_file(self.path))  # 0600, and so its -wal and -shm
         db.enable_wal()
         MIGRATIONS.apply(db)
         return db

@@ -33,6 +33,8 @@ from typing import Literal
 import phonenumbers
 from stdnum import iban, luhn
 
+from edge_agent.owner_only import FILE_MODE, private_dir
+
 DETECTOR_VERSION = "2"  # 2: the lenient pass
 Operator = Literal["tag", "mask", "hmac"]
 
@@ -332,8 +334,8 @@ def device_key(state_dir: Path) -> bytes:
     """The per-device HMAC key (created once, owner-only)."""
     path = state_dir / "redaction.key"
     if not path.exists():
-        state_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        private_dir(state_dir)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         with os.fdopen(fd, "wb") as fh:
             fh.write(os.urandom(32))
     return path.read_bytes()

@@ -12,6 +12,8 @@ from typing import Any
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
+from edge_agent.owner_only import private_file
+
 REQUESTS = "requests"
 MIGRATIONS = Migrations("edge-agent-ledger")
 
@@ -100,8 +102,7 @@ TABLE_COLUMNS: dict[str, dict[str, type]] = {
 
 def open_ledger(path: Path) -> Database:
     """Opens (creating and migrating) the ledger; WAL so readers never block the writer."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    db = Database(path)
+    db = Database(private_file(path))  # 0600, and so its -wal and -shm: tenants' metadata
     db.enable_wal()
     db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable at each checkpoint,
     # consistent always; a crash can lose only the last commits, never corrupt the file.

@@ -3,12 +3,17 @@
 Each reader returns `Reading`s (name, labels, value); whatever a box lacks (no NVIDIA
 driver, no Jetson sysfs, no temperature sensors) is simply absent from the readings,
 never an exception or a hang. A background `HardwareSampler` reads them at an interval
-and keeps the latest snapshot, so a scrape never waits on hardware.
+and keeps the latest snapshot, so a scrape never waits on hardware. Its thread never
+ends before `stop()`: a step that fails is logged and the next one comes, and whatever
+interval it is handed (the settings bound it; a live patch sets it) is held to
+`SAMPLER_MIN_S` … `SAMPLER_MAX_S`, since a wait past `threading.TIMEOUT_MAX` raises and a
+wait of nothing spins a core.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import threading
@@ -19,6 +24,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
+SAMPLER_MIN_S = 0.01
+SAMPLER_MAX_S = 86400.0
+# How often the sampler's thread looks at `interval_s` while it waits: a patch from a day
+# back to seconds is followed within this long, not after the day.
+SAMPLER_RECHECK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -249,9 +259,36 @@ class HardwareSampler:
         self._thread = threading.Thread(target=self._run, name="hardware", daemon=True)
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def pause_s(self) -> float:
+        """The wait between samples: `interval_s` held to SAMPLER_MIN_S … SAMPLER_MAX_S
+        (anything not a positive finite number: the default 5 s)."""
+        try:
+            value = float(self.interval_s)
+        except (TypeError, ValueError, OverflowError):
+            return 5.0
+        if not math.isfinite(value) or value <= 0:
+            return 5.0
+        return min(max(value, SAMPLER_MIN_S), SAMPLER_MAX_S)
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.sample()
+        last = time.monotonic()
+        while True:
+            try:
+                left = last + self.pause_s() - time.monotonic()
+                if self._stop.wait(min(max(left, 0.0), SAMPLER_RECHECK_S)):
+                    return
+                if time.monotonic() - last >= self.pause_s():
+                    self.sample()
+                    last = time.monotonic()
+            except Exception:  # one bad step never ends the sampling
+                log.exception("hardware sampler: a step failed; sampling goes on")
+                if self._stop.wait(SAMPLER_RECHECK_S):  # no busy loop if it fails again
+                    return
+                last = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()

@@ -13,8 +13,12 @@ from the TUF signatures the device checks, not from this server. Any static serv
 HTTP as a download resumes it: one byte range per request (`bytes=a-b`, `bytes=a-`,
 `bytes=-n`), answered 206 with `Content-Range`, 416 with `bytes */size` when it starts past
 the end; several ranges, or a malformed header, get the whole file (200), as RFC 9110
-allows. `ETag` and `Last-Modified` on every answer, `If-Range` honoured (a stale validator
-gets the whole file), `If-None-Match` answered 304. Versioned metadata and content-named
+allows. An end past the file, or a suffix longer than it, means the rest of it (RFC 9110
+again). Positions are compared by their count of digits before any is converted: a number
+of thousands of digits (which `int()` refuses past 4,300, and is slow at below that) is
+answered like any other position past the end, never with a 500. `ETag` and
+`Last-Modified` on every answer, `If-Range` honoured (a stale validator gets the whole
+file), `If-None-Match` answered 304. Versioned metadata and content-named
 files never change: they are marked immutable so a cache may keep them; `timestamp.json`
 and `root.json` must be fetched fresh each time.
 
@@ -38,7 +42,7 @@ from fastapi.responses import Response, StreamingResponse
 
 SERVED = ("metadata", "targets")
 CHUNK = 1 << 20
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
 _FRESH = {"timestamp.json", "root.json"}
 
 
@@ -106,17 +110,27 @@ def _parse_range(value: str, size: int) -> tuple[int, int] | str | None:
     if m is None or (not m[1] and not m[2]):
         return None  # several ranges, another unit, or garbage: the whole file
     if not m[1]:  # bytes=-n: the last n bytes
-        n = int(m[2])
+        n = _position(m[2], size)
         if n == 0:
             return "unsatisfiable"
         return max(0, size - n), size - 1
-    first = int(m[1])
+    first = _position(m[1], size)
     if first >= size:
         return "unsatisfiable"
-    last = int(m[2]) if m[2] else size - 1
+    last = _position(m[2], size) if m[2] else size - 1
     if last < first:
         return None
     return first, min(last, size - 1)
+
+
+def _position(digits: str, size: int) -> int:
+    """A position or length of the header, capped at `size`: every number from `size` up
+    means the same here (past the end; the whole file), and comparing the count of
+    digits first keeps a header of thousands of them away from `int()`."""
+    significant = digits.lstrip("0")
+    if len(significant) > len(str(size)):
+        return size
+    return min(int(significant or "0"), size)
 
 
 def _read(file: Path, start: int, length: int) -> Iterator[bytes]:

@@ -17,7 +17,6 @@ that are not strict JSON, envelopes or status messages missing what the protocol
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import re
 import threading
@@ -41,6 +40,7 @@ from edge_agent.fleet.controller.store import FleetStore
 from edge_agent.fleet.paho_thread import disconnect_and_stop
 
 log = logging.getLogger(__name__)
+MAX_TS = 1e11  # seconds since 1970: about the year 5138; a float SQLite stores as REAL
 
 BOOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CLASSES = frozenset({"audit", "metrics"})
@@ -88,7 +88,9 @@ def inbound(topic: topics.Topic, payload: bytes, received: float) -> Inbound:
     if env.get("class") not in CLASSES:
         problems.append("class must be audit or metrics")
     ts = env.get("ts")
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts):
+    # A comparison, not math.isfinite: that raises OverflowError on an int like 10**400
+    # (inside paho's callback), and NaN fails a comparison as it should.
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not abs(ts) < MAX_TS:
         problems.append("bad ts")
     if not isinstance(env.get("body"), dict):
         problems.append("body must be an object")
