@@ -19,6 +19,7 @@ from typing import Literal
 import httpx
 
 from edge_agent.config import Settings
+from edge_agent.engine import native
 from edge_agent.engine.catalog import ModelStore, normalize_name
 from edge_agent.errors import EdgeAgentError
 
@@ -60,7 +61,11 @@ def run_checks(settings: Settings) -> list[Check]:
                                 f"edge-agent models rm {m.name}, then pull or import it again"))
         checks += _other_versions(store, m.name)
     checks.append(_ledger(state / "ledger.db"))
-    checks += _llama_and_gpu(settings)
+    runtime = native.check()  # in a child: a missing library must not stop the doctor
+    if runtime.ok:
+        checks += _llama_and_gpu(settings)
+    else:
+        checks += [Check("fail", native.NAME, p.detail, p.fix) for p in runtime.problems]
     checks.append(_port(settings))
     checks += _fleet(settings)
     return checks
