@@ -12,6 +12,8 @@
     ├── PayloadTooLarge                  413
     ├── RateLimited                      429 (Retry-After)
     ├── ServiceUnavailable               503 (Retry-After): queue full, model loading
+    │   └── ShuttingDown                 503 a stream still running when the stop's drain
+    │                                        grace ran out: ended with this, not cut silently
     ├── RequestTimeout                   504
     ├── BodyTimeout                      408 the request body did not arrive in time
     ├── ClientDisconnected               499 the client left before its answer was ready
@@ -104,6 +106,14 @@ class ServiceUnavailable(EdgeAgentError):
     status_code = 503
     error_type = "server_error"
     code = "service_unavailable"
+
+
+class ShuttingDown(ServiceUnavailable):
+    """A generation cut because the server stops: its answer is incomplete, and the client
+    is told so in its dialect (an error object or event ending the stream), not left with a
+    connection that just closes. The ledger row says `done_reason = "shutdown"`."""
+
+    code = "shutting_down"
 
 
 class RequestTimeout(EdgeAgentError):

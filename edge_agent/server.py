@@ -60,10 +60,14 @@ log = logging.getLogger(__name__)
 
 # A request head (request line and headers) larger than this is refused with a 400.
 MAX_HEAD_BYTES = 16 * 1024
-# Running requests get this long to finish after SIGTERM; then they are cancelled and the
-# lifespan closes the models and flushes the ledger. systemd/edge-agent.service gives the
-# whole stop TimeoutStopSec=30, the rest of it for that close.
+# Running requests get `server.stop_grace_s` (this by default) to finish after SIGTERM; then
+# every stream still open is ended with a ShuttingDown error in its dialect (a final error
+# object or event and a properly ended body, never a connection that just closes), and the
+# lifespan closes the models and flushes the ledger. uvicorn's own cancel of what is left
+# comes CUT_WAIT_S later, for a response that ignored its end. systemd/edge-agent.service
+# gives the whole stop TimeoutStopSec=30: the grace, the cut, then that close.
 GRACEFUL_SHUTDOWN_S = 10
+CUT_WAIT_S = 3
 _CLOSE = (b"connection", b"close")
 _TCP_BYTES_ACKED = 120  # offsetof(struct tcp_info, tcpi_bytes_acked), Linux >= 4.2
 _HEAD_TIMEOUT_BODY = b"the request head did not arrive in time"
@@ -82,7 +86,7 @@ def uvicorn_config(app: Any, settings: Settings, *, log_level: str | None = None
         lifespan="on", log_level=log_level or settings.log_level, log_config=None,
         access_log=False, timeout_keep_alive=max(1, math.ceil(server.keep_alive_timeout_s)),
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        timeout_graceful_shutdown=math.ceil(server.stop_grace_s) + CUT_WAIT_S)
 
 
 def serve(app: Any, settings: Settings) -> bool:
@@ -100,6 +104,7 @@ def build_server(app: Any, settings: Settings, *, environ: Mapping[str, str] | N
     server = settings.server
     return SupervisedServer(
         uvicorn_config(app, settings, log_level=log_level), Notifier.from_environ(environ),
+        grace_s=server.stop_grace_s, cut=parts.service.cut_all,
         problems=lambda: readiness_problems(parts),
         serving=f"serving on {server.host}:{server.port}, default model "
                 f"{settings.default_model} loaded")
@@ -109,9 +114,13 @@ class SupervisedServer(uvicorn.Server):
     """uvicorn's Server, telling systemd how it stands (see the module's docstring)."""
 
     def __init__(self, config: Config, notifier: Notifier, *,
-                 problems: Callable[[], list[str]], serving: str) -> None:
+                 problems: Callable[[], list[str]], serving: str,
+                 grace_s: float = GRACEFUL_SHUTDOWN_S,
+                 cut: Callable[[], int] | None = None) -> None:
         super().__init__(config)
         self.notifier = notifier
+        self._grace_s = grace_s
+        self._cut = cut
         self._problems = problems
         self._serving = serving
         self._announcer: asyncio.Task[None] | None = None
@@ -130,15 +139,30 @@ class SupervisedServer(uvicorn.Server):
         if self._announcer is not None:  # a stop during start-up must not end in READY=1
             self._announcer.cancel()
         self.notifier.stopping(f"stopping: draining {len(self.server_state.connections)} "
-                               f"connections (up to {GRACEFUL_SHUTDOWN_S} s), then "
+                               f"connections (up to {self._grace_s:g} s), then "
                                "flushing the ledger")
+        cutter = asyncio.create_task(self._cut_after_grace())
         try:
             await super().shutdown(sockets)  # the pings go on: a long drain is no hang
         finally:
-            tasks = [t for t in (self._announcer, self._pinger) if t is not None]
+            cutter.cancel()
+            tasks = [t for t in (self._announcer, self._pinger, cutter) if t is not None]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+    async def _cut_after_grace(self) -> None:
+        """The drain's end: what still streams is told it was cut (see the constants)."""
+        await asyncio.sleep(self._grace_s)
+        if self._cut is None:
+            return
+        cut = self._cut()
+        if cut:
+            log.warning("stopping: %d generation(s) still running after %g s: ended with a "
+                        "'shutting down' error", cut, self._grace_s)
+            self.notifier.status(f"stopping: {cut} generation(s) cut after {self._grace_s:g} "
+                                 "s; flushing the ledger")
 
 
 def guarded_protocol(server: ServerSettings) -> type[GuardedH11Protocol]:

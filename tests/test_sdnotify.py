@@ -329,3 +329,86 @@ def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
     # The warm-up's row and the drained stream's, written by the flush at the stop.
     assert [status for endpoint, status in rows if endpoint.endswith("/completions")] == [
         200, 200], rows
+
+
+@pytest.mark.integration
+def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_not_a_cut(
+        model_cache: Path, tmp_path: Path) -> None:
+    """SIGTERM with two long streams running, one per dialect, and `server.stop_grace_s =
+    1`: after the grace each stream gets its dialect's final error (Ollama's `{"error":
+    "…shutting down…"}` line; OpenAI's error event, then `[DONE]`), the chunked bodies end
+    properly (httpx raises on a body cut short), and each ledger row says status 503,
+    done_reason `shutdown`. The whole stop stays well inside the unit's TimeoutStopSec."""
+    state = clone_state(model_cache, tmp_path / "state")
+    config = tmp_path / "config.toml"
+    config.write_text("[server]\nstop_grace_s = 1\n")
+    port = free_port()
+    name = f"edge-agent-test-{uuid.uuid4().hex}"
+    rx = Receiver("\0" + name)
+    env = {**os.environ, "NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "2000000"}
+    proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config",
+                             str(config), "--state-dir", str(state), "--port", str(port),
+                             "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    seen: dict[str, list[str]] = {"ollama": [], "openai": []}
+    errors: dict[str, BaseException] = {}
+    started = {k: threading.Event() for k in seen}
+    # Generations that run for minutes: only the stop can end them.
+    calls = {
+        "ollama": ("/api/generate", {"model": DEFAULT_MODEL, "stream": True, "raw": True,
+                                     "prompt": ", ".join(str(i) for i in range(1, 40)) + ",",
+                                     "options": {"num_predict": 1800, "temperature": 0}}),
+        "openai": ("/v1/chat/completions", {
+            "model": DEFAULT_MODEL, "stream": True, "max_tokens": 1800, "temperature": 0,
+            "logit_bias": NO_EOS, "messages": [{"role": "user", "content": "Count to 1000."}]}),
+    }
+
+    def stream(dialect: str) -> None:
+        path, body = calls[dialect]
+        try:
+            with httpx.stream("POST", base + path, json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        seen[dialect].append(line)
+                        started[dialect].set()
+        except BaseException as exc:  # noqa: B036 - reported by the asserts below
+            errors[dialect] = exc
+        started[dialect].set()
+
+    try:
+        rx.wait_for("READY=1", 180)
+        clients = [threading.Thread(target=stream, args=(d,)) for d in seen]
+        for client in clients:
+            client.start()
+        assert all(e.wait(60) for e in started.values())
+        term_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(timeout=60)
+        code = proc.wait(timeout=60)
+        stopped_in = time.monotonic() - term_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        rx.close()
+    log = proc.stdout.read().decode() if proc.stdout else ""
+    assert errors == {}, (errors, log)  # both bodies ended as HTTP says they must
+    assert code in (0, -signal.SIGTERM), log
+    assert stopped_in < 20, stopped_in  # grace 1 s, the cut, the flush: not the 30 s bound
+    ollama_last = json.loads(seen["ollama"][-1])
+    assert set(ollama_last) == {"error"} and "shutting down" in ollama_last["error"], \
+        seen["ollama"][-3:]
+    assert all('"done":true' not in line for line in seen["ollama"])
+    assert seen["openai"][-1] == "data: [DONE]", seen["openai"][-3:]
+    event = json.loads(seen["openai"][-2][6:])
+    assert event["error"]["code"] == "shutting_down", event
+    assert "shutting down" in event["error"]["message"]
+    with sqlite3.connect(state / "ledger.db") as db:
+        rows = db.execute("SELECT endpoint, status, done_reason, error_type, "
+                          "completion_tokens FROM requests").fetchall()
+    assert sorted(r[:4] for r in rows) == [
+        ("/api/generate", 503, "shutdown", "server_error"),
+        ("/v1/chat/completions", 503, "shutdown", "server_error")], rows
+    assert "still running after 1 s" in log, log

@@ -4,7 +4,7 @@ Thin: parse and validate, build a `GenerationRequest`, encode events as SSE. Unk
 arguments are refused as OpenAI refuses them; known ones that would change behaviour and
 are not supported (n > 1, logprobs, audio …) get 400 naming the parameter. `null` is
 accepted wherever OpenAI's spec makes a parameter nullable, and means its default. Every
-stream ends with `data: [DONE]` or, after an error, with an error event.
+stream ends with `data: [DONE]`; after an error, an error event comes just before it.
 """
 
 from __future__ import annotations
@@ -326,6 +326,7 @@ async def chat_completions(request: Request, parts: Parts) -> Response:
                 yield _sse("[DONE]")
             elif isinstance(event, ErrorEvent):
                 yield _sse(openai_body(_edge(event.error)))
+                yield _sse("[DONE]")
 
     return StreamingResponse(_ending_in_error_event(events()), media_type="text/event-stream",
                              headers=prepared.headers(),
@@ -346,7 +347,7 @@ def _edge(exc: Exception) -> EdgeAgentError:
 
 async def _ending_in_error_event(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Once a stream has started, an exception can no longer become an HTTP status: it
-    becomes an error event, which ends the stream (as OpenAI ends one) — never a dropped
+    becomes an error event, then `[DONE]`, which ends the stream — never a dropped
     connection with neither an error nor `[DONE]`."""
     try:
         async for data in events:
@@ -355,6 +356,7 @@ async def _ending_in_error_event(events: AsyncIterator[bytes]) -> AsyncIterator[
         if not isinstance(exc, EdgeAgentError):
             log.exception("stream failed")
         yield _sse(openai_body(_edge(exc)))
+        yield _sse("[DONE]")
 
 
 @router.post("/completions", openapi_extra=request_body(CompletionBody))
@@ -458,6 +460,7 @@ async def completions(request: Request, parts: Parts) -> Response:
                                  usage[2] + u.cached_tokens]
                     elif isinstance(event, ErrorEvent):
                         yield _sse(openai_body(_edge(event.error)))
+                        yield _sse("[DONE]")
                         return
             finally:
                 await parts.service.release(prepared)

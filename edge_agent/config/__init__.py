@@ -72,6 +72,12 @@ class ServerSettings(_Section):
         description="Open connections at most; a request on a connection beyond gets 503 "
         "(Retry-After) and the connection is closed.",
     )
+    stop_grace_s: float = Field(
+        10.0, ge=0, le=300,
+        description="At a stop (SIGTERM), running requests get this long to finish; then "
+        "every stream still open ends with a 'shutting down' error in its dialect. The "
+        "systemd unit's TimeoutStopSec covers it plus the ledger's flush.",
+    )
 
 
 class TenantPolicy(_Section):

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from edge_agent.engine.request import DoneEvent, ErrorEvent, Event
-from edge_agent.errors import EdgeAgentError
+from edge_agent.errors import EdgeAgentError, ShuttingDown
 from edge_agent.gateway.privacy import RequestPrivacy
 from edge_agent.governance.tenants import Governor, TenantContext
 from edge_agent.logs import note
@@ -44,6 +44,8 @@ class Observer:
         elif isinstance(event, ErrorEvent):
             error = as_edge_error(event.error)
             note(model=served.model, dialect=served.dialect, error_type=error.error_type)
+            if isinstance(error, ShuttingDown):  # the row says the answer was cut, and why
+                note(status=error.status_code, done_reason="shutdown")
             if self.metrics is not None:
                 error.observed = True
                 self.metrics.observe_error(served.model, served.dialect, error)

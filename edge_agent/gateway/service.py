@@ -31,7 +31,7 @@ from edge_agent.engine.request import (
     TokenEvent,
 )
 from edge_agent.engine.structured import ToolAnswerReader
-from edge_agent.errors import EdgeAgentError, RequestTimeout
+from edge_agent.errors import EdgeAgentError, RequestTimeout, ShuttingDown
 from edge_agent.gateway import embeddings
 from edge_agent.gateway.limits import Fit, fit, requested_output, window_for
 from edge_agent.gateway.observe import Observer, Served, as_edge_error
@@ -74,6 +74,9 @@ class GenerationService:
         self.default_timeout_s = default_timeout_s
         self.privacy = RequestPrivacy(redactor, keep_content=keep_content, record=record)
         self.observer = Observer(metrics, governor, self.privacy)
+        # The generations being streamed now, for `cut_all` at a stop (keyed by id: one
+        # entry per running `stream`).
+        self._live: dict[int, Generation] = {}
 
     async def prepare(self, req: GenerationRequest, *, tenant: TenantContext | None = None,
                       keep_alive: float | None = None) -> PreparedGeneration:
@@ -166,6 +169,7 @@ class GenerationService:
         generation = prepared.generation
         first_token_ns = 0
         reader = ToolAnswerReader() if prepared.tool_mode else None
+        self._live[id(generation)] = generation
         try:
             while True:
                 if prepared.deadline is None:
@@ -195,8 +199,21 @@ class GenerationService:
                 yield event
                 return
         finally:
+            self._live.pop(id(generation), None)
             generation.cancelled.set()
             await self.release(prepared)
+
+    def cut_all(self) -> int:
+        """Ends every running generation with a ShuttingDown error (the stop's drain grace
+        ran out): each stream then writes its dialect's final error and ends its body as
+        usual, and its ledger row says so. An event already queued (the answer's end)
+        still comes first: an answer that finished is not called cut. On the event loop."""
+        for generation in self._live.values():
+            generation.cancelled.set()
+            generation.events.put_nowait(ErrorEvent(ShuttingDown(
+                "the server is shutting down: this answer was cut before its end; retry it "
+                "in a moment", retry_after=5.0)))
+        return len(self._live)
 
     async def release(self, prepared: PreparedGeneration) -> None:
         """Hand the model back; safe to call twice (a response that never started streaming
