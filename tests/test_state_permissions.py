@@ -17,7 +17,9 @@ from fastapi.testclient import TestClient
 
 from edge_agent.app import create_app
 from edge_agent.config import load_settings
+from edge_agent.fleet.files import atomic_write, locked
 from edge_agent.fleet.name_claim import by_hand
+from edge_agent.fleet.overlay import OVERLAY_FILE
 from edge_agent.fleet.outbox import Outbox
 from edge_agent.fleet.rollout_state import RolloutStore
 from edge_agent.fleet.state import FleetState
@@ -98,6 +100,18 @@ def test_the_fleet_files_are_owner_only_under_umask_022(tmp_path: Path,
         finally:
             for store in stores:
                 store.close()
+
+
+def test_the_link_s_plain_files_are_owner_only_under_umask_022(tmp_path: Path,
+                                                               umask_022: None) -> None:
+    """The overlay a config.patch saves, fleet-sync.json, a download's lock and its .part:
+    written by `files.atomic_write`, `files.locked` and the transfer, 0600 by default."""
+    state = tmp_path / "state"
+    private_dir(state)
+    atomic_write(state / OVERLAY_FILE, b"{}", sync_dir=True)
+    with locked(state / "downloads.lock"):
+        pass
+    assert _exposed(tmp_path) == []
 
 
 def test_an_existing_state_dir_open_to_others_is_narrowed_at_start(

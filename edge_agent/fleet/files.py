@@ -41,8 +41,10 @@ def inside(directory: Path, name: str) -> Path:
     return path
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o644, *, sync_dir: bool = False
+def atomic_write(path: Path, data: bytes, mode: int = 0o600, *, sync_dir: bool = False
                  ) -> None:
+    """`data` in `path` by rename, never half-written; 0600 unless told (what the box
+    writes is its state, owner-only; a public key or served metadata asks for 0644)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -67,7 +69,8 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644, *, sync_dir: bool =
 def locked(path: Path) -> Iterator[None]:
     """An exclusive flock on `path` (created if missing) for the block: one holder at a
     time across processes, released even when the holder is killed."""
-    with open(path, "a") as fh:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                           0o600), "a") as fh:  # owner-only whatever the umask
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

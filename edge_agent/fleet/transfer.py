@@ -285,7 +285,9 @@ class _Fetch:
                 raise ReleaseFailed(UNREACHABLE, f"{self.release.ref}: {self.release.url} "
                                     f"answered HTTP {status}", url=self.release.url,
                                     status=status)
-            with self.part.open("ab") as out:
+            fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                         0o600)  # owner-only whatever the umask, as the blob it becomes
+            with os.fdopen(fd, "ab") as out:
                 self._copy(resp, out)
         finally:
             if resp.length_remaining == 0:

@@ -331,7 +331,7 @@ class ReleaseRepository:
 
     def _write(self, md: Metadata[Any], name: str) -> None:
         # 0644: metadata is public (it is served), its integrity is the signatures'
-        atomic_write(self.metadata / name, md.to_bytes(_PRETTY))
+        atomic_write(self.metadata / name, md.to_bytes(_PRETTY), 0o644)
 
     def _locked(self) -> AbstractContextManager[None]:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -389,4 +389,4 @@ def _expiry(seconds: int) -> datetime:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    atomic_write(path, (json.dumps(data, indent=2) + "\n").encode())
+    atomic_write(path, (json.dumps(data, indent=2) + "\n").encode(), 0o644)
