@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
+import pwd
+import shutil
+import signal
 import stat
+import subprocess
+import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import paho.mqtt.client as mqtt
 import pytest
 from click.testing import CliRunner
+from paho.mqtt.enums import CallbackAPIVersion
 
 from edge_agent.cli import main
 from edge_agent.config import ConfigError
@@ -21,6 +30,7 @@ from edge_agent.fleet.controller.broker import (
     read_devices,
     write_broker_config,
 )
+from edge_agent.fleet.testbed import find_mosquitto, free_port, wait_port
 from tests.brokers import FLEET, Mosquitto, MQTTClient
 
 A, B = "store-a", "store-b"
@@ -257,3 +267,75 @@ def test_the_broker_accepts_our_own_hashes_without_mosquitto_passwd(
     finally:
         good.close()
         bad.close()
+
+
+@pytest.mark.broker
+def test_a_rerun_keeps_a_broker_running_as_its_own_user_reading_its_files(
+        request: pytest.FixtureRequest) -> None:
+    """The README's procedure as root: broker-config, `chown mosquitto:` on passwd and acl,
+    Mosquitto started as root dropping to `mosquitto`; then a device is added (broker-config
+    again) and the broker reloaded with SIGHUP. Every device, old and new, logs in after,
+    and the files still belong to the broker's user."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: Mosquitto drops to its own user only when started as root")
+    try:
+        broker_user = pwd.getpwnam("mosquitto")
+    except KeyError:
+        pytest.skip("no mosquitto user (apt-get install mosquitto creates it)")
+    binary = find_mosquitto()
+    if binary is None:
+        pytest.skip("mosquitto is not installed")
+    # A folder the broker's user can walk into (pytest's own are 0700 all the way up).
+    tmp_path = Path(tempfile.mkdtemp(prefix="edge-broker-"))
+    tmp_path.chmod(0o755)
+    request.addfinalizer(lambda: shutil.rmtree(tmp_path, ignore_errors=True))
+    devices, out, data = tmp_path / "devices.txt", tmp_path / "edge", tmp_path / "data"
+    devices.write_text("store-1\nstore-2\n")
+    port = free_port()
+    args = ["fleet", "broker-config", "--devices", str(devices), "--out", str(out),
+            "--fleet", FLEET, "--port", str(port), "--data-dir", str(data)]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    data.mkdir()
+    for path in (out / "passwd", out / "acl", data):
+        os.chown(path, broker_user.pw_uid, broker_user.pw_gid)
+    conf = tmp_path / "run.conf"
+    conf.write_text((out / "mosquitto.conf").read_text() + "user mosquitto\n"
+                    f"log_dest file {tmp_path / 'mosquitto.log'}\n")
+    (tmp_path / "mosquitto.log").touch()
+    os.chown(tmp_path / "mosquitto.log", broker_user.pw_uid, broker_user.pw_gid)
+    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, 15, proc)
+        assert _login(port, "store-1", out) == 0
+        devices.write_text("store-1\nstore-2\nstore-3\n")
+        again = CliRunner().invoke(main, args)
+        assert again.exit_code == 0, again.output
+        assert "kill -HUP" in again.output
+        for name in ("passwd", "acl"):
+            st = (out / name).stat()
+            assert (st.st_uid, st.st_gid) == (broker_user.pw_uid, broker_user.pw_gid), name
+        assert stat.S_IMODE((out / "passwd").stat().st_mode) == 0o600
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)  # the reload is asynchronous; a refused login would not recover
+        assert proc.poll() is None, (tmp_path / "mosquitto.log").read_text()
+        for user in ("store-1", "store-2", "store-3", "controller"):
+            assert _login(port, user, out) == 0, (user, (tmp_path / "mosquitto.log").read_text())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _login(port: int, user: str, out: Path) -> int:
+    """The CONNACK reason code of a login with the credentials broker-config wrote."""
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"login-{user}",
+                         protocol=mqtt.MQTTv5)
+    client.username_pw_set(user, (out / "credentials" / f"{user}.txt").read_text().strip())
+    codes: list[int] = []
+    client.on_connect = lambda c, u, f, reason, p: codes.append(reason.value)
+    client.connect("127.0.0.1", port)
+    deadline = time.monotonic() + 10
+    while not codes and time.monotonic() < deadline:
+        client.loop(0.1)
+    client.disconnect()
+    return codes[0] if codes else -1

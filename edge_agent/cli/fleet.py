@@ -217,6 +217,9 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
         click.echo(f"wrote {path}")
     click.echo(f"wrote {out.absolute() / 'credentials'}/<user>.txt (mode 0600): copy each "
                "device's file to its box, as fleet.password_file")
+    click.echo("a running broker reads passwd and acl again on SIGHUP: kill -HUP $(pidof "
+               "mosquitto); a changed listener, TLS or persistence line needs a restart "
+               "(passwd, acl and mosquitto.conf keep the owner and mode they had)")
     scheme, listen = ("mqtts", tls_port) if tls else ("mqtt", port)
     click.echo(f"\non each box ([fleet] in its config.toml):\n  enabled = true\n"
                f"  broker = \"{scheme}://<broker host>:{listen}\"\n  fleet_id = \"{fleet_id}\"\n"

@@ -41,13 +41,17 @@ def inside(directory: Path, name: str) -> Path:
     return path
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o600, *, sync_dir: bool = False
-                 ) -> None:
+def atomic_write(path: Path, data: bytes, mode: int = 0o600, *, sync_dir: bool = False,
+                 owner: tuple[int, int] | None = None) -> None:
     """`data` in `path` by rename, never half-written; 0600 unless told (what the box
-    writes is its state, owner-only; a public key or served metadata asks for 0644)."""
+    writes is its state, owner-only; a public key or served metadata asks for 0644).
+    `owner` (uid, gid): the new file's, set before the rename, so no reader of the old
+    file (a broker running as its own user) ever finds it unreadable."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        if owner is not None:
+            os.fchown(fd, *owner)
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)

@@ -19,7 +19,9 @@ Passwords: generated (URL-safe random) unless `credentials/<user>.txt` already h
 so re-running after adding a device does not change everyone's password (delete a file to
 rotate it). Hashed with `mosquitto_passwd -U` when it is installed, else in the same
 PBKDF2-SHA512 `$7$` format Mosquitto 2 writes. Every file is written atomically; the
-password file and the credentials are mode 0600. This module never starts a broker.
+password file and the credentials are mode 0600 when first written, and a re-run keeps the
+owner, group and mode of `passwd`, `acl` and `mosquitto.conf` as it finds them (the broker's
+user must go on reading them). This module never starts a broker.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import hashlib
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -216,7 +219,20 @@ def write_broker_config(plan: BrokerPlan, out: Path, *,
         passwords[user] = known
         files.credentials[user] = path
     tool = (passwd_tool or find_passwd_tool()) if use_tool else None
-    atomic_write(files.passwd, _passwd_lines(passwords, out, tool).encode(), SECRET_MODE)
-    atomic_write(files.acl, acl_text(plan).encode(), PUBLIC_MODE)
-    atomic_write(files.conf, conf_text(plan, plan.conf_dir or out).encode(), PUBLIC_MODE)
+    _rewrite(files.passwd, _passwd_lines(passwords, out, tool).encode(), SECRET_MODE)
+    _rewrite(files.acl, acl_text(plan).encode(), PUBLIC_MODE)
+    _rewrite(files.conf, conf_text(plan, plan.conf_dir or out).encode(), PUBLIC_MODE)
     return files
+
+
+def _rewrite(path: Path, data: bytes, mode: int) -> None:
+    """A file Mosquitto reads, written anew: a first write gets `mode`; a rewrite keeps the
+    owner, group and mode the operator gave it (`chown mosquitto: passwd`, as the README
+    says), so a re-run to add a device never locks the broker out of its own password
+    file — every login, existing devices' included, would be refused at the next HUP."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        atomic_write(path, data, mode)
+        return
+    atomic_write(path, data, stat.S_IMODE(st.st_mode), owner=(st.st_uid, st.st_gid))
