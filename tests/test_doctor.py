@@ -83,3 +83,20 @@ def test_doctor_fails_when_the_port_is_taken(model_cache: Path, tmp_path: Path) 
             clone_state(model_cache, tmp_path / "s"))], env={"EDGE_AGENT_SERVER__PORT": str(port)})
     assert result.exit_code == 1
     assert f"fail  port: 127.0.0.1:{port} is taken" in result.output
+
+
+def test_doctor_checks_the_port_it_is_given_as_serve_is(model_cache: Path,
+                                                        tmp_path: Path) -> None:
+    """`--port` (and `--host`) as serve takes them: a second box on one machine is checked
+    on its own port, not the config file's."""
+    state = clone_state(model_cache, tmp_path / "s")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        given = CliRunner().invoke(main, ["doctor", "--state-dir", str(state), "--host",
+                                          "127.0.0.1", "--port", str(port)])
+        default = CliRunner().invoke(main, ["doctor", "--state-dir", str(state), "--json"])
+    assert given.exit_code == 1
+    assert f"fail  port: 127.0.0.1:{port} is taken" in given.output
+    assert str(port) not in default.output
