@@ -422,3 +422,15 @@ def test_a_forged_ack_deletes_nothing_even_where_the_acl_lets_it_through(
         assert sorted(mine) == list(range(20))  # every audit row, once
     finally:
         ctl.close()
+
+
+def test_a_durable_emit_at_start_waits_for_the_outbox_instead_of_failing(
+        broker: Mosquitto, controller: Controller, links: Callable[..., Link],
+        tmp_path: Path) -> None:
+    """The first start's events tick emits with commit=True before the link's thread has
+    opened the outbox: it waits for it (bounded) and is stored, not refused (which logged
+    an ERROR 'the events tick failed' on every first start)."""
+    link = links(broker, tmp_path / "state")
+    assert link.emit("events", "audit", {"event": "box.ready"}, commit=True)
+    assert "emit_refused" not in link.counts
+    assert wait_until(lambda: controller.count(DEV, "events") >= 1, 10)

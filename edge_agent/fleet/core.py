@@ -48,6 +48,7 @@ class LinkOptions:
     command_wait_s: float = 5.0  # a stop lets a running command finish this long
     stable_s: float = 60.0  # a connection this old resets the backoff
     max_early: int = 10_000  # emits held in memory before the outbox is open
+    open_wait_s: float = 10.0  # a durable (commit) emit waits this long for the outbox
 
 
 class LinkCore:

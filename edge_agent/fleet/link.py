@@ -73,6 +73,7 @@ class Link(LinkCore):
         self._gate: CommandGate | None = None
         self._early: list[tuple[str, str, dict[str, Any]]] = []
         self._closed = False
+        self._opened = threading.Event()  # the outbox opened, or the link closed: no wait
 
     # -- the server's side: never raises --------------------------------------------------
 
@@ -104,8 +105,13 @@ class Link(LinkCore):
              ) -> bool:
         """Queues one message for the controller (committed within milliseconds by the
         owner thread; with `commit`, on disk before this returns); False if it was refused
-        (logged once per kind, counted)."""
+        (logged once per kind, counted). A `commit` emit made before the owner has opened
+        the outbox (the first seconds of a start) waits for it, bounded by
+        `options.open_wait_s`: a durable message cannot be held in memory, and refusing it
+        made every first start log a failed events tick."""
         try:
+            if commit and not self._opened.is_set():
+                self._opened.wait(self.options.open_wait_s)
             with self._lock:
                 outbox = self._outbox
                 refused = self._closed or (outbox is None and (
@@ -185,6 +191,7 @@ class Link(LinkCore):
         with self._lock:
             early, self._early = self._early, []
             self._outbox = outbox
+        self._opened.set()
         for kind, cls, body in early:
             self.emit(kind, cls, body)
         for command in self._gate.resume():  # stored, never finished: they run now
@@ -230,6 +237,7 @@ class Link(LinkCore):
     def _close(self) -> None:
         with self._lock:
             self._closed = True
+        self._opened.set()  # a durable emit waiting for the outbox is refused now
         worker_done = self._worker is None or not self._worker.is_alive()
         for closer in (self._outbox, self._state if worker_done else None):
             if closer is not None:
