@@ -28,6 +28,7 @@ from edge_agent.fleet.controller.waves import (
     decide,
     format_duration,
     format_waves,
+    needed_to_judge,
     parse_duration,
     parse_share,
     parse_waves,
@@ -142,7 +143,7 @@ def test_how_a_device_counts() -> None:
 
 def test_abort_needs_the_minimum_then_a_share_strictly_above() -> None:
     policy = Policy(STEPS, abort_above=0.10, min_executed=3)
-    two_failed = tally([dev("a", state=ROLLED_BACK), dev("b", state=REJECTED)])
+    two_failed = tally([dev("a", state=ROLLED_BACK), dev("b", state=REJECTED), dev("c")])
     assert abort_reason(two_failed, policy) is None  # 2 finished < 3
     one_in_ten = tally([dev("f", state=ROLLED_BACK)]
                        + [dev(f"s{i}", state=ACTIVE) for i in range(9)])
@@ -340,3 +341,19 @@ def test_a_hundred_devices_with_a_fifth_failing_abort_in_the_third_wave() -> Non
             break
     assert state == ABORTED and wave == 3
     assert {waves[d] for d in started} == {1, 2, 3}
+
+
+def test_min_executed_is_capped_by_the_devices_and_none_active_is_no_completion() -> None:
+    """One device, --min-executed 3 (the default): its failure aborts the rollout (it
+    could never reach 3). With abort_above 100% (never abort on the share), a last wave
+    in which nobody ended ACTIVE is ABORTED, not COMPLETED."""
+    policy = Policy(STEPS, abort_above=0.10, min_executed=3)
+    one = [dev("a", 1, ROLLED_BACK)]
+    assert needed_to_judge(tally(one), policy) == 1
+    plan = decide(RUNNING, 1, policy, one, now=10.0)
+    assert plan.state == ABORTED and plan.reason is not None and "1 of 1" in plan.reason
+    lenient = Policy(STEPS, abort_above=1.0, min_executed=3)
+    both = fleet({1: [ROLLED_BACK], 2: [FAILED]})
+    plan = decide(RUNNING, 2, lenient, both, now=10.0)
+    assert (plan.state, plan.reason) == (ABORTED, "none of 2 devices ACTIVE (2 failed)")
+    assert needed_to_judge(tally(fleet({1: [ACTIVE], 2: [PENDING] * 9})), policy) == 3

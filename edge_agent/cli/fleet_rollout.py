@@ -209,7 +209,9 @@ def _show(r: dict[str, Any]) -> None:
     click.echo(f"rollout {r['id']}: {r['name']}@{r['version']}  {r['state']}  wave "
                f"{r['wave']}/{r['waves_total']}" + (f"  ({why})" if why else ""))
     click.echo(f"  devices {r['devices_total']} ({r['selector']}); waves {p['waves']}; "
-               f"abort above {p['abort_above']} after {p['min_executed']} finished; soak "
+               f"succeeds unless more than {p['abort_above']} of the finished devices fail "
+               f"(judged once {p['judged_after']} finished: --min-executed "
+               f"{p['min_executed']}, capped by the devices) and at least one is ACTIVE; soak "
                f"{p['soak']}; device timeout {p['device_timeout']}"
                f"{'; rollback on abort' if p['rollback_on_abort'] else ''}")
     phases = ", ".join(f"{k} {v}" for k, v in r["phases"].items() if v)

@@ -41,6 +41,7 @@ from edge_agent.fleet.controller.waves import (
     decide,
     device_counts,
     format_duration,
+    needed_to_judge,
     phase,
     tally,
 )
@@ -144,7 +145,9 @@ def report(r: RolloutRecord, devices: list[DeviceRecord], now: float) -> dict[st
     return {
         **r.to_json(),
         "policy": {"waves": r.waves, "abort_above": f"{r.abort_above:.0%}",
-                   "min_executed": r.min_executed, "soak": format_duration(r.soak_s),
+                   "min_executed": r.min_executed,
+                   "judged_after": needed_to_judge(t, r.policy()),
+                   "soak": format_duration(r.soak_s),
                    "device_timeout": format_duration(r.device_timeout_s),
                    "rollback_on_abort": r.rollback_on_abort},
         "waiting_for": waiting_for,

@@ -302,6 +302,11 @@ class Tally:
     def failed_share(self) -> float:
         return self.failed / self.finished if self.finished else 0.0
 
+    @property
+    def executing(self) -> int:
+        """The devices the rollout still counts on: all but the cancelled and skipped."""
+        return sum(self.counts.values()) - self.counts.get(CANCELLED_PHASE, 0)
+
 
 def tally(devices: Iterable[DeviceView]) -> Tally:
     counts = dict.fromkeys(PHASES, 0)
@@ -310,10 +315,18 @@ def tally(devices: Iterable[DeviceView]) -> Tally:
     return Tally(counts)
 
 
+def needed_to_judge(t: Tally, policy: Policy) -> int:
+    """How many finished devices the abort rule waits for: `min_executed`, capped by the
+    devices the rollout has (AWS IoT Jobs' minNumberOfExecutedThings over a smaller fleet
+    could otherwise never be reached, and a rollout whose every device failed would end
+    COMPLETED)."""
+    return max(1, min(policy.min_executed, t.executing))
+
+
 def abort_reason(t: Tally, policy: Policy) -> str | None:
     """Why the rollout must abort now, or None: more than `abort_above` of the finished
-    devices failed, once at least `min_executed` finished."""
-    if t.finished < policy.min_executed or t.failed_share <= policy.abort_above:
+    devices failed, once at least `needed_to_judge` finished."""
+    if t.finished < needed_to_judge(t, policy) or t.failed_share <= policy.abort_above:
         return None
     return (f"{t.failed} of {t.finished} finished devices failed ({t.failed_share:.0%}), "
             f"above {policy.abort_above:.0%}")
@@ -368,7 +381,11 @@ def decide(state: str, wave: int, policy: Policy, devices: Sequence[DeviceView],
             wave = 1
         started = [d for d in views if d.wave <= wave]
         if all(phase(d) not in (WAITING, IN_FLIGHT) for d in started):
-            if wave >= last:
+            if wave >= last and t.succeeded == 0 and t.failed:
+                # Every device that finished failed: whatever abort_above allows, that is
+                # no completed rollout.
+                state, reason = ABORTED, f"none of {len(views)} devices ACTIVE ({t.failed} failed)"
+            elif wave >= last:
                 state, reason = COMPLETED, f"{t.succeeded} of {len(views)} devices ACTIVE"
             else:
                 left = soak_left([d for d in started if d.wave == wave], policy.soak_s, now)
