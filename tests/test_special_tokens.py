@@ -7,11 +7,13 @@ always did, for the default model (ChatML) and for Gemma's catalog template.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import llama_cpp as ll
 import pytest
 
 from edge_agent.engine.catalog import ModelStore
@@ -171,3 +173,19 @@ def test_a_raw_prompt_keeps_its_markers(live_server: LiveServer) -> None:
         "model": DEFAULT_MODEL, "prompt": "<|im_start|>user\nhi<|im_end|>", "max_tokens": 1})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] <= 6  # marker, "user", "\n", "hi", marker
+
+
+@pytest.mark.parametrize("which", ["smollm", "gemma"])
+def test_every_catalog_template_starts_with_exactly_one_bos(
+        which: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> None:
+    """A template that writes the BOS text itself (Gemma's catalog template does) and the
+    tokenizer adding one too would give two, and llama.cpp says so at every request ("the
+    final prompt starts with 2 BOS tokens"): exactly one, and no such line."""
+    model, template = request.getfixturevalue(which)
+    caplog.set_level("DEBUG")
+    tokens = _tokens(model, template, CONVERSATION)
+    wants_bos = bool(ll.llama_vocab_get_add_bos(model.vocab))
+    leading = len(tokens) - len(list(itertools.dropwhile(lambda t: t == model.bos, tokens)))
+    assert leading == (1 if wants_bos or template.render(CONVERSATION).startswith(
+        model.token_text(model.bos)) else 0), tokens[:4]
+    assert "2 BOS" not in caplog.text

@@ -120,6 +120,9 @@ class LlamaModel:
         self.eos = int(ll.llama_vocab_eos(self.vocab))
         self._pieces: dict[int, bytes] = {}
         self._special_starts = self._forgeable_starts()
+        # The BOS's text where the tokenizer adds a BOS (add_special): "" where it adds none.
+        self._bos_text = self.token_text(self.bos) \
+            if self.bos >= 0 and ll.llama_vocab_get_add_bos(self.vocab) else ""
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         """`parse_special`: text such as `<|im_end|>` becomes that control token. Only for
@@ -129,6 +132,10 @@ class LlamaModel:
         except UnicodeEncodeError as exc:  # a lone surrogate; the API refuses them earlier
             raise InvalidRequest("the prompt is not valid Unicode (a lone surrogate)",
                                  param="prompt") from exc
+        if add_special and parse_special and self._bos_text and text.startswith(self._bos_text):
+            # The text writes the BOS itself (a template's `{{ bos_token }}`): adding one
+            # too would make two, which llama.cpp would warn of at every request.
+            add_special = False
         capacity = len(data) + 8
         while True:
             buf = (ll.llama_token * capacity)()
