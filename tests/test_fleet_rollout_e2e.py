@@ -62,6 +62,15 @@ def _rollout_states(central: Controller, rollout_id: str) -> list[str]:
     return [b["to"] for b in bodies]
 
 
+def _active_in_view(central: Controller, name: str) -> str | None:
+    """The digest `fleet devices --json` says is active for `name` on the box."""
+    devices = json.loads(cli("fleet", "devices", "--config", str(central.config),
+                             "--json").stdout)
+    found = [m["digest"] for d in devices if d["device"] == DEV for m in d["models"]
+             if m["name"] == name and m["active"]]
+    return found[0] if found else None
+
+
 def test_a_rollout_goes_active_with_zero_failed_requests_and_a_bad_one_rolls_back(
         broker: Mosquitto, central: Controller, model_cache: Path, tmp_path: Path
         ) -> None:
@@ -84,6 +93,11 @@ def test_a_rollout_goes_active_with_zero_failed_requests_and_a_bad_one_rolls_bac
             "RECEIVED", "DOWNLOADING", "VERIFYING", "STAGED", "ACTIVATING", "GATING", "ACTIVE"]
         new = box.digest(DEFAULT_MODEL)
         assert new != old
+        # The controller's view follows without a rebirth (the box's models.state event).
+        assert wait_until(lambda: _active_in_view(central, DEFAULT_MODEL) == new, 30, 0.5), \
+            _active_in_view(central, DEFAULT_MODEL)
+        table = cli("fleet", "devices", "--config", str(central.config)).stdout
+        assert f"{DEFAULT_MODEL}@{new[:12]}" in table, table
 
         cli("fleet", "send", DEV, "rollout.start", "--config", str(central.config),
             "--arg", "rollout_id=r2", "--arg", f"name={DEFAULT_MODEL}", "--arg", "version=3")

@@ -121,6 +121,38 @@ def test_birth_online_death_of_the_same_session_offline(store: FleetStore) -> No
     assert store.counts() == (1, 0)
 
 
+def test_a_models_state_event_updates_the_view_and_only_a_newer_report_wins(
+        store: FleetStore) -> None:
+    """The box's models.state (an events message, through the outbox) changes what
+    `fleet devices` shows without a rebirth; of a birth and an event, the one the box sent
+    later (its `ts`) is the view, whichever arrives last."""
+    def state(ts: float, *models: tuple[str, str, bool]) -> Inbound:
+        return msg(int(ts), kind="events", ts=ts, body={"event": "models.state", "models": [
+            {"name": n, "digest": d, "active": a, "loaded": False} for n, d, a in models]})
+
+    b = birth(12)
+    b["ts"] = 100.0
+    store.birth("f1", "d1", b, 100.0)
+    store.ingest([state(110.0, ("gemma3:270m", "v2", True), ("gemma3:270m", "v1", False),
+                        ("smollm2:135m", "s1", True))])
+    found = store.device("d1")
+    assert found is not None
+    assert found["active_models"] == ["gemma3:270m", "smollm2:135m"]
+    assert {(m["name"], m["digest"], m["active"]) for m in found["models"]} == {
+        ("gemma3:270m", "v2", True), ("gemma3:270m", "v1", False),
+        ("smollm2:135m", "s1", True)}
+    store.ingest([state(105.0, ("gemma3:270m", "v1", True))])  # sent earlier, came late
+    assert {m["digest"] for m in store.device("d1")["models"]} == {"v1", "v2", "s1"}  # type: ignore[index]
+    later = birth(13)
+    later["ts"] = 120.0
+    store.birth("f1", "d1", later, 120.0)  # a newer birth wins again
+    assert store.device("d1")["active_models"] == ["smollm2:135m"]  # type: ignore[index]
+    bad = msg(130, kind="events", ts=130.0, body={"event": "models.state",
+                                                  "models": [{"name": "m"}]})
+    assert store.ingest([bad]).stored == 1  # stored, logged; the view is not changed
+    assert store.device("d1")["active_models"] == ["smollm2:135m"]  # type: ignore[index]
+
+
 def test_a_stale_death_leaves_the_newer_session_online(store: FleetStore) -> None:
     store.birth("f1", "d1", birth(12), 100.0)
     store.birth("f1", "d1", birth(13), 101.0)  # reconnected before the old Will fired

@@ -379,11 +379,18 @@ def test_events_for_model_changes_and_readiness(tmp_path: Path, outbox: Outbox) 
     sync = make_sync(tmp_path, outbox, models=ops, ready=lambda: ready[0])
 
     def events() -> list[dict[str, Any]]:
-        return [e.body for e in sent(outbox, "events")]
+        return [e.body for e in sent(outbox, "events") if e.body["event"] != "models.state"]
+
+    def states() -> list[set[tuple[str, str, bool, bool]]]:
+        """Each models.state sent: the whole list, as the birth carries it."""
+        return [{(m["name"], m["digest"], m["active"], m["loaded"]) for m in e.body["models"]}
+                for e in sent(outbox, "events") if e.body["event"] == "models.state"]
 
     assert sync.tick_events()
-    # The first poll: the birth told what is installed; readiness is reported.
+    # The first poll: the birth told what is installed; readiness is reported, and the
+    # whole model state once (the birth's may be stale by then).
     assert events() == [{"event": "readiness", "ready": False, "previous": None}]
+    assert states() == [{("m:1", first.digest, True, False)}]
     second = ops.import_file(b, "m:1", by="test")  # a new version, active at once
     other = ops.import_file(c, "other:1", by="test")
     loader.models = [SimpleNamespace(info=second, in_use=0)]
@@ -395,7 +402,11 @@ def test_events_for_model_changes_and_readiness(tmp_path: Path, outbox: Outbox) 
          "previous": first.digest},
         {"event": "model.loaded", "name": "m:1", "digest": second.digest},
         {"event": "readiness", "ready": True, "previous": False}]
+    assert states()[1:] == [{("m:1", first.digest, False, False),
+                             ("m:1", second.digest, True, True),
+                             ("other:1", other.digest, True, False)}]
     assert sync.tick_events() and len(events()) == 5  # nothing changed: nothing sent
+    assert len(states()) == 2
     ops.activate("m:1", first.digest, by="test")  # a rollback through ModelOps
     ops.remove("other:1", by="test")
     loader.models = []

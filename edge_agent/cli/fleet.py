@@ -84,7 +84,8 @@ def _ago(ts: float | None) -> str:
 @controller_options
 @json_option()
 def fleet_devices(as_json: bool) -> None:
-    """Devices: online or offline, last seen, versions, active models."""
+    """Devices: online or offline, last seen, versions, active models (name@digest, as the
+    box last said: its birth, or a models.state event after any change)."""
     store = _open_existing(_settings())
     try:
         devices = store.devices()
@@ -97,7 +98,8 @@ def fleet_devices(as_json: bool) -> None:
            ("AGENT", "<8"), ("LLAMA.CPP", "<10"), ("ACTIVE MODELS", "")],
           ([d["device"], d["fleet"], "online" if d["online"] else "offline",
             _ago(d["last_seen"]), d["agent_version"] or "-", d["llama_cpp_version"] or "-",
-            ",".join(d["active_models"]) or "-"] for d in devices))
+            ",".join(f"{m['name']}@{m['digest'][:12]}" for m in d["models"]
+                     if m.get("active")) or "-"] for d in devices))
 
 
 def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:

@@ -12,7 +12,11 @@ produced on their intervals and handed to the outbox (`emit`, `Outbox.append`'s 
 - `events` (class `audit`): model installed / removed / activated / loaded / unloaded
   (polled every `events_interval_s` from `ModelOps`, or pushed by `model_event`),
   readiness changes, and failed requests by type (with each metrics tick, from the same
-  counter snapshot).
+  counter snapshot). After any change of the models (and at the first poll: what the
+  birth told may be stale by then, a first start installs the default after it), a
+  `models.state` event carries the whole list the birth carries (`birth.models`): the
+  controller's view of the box is current without a rebirth (Sparkplug's DATA on
+  change), and durable, through the outbox.
 
 Percentiles come from the ledger's rows, not from the histograms' buckets: the rows hold
 each request's exact TTFT and TPOT, the read is one range scan on the primary key over
@@ -43,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from edge_agent.fleet import summaries
+from edge_agent.fleet import birth, summaries
 from edge_agent.fleet.envelope import AUDIT, METRICS
 from edge_agent.fleet.ledger_summary import LedgerSummaries, latencies, max_rowid
 from edge_agent.fleet.outbox import OutboxStats
@@ -84,6 +88,8 @@ class ModelView(Protocol):
     def loaded(self) -> Sequence[Serving]: ...
 
     def is_installed(self, name: str) -> bool: ...
+
+    def versions(self, name: str) -> Sequence[Any]: ...
 
 
 class Sync:
@@ -131,6 +137,7 @@ class Sync:
         self._loaded: set[tuple[str, str]] = set()
         self._hook_gen = 0
         self._was_ready: bool | None = None
+        self._state: list[dict[str, Any]] | None = None  # the last models.state sent
 
     # -- configuration -------------------------------------------------------------------
 
@@ -210,6 +217,10 @@ class Sync:
                                                loaded):
                         self._emit("events", body, commit=True)
                     self._installed, self._loaded = installed, loaded
+            state = birth.models(self._models)  # type: ignore[arg-type]
+            if state != self._state:
+                self._emit("events", {"event": "models.state", "models": state}, commit=True)
+                self._state = state
         if self._ready is not None:
             ready = bool(self._ready())
             if ready != self._was_ready:

@@ -68,10 +68,22 @@ SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
     )),
     *ROLLOUT_SCHEMA,  # rollouts, their devices and commands (rollout_sql)
     *RETENTION_SCHEMA,  # what retention removed (retention)
+    # A box's models as its latest birth or models.state event says, and when it said
+    # so (the box's clock): the newer of the two is the view.
+    ("m006_device_models", (
+        "ALTER TABLE devices ADD COLUMN models TEXT",
+        "ALTER TABLE devices ADD COLUMN models_ts DOUBLE PRECISION",
+    )),
 )
 
 _DEVICE_COLUMNS = ("device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, "
-                   "last_birth, last_death")
+                   "last_birth, last_death, models")
+# The models column takes a newer report only (births and events travel apart: a birth
+# on the status topic, a models.state in the outbox, which may deliver it late).
+_NEWER_MODELS = ("models = CASE WHEN devices.models_ts IS NULL OR excluded.models_ts >= "
+                 "devices.models_ts THEN excluded.models ELSE devices.models END, "
+                 "models_ts = CASE WHEN devices.models_ts IS NULL OR excluded.models_ts >= "
+                 "devices.models_ts THEN excluded.models_ts ELSE devices.models_ts END")
 # last_seen only moves forward (GREATEST is PostgreSQL's, max() SQLite's: CASE is both's).
 _LATER = "CASE WHEN excluded.last_seen > devices.last_seen THEN excluded.last_seen " \
          "ELSE devices.last_seen END"
@@ -170,6 +182,8 @@ class SQLStore(RolloutQueries, RetentionQueries):
                 if not isinstance(ranges, dict):
                     raise ValueError("ranges must be an object")
                 self._insert_dropped(db, msg.device, ranges, msg.received)
+            elif msg.kind == "events" and body.get("event") == "models.state":
+                self._models_state(db, msg)
             elif msg.kind == "cmd/result":
                 self._insert_result(db, msg.device, body, msg.received)
                 self._rollout_result(db, msg.device, body, msg.ts, msg.received)
@@ -177,6 +191,14 @@ class SQLStore(RolloutQueries, RetentionQueries):
                 self._rollout_message(db, msg)
         except (ValueError, TypeError) as exc:
             log.warning("fleet: %s from %s seq %s: %s", msg.kind, msg.device, msg.seq, exc)
+
+    @staticmethod
+    def _models_state(db: Exec, msg: Inbound) -> None:
+        models = check_models(msg.body.get("models"))
+        db.run(f"INSERT INTO devices (device, fleet, online, first_seen, last_seen, models, "
+               f"models_ts) VALUES (?, ?, 0, ?, ?, ?, ?) ON CONFLICT (device) DO UPDATE SET "
+               f"{_NEWER_MODELS}",
+               [msg.device, msg.fleet, msg.received, msg.received, _dumps(models), msg.ts])
 
     # -- dropped metrics and gaps ---------------------------------------------------------
 
@@ -231,13 +253,23 @@ class SQLStore(RolloutQueries, RetentionQueries):
     def birth(self, fleet: str, device: str, message: Mapping[str, Any], received: float) -> None:
         """Online, with this session's bdseq and the birth's facts. A birth always wins:
         births of one device arrive in the order it sent them (one topic, one publisher)."""
+        try:
+            models: str | None = _dumps(check_models(message.get("models")))
+        except ValueError:
+            models = None  # a birth without a sound list: the models column keeps its own
+        ts = message.get("ts")
+        models_ts = float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) \
+            and abs(ts) < 1e11 else received
         with self._tx() as db:
-            db.run(f"INSERT INTO devices ({_DEVICE_COLUMNS}) VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, "
-                   f"NULL) ON CONFLICT (device) DO UPDATE SET fleet = excluded.fleet, online = 1, "
+            db.run(f"INSERT INTO devices ({_DEVICE_COLUMNS}, models_ts) VALUES (?, ?, 1, ?, ?, "
+                   f"?, ?, ?, ?, NULL, ?, ?) ON CONFLICT (device) DO UPDATE SET "
+                   f"fleet = excluded.fleet, online = 1, "
                    f"bdseq = excluded.bdseq, boot_id = excluded.boot_id, birth = excluded.birth, "
-                   f"last_birth = excluded.last_birth, last_seen = {_LATER}",
+                   f"last_birth = excluded.last_birth, last_seen = {_LATER}"
+                   + (f", {_NEWER_MODELS}" if models is not None else ""),
                    [device, fleet, int(message["bdseq"]), _text(message.get("boot_id"), 64),
-                    _dumps(dict(message)), received, received, received])
+                    _dumps(dict(message)), received, received, received, models,
+                    models_ts if models is not None else None])
 
     def death(self, fleet: str, device: str, message: Mapping[str, Any], received: float) -> bool:
         """Offline only if the death's bdseq is the current session's (a stale Will from an
@@ -349,12 +381,27 @@ class SQLStore(RolloutQueries, RetentionQueries):
                 for r in rows]
 
 
+def check_models(value: Any) -> list[dict[str, Any]]:
+    """A box's model list (`[{"name", "digest", "active", "loaded"}]`), checked: device
+    data never reaches the view in a shape the CLI cannot show."""
+    if not isinstance(value, list) or len(value) > 10_000:
+        raise ValueError("models must be a list")
+    out = []
+    for m in value:
+        if (not isinstance(m, dict) or not isinstance(m.get("name"), str)
+                or not isinstance(m.get("digest"), str)):
+            raise ValueError("each model needs a name and a digest")
+        out.append({"name": m["name"][:200], "digest": m["digest"][:80],
+                    "active": m.get("active") is True, "loaded": m.get("loaded") is True})
+    return out
+
+
 def _device(row: tuple[Any, ...]) -> dict[str, Any]:
     """A device row as the API and `fleet devices` show it (the birth's facts lifted)."""
     (device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, last_birth,
-     last_death) = row
+     last_death, models_now) = row
     facts: dict[str, Any] = json.loads(birth) if birth else {}
-    models = facts.get("models")
+    models = json.loads(models_now) if models_now else facts.get("models")
     if not isinstance(models, list):
         models = []
     return {
