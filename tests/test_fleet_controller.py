@@ -348,6 +348,33 @@ def filled_store(path: Path) -> SQLiteStore:
     return store
 
 
+def test_an_operator_sees_gaps_and_duplicates_from_the_cli_and_the_api(tmp_path: Path) -> None:
+    """A's boot: seqs 1 and 3 stored (2 lost), 1 sent twice. `fleet devices` flags A with
+    its missing seq and names it below the table; --json and /devices/{id} have the
+    ranges per boot; B (nothing lost) says none."""
+    store = filled_store(tmp_path / "controller.db")
+    now = time.time()
+    store.ingest([Inbound(FLEET, A, "metrics", BOOT, s, "metrics", now,
+                          {"outbox": {"depth": 7}} if s == 3 else {}, now) for s in (1, 3)])
+    store.close()
+    runner = CliRunner()
+    table = runner.invoke(main, ["fleet", "devices", "--state-dir", str(tmp_path)])
+    assert table.exit_code == 0, table.output
+    row_a = next(line for line in table.output.splitlines() if line.startswith(A))
+    row_b = next(line for line in table.output.splitlines() if line.startswith(B))
+    assert "1 MISSING, 1 dup" in row_a and " 7 " in row_a
+    assert "none" in row_b and "MISSING" not in row_b
+    assert f"1 device(s) with gaps (messages lost): {A}" in table.output
+    listed = json.loads(runner.invoke(main, ["fleet", "devices", "--json", "--state-dir",
+                                             str(tmp_path)]).output)
+    loss = next(d for d in listed if d["device"] == A)["loss"]
+    assert loss["boots"][0]["gaps"] == [[2, 2]] and loss["boots"][0]["duplicates"] == 1
+    store = SQLiteStore(tmp_path / "controller.db")
+    http = TestClient(create_app(store, ControllerMetrics(store), broker_connected=lambda: True))
+    assert http.get(f"/devices/{A}").json()["loss"]["missing"] == 1
+    store.close()
+
+
 def test_metrics_and_devices_answer(tmp_path: Path) -> None:
     store = filled_store(tmp_path / "controller.db")
     metrics = ControllerMetrics(store)

@@ -334,3 +334,24 @@ def test_the_retention_thread_survives_a_failed_pass(caplog: pytest.LogCaptureFi
     idle = Retention(RetentionSettings(metrics_days=None, audit_days=None), Store())
     idle.start()
     assert idle._thread is None  # noqa: SLF001 - nothing to purge, no thread
+
+
+def test_loss_accounting_per_boot_as_an_operator_reads_it(store: FleetStore) -> None:
+    """Stored 1-3, 6 and 9-10 of one boot, 4-5 reported dropped, 7-8 never seen: 2 seqs
+    missing; two duplicates counted on that boot; the other boot whole; the outbox backlog
+    from the newest metrics."""
+    store.ingest([msg(s) for s in (1, 2, 3, 6, 9)])
+    store.ingest([msg(2), msg(3)])  # duplicates
+    store.record_dropped("d1", {BOOT: [[4, 5]]}, 1000.0)
+    store.ingest([msg(10, body={"outbox": {"depth": 42, "oldest_age_s": 3.5}}, ts=50.0)])
+    store.ingest([msg(s, boot=BOOT2) for s in (1, 2)])
+    loss = store.loss("d1")
+    by_boot = {b["boot_id"]: b for b in loss["boots"]}
+    assert by_boot[BOOT] == {
+        "boot_id": BOOT, "highest_seq": 10, "stored": 6, "gaps": [[7, 8]], "missing": 2,
+        "dropped": [[4, 5]], "retired_through": 0, "duplicates": 2}
+    assert by_boot[BOOT2]["missing"] == 0 and by_boot[BOOT2]["duplicates"] == 0
+    assert (loss["missing"], loss["duplicates"]) == (2, 2)
+    assert loss["outbox"] == {"depth": 42, "oldest_age_s": 3.5, "reported": 50.0}
+    assert store.loss("nobody") == {"device": "nobody", "boots": [], "missing": 0,
+                                    "duplicates": 0, "outbox": None}

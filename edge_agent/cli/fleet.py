@@ -84,22 +84,36 @@ def _ago(ts: float | None) -> str:
 @controller_options
 @json_option()
 def fleet_devices(as_json: bool) -> None:
-    """Devices: online or offline, last seen, versions, active models (name@digest, as the
-    box last said: its birth, or a models.state event after any change)."""
+    """Devices: online or offline, last seen, versions, loss accounting (seqs missing and
+    duplicates dropped, over every boot; the outbox backlog the box last reported), active
+    models (name@digest, as the box last said: its birth, or a models.state event after any
+    change). --json has the ranges per boot: highest seq, gaps, dropped, retired."""
     store = _open_existing(_settings())
     try:
-        devices = store.devices()
+        devices = [{**d, "loss": store.loss(d["device"])} for d in store.devices()]
     finally:
         store.close()
     if as_json:
         echo_json(devices)
         return
     table([("DEVICE", "<20"), ("FLEET", "<12"), ("STATUS", "<8"), ("LAST SEEN", "<10"),
-           ("AGENT", "<8"), ("LLAMA.CPP", "<10"), ("ACTIVE MODELS", "")],
+           ("AGENT", "<8"), ("LLAMA.CPP", "<10"), ("LOSS", "<22"), ("OUTBOX", "<8"),
+           ("ACTIVE MODELS", "")],
           ([d["device"], d["fleet"], "online" if d["online"] else "offline",
             _ago(d["last_seen"]), d["agent_version"] or "-", d["llama_cpp_version"] or "-",
+            _loss(d["loss"]), str((d["loss"]["outbox"] or {}).get("depth", "-")),
             ",".join(f"{m['name']}@{m['digest'][:12]}" for m in d["models"]
                      if m.get("active")) or "-"] for d in devices))
+    gapped = [d["device"] for d in devices if d["loss"]["missing"]]
+    if gapped:
+        click.echo(f"\n{len(gapped)} device(s) with gaps (messages lost): {', '.join(gapped)}; "
+                   "fleet devices --json lists the ranges per boot")
+
+
+def _loss(loss: dict[str, Any]) -> str:
+    """The LOSS column: `none`, or the seqs missing, and the duplicates dropped."""
+    missing = f"{loss['missing']} MISSING" if loss["missing"] else "none"
+    return f"{missing}, {loss['duplicates']} dup" if loss["duplicates"] else missing
 
 
 def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:

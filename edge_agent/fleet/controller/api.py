@@ -3,7 +3,7 @@
     GET /metrics                  Prometheus text (the controller's own registry)
     GET /healthz                  {"broker_connected": bool, "store": "ok"|"error"}
     GET /devices                  {"devices": [device, ...]}
-    GET /devices/{id}             one device (404 if unknown)
+    GET /devices/{id}             one device (404 if unknown), with its loss accounting
     GET /devices/{id}/metrics     {"device": id, "metrics": [newest first]} (?limit=1..1000)
     GET /rollouts                 {"rollouts": [rollout, ...]} newest first (no devices)
     GET /rollouts/{id}            one rollout as `fleet rollout status ID --json` shows it
@@ -73,7 +73,9 @@ def create_app(store: FleetStore, metrics: ControllerMetrics, *,
         except ValueError as exc:
             return _problem(400, str(exc))
         found = store.device(device_id)
-        return found if found is not None else _problem(404, f"no device {device_id!r}")
+        if found is None:
+            return _problem(404, f"no device {device_id!r}")
+        return {**found, "loss": store.loss(device_id)}
 
     @app.get("/devices/{device_id}/metrics", response_model=None)
     def device_metrics(device_id: str, limit: int = Query(1, ge=1, le=1000)

@@ -74,6 +74,12 @@ SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
         "ALTER TABLE devices ADD COLUMN models TEXT",
         "ALTER TABLE devices ADD COLUMN models_ts DOUBLE PRECISION",
     )),
+    # Duplicates dropped, per device and boot: loss accounting's other half.
+    ("m007_duplicates", (
+        """CREATE TABLE duplicates (
+            device TEXT NOT NULL, boot_id TEXT NOT NULL, count BIGINT NOT NULL,
+            PRIMARY KEY (device, boot_id))""",
+    )),
 )
 
 _DEVICE_COLUMNS = ("device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, "
@@ -154,13 +160,20 @@ class SQLStore(RolloutQueries, RetentionQueries):
                 "body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING seq",
                 [(m.device, m.boot_id, m.seq, m.fleet, m.kind, m.cls, m.ts, m.received,
                   _dumps(m.body)) for m in batch])
+            dups: dict[tuple[str, str], int] = defaultdict(int)
             for msg, fresh in zip(batch, new, strict=True):
                 if not fresh:
                     acks.duplicates += 1
+                    dups[(msg.device, msg.boot_id)] += 1
                     continue
                 acks.stored += 1
                 acks.stored_by_kind[msg.kind] = acks.stored_by_kind.get(msg.kind, 0) + 1
                 self._side_effects(db, msg)
+            if dups:
+                db.many("INSERT INTO duplicates (device, boot_id, count) VALUES (?, ?, ?) "
+                        "ON CONFLICT (device, boot_id) DO UPDATE SET "
+                        "count = duplicates.count + excluded.count",
+                        [(d, b, n) for (d, b), n in dups.items()])
             last: dict[str, Inbound] = {}
             for msg in batch:
                 if msg.device not in last or msg.received > last[msg.device].received:
@@ -241,6 +254,33 @@ class SQLStore(RolloutQueries, RetentionQueries):
                                + self.dropped(device, boot_id)
                                + ([[1, retired]] if retired else []))
         return complement(covered, covered[-1][1]) if covered else []
+
+    def loss(self, device: str) -> dict[str, Any]:
+        """Loss accounting for one device, as an operator reads it: per boot the highest
+        seq stored, what is stored, the gaps (neither stored, nor reported dropped, nor
+        removed by retention: lost), the dropped and retired ranges and the duplicates
+        dropped; and the outbox backlog the box last reported (its latest metrics)."""
+        with self._read() as db:
+            dups = dict(db.rows("SELECT boot_id, count FROM duplicates WHERE device = ?",
+                                [device]))
+        boots = []
+        for boot in self.boots(device):
+            stored, retired = self.stored_ranges(device, boot), self.retired(device, boot)
+            gaps = self.gaps(device, boot)
+            boots.append({
+                "boot_id": boot,
+                "highest_seq": max([retired] + [b for _, b in stored]),
+                "stored": sum(b - a + 1 for a, b in stored),
+                "gaps": gaps, "missing": sum(b - a + 1 for a, b in gaps),
+                "dropped": self.dropped(device, boot), "retired_through": retired,
+                "duplicates": int(dups.get(boot, 0))})
+        latest = self.latest_metrics(device)
+        outbox = latest["body"].get("outbox") if latest is not None else None
+        return {"device": device, "boots": boots,
+                "missing": sum(b["missing"] for b in boots),
+                "duplicates": sum(b["duplicates"] for b in boots),
+                "outbox": {**outbox, "reported": latest["ts"]}
+                if isinstance(outbox, dict) and latest is not None else None}
 
     def boots(self, device: str) -> list[str]:
         with self._read() as db:
