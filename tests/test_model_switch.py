@@ -200,9 +200,10 @@ def _copy_checks(live: LiveServer, digest: str) -> None:
 
 def test_with_no_room_for_the_new_version_new_requests_wait_for_the_old_one(
         model_cache: Path, tmp_path: Path) -> None:
-    """max_loaded_models = 1: while the old version serves, the new one cannot load (503,
-    Retry-After); once the old one's last user is done it is unloaded and the new one
-    loads."""
+    """Memory for one version only: while the old version serves, the new one cannot load
+    (503, Retry-After); once the old one's last user is done it is unloaded and the new one
+    loads. (Two versions of a name take one of `max_loaded_models`' slots: memory is what
+    stops them here.)"""
     import asyncio
 
     from edge_agent.engine.registry import ModelRegistry
@@ -211,8 +212,7 @@ def test_with_no_room_for_the_new_version_new_requests_wait_for_the_old_one(
     state = clone_state(model_cache, tmp_path / "state")
     old, new = _second_digest(state, tmp_path)
     settings = load_settings(None, state_dir=state, **{
-        "runtime.context_length": 256, "runtime.max_loaded_models": 1,
-        "runtime.threads": 1})
+        "runtime.context_length": 256, "runtime.threads": 1})
     store = ModelStore(state)
     registry = ModelRegistry(settings, store)
     ops = ModelOps(ModelStore(state))  # the CLI's, beside the server's
@@ -220,6 +220,7 @@ def test_with_no_room_for_the_new_version_new_requests_wait_for_the_old_one(
     async def scenario() -> None:
         serving, _ = await registry.acquire(DEFAULT_MODEL)
         assert serving.info.digest == old
+        registry.memory_budget = int(serving.memory * 1.5)  # one version, not two
         ops.activate(DEFAULT_MODEL, new, by="cli:test")
         with pytest.raises(ServiceUnavailable) as err:
             await registry.acquire(DEFAULT_MODEL)

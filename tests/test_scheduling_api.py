@@ -177,7 +177,8 @@ def test_deadlines_give_504_or_an_error_event(narrow_server: LiveServer) -> None
     with httpx.stream("POST", f"{narrow_server.openai_url}/chat/completions", timeout=60,
                       headers={"X-Timeout-Ms": "300"}, json={**body, "stream": True}) as s:
         data = [line for line in s.iter_lines() if line.startswith("data: ")]
-    assert json.loads(data[-1][6:])["error"]["code"] == "timeout"
+    assert data[-1] == "data: [DONE]"  # the error event, then the stream's end
+    assert json.loads(data[-2][6:])["error"]["code"] == "timeout"
     bad = httpx.post(f"{narrow_server.base_url}/api/generate", headers={"X-Timeout-Ms": "soon"},
                      json={"model": DEFAULT_MODEL, "prompt": "hi"})
     assert bad.status_code == 400 and "X-Timeout-Ms" in bad.json()["error"]

@@ -206,7 +206,10 @@ class RuntimeSettings(_Section):
     request_timeout_ms: int = Field(
         0, ge=0, description="Default deadline per request (0: none); clients may ask less."
     )
-    max_loaded_models: int = Field(2, ge=1, description="Models resident at once.")
+    max_loaded_models: int = Field(
+        2, ge=1, description="Model names resident at once. Two versions of one name (a "
+        "rollout's new one beside the old, until its gate passes) count once: a version "
+        "switch needs memory, not a slot.")
     memory_budget: int = Field(
         0, ge=0,
         description="Bytes of RAM/VRAM for weights + KV of all loaded models (0: 80% of RAM).",

@@ -140,6 +140,10 @@ class FleetSettings(_Section):
         "defer_deadline_s after staging.")
     defer_deadline_s: float = Field(
         3600.0, gt=0, description="Longest a busy model defers an activation.")
+    switch_wait_s: float = Field(
+        60.0, ge=0, le=600, description="When a new version cannot load beside the old one "
+        "(memory), requests for the name wait this long for the swap (queue time, not a "
+        "refusal); past it, or with 0, they get 503 with Retry-After.")
     rollout_max_failures: int = Field(
         3, ge=1, description="Attempts of a FAILED rollout (transfer, verification) before it "
         "stays FAILED.")

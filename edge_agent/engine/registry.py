@@ -8,15 +8,17 @@ A loaded model is one version of a name: keyed by (name, digest). `acquire(name)
 name's active digest from `models.db` at each call (a cheap read; the CLI may switch it from
 another process), so after a switch new requests load and use the new version while
 requests already running finish on the old one, which is unloaded when its last user
-releases it (or by `reap_expired` once idle). Both count against `max_loaded_models` and the
-memory budget while both are loaded: with no room for the new version while the old one
-still serves, a new request gets 503 with Retry-After, as for any model that does not fit.
+releases it (or by `reap_expired` once idle). Both count against the memory budget while
+both are loaded; `max_loaded_models` counts names, so two versions of one name take one
+slot (a switch needs memory, not a slot).
 
 A rollout (the fleet link, through `ModelOps`) may load a version that is not active yet
 (`acquire(name, digest=...)`), `hold` versions so that being inactive does not unload
 them (the new one before its switch, the old one until the new one passed its health
 gate, so a switch back is instant), ask whether a version `fits` beside what is loaded,
-and `drain` a name: new requests for it get 503 with Retry-After while running ones end.
+and `drain` a name when it does not: new requests for it wait (up to
+`fleet.switch_wait_s`, counted as their wait for the model) while running ones end and
+the versions swap, and go on with the new one; only past that wait, 503 with Retry-After.
 Holds and drains live in this process only: a restart forgets them, as it should.
 
 On a first start the default model is still being copied into the store when the port
@@ -171,6 +173,14 @@ def _total_ram() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+@dataclass
+class _Drain:
+    """A name's version swap under way: requests wait on `done`."""
+
+    retry_after: float
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class ModelRegistry:
     """Loads on demand within `max_loaded_models` and a memory budget, evicting the least
     recently used idle model to make room; a model serving requests is never evicted."""
@@ -184,7 +194,7 @@ class ModelRegistry:
         self._loading: dict[tuple[str, str], asyncio.Task[LoadedModel]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._held: set[tuple[str, str]] = set()
-        self._draining: dict[str, float] = {}  # name -> Retry-After seconds
+        self._draining: dict[str, _Drain] = {}  # name -> its swap under way
         self._installing: dict[str, asyncio.Future[Any]] = {}
         self._install_failed: dict[str, str] = {}  # name -> why its install failed
         self._freed = False  # a model was unloaded since the last reaper pass
@@ -243,12 +253,10 @@ class ModelRegistry:
         """The name's active version (or its installed version `digest`, a full digest),
         loaded, and how long this call waited for it to load (ns). A draining name
         refuses requests for its active version (503, Retry-After)."""
+        start = time.perf_counter_ns()
         if digest is None:
             await self._installed(name)
-            retry = self._draining.get(normalize_name(name))
-            if retry is not None:
-                raise ServiceUnavailable(f"model '{normalize_name(name)}' is switching "
-                                         "versions; retry shortly", retry_after=retry)
+            await self._swapped(normalize_name(name))
             try:
                 info = self.store.get(name)  # the pointer, read now; 404 before any waiting
             except ModelNotFound:
@@ -262,7 +270,6 @@ class ModelRegistry:
         else:
             info = self._version(name, digest)
         key = _key(info)
-        start = time.perf_counter_ns()
         model = self._loaded.get(key)
         if model is None:
             task = self._loading.get(key)
@@ -314,12 +321,40 @@ class ModelRegistry:
             self._held.discard(key)
 
     def drain(self, name: str, on: bool = True, retry_after: float = 2.0) -> None:
-        """Refuse (on) or admit again (off) new requests for `name`'s active version."""
+        """Hold back (on) or let go (off) new requests for `name`'s active version: they
+        wait in `acquire` for the swap, and get the new version once it is off."""
         key = normalize_name(name)
         if on:
-            self._draining[key] = retry_after
+            self._draining.setdefault(key, _Drain(retry_after))
         else:
-            self._draining.pop(key, None)
+            drain = self._draining.pop(key, None)
+            if drain is not None:
+                drain.done.set()
+
+    async def _swapped(self, key: str) -> None:
+        """Returns once `key` is not draining: waits for the swap, bounded by
+        `fleet.switch_wait_s` (503 with Retry-After past it, or at once without load_wait
+        or a wait)."""
+        drain = self._draining.get(key)
+        if drain is None:
+            return
+        wait = self.settings.fleet.switch_wait_s
+        if not self.settings.runtime.load_wait or wait <= 0:
+            raise ServiceUnavailable(f"model '{key}' is switching versions; retry shortly",
+                                     retry_after=drain.retry_after)
+        try:
+            await asyncio.wait_for(drain.done.wait(), wait)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailable(f"model '{key}' is still switching versions after "
+                                     f"{wait:g} s; retry shortly",
+                                     retry_after=drain.retry_after) from None
+
+    def _names(self, also: str | None = None) -> int:
+        """Distinct names loaded (with `also`): what `max_loaded_models` limits."""
+        names = {k[0] for k in self._loaded}
+        if also is not None:
+            names.add(normalize_name(also))
+        return len(names)
 
     async def fits(self, name: str, digest: str) -> bool:
         """Whether version `digest` of `name` can load beside every loaded model, without
@@ -331,7 +366,7 @@ class ModelRegistry:
         _, _, parallel, n_ctx, _ = self._plan(info)
         need = info.size + gguf.kv_bytes_per_token() * parallel * n_ctx
         used = sum(m.memory for m in self._loaded.values())
-        return len(self._loaded) < self.settings.runtime.max_loaded_models and \
+        return self._names(name) <= self.settings.runtime.max_loaded_models and \
             used + need <= self.memory_budget
 
     async def unload(self, name: str, digest: str | None = None) -> bool:
@@ -400,7 +435,7 @@ class ModelRegistry:
         if self._loading or self.is_installing(name) or name in self._draining:
             return True
         digest = self.store.active_digest(name)
-        if digest is None or len(self._loaded) >= self.settings.runtime.max_loaded_models \
+        if digest is None or self._names(name) > self.settings.runtime.max_loaded_models \
                 or not await self.fits(name, digest):
             return False
         log.info("loading %s again: there is room for it beside the loaded models", name)
@@ -446,7 +481,7 @@ class ModelRegistry:
         still serving after a switch counts like any model serving requests."""
         limit = self.settings.runtime.max_loaded_models
         while self._loaded and (
-            len(self._loaded) >= limit
+            self._names(key) > limit
             or sum(m.memory for m in self._loaded.values()) + need > self.memory_budget
         ):
             idle = [m for m in self._loaded.values() if m.in_use == 0]
