@@ -111,6 +111,18 @@ class KeyStore:
         finally:
             db.close()
 
+    def stamp(self) -> tuple[int, ...]:
+        """What changes when the store is written (keys.db and its WAL: size and mtime):
+        a cheap way to know a reload would find something new."""
+        out: list[int] = []
+        for path in (self.path, self.path.with_name(self.path.name + "-wal")):
+            try:
+                st = path.stat()
+                out += [st.st_mtime_ns, st.st_size]
+            except FileNotFoundError:
+                out += [0, 0]
+        return tuple(out)
+
     def load_active(self) -> dict[str, ActiveKey]:
         """prefix → (hash, tenant, admin) of keys not revoked; the server keeps this in
         memory."""

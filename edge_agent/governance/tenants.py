@@ -90,6 +90,7 @@ class Governor:
         self.settings = settings
         self.keys = keys
         self._lock = threading.Lock()
+        self._stamp = keys.stamp()
         self._active = keys.load_active()
         self._loaded_at = time.monotonic()
         self._used: dict[str, float] = {}
@@ -167,6 +168,7 @@ class Governor:
     def reload_keys(self) -> None:
         """Reads the key store now (a key revoked by the fleet link stops working at once,
         not at the next periodic reload)."""
+        self._stamp = self.keys.stamp()
         self._active = self.keys.load_active()
         self._loaded_at = time.monotonic()
 
@@ -178,9 +180,13 @@ class Governor:
             self._reload()
 
     def _reload(self) -> bool:
-        """Picks up keys created or revoked by the CLI while serving."""
-        if time.monotonic() - self._loaded_at < 0.5:
+        """Picks up keys created or revoked by the CLI while serving: at most every 0.5 s
+        (a flood of bad keys must not mean a read each), unless the store was written
+        since the last read (a key created a moment ago works at once)."""
+        stamp = self.keys.stamp()
+        if time.monotonic() - self._loaded_at < 0.5 and stamp == self._stamp:
             return False
+        self._stamp = stamp
         self._active = self.keys.load_active()
         self._loaded_at = time.monotonic()
         return True
