@@ -13,6 +13,7 @@ reconnecting, a silent one times out, and a restarted controller carries on.
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import signal
 import subprocess
@@ -300,8 +301,13 @@ def test_pause_holds_the_next_wave_resume_goes_on_abort_rolls_back(
     assert [len(waves[w]) for w in (1, 2, 3)] == [2, 4, 6]
     sim = link_fleet(central, dict.fromkeys(waves[3], "slow"), step_s=0.1)
     try:
-        central.cli("start", f"{NAME}@2", "--id", rid, "--waves", spec,
-                    "--rollback-on-abort")
+        started = central.cli("start", f"{NAME}@2", "--id", rid, "--waves", spec,
+                              "--rollback-on-abort")
+        # The follow-up it prints carries the --config it was given, and works as printed.
+        follow = started.split("follow it with: ")[1].strip()
+        assert follow == f"edge-agent fleet rollout status {rid} --config {central.config}"
+        printed = CliRunner().invoke(main, shlex.split(follow)[1:])
+        assert printed.exit_code == 0 and rid in printed.output, printed.output
         central.cli("pause", rid)
         time.sleep(3)  # wave 1 may have started before the pause; wave 2 must not
         assert all(sim[d].got("rollout.start") == [] for d in waves[2] + waves[3])

@@ -5,6 +5,7 @@ the command modules it registers (`fleet_rollout`) can use them too.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,18 @@ def _settings(**flags: Any) -> ControllerSettings:
     return load_controller_settings(meta.get(f"{_META}config"),
                                     state_dir=meta.get(f"{_META}state_dir"),
                                     db=meta.get(f"{_META}db"), **flags)
+
+
+def given_options() -> str:
+    """The controller options this command was given, as words to repeat in a follow-up
+    command it prints (which would otherwise read the default paths)."""
+    meta = click.get_current_context().meta
+    words = []
+    for name in ("config", "state_dir", "db"):
+        value = meta.get(f"{_META}{name}")
+        if value is not None:
+            words += [f"--{name.replace('_', '-')}", shlex.quote(str(value))]
+    return " ".join(words)
 
 
 def _open_existing(settings: ControllerSettings) -> FleetStore:

@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from edge_agent.cli.common import BadUsage, CheckFailed
-from edge_agent.cli.fleet_options import _open_existing, _settings, controller_options
+from edge_agent.cli.fleet_options import (
+    _open_existing,
+    _settings,
+    controller_options,
+    given_options,
+)
 from edge_agent.cli.output import (
     echo_json,
     is_terminal,
@@ -113,7 +118,7 @@ def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_exe
         click.echo("warning: no command_key_file in the controller's settings: fleet serve "
                    "cannot sign the rollout's commands until it has one", err=True)
     click.echo(f"fleet serve drives it; follow it with: edge-agent fleet rollout status "
-               f"{record.id}")
+               f"{record.id} {given_options()}".rstrip())
 
 
 WATCH_S, MIN_WATCH_S = 2.0, 0.5
