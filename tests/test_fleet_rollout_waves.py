@@ -13,8 +13,8 @@ reconnecting, a silent one times out, and a restarted controller carries on.
 from __future__ import annotations
 
 import json
-import shlex
 import os
+import shlex
 import signal
 import subprocess
 import sys
