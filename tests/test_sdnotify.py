@@ -10,6 +10,7 @@ subprocess that drains a running stream on SIGTERM, says STOPPING=1 and flushes 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -263,12 +265,21 @@ def test_the_server_is_ready_for_systemd_when_ready_says_so(
     assert [line for _, line in rx.lines()].count("READY=1") == 1
 
 
-@pytest.mark.integration
-def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
-        model_cache: Path, tmp_path: Path) -> None:
-    state = clone_state(model_cache, tmp_path / "state")
-    config = tmp_path / "config.toml"
-    config.write_text("")  # not the machine's /etc/edge-agent/config.toml
+@dataclass
+class Served:
+    """`edge-agent serve` as systemd starts it: its own process, a notify socket."""
+
+    proc: subprocess.Popen[bytes]
+    rx: Receiver
+    port: int
+
+    def log(self) -> str:
+        return self.proc.stdout.read().decode() if self.proc.stdout else ""
+
+
+@contextlib.contextmanager
+def served(state: Path, config: Path) -> Iterator[Served]:
+    """Runs `serve` with `config` on a free port; killed at the end if it still runs."""
     port = free_port()
     name = f"edge-agent-test-{uuid.uuid4().hex}"
     rx = Receiver("\0" + name)
@@ -278,9 +289,23 @@ def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
     proc = subprocess.Popen([*command, "serve", "--config", str(config), "--state-dir",
                              str(state), "--port", str(port), "--log-level", "warning"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        yield Served(proc, rx, port)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        rx.close()
+
+
+@pytest.mark.integration
+def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
+        model_cache: Path, tmp_path: Path) -> None:
+    state = clone_state(model_cache, tmp_path / "state")
+    config = tmp_path / "config.toml"
+    config.write_text("")  # not the machine's /etc/edge-agent/config.toml
     out: dict[str, Any] = {"tokens": 0}
     first = threading.Event()
-    url = f"http://127.0.0.1:{port}/v1/completions"
     request = {"model": DEFAULT_MODEL, "prompt": "Count to one hundred:", "logit_bias": NO_EOS}
 
     def stream(max_tokens: int) -> None:
@@ -299,7 +324,9 @@ def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
             out["error"] = exc
         first.set()
 
-    try:
+    with served(state, config) as server:
+        proc, rx = server.proc, server.rx
+        url = f"http://127.0.0.1:{server.port}/v1/completions"
         rx.wait_for("READY=1", 180)
         # A stream of about 3 s at this machine's present speed: it outlasts the stop's first
         # moments and ends well within the 10 s drain (GRACEFUL_SHUTDOWN_S), loaded or not.
@@ -314,12 +341,7 @@ def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
         stopping_at = rx.wait_for("STOPPING=1", 10)
         client.join(timeout=60)
         code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        rx.close()
-    log = proc.stdout.read().decode() if proc.stdout else ""
+    log = server.log()
     assert code in (0, -signal.SIGTERM), log  # systemd counts a SIGTERM death as clean
     assert stopping_at >= term_at
     assert "error" not in out and out.get("done"), (out, log)  # drained, not cut
@@ -342,15 +364,6 @@ def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_not_a_cut(
     state = clone_state(model_cache, tmp_path / "state")
     config = tmp_path / "config.toml"
     config.write_text("[server]\nstop_grace_s = 1\n")
-    port = free_port()
-    name = f"edge-agent-test-{uuid.uuid4().hex}"
-    rx = Receiver("\0" + name)
-    env = {**os.environ, "NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "2000000"}
-    proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config",
-                             str(config), "--state-dir", str(state), "--port", str(port),
-                             "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     seen: dict[str, list[str]] = {"ollama": [], "openai": []}
     errors: dict[str, BaseException] = {}
     started = {k: threading.Event() for k in seen}
@@ -376,7 +389,9 @@ def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_not_a_cut(
             errors[dialect] = exc
         started[dialect].set()
 
-    try:
+    with served(state, config) as server:
+        proc, rx = server.proc, server.rx
+        base = f"http://127.0.0.1:{server.port}"
         rx.wait_for("READY=1", 180)
         clients = [threading.Thread(target=stream, args=(d,)) for d in seen]
         for client in clients:
@@ -388,12 +403,7 @@ def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_not_a_cut(
             client.join(timeout=60)
         code = proc.wait(timeout=60)
         stopped_in = time.monotonic() - term_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        rx.close()
-    log = proc.stdout.read().decode() if proc.stdout else ""
+    log = server.log()
     assert errors == {}, (errors, log)  # both bodies ended as HTTP says they must
     assert code in (0, -signal.SIGTERM), log
     assert stopped_in < 20, stopped_in  # grace 1 s, the cut, the flush: not the 30 s bound
