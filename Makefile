@@ -29,13 +29,18 @@ check: $(VENV)/.test-deps
 	$(BIN)/lint-imports
 
 # The fleet tests start their own Mosquitto and PostgreSQL from the installed binaries; the
-# unit tests read systemd/ with systemd-analyze (systemd need not be running: it only reads).
+# unit tests read systemd/ with systemd-analyze (systemd need not be running: it only reads);
+# tests/test_systemd_box.py boots a minimal Debian root (debootstrap, cached in
+# /var/cache/edge-agent-tests) with systemd-nspawn and provisions it with the role.
 system-deps:
 	@missing=""; \
 	command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto"; \
 	command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 		|| missing="$$missing postgresql"; \
 	command -v systemd-analyze >/dev/null 2>&1 || missing="$$missing systemd"; \
+	command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || missing="$$missing debootstrap"; \
+	command -v systemd-nspawn >/dev/null 2>&1 || missing="$$missing systemd-container"; \
+	command -v objdump >/dev/null 2>&1 || missing="$$missing binutils"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing$$missing (Debian packages)"; \
 		sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \

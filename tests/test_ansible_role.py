@@ -27,6 +27,7 @@ import stat
 import subprocess
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,14 @@ def test_argument_specs_and_defaults_name_the_same_variables() -> None:
     assert all(name.startswith("_edge_agent_") for name in internal)
 
 
+def test_the_readme_documents_every_variable() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("### The role's variables", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(edge_agent_\w+)` \|", table, re.M))
+    specs = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())
+    assert documented == set(specs["argument_specs"]["main"]["options"])
+
+
 def test_tasks_main_only_dispatches_the_phases_in_order() -> None:
     tasks = yaml.safe_load((ROLE / "tasks" / "main.yml").read_text())
     assert [t["ansible.builtin.import_tasks"] for t in tasks] == [
@@ -96,20 +105,36 @@ def test_the_role_ships_systemds_drop_ins(dropin: str) -> None:
             == (ROOT / "systemd" / "edge-agent.service.d" / dropin).read_bytes())
 
 
-def test_the_unit_template_renders_to_systemds_unit(tmp_path: Path) -> None:
-    """With the defaults, the unit the role installs is systemd/edge-agent.service byte for
-    byte (rendered by Ansible's own template module)."""
+def render_unit(tmp_path: Path, *extra: str) -> str:
+    """The role's unit template, rendered by Ansible's own template module with the
+    defaults and `extra` (-e arguments)."""
     out = tmp_path / "edge-agent.service"
     result = subprocess.run(
         [_tool("ansible"), "localhost", "-c", "local", "-i", "localhost,",
          "-e", f"ansible_python_interpreter={sys.executable}",
          "-e", f"@{ROLE / 'defaults' / 'main.yml'}", "-e", f"@{ROLE / 'vars' / 'main.yml'}",
+         *(arg for value in extra for arg in ("-e", value)),
          "-m", "ansible.builtin.template",
          "-a", f"src={ROLE / 'templates' / 'edge-agent.service.j2'} dest={out}"],
         capture_output=True, text=True, timeout=120, env=ansible_env(tmp_path / "home"),
         check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert out.read_text() == (ROOT / "systemd" / "edge-agent.service").read_text()
+    return out.read_text()
+
+
+def test_the_unit_template_renders_to_systemds_unit(tmp_path: Path) -> None:
+    """With the defaults, the unit the role installs is systemd/edge-agent.service byte for
+    byte."""
+    assert render_unit(tmp_path) == (ROOT / "systemd" / "edge-agent.service").read_text()
+
+
+def test_a_longer_drain_grace_lengthens_the_stop_timeout(tmp_path: Path) -> None:
+    """[server] stop_grace_s set through edge_agent_server: the unit's TimeoutStopSec keeps
+    the 60 s that follow the grace (tests/test_systemd_units.py holds those to the code)."""
+    unit = render_unit(tmp_path, json.dumps({"edge_agent_server": {"stop_grace_s": 119.5}}))
+    assert re.findall(r"^TimeoutStopSec=(\d+)$", unit, re.M) == ["180"]
+    default = (ROOT / "systemd" / "edge-agent.service").read_text()
+    assert re.findall(r"^TimeoutStopSec=(\d+)$", default, re.M) == ["70"]
 
 
 @pytest.mark.provision
@@ -119,6 +144,70 @@ def test_ansible_lint_production_profile_passes(tmp_path: Path) -> None:
                             env=ansible_env(tmp_path / "home"), check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Profile 'production' was required, and it passed" in result.stderr + result.stdout
+
+
+def test_pipelining_is_on_for_every_connection(tmp_path: Path) -> None:
+    """In [connection], which the local connection reads too (not only [ssh_connection]):
+    a sudo user's become_user tasks then need no temporary file the service user must read
+    (setfacl, absent on a minimal box). tests/test_systemd_box.py runs the role so."""
+    result = subprocess.run([_tool("ansible-config"), "dump", "--only-changed", "-t",
+                             "connection"], capture_output=True, text=True, timeout=120,
+                            env=ansible_env(tmp_path / "home"), check=False)
+    assert result.returncode == 0, result.stderr
+    plugins = dict(re.findall(r"^(\w+):\n_+\n((?:.+\n)+)", result.stdout, re.M))
+    for connection in ("ssh", "local"):
+        assert re.search(r"^pipelining\(.*ansible\.cfg\) = True$", plugins.get(connection, ""),
+                         re.M), result.stdout
+
+
+# --- the wheelhouse's CPU floor ----------------------------------------------------------------
+
+def _fake_llama_wheel(where: Path, instruction: str) -> Path:
+    """A llama-cpp-python wheel whose libggml-cpu.so holds one `instruction`."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or shutil.which("objdump") is None:
+        pytest.skip("needs a C compiler and objdump (binutils)")
+    source = where / "kernel.s"
+    source.write_text(f".text\n.globl kernel\nkernel:\n  {instruction}\n  ret\n")
+    library = where / "libggml-cpu.so"
+    subprocess.run([cc, "-shared", "-nostdlib", "-o", str(library), str(source)], check=True,
+                   capture_output=True, timeout=60)
+    wheel = where / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name in ("libggml-cpu.so", "libggml-cpu.so.0"):
+            archive.write(library, f"llama_cpp/lib/{name}")
+    return wheel
+
+
+@pytest.mark.parametrize(("instruction", "refused"), [
+    ("vpaddd %ymm1, %ymm2, %ymm3", False),  # AVX2
+    ("vfmadd231ps %ymm1, %ymm2, %ymm3", False),  # FMA
+    ("vpaddd %zmm1, %zmm2, %zmm3", True),  # AVX-512F
+    ("vpaddd %ymm17, %ymm18, %ymm19", True),  # AVX-512VL: EVEX-only registers
+    ("kmovw %k1, %eax", True),  # an opmask register
+])
+def test_the_wheelhouse_check_refuses_avx512_for_the_avx2_floor(
+        tmp_path: Path, instruction: str, refused: bool) -> None:
+    _fake_llama_wheel(tmp_path, instruction)
+    result = subprocess.run([sys.executable, str(ANSIBLE / "wheelhouse_check.py"),
+                             str(tmp_path), "--floor", "avx2"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == (1 if refused else 0), result.stdout + result.stderr
+    if refused:
+        assert "instructions above the avx2 floor (AVX-512)" in result.stdout
+        assert result.stdout.count("libggml-cpu.so") == 1  # one report per library, not name
+    else:
+        assert "1 libraries within the avx2 floor" in result.stdout
+
+
+def test_the_wheelhouse_check_on_this_machines_wheel(wheelhouse: Path) -> None:
+    """Printed, not asserted: pip's cached llama-cpp-python here may be a native build, which
+    is what the check exists to catch before a wheelhouse leaves the build machine."""
+    result = subprocess.run([sys.executable, str(ANSIBLE / "wheelhouse_check.py"),
+                             str(wheelhouse)], capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode in (0, 1), result.stdout + result.stderr
+    print(result.stdout.strip()[:400])
 
 
 # --- the role run against this machine --------------------------------------------------------
@@ -167,6 +256,16 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     print(f"wheelhouse: pip wheel took {time.monotonic() - started:.1f} s")
     assert list(where.glob("edge_agent-*.whl")) and list(where.glob("llama_cpp_python-*.whl"))
     return where
+
+
+def test_the_readme_says_what_a_fresh_wheelhouse_holds(wheelhouse: Path) -> None:
+    wheels = list(wheelhouse.glob("*.whl"))
+    size_mb = sum(w.stat().st_size for w in wheels) / 1e6
+    said = re.search(r"gives (\d+) wheels, (\d+) MB", (ROOT / "README.md").read_text())
+    assert said, "README, Building the wheelhouse: 'gives N wheels, M MB'"
+    print(f"a fresh wheelhouse: {len(wheels)} wheels, {size_mb:.0f} MB")
+    assert int(said.group(1)) == len(wheels)
+    assert abs(int(said.group(2)) - size_mb) <= 0.1 * size_mb
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +339,7 @@ def test_the_first_run_converges_and_doctor_passes(provisioned: Provisioned) -> 
     first = provisioned.runs["first"]
     assert first.failed == 0 and first.changed > 0
     assert "doctor: " in first.output
+    assert "llama.cpp runtime: ok" in first.output  # checked before anything is configured
     doctor = provisioned.cli("doctor", "--json")
     checks = json.loads(doctor.stdout)
     assert doctor.returncode == 0 and not [c for c in checks if c["status"] == "fail"], checks

@@ -9,6 +9,7 @@ official unit is scored the same way for comparison (printed, not asserted).
 
 from __future__ import annotations
 
+import inspect
 import re
 import shutil
 import subprocess
@@ -139,9 +140,46 @@ def test_the_agent_is_a_notify_service_with_a_watchdog_and_persistent_state() ->
     assert service["User"] == "edge-agent" and "DynamicUser" not in service
     assert service["StateDirectory"] == "edge-agent"
     assert service["ConfigurationDirectory"] == "edge-agent"
-    # SIGTERM's drain (edge_agent.server.GRACEFUL_SHUTDOWN_S) fits in the stop timeout.
-    from edge_agent.server import GRACEFUL_SHUTDOWN_S
-    assert int(service["TimeoutStopSec"]) >= 2 * GRACEFUL_SHUTDOWN_S
+
+
+def test_the_stop_timeout_covers_the_drain_and_the_flushes() -> None:
+    """TimeoutStopSec= bounds SIGTERM to exit, SIGKILL after it. Before the exit come the
+    server's drain ([server] stop_grace_s, GRACEFUL_SHUTDOWN_S by default, then CUT_WAIT_S
+    for the streams it ends), then the fleet link's stop (its outbox committed, its death
+    published) and the ledger writer's last commit, one after the other; each is bounded in
+    the code by a timeout read here, so the unit cannot fall behind it. (The role adds a
+    longer grace: tests/test_ansible_role.py.)"""
+    from edge_agent.config import ServerSettings
+    from edge_agent.fleet.link import Link
+    from edge_agent.ledger.writer import LedgerWriter
+    from edge_agent.server import CUT_WAIT_S, GRACEFUL_SHUTDOWN_S
+    assert ServerSettings().stop_grace_s == GRACEFUL_SHUTDOWN_S
+    link_stop_s = inspect.signature(Link.stop).parameters["timeout"].default
+    ledger = re.search(r"join\(timeout=(\d+(?:\.\d+)?)\)", inspect.getsource(LedgerWriter.close))
+    assert ledger, "LedgerWriter.close must bound its wait for the writer thread"
+    needed = GRACEFUL_SHUTDOWN_S + CUT_WAIT_S + link_stop_s + float(ledger.group(1))
+    service = {key: value for section, key, value in _settings(UNITS / "edge-agent.service")
+               if section == "Service"}
+    print(f"stop: grace {GRACEFUL_SHUTDOWN_S} s + cut {CUT_WAIT_S} s + fleet link "
+          f"{link_stop_s} s + ledger {ledger.group(1)} s = {needed} s; "
+          f"TimeoutStopSec={service['TimeoutStopSec']}")
+    assert needed <= int(service["TimeoutStopSec"])
+
+
+def test_no_place_the_box_shares_is_writable() -> None:
+    """/dev/shm and /dev/mqueue private, /run read-only (tests/test_systemd_box.py probes
+    it on a booted box); the GPU drop-ins do not undo any of it."""
+    for unit in ("edge-agent.service", "edge-agent-fleet.service"):
+        settings = _settings(UNITS / unit)
+        temporary = [value for _, key, value in settings if key == "TemporaryFileSystem"]
+        assert any(v.startswith("/dev/shm:") and "mode=1777" in v for v in temporary), unit
+        assert "/dev/mqueue:ro" in temporary, unit
+        assert ("Service", "ReadOnlyPaths", "/run") in settings, unit
+        assert ("Service", "PrivateIPC", "yes") in settings, unit
+    for dropin in (UNITS / "edge-agent.service.d").glob("*.conf"):
+        keys = {key for _, key, _ in _settings(dropin)}
+        assert not keys & {"TemporaryFileSystem", "ReadOnlyPaths", "PrivateIPC",
+                           "ReadWritePaths", "ProtectSystem"}, dropin.name
 
 
 @pytest.mark.parametrize("dropin", ["nvidia.conf", "jetson.conf"])

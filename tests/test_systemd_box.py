@@ -1,0 +1,515 @@
+"""The role and the unit under a real systemd: a minimal Debian 12 box booted with
+`systemd-nspawn -b` (tests/nspawnkit.py), provisioned as a technician at its console would.
+
+The box is what a fresh store box is: `debootstrap --variant=minbase bookworm` with systemd,
+dbus, python3, python3-venv and sudo, and nothing else: no libgomp1 (llama.cpp links it), no
+setfacl, no network (`--private-network`: its own loopback only). The technician is a sudo
+user with a password; the project's `ansible/` is in their home, the wheelhouse beside it as
+the README builds it (this checkout's wheels, and `apt-get download libgomp1`: the box has no
+apt mirror to reach); Ansible is the project's own ansible-core, run by the box's Python; the
+connection is local. `ansible-playbook playbook.yml --become-password-file …` converges on the
+first run and changes nothing on the second.
+
+Then, against the running unit, one box shared by the tests (in this order; the last ones
+stop what the earlier ones observe): active only once /ready answers 200; a stopped event
+loop (SIGSTOP) is killed by the watchdog and restarted; kill -9 restarts it with the ledger's
+rows intact; the sandbox, with the unit's own [Service] settings and with each GPU drop-in,
+writes only the state dir where the box can see it (no box-wide /dev/shm, /dev/mqueue or
+/run/lock); `systemd-analyze security` of the loaded unit, with each drop-in, is at most 2.0;
+`systemctl stop` during a short stream lets the whole answer arrive; and, the library hidden,
+the role's preflight stops naming it and its package.
+
+Where a box cannot be booted (not root, no debootstrap or systemd-nspawn) the tests skip and
+say why; `make system-deps` installs both. Every wait is bounded; the box, its mounts, its
+cgroup folders and its processes go when the module ends, a failure included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import nspawnkit
+from tests.conftest import DEFAULT_MODEL, NO_EOS
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSIBLE = ROOT / "ansible"
+UNITS = ROOT / "systemd"
+MAX_EXPOSURE = 2.0
+TECHNICIAN = "technician"
+TECHNICIAN_PASSWORD = "till-roll-7c1d"
+HOME = f"/home/{TECHNICIAN}"
+WHEELHOUSE_IN_BOX = f"{HOME}/ansible/wheelhouse/x86_64-cpu"
+CONTROLLER_LIB = "/opt/ansible-site-packages"
+HOST = "store-test"
+PORT = 11434
+BASE_URL = f"http://127.0.0.1:{PORT}"
+STATE_DIR = "/var/lib/edge-agent"
+CLI = "/opt/edge-agent/bin/edge-agent"
+RUNTIME_DEBS = ("libgomp1",)
+RECAP = re.compile(rf"^{HOST}\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+"
+                   r"failed=(\d+)", re.M)
+# [Service] settings that say how the process is run and supervised, not what it may touch:
+# left out of the write probe's transient unit.
+LIFECYCLE = {"Type", "NotifyAccess", "ExecStart", "ExecStartPre", "ExecStartPost",
+             "WatchdogSec", "Restart", "RestartSec", "TimeoutStartSec", "TimeoutStopSec",
+             "KillMode"}
+
+pytestmark = [
+    pytest.mark.provision,
+    pytest.mark.skipif(nspawnkit.unavailable() is not None,
+                       reason=f"no systemd box here: {nspawnkit.unavailable()}"),
+]
+
+
+@dataclass
+class Run:
+    output: str
+    seconds: float
+    rc: int
+    ok: int = 0
+    changed: int = 0
+    failed: int = 0
+
+    @classmethod
+    def of(cls, result: subprocess.CompletedProcess[str], seconds: float) -> Run:
+        output = result.stdout + result.stderr
+        recap = RECAP.search(output)
+        run = cls(output, seconds, result.returncode)
+        if recap:
+            run.ok, run.changed, _, run.failed = map(int, recap.groups())
+        return run
+
+
+@dataclass
+class Site:
+    """The provisioned box, and what it took."""
+
+    box: nspawnkit.Box
+    runs: dict[str, Run] = field(default_factory=dict)
+    libgomp_before: str = ""
+
+    def playbook(self, *extra: str, as_root: bool = False, timeout: float = 900) -> Run:
+        """The README's command, run at the box's console by the technician (a sudo user:
+        the become password from a file, as --ask-become-pass would take it), or by root."""
+        command = (f"cd {HOME}/ansible && ansible-playbook playbook.yml -i {HOME}/site/hosts.yml "
+                   + ("" if as_root else f"--become-password-file {HOME}/site/become-pass ")
+                   + " ".join(extra))
+        started = time.monotonic()
+        result = (self.box.sh(command, timeout=timeout, check=False) if as_root else
+                  self.box.as_user(TECHNICIAN, command, timeout=timeout, check=False))
+        return Run.of(result, time.monotonic() - started)
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.box.run("/usr/sbin/runuser", "-u", "edge-agent", "--", CLI, *args,
+                            "--config", "/etc/edge-agent/config.toml", check=check)
+
+    def main_pid(self) -> int:
+        return int(self.box.show("edge-agent.service", "MainPID")["MainPID"])
+
+    def active(self) -> bool:
+        return self.box.show("edge-agent.service", "ActiveState")["ActiveState"] == "active"
+
+    def ledger_ids(self) -> set[str]:
+        out = self.cli("ledger", "export", "--since", "1d").stdout
+        return {json.loads(line)["id"] for line in out.splitlines() if line.strip()}
+
+    def generate(self, tokens: int = 4) -> dict[str, Any]:
+        status, body = self.box.http("POST", f"{BASE_URL}/api/generate", {
+            "model": DEFAULT_MODEL, "prompt": "Say hello.", "stream": False,
+            "options": {"num_predict": tokens, "temperature": 0}})
+        assert status == 200, body
+        answer: dict[str, Any] = json.loads(body)
+        return answer
+
+    def wait_restarted(self, old_pid: int, timeout: float) -> float:
+        started = time.monotonic()
+        nspawnkit.wait_for(lambda: self.main_pid() not in (0, old_pid) and self.active(),
+                           timeout, 1.0, "edge-agent to be restarted and active")
+        return time.monotonic() - started
+
+
+# --- the box and its provisioning ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base_root() -> Path:
+    root, built_s = nspawnkit.base_root()
+    print(f"box root {root.name}: " + (f"built in {built_s:.0f} s" if built_s else "cached"))
+    return root
+
+
+def runtime_debs() -> list[Path]:
+    """`apt-get download` of RUNTIME_DEBS, as the README's wheelhouse step 3, kept in the
+    cache: the same files every run."""
+    where = nspawnkit.CACHE / "debs"
+    where.mkdir(parents=True, exist_ok=True)
+    for package in RUNTIME_DEBS:
+        if list(where.glob(f"{package}_*.deb")):
+            continue
+        for attempt in range(2):
+            result = subprocess.run(["apt-get", "download", "-q", package], cwd=where,
+                                    capture_output=True, text=True, timeout=300, check=False)
+            if result.returncode == 0:
+                break
+            if attempt == 0:  # a machine whose package lists were never fetched
+                subprocess.run(["apt-get", "update", "-qq"], capture_output=True,
+                               timeout=300, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+    return sorted(where.glob("*.deb"))
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This checkout's wheels (pip's cache holds llama-cpp-python built for this machine, so
+    nothing compiles) and the runtime library packages the box lacks."""
+    where = tmp_path_factory.mktemp("wheelhouse")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet",
+                             "--disable-pip-version-check", f"{ROOT}[default-model]", "-w",
+                             str(where)],
+                            capture_output=True, text=True, timeout=1800, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for deb in runtime_debs():
+        shutil.copy(deb, where)
+    where.chmod(0o755)  # the technician reads it in the box (pytest makes its folders 0700)
+    for item in where.iterdir():
+        item.chmod(0o644)
+    print(f"wheelhouse: {len(list(where.glob('*.whl')))} wheels and "
+          f"{[d.name for d in where.glob('*.deb')]} in {time.monotonic() - started:.0f} s")
+    return where
+
+
+def _inventory() -> str:
+    return json.dumps({"stores": {"hosts": {HOST: {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": "/usr/bin/python3",
+        "edge_agent_wheelhouse": "{{ playbook_dir }}/wheelhouse/x86_64-cpu",
+        "edge_agent_catalog_models": [DEFAULT_MODEL],
+        "edge_agent_min_free_disk_mb": 256,
+        "edge_agent_port": PORT,
+    }}}}, indent=2)
+
+
+def _prepare(root: Path) -> None:
+    """Before the boot, through the host's view of the box: the technician (a sudo user with
+    a password), the project's ansible/ in their home, their inventory, and a Python
+    environment for Ansible that uses the project's ansible-core (bound in read-only)."""
+    def chroot(*argv: str, stdin: str | None = None) -> None:
+        subprocess.run(["chroot", str(root), *argv], input=stdin, text=True,
+                       capture_output=True, timeout=120, check=True)
+
+    chroot("useradd", "--create-home", "--shell", "/bin/bash", "--groups", "sudo", TECHNICIAN)
+    chroot("chpasswd", stdin=f"{TECHNICIAN}:{TECHNICIAN_PASSWORD}\n")
+    chroot("/usr/bin/python3", "-m", "venv", "--without-pip", "/opt/ansible")
+    site_packages = next((root / "opt" / "ansible" / "lib").glob("python3*/site-packages"))
+    (site_packages / "ansible-core.pth").write_text(CONTROLLER_LIB + "\n")
+    launcher = root / "usr" / "local" / "bin" / "ansible-playbook"
+    launcher.write_text("#!/opt/ansible/bin/python\nimport sys\n"
+                        "from ansible.cli.playbook import main\nsys.exit(main())\n")
+    launcher.chmod(0o755)
+    home = root / HOME.lstrip("/")
+    shutil.copytree(ANSIBLE, home / "ansible", ignore=shutil.ignore_patterns(
+        ".ansible", "keys", "wheelhouse", "models", "pki", "*.log"))
+    (home / "ansible" / "wheelhouse" / "x86_64-cpu").mkdir(parents=True)
+    (home / "site").mkdir()
+    (home / "site" / "hosts.yml").write_text(_inventory())
+    (home / "site" / "become-pass").write_text(TECHNICIAN_PASSWORD + "\n")
+    (home / "site" / "become-pass").chmod(0o600)
+    chroot("chown", "-R", f"{TECHNICIAN}:{TECHNICIAN}", HOME)
+
+
+@pytest.fixture(scope="module")
+def site(base_root: Path, wheelhouse: Path) -> Iterator[Site]:
+    site_packages = next(Path(sys.prefix).glob("lib/python3*/site-packages"))
+    started = time.monotonic()
+    with nspawnkit.booted("role", base_root, prepare=_prepare,
+                          ro_binds=[(wheelhouse, WHEELHOUSE_IN_BOX),
+                                    (site_packages, CONTROLLER_LIB)]) as box:
+        print(f"box booted in {time.monotonic() - started:.1f} s")
+        found = Site(box)
+        found.libgomp_before = box.run("dpkg-query", "--show", "--showformat=${db:Status-Abbrev}",
+                                       "libgomp1", check=False).stdout.strip()
+        try:
+            for name in ("first", "second"):
+                found.runs[name] = found.playbook()
+                run = found.runs[name]
+                print(f"ansible-playbook in the box, {name} run: {run.seconds:.1f} s, "
+                      f"ok={run.ok} changed={run.changed} failed={run.failed}")
+                assert run.rc == 0 and run.failed == 0, run.output[-8000:]
+            yield found
+        finally:
+            print(box.journal("edge-agent.service", 40))
+
+
+# --- the role on a minimal box -----------------------------------------------------------------
+
+def test_the_first_run_installs_libgomp1_from_the_wheelhouse_and_converges(site: Site) -> None:
+    assert site.libgomp_before != "ii", "the box must start without libgomp1"
+    first = site.runs["first"]
+    assert first.changed > 0
+    assert "installed libgomp1 from the .deb files in the wheelhouse" in first.output
+    assert "llama.cpp runtime: ok" in first.output
+    assert site.box.run("dpkg-query", "--show", "--showformat=${db:Status-Abbrev}",
+                        "libgomp1").stdout.strip() == "ii"
+    assert site.active()
+    status, body = site.box.http("GET", f"{BASE_URL}/ready")
+    assert status == 200, body
+
+
+def test_the_second_run_changes_nothing(site: Site) -> None:
+    second = site.runs["second"]
+    assert second.changed == 0, [line for line in second.output.splitlines()
+                                 if line.startswith("changed:")]
+
+
+def test_the_config_dir_stays_the_administrators(site: Site) -> None:
+    """ConfigurationDirectory= must not hand /etc/edge-agent to the service user."""
+    owner = site.box.run("stat", "--format=%U %a", "/etc/edge-agent").stdout.split()
+    assert owner == ["root", "755"]
+
+
+# --- the running unit ------------------------------------------------------------------------
+
+def test_active_only_once_ready_answers_200(site: Site) -> None:
+    """Type=notify: across a restart, every sample that says `active` finds /ready at 200,
+    and the start is seen `activating` with the agent's STATUS= line."""
+    box = site.box
+    box.run("systemctl", "restart", "--no-block", "edge-agent.service")
+    samples: list[tuple[str, int, str]] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        # The state first, /ready after it: an `active` sample must find /ready at 200.
+        shown = box.show("edge-agent.service", "ActiveState", "StatusText")
+        status, _ = box.http("GET", f"{BASE_URL}/ready", timeout=5)
+        samples.append((shown["ActiveState"], status, shown["StatusText"]))
+        if shown["ActiveState"] == "active" and any(s[0] == "activating" for s in samples):
+            break
+        time.sleep(0.2)
+    activating = [s for s in samples if s[0] == "activating"]
+    assert activating, samples
+    assert any(text.startswith("starting:") for _, _, text in activating), activating
+    after = samples[samples.index(activating[0]):]
+    assert all(status == 200 for state, status, _ in after if state == "active"), samples
+    assert after[-1][0] == "active", samples
+    print(f"{len(activating)} samples activating, e.g. {activating[-1]}")
+
+
+def test_the_watchdog_restarts_a_stopped_event_loop(site: Site) -> None:
+    before = site.main_pid()
+    restarts = int(site.box.show("edge-agent.service", "NRestarts")["NRestarts"])
+    site.box.sh(f"kill -STOP {before}")
+    took = site.wait_restarted(before, 150)
+    print(f"SIGSTOP to a running agent: restarted and active again after {took:.0f} s")
+    assert "Watchdog timeout" in site.box.journal("edge-agent.service", 200)
+    assert int(site.box.show("edge-agent.service", "NRestarts")["NRestarts"]) == restarts + 1
+    cores = site.box.sh(f"ls {STATE_DIR} | grep -c '^core' || true").stdout.strip()
+    print(f"core files in the state dir after the watchdog's abort: {cores}")
+
+
+def test_kill_9_restarts_with_the_ledger_intact(site: Site) -> None:
+    site.generate()
+    rows = nspawnkit.wait_for(site.ledger_ids, 20, 0.5, "the request's ledger row")
+    before = site.main_pid()
+    site.box.sh(f"kill -KILL {before}")
+    took = site.wait_restarted(before, 120)
+    print(f"kill -9: restarted and active again after {took:.0f} s, {len(rows)} rows kept")
+    after = site.ledger_ids()
+    assert rows <= after
+    site.generate()
+    nspawnkit.wait_for(lambda: len(site.ledger_ids()) > len(after), 20, 0.5, "a new row")
+
+
+_WRITE_PROBE = """\
+import json, os, sys
+token = sys.argv[1]
+found = []
+for top, dirs, _ in os.walk("/"):
+    if top == "/":
+        dirs[:] = [d for d in dirs if d not in ("proc", "sys")]
+    if not os.access(top, os.W_OK):
+        continue
+    marker = os.path.join(top, ".write-probe-" + token)
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError:
+        continue
+    found.append(top)
+    dirs[:] = []
+print(json.dumps(found), flush=True)
+sys.stdin.read()  # held until the test has looked from outside
+for top in found:
+    os.unlink(os.path.join(top, ".write-probe-" + token))
+"""
+
+
+def service_properties(*texts: str) -> list[str]:
+    """The [Service] settings of a unit and its drop-ins, in order, as `systemd-run -p`
+    takes them: specifiers of a system unit resolved, the process's lifecycle left out."""
+    out, section = [], ""
+    for text in texts:
+        for raw in text.splitlines():
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("["):
+                section = line
+                continue
+            if section == "[Service]" and line.partition("=")[0] not in LIFECYCLE:
+                out.append(line.replace("%S", "/var/lib"))
+    return out
+
+
+@pytest.mark.parametrize("dropin", [None, "nvidia.conf", "jetson.conf"])
+def test_the_sandbox_writes_only_the_state_dir(site: Site, dropin: str | None) -> None:
+    """A probe with the unit's own [Service] settings (as installed on the box, plus the
+    drop-in) creates a file in every directory it can write, then waits while the test
+    looks from outside: only the state dir's file is there for the box to see (a private
+    /tmp, /var/tmp and /dev/shm are writable, but the service's alone)."""
+    box = site.box
+    unit = (box.root / "etc/systemd/system/edge-agent.service").read_text()
+    extra = [(UNITS / "edge-agent.service.d" / dropin).read_text()] if dropin else []
+    if dropin:  # on a GPU box udev made it; SupplementaryGroups= needs it to exist
+        box.run("groupadd", "--force", "--system", "render")
+    (box.root / "usr/local/lib/write_probe.py").write_text(_WRITE_PROBE)
+    token = f"{os.getpid()}-{dropin or 'unit'}"
+    argv = ["systemd-run", "--wait", "--pipe", "--quiet", "--collect",
+            f"--unit=write-probe-{re.sub(r'[^a-z]', '', dropin or 'unit')}",
+            *(arg for prop in service_properties(unit, *extra) for arg in ("-p", prop)),
+            "/usr/bin/python3", "/usr/local/lib/write_probe.py", token]
+    probe = subprocess.Popen(["nsenter", "-t", str(box.pid1), *nspawnkit.NSENTER, "--",
+                              *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        line = _first_line(probe, 60)
+        writable: list[str] = json.loads(line)
+        seen_outside = [d for d in writable if box.run(
+            "test", "-e", f"{d}/.write-probe-{token}", check=False).returncode == 0]
+    finally:
+        if probe.stdin:
+            probe.stdin.close()
+        try:
+            probe.wait(30)
+        except subprocess.TimeoutExpired:
+            probe.kill()
+            probe.wait(10)
+    print(f"{dropin or 'the unit'}: writable {writable}, of which the box sees {seen_outside}")
+    assert seen_outside == [STATE_DIR], writable
+    assert {"/tmp", "/var/tmp", "/dev/shm"} <= set(writable)
+
+
+def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()
+                                                        if proc.stdout else ""), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not got or not got[0].strip():
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+        raise AssertionError(f"the write probe said nothing: {err}")
+    return got[0]
+
+
+@pytest.mark.parametrize("dropin", [None, "nvidia.conf", "jetson.conf"])
+def test_exposure_of_the_loaded_unit_is_at_most_two(
+        site: Site, dropin: str | None, record_property: pytest.RecordProperty) -> None:
+    """`systemd-analyze security` asks the box's systemd about the unit it has loaded (the
+    drop-in installed and the daemon reloaded, not restarted)."""
+    box = site.box
+    dropins = box.root / "etc/systemd/system/edge-agent.service.d"
+    try:
+        if dropin:
+            dropins.mkdir(exist_ok=True)
+            shutil.copy(UNITS / "edge-agent.service.d" / dropin, dropins / dropin)
+        box.run("systemctl", "daemon-reload")
+        result = box.run("systemd-analyze", "security", "--no-pager", "edge-agent.service",
+                         check=False)
+    finally:
+        if dropin:
+            (dropins / dropin).unlink(missing_ok=True)
+            box.run("systemctl", "daemon-reload")
+    found = re.search(r"Overall exposure level for edge-agent.service: (\d+\.\d+)",
+                      result.stdout)
+    assert found, result.stdout + result.stderr
+    score = float(found.group(1))
+    print(f"systemd-analyze security (running system): edge-agent.service"
+          f"{' + ' + dropin if dropin else ''}: {score}")
+    record_property("exposure", score)
+    assert score <= MAX_EXPOSURE, result.stdout
+
+
+def test_stop_during_a_stream_lets_the_whole_answer_arrive(site: Site) -> None:
+    box = site.box
+    request = {"model": DEFAULT_MODEL, "prompt": "Count to one hundred:", "logit_bias": NO_EOS}
+    began = time.monotonic()
+    status, body = box.http("POST", f"{BASE_URL}/v1/completions",
+                            {**request, "max_tokens": 16})
+    assert status == 200, body
+    rate = 16 / (time.monotonic() - began)
+    max_tokens = max(8, min(256, int(rate * 3)))  # about 3 s: well within the 10 s drain
+    stream = box.stream(f"{BASE_URL}/v1/completions",
+                        {**request, "max_tokens": max_tokens, "stream": True})
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        assert stream.stdout is not None
+        for line in stream.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    nspawnkit.wait_for(lambda: any(line.startswith("data: {") for _, line in lines), 60, 0.05,
+                       "the stream's first chunk")
+    stop_at = time.monotonic()
+    stopped = box.run("systemctl", "stop", "edge-agent.service", timeout=120)
+    stop_took = time.monotonic() - stop_at
+    reader.join(60)
+    stream.wait(30)
+    lines = [(t, line) for t, line in lines if line.strip()]  # SSE: a blank line per event
+    chunks = [json.loads(line[6:]) for _, line in lines if line.startswith("data: {")]
+    after_stop = [t for t, line in lines if t > stop_at]
+    print(f"stream of {max_tokens} tokens: {len(chunks)} chunks, {len(after_stop)} lines "
+          f"after `systemctl stop`, which took {stop_took:.1f} s")
+    assert stopped.returncode == 0
+    assert lines and lines[-1][1] == "data: [DONE]", lines[-3:]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", lines[-3:]
+    assert after_stop, "the stream ended before the stop: nothing was drained"
+    assert site.box.show("edge-agent.service", "ActiveState")["ActiveState"] == "inactive"
+    assert "Result=success" in box.run("systemctl", "show", "-p", "Result",
+                                       "edge-agent.service").stdout
+
+
+def test_the_preflight_names_a_missing_library_and_its_package(site: Site) -> None:
+    """libgomp.so.1 taken away (its package still recorded as installed): the role, run by
+    root this time, stops before anything is started, saying which library and which
+    package, and doctor says the same."""
+    box = site.box
+    library = box.run("/sbin/ldconfig", "-p").stdout
+    link = re.search(r"libgomp\.so\.1 \(.*\) => (\S+)", library)
+    assert link, library
+    real = box.run("readlink", "-f", link.group(1)).stdout.strip()
+    hidden = "/root/libgomp-hidden"  # outside every library directory ldconfig reads
+    box.sh(f"mv {real} {hidden} && rm -f {link.group(1)} && /sbin/ldconfig")
+    try:
+        run = site.playbook("--tags", "edge_agent_install", as_root=True)
+        doctor = site.cli("doctor", "--json", check=False)
+    finally:
+        box.sh(f"mv {hidden} {real} && /sbin/ldconfig")
+    print(f"the role, as root, with libgomp.so.1 hidden: rc {run.rc}, {run.seconds:.0f} s")
+    assert run.rc != 0 and run.failed == 1
+    assert "llama.cpp runtime: libgomp.so.1 missing (apt-get install libgomp1)" in run.output
+    assert "Check that llama.cpp loads here" in run.output
+    failing = [c for c in json.loads(doctor.stdout) if c["status"] == "fail"]
+    assert any("libgomp.so.1" in c["detail"] for c in failing), failing
