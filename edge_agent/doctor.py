@@ -218,12 +218,12 @@ def _port(settings: Settings) -> Check:
         busy = s.connect_ex((host, port)) == 0
     if not busy:
         return Check("ok", "port", f"{host}:{port} is free")
-    try:
-        r = httpx.get(f"http://{host}:{port}/api/version", timeout=2)
+    try:  # /health: no key needed, even on a box with tenants (every other route asks one)
+        r = httpx.get(f"http://{host}:{port}/health", timeout=2)
         if "edge_agent" in r.json():
             return Check("ok", "port", f"edge-agent {r.json()['edge_agent']} answers on "
                                        f"{host}:{port}")
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, ValueError, TypeError):
         pass
     return Check("fail", "port", f"{host}:{port} is taken by another program",
                  "stop it, or set server.port")

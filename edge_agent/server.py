@@ -64,8 +64,9 @@ MAX_HEAD_BYTES = 16 * 1024
 # every stream still open is ended with a ShuttingDown error in its dialect (a final error
 # object or event and a properly ended body, never a connection that just closes), and the
 # lifespan closes the models and flushes the ledger. uvicorn's own cancel of what is left
-# comes CUT_WAIT_S later, for a response that ignored its end. systemd/edge-agent.service
-# gives the whole stop TimeoutStopSec=30: the grace, the cut, then that close.
+# comes CUT_WAIT_S later, for a response that ignored its end. systemd/edge-agent.service's
+# TimeoutStopSec covers the grace, the cut, the fleet link's stop and the ledger's flush
+# (tests/test_systemd_units.py holds them together).
 GRACEFUL_SHUTDOWN_S = 10
 CUT_WAIT_S = 3
 _CLOSE = (b"connection", b"close")

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from edge_agent import __version__
 from edge_agent.cli import main
 from edge_agent.config import load_settings
 from edge_agent.errors import Unauthorized
@@ -227,3 +228,16 @@ def test_a_key_created_a_moment_after_a_reload_works_at_once(tmp_path: Path) -> 
         with pytest.raises(Unauthorized):
             gov.authenticate("Bearer ea_00000000_" + "y" * 43)
     assert gov.authenticate(f"Bearer {first}").name == "shop"
+
+
+@pytest.mark.integration
+def test_doctor_knows_its_own_server_on_a_box_with_tenants(
+        governed: tuple[LiveServer, dict[str, str]]) -> None:
+    """With tenants every API route asks for a key (401); doctor tells its own server on
+    the port by /health, which never does, instead of calling it another program."""
+    live, _ = governed
+    port = live.settings.server.port
+    result = CliRunner().invoke(main, ["doctor", "--state-dir", str(live.settings.state_dir),
+                                       "--port", str(port)])
+    assert f"ok    port: edge-agent {__version__} answers on 127.0.0.1:{port}" in \
+        result.output, result.output

@@ -13,6 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from edge_agent import __version__
 from edge_agent.app import create_app
 from edge_agent.config import load_settings
 from edge_agent.logs import JsonFormatter, request_id_var
@@ -100,7 +101,8 @@ def cold_server(model_cache: Path, tmp_path: Path) -> Iterator[LiveServer]:
 
 
 def test_ready_is_503_until_the_default_model_is_loaded(cold_server: LiveServer) -> None:
-    assert httpx.get(f"{cold_server.base_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{cold_server.base_url}/health").json() == {
+        "status": "ok", "edge_agent": __version__}
     r = httpx.get(f"{cold_server.base_url}/ready")
     assert r.status_code == 503
     assert r.json()["reasons"] == [f"default model {DEFAULT_MODEL} is not loaded"]

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from edge_agent import __version__
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.engine.catalog import normalize_name
 from edge_agent.errors import ModelNotFound, Unauthorized
@@ -19,8 +20,10 @@ router = APIRouter()
 
 @router.get("/health")
 async def health() -> dict[str, str]:
-    """The process answers. No auth, no dependencies: for systemd and load balancers."""
-    return {"status": "ok"}
+    """The process answers. No auth, no dependencies: for systemd and load balancers, and
+    for `doctor`, which tells edge-agent from another program on the port by it (with
+    tenants configured, every other route asks for a key)."""
+    return {"status": "ok", "edge_agent": __version__}
 
 
 def readiness_problems(parts: AppParts) -> list[str]:
