@@ -491,6 +491,45 @@ def test_stop_during_a_stream_lets_the_whole_answer_arrive(site: Site) -> None:
                                        "edge-agent.service").stdout
 
 
+def test_stop_during_a_stream_longer_than_the_grace_ends_it_with_an_error(site: Site) -> None:
+    """`systemctl stop` during an answer that would run for minutes: after the drain grace
+    (10 s) the stream gets OpenAI's error event (`code: shutting_down`) and `[DONE]`, the
+    body ends properly, the unit stops cleanly, and the ledger row says 503 `shutdown`."""
+    box = site.box
+    started = box.run("systemctl", "start", "edge-agent.service", timeout=300)  # READY=1
+    assert started.returncode == 0 and site.active()
+    stream = box.stream(f"{BASE_URL}/v1/chat/completions", {
+        "model": DEFAULT_MODEL, "stream": True, "max_tokens": 1800, "temperature": 0,
+        "logit_bias": NO_EOS, "messages": [{"role": "user", "content": "Count to 1000."}]})
+    lines: list[str] = []
+
+    def read() -> None:
+        assert stream.stdout is not None
+        lines.extend(line.rstrip("\n") for line in stream.stdout)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    nspawnkit.wait_for(lambda: any(line.startswith("data: {") for line in lines), 60, 0.05,
+                       "the stream's first chunk")
+    stop_at = time.monotonic()
+    stopped = box.run("systemctl", "stop", "edge-agent.service", timeout=120)
+    stop_took = time.monotonic() - stop_at
+    reader.join(60)
+    stream.wait(30)
+    data = [line for line in lines if line.startswith("data: ")]
+    print(f"long stream cut by `systemctl stop` after {stop_took:.1f} s: {len(data)} events")
+    assert stopped.returncode == 0 and 9 <= stop_took < 70, stop_took
+    assert data[-1] == "data: [DONE]", data[-3:]
+    error = json.loads(data[-2][6:])["error"]
+    assert error["code"] == "shutting_down" and "shutting down" in error["message"]
+    assert "Result=success" in box.run("systemctl", "show", "-p", "Result",
+                                       "edge-agent.service").stdout
+    rows = [json.loads(line) for line in site.cli("ledger", "export", "--since", "1d")
+            .stdout.splitlines() if line.strip()]
+    cut = [r for r in rows if r.get("done_reason") == "shutdown"]
+    assert cut and cut[-1]["status"] == 503 and cut[-1]["endpoint"] == "/v1/chat/completions"
+
+
 def test_the_preflight_names_a_missing_library_and_its_package(site: Site) -> None:
     """libgomp.so.1 taken away (its package still recorded as installed): the role, run by
     root this time, stops before anything is started, saying which library and which
