@@ -27,6 +27,7 @@ from edge_agent.governance.keys import KeyStore
 from edge_agent.ledger.store import REQUESTS, open_ledger
 from edge_agent.owner_only import private_dir, private_file
 from tests.conftest import DEFAULT_MODEL, free_port, start_server
+from tests.fleetkit import wait_until
 
 
 @pytest.fixture
@@ -64,10 +65,11 @@ def test_a_box_started_under_umask_022_creates_its_state_owner_only(
         client = openai.OpenAI(base_url=live.openai_url, api_key="unused", max_retries=0)
         r = client.completions.create(model=DEFAULT_MODEL, prompt="Hi", max_tokens=2)
         assert r.choices[0].finish_reason in ("stop", "length")
-        assert live.app.state.parts.ledger.flush()
         KeyStore(state).create("local")
         ledger = open_ledger(state / "ledger.db")  # held open: its -wal and -shm are there
-        assert ledger[REQUESTS].count >= 1  # type: ignore[union-attr]
+        # The row is queued after the response's last byte: flush until it is written.
+        assert wait_until(lambda: live.app.state.parts.ledger.flush()
+                          and ledger[REQUESTS].count >= 1, 10)  # type: ignore[union-attr]
         names = {p.name for p in state.rglob("*")}
         assert {"blobs", "manifests", "models.db", "ledger.db", "ledger.db-wal",
                 "ledger.db-shm", "keys.db", "redaction.key"} <= names, names

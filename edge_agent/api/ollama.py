@@ -3,12 +3,21 @@
 Thin: parse and validate, build a `GenerationRequest`, encode events as NDJSON. Options
 that would change behaviour and are not supported are refused by name, never ignored.
 The model-management routes (tags, show, ps, pull, copy, delete) are `ollama_models`.
+
+A body's top level is read as Ollama's server reads it: a field it does not define is
+ignored, not refused (clients written against Ollama send fields of other APIs beside its
+own, and Ollama answers them). Ignored is never silent: every such field is named in
+`X-Edge-Ignored` and in the request's ledger row. Where a top-level field means one of the
+options (`temperature`, `max_tokens` …, see `TOP_LEVEL_OPTIONS`) it is applied as that
+option unless `options` sets it; and `tool_choice`, which Ollama lacks, is honoured where
+it has a meaning. Inside `options` and `messages` unknown fields are still refused by name.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -31,12 +40,14 @@ from edge_agent.engine.request import (
     ErrorEvent,
     GenerationRequest,
     TokenEvent,
+    ToolChoice,
 )
 from edge_agent.engine.structured import ANY_JSON_OBJECT
 from edge_agent.errors import (
     InvalidRequest,
     UnsupportedParameter,
 )
+from edge_agent.logs import note
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +57,30 @@ NDJSON = "application/x-ndjson"
 # Set when a keep_alive was not applied because the model is the default one, which stays
 # loaded (/ready depends on it).
 PINNED_HEADER = "X-Edge-Pinned"
+# The top-level fields a request sent that changed nothing (see the module docstring).
+IGNORED_HEADER = "X-Edge-Ignored"
+# Top-level fields that mean an option, and the option they mean.
+TOP_LEVEL_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                     "seed": "seed", "stop": "stop", "max_tokens": "num_predict",
+                     "max_output_tokens": "num_predict"}
+# An ignored field is named only when its name is a plain identifier: the name is the
+# client's text, and it goes into a header and the ledger. Others are counted ("+2").
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_MAX_NAMED = 16
 
 router = APIRouter(dependencies=[Depends(authenticate)])
 
 
-# Unknown fields are refused by name (never silently ignored), as for every body here.
+# Unknown fields are refused by name (never silently ignored): options, messages.
 class StrictBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class LenientBody(BaseModel):
+    """A request's top level: unknown fields are kept aside (`model_extra`), to be named as
+    ignored, as Ollama's server ignores them."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class Options(StrictBody):
@@ -108,7 +136,7 @@ class Message(StrictBody):
     tool_name: str | None = None
 
 
-class _GenerateCommon(StrictBody):
+class _GenerateCommon(LenientBody):
     model: str
     format: str | dict[str, Any] | None = None
     options: Options | None = None
@@ -117,11 +145,24 @@ class _GenerateCommon(StrictBody):
     think: bool | str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Not Ollama's, but sent by clients beside `options` (TOP_LEVEL_OPTIONS): validated as
+    # the option they mean, so a bad value is a 400 naming the field as sent.
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    max_tokens: int | None = None
+    max_output_tokens: int | None = None
 
 
 class ChatBody(_GenerateCommon):
     messages: list[Message] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    # Not Ollama's either: OpenAI's forms ("auto", "none", "required",
+    # {"type": "function", "function": {"name": …}}) and the flat {"type": "function",
+    # "name": …} of the Responses API. Any other value is ignored and named.
+    tool_choice: Any = None
 
 
 class GenerateBody(_GenerateCommon):
@@ -137,7 +178,7 @@ class GenerateBody(_GenerateCommon):
     steps: int | None = None
 
 
-class EmbedBody(StrictBody):
+class EmbedBody(LenientBody):
     model: str
     input: str | list[str]
     truncate: bool = True
@@ -146,7 +187,7 @@ class EmbedBody(StrictBody):
     dimensions: int | None = Field(None, gt=0)
 
 
-class EmbeddingsBody(StrictBody):
+class EmbeddingsBody(LenientBody):
     model: str
     prompt: str = ""
     options: Options | None = None
@@ -157,7 +198,76 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _apply_options(req: GenerationRequest, options: Options | None) -> None:
+def _merged_options(body: _GenerateCommon, ignored: list[str]) -> tuple[Options | None, str]:
+    """`options` with the top-level fields that mean an option filled in where it is unset
+    (both `max_tokens` and `max_output_tokens`: the smaller, as for any two limits), and how
+    errors name the output limit (as the request gave it). A top-level field whose option
+    `options` already sets is added to `ignored`."""
+    limit_param = "options.num_predict"
+    top = {k: getattr(body, k) for k in TOP_LEVEL_OPTIONS
+           if k in body.model_fields_set and getattr(body, k) is not None}
+    if not top:
+        return body.options, limit_param
+    options = body.options.model_copy() if body.options is not None else \
+        Options.model_validate({})
+    own = {k for k in options.model_fields_set if getattr(options, k) is not None}
+    for key, value in top.items():
+        option = TOP_LEVEL_OPTIONS[key]
+        current = getattr(options, option)
+        if option in own:
+            ignored.append(key)
+        elif current is None or (option == "num_predict" and _tighter(value, current)):
+            setattr(options, option, value)
+            if option == "num_predict":
+                limit_param = key
+    return options, limit_param
+
+
+def _tighter(limit: int, than: int) -> bool:
+    """Whether output limit `limit` is tighter than `than` (a negative one is no limit)."""
+    return limit >= 0 and (than < 0 or limit < than)
+
+
+def _tool_choice(body: ChatBody, ignored: list[str]) -> ToolChoice:
+    """The tool choice a chat request asks for, where it means one: `auto` (also when none
+    is sent, as Ollama behaves), `none`, `required`, or a function named in either of
+    OpenAI's shapes. With no tools there is nothing to choose: the field is ignored, as
+    any value this does not read (named in `ignored`)."""
+    value = body.tool_choice
+    if value is None:
+        return "auto"
+    if body.tools:
+        if value in ("auto", "none", "required"):
+            return str(value)
+        if isinstance(value, dict) and value.get("type") == "function":
+            fn = value.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else value.get("name")
+            if isinstance(name, str) and name:
+                return name
+    ignored.append("tool_choice")
+    return "auto"
+
+
+def _ignored_fields(body: LenientBody, data: dict[str, Any], also: list[str]) -> list[str]:
+    """The top-level fields of `data` that change nothing: those the body does not define,
+    and `also` (defined, but not applied); in the order sent."""
+    unused = set(body.model_extra or ()) | set(also)
+    return [k for k in data if k in unused]
+
+
+def _name_ignored(fields: list[str]) -> dict[str, str]:
+    """Says which fields were ignored: in the ledger row, and in the header it returns."""
+    if not fields:
+        return {}
+    plain = [f for f in fields if _PLAIN_NAME.fullmatch(f)][:_MAX_NAMED]
+    rest = len(fields) - len(plain)
+    value = ",".join(plain + ([f"+{rest}"] if rest else []))
+    note(ignored_fields=value)
+    return {IGNORED_HEADER: value}
+
+
+def _apply_options(req: GenerationRequest, options: Options | None,
+                   limit_param: str = "options.num_predict") -> None:
     if options is None:
         return
     given = options.model_dump(exclude_none=True)
@@ -170,7 +280,7 @@ def _apply_options(req: GenerationRequest, options: Options | None) -> None:
             raise UnsupportedParameter(f"option '{key}'={value} is not supported",
                                        param=f"options.{key}")
     req.sampling = {k: given[k] for k in _SAMPLING if k in given}
-    req.max_tokens_param = "options.num_predict"
+    req.max_tokens_param = limit_param
     if options.num_predict is not None and options.num_predict >= 0:
         req.max_tokens = options.num_predict
     if options.stop is not None:
@@ -288,7 +398,7 @@ async def _run(request: Request, parts: AppParts, req: GenerationRequest,
 
 
 async def _load_only(request: Request, parts: AppParts, model: str, keep_alive: object,
-                     chat: bool) -> Response:
+                     chat: bool, headers: dict[str, str]) -> Response:
     """An empty prompt loads (or, with keep_alive 0, unloads) the model, as Ollama does.
     Loading a model outside the tenant's scope and unloading are management (403 without
     an operator key, decided before the store is looked at); the default model's unload
@@ -296,16 +406,16 @@ async def _load_only(request: Request, parts: AppParts, model: str, keep_alive: 
     name = normalize_name(model)
     authenticated(request).check_reach(name)
     unload = parse_keep_alive(keep_alive) == 0
-    seconds, headers = _keep_alive(request, parts, name, keep_alive)
+    seconds, pinned = _keep_alive(request, parts, name, keep_alive)
     parts.ops.show(name)
-    if unload and not headers:
+    if unload and not pinned:
         await parts.ops.unload(name)
     elif not unload:
         await parts.ops.load(name, seconds)
     body: dict[str, Any] = {"model": model, "created_at": _now(), "done": True,
                             "done_reason": "unload" if unload else "load"}
     body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
-    return JSONResponse(body, headers=headers)
+    return JSONResponse(body, headers={**pinned, **headers})
 
 
 @router.get("/", response_class=PlainTextResponse)
@@ -321,10 +431,16 @@ async def version() -> dict[str, str]:
 
 @router.post("/api/chat", openapi_extra=request_body(ChatBody))
 async def chat(request: Request, parts: Parts) -> Response:
-    body = validate(ChatBody, await read_json(request, parts.settings.server.max_body_bytes))
+    data = await read_json(request, parts.settings.server.max_body_bytes)
+    body = validate(ChatBody, data)
+    unused: list[str] = []
+    options, limit_param = _merged_options(body, unused)
+    choice = _tool_choice(body, unused)
+    named = _name_ignored(_ignored_fields(body, data, unused))
     _check_common(body, body.model)
     if not body.messages:
-        return await _load_only(request, parts, body.model, body.keep_alive, chat=True)
+        return await _load_only(request, parts, body.model, body.keep_alive, chat=True,
+                                headers=named)
     messages = []
     for i, m in enumerate(body.messages):
         if m.images:
@@ -340,16 +456,21 @@ async def chat(request: Request, parts: Parts) -> Response:
         if not isinstance(tool.get("function"), dict) or not tool["function"].get("name"):
             raise InvalidRequest("each tool needs function.name", param=f"tools.{i}")
     req = GenerationRequest(model=body.model, messages=messages, tools=body.tools or [],
-                            json_schema=_schema(body.format))
-    _apply_options(req, body.options)
+                            tool_choice=choice, json_schema=_schema(body.format))
+    _apply_options(req, options, limit_param)
     apply_controls(request, req)
-    keep_alive = _keep_alive(request, parts, body.model, body.keep_alive)
-    return await _run(request, parts, req, keep_alive, body.stream, chat=True)
+    seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
+    return await _run(request, parts, req, (seconds, {**headers, **named}), body.stream,
+                      chat=True)
 
 
 @router.post("/api/generate", openapi_extra=request_body(GenerateBody))
 async def generate(request: Request, parts: Parts) -> Response:
-    body = validate(GenerateBody, await read_json(request, parts.settings.server.max_body_bytes))
+    data = await read_json(request, parts.settings.server.max_body_bytes)
+    body = validate(GenerateBody, data)
+    unused: list[str] = []
+    options, limit_param = _merged_options(body, unused)
+    named = _name_ignored(_ignored_fields(body, data, unused))
     _check_common(body, body.model)
     if body.suffix:
         raise UnsupportedParameter(f"{body.model} does not support insert", param="suffix")
@@ -361,22 +482,27 @@ async def generate(request: Request, parts: Parts) -> Response:
     if body.width or body.height or body.steps:
         raise UnsupportedParameter("image generation is not supported", param="width")
     if not body.prompt and not body.context:
-        return await _load_only(request, parts, body.model, body.keep_alive, chat=False)
+        return await _load_only(request, parts, body.model, body.keep_alive, chat=False,
+                                headers=named)
     req = GenerationRequest(model=body.model, prompt=body.prompt or "", raw=body.raw,
                             system=body.system, context_tokens=list(body.context or []),
                             json_schema=_schema(body.format))
-    _apply_options(req, body.options)
+    _apply_options(req, options, limit_param)
     apply_controls(request, req)
-    keep_alive = _keep_alive(request, parts, body.model, body.keep_alive)
-    return await _run(request, parts, req, keep_alive, body.stream, chat=False)
+    seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
+    return await _run(request, parts, req, (seconds, {**headers, **named}), body.stream,
+                      chat=False)
 
 
 @router.post("/api/embed", openapi_extra=request_body(EmbedBody))
 async def embed(request: Request, parts: Parts) -> Response:
-    body = validate(EmbedBody, await read_json(request, parts.settings.server.max_body_bytes))
+    data = await read_json(request, parts.settings.server.max_body_bytes)
+    body = validate(EmbedBody, data)
+    named = _name_ignored(_ignored_fields(body, data, []))
     inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else \
         list(body.input)
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
+    headers.update(named)
     if not inputs:  # as Ollama: nothing to embed is an empty answer, not an error
         authenticated(request).check_model(normalize_name(body.model))
         return JSONResponse({"model": parts.store.get(body.model).name, "embeddings": [],
@@ -411,13 +537,15 @@ def _shorten(vectors: list[list[float]], dims: int) -> list[list[float]]:
 
 @router.post("/api/embeddings", openapi_extra=request_body(EmbeddingsBody))
 async def embeddings(request: Request, parts: Parts) -> Response:
-    body = validate(EmbeddingsBody,
-                    await read_json(request, parts.settings.server.max_body_bytes))
+    data = await read_json(request, parts.settings.server.max_body_bytes)
+    body = validate(EmbeddingsBody, data)
+    named = _name_ignored(_ignored_fields(body, data, []))
     if not body.prompt:
         authenticated(request).check_reach(normalize_name(body.model))
         parts.store.get(body.model)
-        return JSONResponse({"embedding": []})
+        return JSONResponse({"embedding": []}, headers=named)
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
+    headers.update(named)
     result = await parts.service.embed(
         EmbeddingRequest(model=body.model, inputs=[body.prompt], dialect="ollama"),
         tenant=tenant_of(request), keep_alive=seconds, disconnected=request.is_disconnected)

@@ -5,6 +5,10 @@ the model is told the tools and constrained, by grammar, to answer with one JSON
 `{"tool_call": {"name": ..., "arguments": {...}}}` or (when it may choose) `{"response": "..."}`
 — the generic scheme of llama.cpp's server. The arguments therefore always parse and
 match the tool's parameter schema.
+
+A tool's parameters are a schema document of their own: their local references
+(`#/$defs/Person`, as pydantic writes a nested model) are resolved against them, not against
+the combined answer schema they are placed in (see `tool_call_schema`).
 """
 
 from __future__ import annotations
@@ -23,42 +27,96 @@ ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 def tool_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
     """One schema for all the calls the model may make; each tool's parameters are first
-    converted alone, so that a schema the grammar cannot take is refused naming its tool."""
-    selected = tools
+    converted alone, so that a schema the grammar cannot take is refused naming its tool.
+
+    Parameters that hold local references are moved under the combined schema's own
+    `$defs` (`#/$defs/tool-<i>`), their references rewritten to point there, because a
+    `#/...` reference means the parameters' own root: nested under `tool_call.arguments`
+    it would no longer resolve."""
+    selected = [(i, t) for i, t in enumerate(tools)]
     if choice not in ("auto", "required", "none"):
-        selected = [t for t in tools if t["function"]["name"] == choice]
+        selected = [(i, t) for i, t in selected if t["function"]["name"] == choice]
         if not selected:
             raise InvalidRequest(f"tool_choice names unknown function '{choice}'",
                                  param="tool_choice")
-    chosen = {id(t) for t in selected}
-    for i, tool in enumerate(tools):
-        if id(tool) in chosen:
-            convert(tool["function"].get("parameters") or {"type": "object"},
-                    param=f"tools.{i}.function.parameters")
-    calls = [
-        {
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, tool in selected:
+        params = tool["function"].get("parameters") or {"type": "object"}
+        convert(params, param=f"tools.{i}.function.parameters")
+        key = f"tool-{i}"
+        rebased, refers = _rebased(params, f"#/$defs/{key}")
+        if refers:
+            defs[key] = rebased
+            params = {"$ref": f"#/$defs/{key}"}
+        calls.append({
             "type": "object",
-            "properties": {
-                "name": {"const": t["function"]["name"]},
-                "arguments": t["function"].get("parameters") or {"type": "object"},
-            },
+            "properties": {"name": {"const": tool["function"]["name"]}, "arguments": params},
             "required": ["name", "arguments"],
-        }
-        for t in selected
-    ]
+        })
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    as_call = {"type": "object", "properties": {"tool_call": call}, "required": ["tool_call"]}
+    schema: dict[str, Any] = {"type": "object", "properties": {"tool_call": call},
+                              "required": ["tool_call"]}
     if choice == "auto":
         as_text = {
             "type": "object",
             "properties": {"response": {"type": "string"}},
             "required": ["response"],
         }
-        return {"anyOf": [as_call, as_text]}
-    return as_call
+        schema = {"anyOf": [schema, as_text]}
+    return {"$defs": defs, **schema} if defs else schema
+
+
+# Keywords whose values are schemas (one, a list, or a map of names to schemas). Any other
+# value is data, copied as it is: a `$ref` key inside `const` or `default` is no reference.
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def _rebased(schema: Any, base: str) -> tuple[Any, bool]:
+    """A copy of `schema` whose local references (`#/...`) point to the same nodes once the
+    schema sits at `base` in another document; and whether it had any. The client's schema
+    is never changed. Recursive, after `convert` has bounded the schema's depth."""
+    if not isinstance(schema, dict):
+        return schema, False
+    out: dict[str, Any] = {}
+    found = False
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#/"):
+            out[key], found = base + value[1:], True
+            continue
+        if key in _SCHEMA_MAP and isinstance(value, dict):
+            parts = {name: _rebased(sub, base) for name, sub in value.items()}
+            out[key] = {name: sub for name, (sub, _) in parts.items()}
+            found = found or any(has for _, has in parts.values())
+        elif key in _SCHEMA_LIST and isinstance(value, list):
+            items = [_rebased(sub, base) for sub in value]
+            out[key] = [sub for sub, _ in items]
+            found = found or any(has for _, has in items)
+        elif key in _SCHEMA_ONE and isinstance(value, dict):
+            out[key], has = _rebased(value, base)
+            found = found or has
+        else:
+            out[key] = value
+    return out, found
+
+
+# What the model is told besides the tools (see `tool_instructions`).
+WHEN_TO_CALL = "Call a tool when the user asks for what it does; otherwise reply to the user " \
+    "directly."
+MUST_CALL = "Answer with a call to one of these tools."
 
 
 def tool_instructions(tools: list[dict[str, Any]], choice: ToolChoice) -> str:
+    """The tools, for the system prompt, and when to call one — never the answer format.
+
+    The grammar makes the format; words about it only give a small model text to copy.
+    Shown `{"response": "<your answer>"}`, SmolLM2-135M answered `<your answer>` (the
+    grammar allows any text in that slot); told it "can call these tools", it answered "You
+    can call the {tool_call} method". So no sample value, key name or placeholder is
+    written here, and the few words there are do not read as an answer."""
     described = [
         {
             "name": t["function"]["name"],
@@ -67,15 +125,8 @@ def tool_instructions(tools: list[dict[str, Any]], choice: ToolChoice) -> str:
         }
         for t in tools
     ]
-    text = (
-        "You can call these tools:\n"
-        + json.dumps(described, ensure_ascii=False, indent=2)
-        + '\n\nTo call a tool, answer with JSON: {"tool_call": {"name": "<tool name>", '
-        '"arguments": {...}}}.'
-    )
-    if choice == "auto":
-        text += ' To answer directly, reply with JSON: {"response": "<your answer>"}.'
-    return text
+    when = WHEN_TO_CALL if choice == "auto" else MUST_CALL
+    return f"Tools:\n{json.dumps(described, ensure_ascii=False, indent=2)}\n\n{when}"
 
 
 def with_tool_messages(

@@ -24,7 +24,7 @@ COLUMNS: dict[str, type] = {
     "error_type": str, "prompt_tokens": int, "cached_tokens": int, "completion_tokens": int,
     "queue_ms": float, "ttft_ms": float, "tpot_ms": float, "total_ms": float,
     "done_reason": str, "truncated_tokens": int, "clamped": int, "structured_failure": int,
-    "end_user": str,
+    "end_user": str, "ignored_fields": str,
 }
 
 
@@ -92,6 +92,14 @@ def m005_release_evidence(db: Database) -> None:
     """Release evidence: kept like the model history, not purged with the request rows."""
     db[EVIDENCE].create(EVIDENCE_COLUMNS, pk="id")  # type: ignore[union-attr]
     db[EVIDENCE].create_index(["name", "ts"])  # type: ignore[union-attr]
+
+
+@MIGRATIONS()
+def m006_ignored_fields(db: Database) -> None:
+    """The top-level fields an Ollama-dialect request sent that changed nothing (Ollama
+    ignores unknown fields; the box does too, and says so): their names, comma-separated."""
+    if "ignored_fields" not in db[REQUESTS].columns_dict:
+        db[REQUESTS].add_column("ignored_fields", str)  # type: ignore[union-attr]
 
 
 # Every table the writer may write, with its columns; rows for other tables are refused.
