@@ -24,7 +24,7 @@ from edge_agent.engine.json_grammar import (
     schema_to_grammar,
 )
 from edge_agent.engine.request import SamplingParams
-from edge_agent.engine.runtime import Sampler
+from edge_agent.engine.sampler import Sampler
 from edge_agent.engine.structured import tool_call_schema
 from edge_agent.errors import EdgeAgentError, InvalidRequest
 from tests.conftest import DEFAULT_MODEL, LiveServer

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import jsonschema
 import llama_cpp as ll
 import numpy as np
 import pytest
 
 from edge_agent.engine.admission import AdmissionQueue
+from edge_agent.engine.json_grammar import schema_to_grammar
 from edge_agent.engine.request import DoneEvent, ErrorEvent, Event, SamplingParams, TokenEvent
 from edge_agent.engine.runtime import BatchContext, LlamaModel
 from edge_agent.engine.scheduler import GenerationJob, ModelScheduler
@@ -312,3 +316,34 @@ def test_generation_threads_run_nicer_than_the_rest(
              if os.getpriority(os.PRIO_PROCESS, int(t)) == min(19, base + 3)]
     assert len(niced) >= 2  # the worker and at least one of llama.cpp's threads
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's thread is untouched
+
+
+ORDER = {"type": "object", "properties": {
+    "order_id": {"type": "string", "maxLength": 12},
+    "customer": {"type": "string", "maxLength": 30},
+    "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
+    "express": {"type": "boolean"}},
+    "required": ["order_id", "customer", "quantity", "express"]}
+
+
+def test_a_schema_is_parsed_once_and_answers_the_same_with_or_without_the_forest(
+        scheduler: ModelScheduler) -> None:
+    """The first grammar job starts the vocabulary's prefix forest in the background and
+    filters the whole vocabulary on refusals until it is there; later jobs use it. Greedy,
+    the answers are the same, valid, and the grammar was parsed once."""
+    grammar = schema_to_grammar(ORDER, param="format")
+    texts = []
+    for _ in range(3):
+        job, out = _job(scheduler, "Give me an order record as JSON.", max_tokens=120)
+        job.grammar = grammar
+        scheduler.submit(job)
+        done = out.result()
+        assert done.reason == "stop"  # the grammar ended it, end-of-generation biased away
+        texts.append(done.text)
+        deadline = time.monotonic() + 60
+        while scheduler.prefixes is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert scheduler.prefixes is not None
+    assert scheduler.grammars.parses == 1
+    assert len(set(texts)) == 1
+    jsonschema.validate(json.loads(texts[0]), ORDER)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
+from edge_agent.engine.grammar_cache import RequestGrammars
 from edge_agent.engine.json_grammar import schema_to_grammar
 from edge_agent.engine.request import GenerationRequest, SamplingParams
 from edge_agent.engine.structured import tool_call_schema, tool_instructions, with_tool_messages
@@ -20,6 +21,9 @@ from edge_agent.errors import ContextLengthExceeded, InvalidRequest
 
 if TYPE_CHECKING:
     from edge_agent.engine.registry import LoadedModel
+
+
+GRAMMARS = RequestGrammars()
 
 
 class Tokenizer(Protocol):
@@ -33,12 +37,16 @@ def tool_mode(req: GenerationRequest) -> bool:
 
 def grammar_for(req: GenerationRequest) -> str | None:
     """The GBNF a request's answer must follow: a tool call's, a schema's, or none.
-    Checking a new grammar takes a child process (0.1-0.3 s): call it off the event loop."""
+    Checking a new grammar takes a child process (0.1-0.3 s): call it off the event loop.
+    Repeats of the same schema or tools come from `GRAMMARS`, converted once."""
     if tool_mode(req):
-        return schema_to_grammar(tool_call_schema(req.tools, req.tool_choice), param="tools")
+        return GRAMMARS.get(["tools", req.tools, req.tool_choice], lambda: schema_to_grammar(
+            tool_call_schema(req.tools, req.tool_choice), param="tools"))
     if req.json_schema is None:
         return None
-    return schema_to_grammar(req.json_schema, param=req.schema_param)
+    schema = req.json_schema
+    return GRAMMARS.get(["schema", schema], lambda: schema_to_grammar(
+        schema, param=req.schema_param))
 
 
 def sampling_for(req: GenerationRequest, model: LoadedModel, window: int) -> SamplingParams:

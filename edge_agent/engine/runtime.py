@@ -1,4 +1,5 @@
-"""llama.cpp through llama-cpp-python's low-level API: models, contexts, samplers.
+"""llama.cpp through llama-cpp-python's low-level API: models, contexts, batches (the
+sampler chains are `sampler`'s).
 
 The high-level `Llama` class forces one sequence per context and its own sampling loop;
 the scheduler needs to own contexts and sampler chains itself, so this module wraps the
@@ -13,14 +14,11 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp as ll
 import numpy as np
 
-from edge_agent.engine.grammar_check import CheckedGrammar
-from edge_agent.engine.request import SamplingParams
 from edge_agent.errors import EdgeAgentError, InvalidRequest, ModelFileError
 
 log = logging.getLogger("edge_agent.llama")
@@ -182,6 +180,10 @@ class LlamaModel:
             cached = self._render(token, special=False)
             self._pieces[token] = cached
         return cached
+
+    def grammar_piece(self, token: int) -> bytes:
+        """A token's text as llama.cpp's grammar reads it: special tokens rendered."""
+        return self._render(token, special=True)
 
     def token_text(self, token: int) -> str:
         if token < 0:
@@ -440,63 +442,3 @@ def normalised_mean(total: np.ndarray, count: int) -> list[float]:
     vec = total / max(count, 1)
     norm = float(np.linalg.norm(vec))
     return (vec / norm if norm > 0 else vec).tolist()
-
-
-@dataclass
-class Sampler:
-    """A llama.cpp sampler chain for one request: its own seed, penalties and grammar."""
-
-    ptr: ctypes.c_void_p
-
-    @classmethod
-    def build(cls, model: LlamaModel, params: SamplingParams, grammar: str | None) -> Sampler:
-        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        sampler = cls(chain)
-        try:
-            add = lambda s: ll.llama_sampler_chain_add(chain, s)  # noqa: E731
-            if params.logit_bias:
-                arr = (ll.llama_logit_bias * len(params.logit_bias))()
-                for i, (tok, bias) in enumerate(params.logit_bias):
-                    arr[i] = ll.llama_logit_bias(tok, bias)
-                add(ll.llama_sampler_init_logit_bias(model.n_vocab, len(arr), arr))
-            if grammar is not None:
-                # llama.cpp kills the process on a grammar it cannot follow: only text that
-                # grammar_check has shown to its parser (in a child process) gets this far.
-                if not isinstance(grammar, CheckedGrammar):
-                    raise EdgeAgentError("a grammar reached the sampler unchecked")
-                g = ll.llama_sampler_init_grammar(model.vocab, grammar.encode(), b"root")
-                if not g:
-                    raise EdgeAgentError("llama.cpp refused a grammar its parser had accepted")
-                add(g)
-            if (params.repeat_penalty != 1.0 or params.presence_penalty
-                    or params.frequency_penalty):
-                add(ll.llama_sampler_init_penalties(
-                    model.n_vocab, params.repeat_last_n, params.repeat_penalty,
-                    params.frequency_penalty, params.presence_penalty))
-            if params.temperature <= 0:
-                add(ll.llama_sampler_init_greedy())
-                return sampler
-            if params.top_k > 0:
-                add(ll.llama_sampler_init_top_k(params.top_k))
-            if params.typical_p < 1.0:
-                add(ll.llama_sampler_init_typical(params.typical_p, 1))
-            if params.top_p < 1.0:
-                add(ll.llama_sampler_init_top_p(params.top_p, 1))
-            if params.min_p > 0.0:
-                add(ll.llama_sampler_init_min_p(params.min_p, 1))
-            add(ll.llama_sampler_init_temp(params.temperature))
-            seed = ll.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
-            add(ll.llama_sampler_init_dist(seed))
-            return sampler
-        except BaseException:
-            sampler.close()
-            raise
-
-    def sample(self, ctx: BatchContext, row: int) -> int:
-        # Samples that batch row's logits and already accepts the token into the chain.
-        return int(ll.llama_sampler_sample(self.ptr, ctx.ptr, row))
-
-    def close(self) -> None:
-        if self.ptr:
-            ll.llama_sampler_free(self.ptr)
-            self.ptr = None  # type: ignore[assignment]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_agent.engine.admission import AdmissionQueue, Priority
+from edge_agent.engine.grammar_cache import ParsedGrammars
 from edge_agent.engine.request import (
     DoneEvent,
     DoneReason,
@@ -42,9 +43,9 @@ from edge_agent.engine.runtime import (
     BatchContext,
     EmbeddingContext,
     LlamaModel,
-    Sampler,
     normalised_mean,
 )
+from edge_agent.engine.sampler import Candidates, Sampler
 from edge_agent.engine.stepcost import PrefillCost
 from edge_agent.engine.steppolicy import (
     DETERMINISTIC_MAX_ROWS,
@@ -57,6 +58,7 @@ from edge_agent.engine.steppolicy import (
     shortest_short,
 )
 from edge_agent.engine.textstream import TextStream
+from edge_agent.engine.token_prefixes import TokenPrefixes
 from edge_agent.errors import EdgeAgentError, ServiceUnavailable
 from edge_agent.priority import lower_thread_priority
 
@@ -177,6 +179,12 @@ class ModelScheduler:
         self.ctx = BatchContext(model, n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch,
                                 n_threads=n_threads, flash_attn=flash_attn)
         self.slots = [_Slot(i) for i in range(parallel)]
+        # Shared by the sequences, which sample one at a time on this thread.
+        self._candidates = Candidates(model.n_vocab)
+        self.grammars = ParsedGrammars(model.vocab)
+        self.prefixes: TokenPrefixes | None = None  # built on the first grammar job
+        self._prefix_builder: threading.Thread | None = None
+        self._closing = threading.Event()
         self.queue: AdmissionQueue[GenerationJob, EmbeddingJob] = AdmissionQueue(
             max_queue, aging_s)
         self.policy = StepPolicy(max_step_stall=max_step_stall, prefill_chunk=prefill_chunk,
@@ -262,9 +270,13 @@ class ModelScheduler:
 
     def close(self) -> None:
         self.queue.close()
+        self._closing.set()
         self._thread.join()
+        if self._prefix_builder is not None:
+            self._prefix_builder.join()  # it reads the vocabulary: before the model goes
         if self._embedder is not None:
             self._embedder.close()
+        self.grammars.close()
         self.ctx.close()
         self.model.close()
 
@@ -393,7 +405,10 @@ class ModelScheduler:
             self.ctx.clear(slot.seq)
         del slot.tokens[reused:]
         try:
-            slot.sampler = Sampler.build(self.model, job.params, job.grammar)
+            slot.sampler = Sampler.build(
+                self.model, job.params, job.grammar, candidates=self._candidates,
+                grammars=self.grammars,
+                prefixes=None if job.grammar is None else self._grammar_prefixes())
         except EdgeAgentError as exc:
             self._emit(job, ErrorEvent(exc))
             return
@@ -406,6 +421,31 @@ class ModelScheduler:
         slot.stream = TextStream(job.stops)
         slot.completion, slot.parts = [], []
         self.stats.running = sum(1 for s in self.slots if s.job is not None)
+
+    def _grammar_prefixes(self) -> TokenPrefixes | None:
+        """The vocabulary's prefix forest (`token_prefixes`), once built. The first grammar
+        job starts its build in a thread of its own (0.2-0.5 s of Python for the default
+        model's vocabulary), so no stream waits for it; the samplers made before it is
+        ready filter the whole vocabulary when the grammar refuses a token."""
+        if self.prefixes is None and self._prefix_builder is None:
+            self._prefix_builder = threading.Thread(target=self._build_prefixes,
+                                                    name="token-prefixes", daemon=True)
+            self._prefix_builder.start()
+        return self.prefixes
+
+    def _build_prefixes(self) -> None:
+        model, n = self.model, self.model.n_vocab
+        pieces: list[bytes] = []
+        eog: list[bool] = []
+        try:
+            for token in range(n):
+                if token % 4096 == 0 and self._closing.is_set():
+                    return
+                pieces.append(model.grammar_piece(token))
+                eog.append(model.is_eog(token))
+            self.prefixes = TokenPrefixes(pieces, eog)
+        except Exception:  # the samplers go on filtering the whole vocabulary
+            log.exception("building the vocabulary's prefix forest failed")
 
     def _step(self) -> None:
         for slot in self.slots:

@@ -1,0 +1,281 @@
+"""The sampler on the real model: a grammar checked after sampling gives the grammar-first
+chain's greedy output token for token, and the prefix forest allows exactly what llama.cpp's
+whole-vocabulary filter allows, at every step of real generations."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import llama_cpp as ll
+import numpy as np
+import pytest
+
+from edge_agent.engine import sampler as sampler_module
+from edge_agent.engine.grammar_cache import ParsedGrammars
+from edge_agent.engine.grammar_check import CheckedGrammar
+from edge_agent.engine.json_grammar import schema_to_grammar
+from edge_agent.engine.request import SamplingParams
+from edge_agent.engine.runtime import BatchContext, LlamaModel
+from edge_agent.engine.sampler import Candidates, Sampler
+from edge_agent.engine.structured import tool_call_schema
+from edge_agent.engine.token_prefixes import TokenPrefixes, Utf8Tail, decode_utf8
+
+pytestmark = pytest.mark.integration
+
+ORDER = {"type": "object", "properties": {
+    "order_id": {"type": "string", "maxLength": 12}, "customer": {"type": "string"},
+    "quantity": {"type": "integer", "minimum": 1, "maximum": 100}, "price": {"type": "number"},
+    "express": {"type": "boolean"}},
+    "required": ["order_id", "customer", "quantity", "price", "express"]}
+NOTE = {"type": "object", "properties": {
+    "note": {"type": "string", "maxLength": 20},
+    "tags": {"type": "array", "items": {"enum": ["a b", "ü", "日本", "🎉"]}, "maxItems": 4}},
+    "required": ["note", "tags"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"]}}}]
+QUESTIONS = ["Give me an order record as JSON.", "What is the weather in Oslo?",
+             "Write a poem about the sea, with emoji 🌊."]
+
+
+class Engine:
+    def __init__(self, path: Path) -> None:
+        self.model = LlamaModel(path, n_gpu_layers=0)
+        self.ctx = BatchContext(self.model, n_seq=3, n_ctx_seq=512, n_batch=256, n_threads=2)
+        self.candidates = Candidates(self.model.n_vocab)
+        self.grammars = ParsedGrammars(self.model.vocab)
+        m = self.model
+        self.prefixes = TokenPrefixes([m.grammar_piece(t) for t in range(m.n_vocab)],
+                                      [m.is_eog(t) for t in range(m.n_vocab)])
+        self.prompts = [m.tokenize(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",
+                                   add_special=True, parse_special=True) for q in QUESTIONS]
+
+    def sampler(self, params: SamplingParams, grammar: CheckedGrammar, **kw: Any) -> Sampler:
+        return Sampler.build(self.model, params, grammar, candidates=self.candidates,
+                             grammars=self.grammars, **kw)
+
+    def run(self, samplers: list[Sampler], steps: int, each_step: Any = None
+            ) -> list[list[int]]:
+        """The three prompts decoded together, one batch a step, each with its sampler."""
+        ctx, model = self.ctx, self.model
+        for seq in range(3):
+            ctx.clear(seq)
+        batch = ctx.batch
+        batch.clear()
+        rows = [batch.add_span(p, 0, seq, last_logits=True) for seq, p in enumerate(self.prompts)]
+        ctx.decode()
+        pos = [len(p) for p in self.prompts]
+        out: list[list[int]] = [[] for _ in self.prompts]
+        live = [True] * 3
+        for _ in range(steps):
+            if each_step is not None:
+                each_step(samplers, live)
+            tokens = [samplers[q].sample(ctx, rows[q]) if live[q] else -1 for q in range(3)]
+            batch.clear()
+            for q, token in enumerate(tokens):
+                if not live[q]:
+                    continue
+                if model.is_eog(token):
+                    live[q] = False
+                    continue
+                out[q].append(token)
+                rows[q] = batch.add(token, pos[q], q, True)
+                pos[q] += 1
+            if not any(live):
+                break
+            ctx.decode()
+        return out
+
+    def text(self, tokens: list[int]) -> str:
+        return b"".join(self.model.piece(t) for t in tokens).decode()
+
+    def close(self) -> None:
+        self.grammars.close()
+        self.ctx.close()
+        self.model.close()
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path) -> Iterator[Engine]:
+    e = Engine(model_path)
+    yield e
+    e.close()
+
+
+def _grammars() -> dict[str, CheckedGrammar]:
+    return {"order": schema_to_grammar(ORDER, param="format"),
+            "note": schema_to_grammar(NOTE, param="format"),
+            "tools": schema_to_grammar(tool_call_schema(TOOLS, "auto"), param="tools")}
+
+
+NO_EOS_BIAS = -100.0
+
+
+@pytest.mark.parametrize("kind", ["order", "tools"])
+@pytest.mark.parametrize("params", [
+    {}, {"repeat_penalty": 1.3, "no_eos": True},
+    {"frequency_penalty": 0.5, "presence_penalty": 0.3, "repeat_last_n": 16}],
+    ids=["plain", "repeat-penalty-and-bias", "frequency-presence"])
+def test_greedy_output_is_the_grammar_first_chains_token_for_token(
+        engine: Engine, kind: str, params: dict[str, Any]) -> None:
+    """Batched, three sequences, the old chain (grammar inside, filtering the vocabulary at
+    every step) against the new one: the same tokens. Penalties make a token accepted twice,
+    or a refused one accepted, show up as a different answer."""
+    no_eos = params.pop("no_eos", False)
+    bias = tuple((t, NO_EOS_BIAS) for t in range(engine.model.n_vocab)
+                 if engine.model.is_eog(t)) if no_eos else ()
+    sampling = SamplingParams(temperature=0.0, logit_bias=bias, **params)
+    grammar = _grammars()[kind]
+    old = engine.run([engine.sampler(sampling, grammar, grammar_first=True)
+                      for _ in range(3)], steps=48)
+    new_samplers = [engine.sampler(sampling, grammar, prefixes=engine.prefixes)
+                    for _ in range(3)]
+    new = engine.run(new_samplers, steps=48)
+    assert new == old
+    assert sum(s.refusals for s in new_samplers) > 0  # the refusal paths ran
+    for s in new_samplers:
+        s.close()
+
+
+def test_every_refusal_path_chooses_the_same_greedy_token(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Next-best checks, the prefix forest, llama.cpp's whole-vocabulary filter: each alone
+    gives the same answer."""
+    grammar = _grammars()["order"]
+    greedy = SamplingParams(temperature=0.0)
+
+    def run(**kw: Any) -> list[list[int]]:
+        samplers = [engine.sampler(greedy, grammar, **kw) for _ in range(3)]
+        try:
+            return engine.run(samplers, steps=60)
+        finally:
+            for s in samplers:
+                s.close()
+
+    retries = run(prefixes=engine.prefixes)
+    monkeypatch.setattr(sampler_module, "GREEDY_RETRIES", 0)
+    forest = run(prefixes=engine.prefixes)
+    whole = run()
+    assert retries == forest == whole
+
+
+def _full_filter(grammar: ctypes.c_void_p, n_vocab: int) -> np.ndarray:
+    data = np.zeros(n_vocab, dtype=[("id", np.int32), ("logit", np.float32),
+                                    ("p", np.float32)])
+    data["id"] = np.arange(n_vocab)
+    arr = ll.llama_token_data_array(
+        data=data.ctypes.data_as(ctypes.POINTER(ll.llama_token_data)), size=n_vocab,
+        selected=-1, sorted=False)
+    ll.llama_sampler_apply(grammar, ctypes.byref(arr))
+    return np.flatnonzero(data["logit"] != -np.inf)
+
+
+@pytest.mark.parametrize(("kind", "temperature"), [
+    ("order", 0.0), ("tools", 0.0), ("note", 1.3), ("tools", 1.3)])
+def test_the_prefix_forest_allows_exactly_what_the_whole_vocabulary_filter_allows(
+        engine: Engine, kind: str, temperature: float) -> None:
+    grammar = _grammars()[kind]
+    compared = [0]
+
+    def compare(samplers: list[Sampler], live: list[bool]) -> None:
+        for s, on in zip(samplers, live, strict=True):
+            assert s.tail is not None and s.grammar is not None
+            if on and s.tail.clean:
+                found = engine.prefixes.allowed(s.grammar)
+                assert found is not None
+                assert np.array_equal(np.sort(found), _full_filter(s.grammar,
+                                                                   engine.model.n_vocab))
+                compared[0] += 1
+
+    samplers = [engine.sampler(SamplingParams(temperature=temperature, seed=7 + i), grammar,
+                               prefixes=engine.prefixes) for i in range(3)]
+    out = engine.run(samplers, steps=40, each_step=compare)
+    assert compared[0] >= 40
+    schema = {"order": ORDER, "note": NOTE, "tools": tool_call_schema(TOOLS, "auto")}[kind]
+    for tokens, s in zip(out, samplers, strict=True):
+        if len(tokens) < 40:  # finished: the whole answer is valid
+            jsonschema.validate(json.loads(engine.text(tokens)), schema)
+        s.close()
+
+
+def test_sampled_outputs_stay_valid(engine: Engine) -> None:
+    """Hot sampling over the whole vocabulary refuses often; every finished answer is valid
+    (a long run of the grammar's optional whitespace may use up the steps)."""
+    grammar = _grammars()["note"]
+    finished = 0
+    for seed in range(3):
+        samplers = [engine.sampler(SamplingParams(temperature=1.5, top_k=0, top_p=1.0,
+                                                  min_p=0.0, seed=seed * 3 + i), grammar,
+                                   prefixes=engine.prefixes) for i in range(3)]
+        out = engine.run(samplers, steps=300)
+        for tokens, s in zip(out, samplers, strict=True):
+            assert s.refusals > 0
+            if len(tokens) < 300:
+                jsonschema.validate(json.loads(engine.text(tokens)), NOTE)
+                finished += 1
+            s.close()
+    assert finished >= 6
+
+
+def test_a_grammar_is_parsed_once_and_each_sampler_gets_its_own_copy(
+        engine: Engine) -> None:
+    grammars = ParsedGrammars(engine.model.vocab, capacity=2)
+    try:
+        g = _grammars()
+        first = grammars.sampler(g["order"])
+        second = grammars.sampler(g["order"])
+        assert grammars.parses == 1
+        brace = engine.model.tokenize("{", add_special=False, parse_special=False)[0]
+        ll.llama_sampler_accept(first, brace)  # one copy moves on, the other does not
+        assert len(_full_filter(first, engine.model.n_vocab)) != len(
+            _full_filter(second, engine.model.n_vocab))
+        for kind in ("note", "tools", "order"):  # capacity 2: "order" was evicted
+            ll.llama_sampler_free(grammars.sampler(g[kind]))
+        assert grammars.parses == 4
+        ll.llama_sampler_free(first)
+        ll.llama_sampler_free(second)
+    finally:
+        grammars.close()
+
+
+# -- the UTF-8 decoder the forest is built with: llama.cpp's, byte for byte ----------------
+
+@pytest.mark.parametrize(("data", "state", "expected"), [
+    (b"abc", (0, 0), ((97, 98, 99), 0)),
+    ("é日🎉".encode(), (0, 0), ((0xE9, 0x65E5, 0x1F389), 0)),
+    (b"a\xe6\x97", (0, 0), ((97,), 1)),  # ends one byte short of a character
+    (b"\xa5x", (0x197, 1), ((0x65E5, 120), 0)),  # completes the previous token's character
+    (b"\x80", (0, 0), ((), -1)),  # a continuation byte first: invalid
+    (b"xy", (0x19, 1), ((), -1)),  # a character left unfinished: invalid
+    (b"ab\x00cd", (0, 0), ((97, 98), 0)),  # a C string ends at the NUL
+])
+def test_decode_utf8_follows_llama_cpp(data: bytes, state: tuple[int, int],
+                                       expected: tuple[tuple[int, ...], int]) -> None:
+    points, _, n_remain = decode_utf8(data, *state)
+    assert (points, n_remain) == expected
+
+
+def test_a_tail_is_clean_only_at_a_character_boundary() -> None:
+    pieces = {1: b"ok", 2: b"\xf0\x9f", 3: b"\x8e", 4: b"\x89!"}
+    tail = Utf8Tail(pieces.__getitem__)
+    tail.accept(1, True)
+    assert tail.clean
+    tail.accept(2, False)
+    assert not tail.clean
+    tail.accept(3, False)
+    assert not tail.clean
+    tail.accept(4, False)  # 🎉 completed, then "!"
+    assert tail.clean
+
+
+def test_the_forest_checks_children_only_under_allowed_parents() -> None:
+    pieces = [b"a", b"ab", b"abc", b"b", b"ba", b"\xe6", b"", b"ab"]
+    forest = TokenPrefixes(pieces, [False] * len(pieces))
+    assert sorted(forest.roots.tolist()) == [0, 3, 5]  # "a", "b", the lone byte
+    assert sorted(forest._children_of(np.array([0], dtype=np.int32)).tolist()) == [1]
+    assert sorted(forest._children_of(np.array([1], dtype=np.int32)).tolist()) == [2, 7]
