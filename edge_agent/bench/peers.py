@@ -163,6 +163,20 @@ class LlamaCppServerPeer(HttpPeer):
                           "--interrupt_requests", str(interrupt)], {}, "/v1/models", model)
 
 
+class LlamaServerPeer(HttpPeer):
+    """llama.cpp's own C++ server (`llama-server`, built from the llama.cpp that
+    llama-cpp-python vendors) on the same file: `parallel` slots of `context` tokens each,
+    the same threads as edge-agent."""
+
+    def __init__(self, binary: Path, model_path: Path, model: str, *, threads: int,
+                 context: int, parallel: int) -> None:
+        self.name = "llama-server"
+        super().__init__([str(binary), "-m", str(model_path), "--alias", model,
+                          "--host", "127.0.0.1", "--port", "{port}", "-t", str(threads),
+                          "-tb", str(threads), "-c", str(context * parallel),
+                          "-np", str(parallel), "--no-webui"], {}, "/health", model)
+
+
 class InProcessPeer:
     """llama-cpp-python's own high-level API, in this process, on the same file."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from edge_agent.bench.llama_server import bench_llama_server
 from edge_agent.bench.observability import (
     bench_governance,
     bench_ledger,
@@ -25,6 +26,7 @@ from edge_agent.bench.peers import (
     LlamaCppServerPeer,
     Sample,
 )
+from edge_agent.bench.structured import bench_structured
 from edge_agent.bench.targets import report, target
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.runtime import BatchContext, LlamaModel, resolve_flash_attn
@@ -475,8 +477,8 @@ def bench_correctness(state_dir: Path, model: str, *, threads: int, context: int
 
 
 def run_bench(state_dir: Path, model: str, *, levels: list[int], requests: int,
-              max_tokens: int, threads: int, context: int, peers: bool, echo: Echo
-              ) -> dict[str, Any]:
+              max_tokens: int, threads: int, context: int, peers: bool, echo: Echo,
+              llama_server: Path | None = None) -> dict[str, Any]:
     store = ModelStore(state_dir)
     if not store.is_installed(model):
         store.pull(model)
@@ -494,6 +496,12 @@ def run_bench(state_dir: Path, model: str, *, levels: list[int], requests: int,
         max_tokens=64, rounds=3, peers=peers, extra=extra, echo=echo)
     result["prefix"] = bench_prefix(state_dir, info.name, threads=threads, context=context,
                                     echo=echo)
+    result["structured"] = bench_structured(state_dir, info.name, threads=threads,
+                                            context=context, extra=extra, echo=echo)
+    if llama_server is not None:
+        result["llama_server"] = bench_llama_server(state_dir, path, info.name, llama_server,
+                                                    threads=threads, context=context,
+                                                    extra=extra, echo=echo)
     result["chunked_prefill"] = bench_chunked_prefill(state_dir, path, info.name,
                                                       threads=threads,
                                                       context=context, extra=extra, echo=echo)

@@ -7,6 +7,7 @@ options go before a subcommand's name, the subcommand's after it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import click
@@ -42,10 +43,14 @@ def _devices(ctx: click.Context, param: click.Parameter, value: str) -> list[int
 @click.option("--max-tokens", type=click.IntRange(2), default=128, show_default=True,
               help="Tokens per single-stream request.")
 @click.option("--no-peers", is_flag=True, help="Skip llama-cpp-python's server as a peer.")
+@click.option("--llama-server", "llama_server",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="llama.cpp's llama-server binary: also compare edge-agent with it (plain "
+              "and JSON-schema output, alternating requests).")
 @json_option("Print the figures as JSON too.")
 @click.pass_context
 def bench(ctx: click.Context, model: str | None, levels: list[int], requests: int,
-          max_tokens: int, no_peers: bool, as_json: bool) -> None:
+          max_tokens: int, no_peers: bool, llama_server: Path | None, as_json: bool) -> None:
     """Measure TTFT, TPOT and tokens/s against peers in one run; print the ratios.
     `bench fleet` measures the fleet link and a simulated fleet instead."""
     if ctx.invoked_subcommand is not None:
@@ -66,7 +71,7 @@ def bench(ctx: click.Context, model: str | None, levels: list[int], requests: in
                        requests=requests, max_tokens=max_tokens,
                        threads=settings.runtime.threads or default_threads(),
                        context=settings.runtime.context_length, peers=not no_peers,
-                       echo=click.echo)
+                       echo=click.echo, llama_server=llama_server)
     if as_json:
         echo_json(result)
 

@@ -9,7 +9,7 @@ imported from `edge_agent.config`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import tomllib
 from pydantic import (
@@ -183,7 +183,10 @@ class RuntimeSettings(_Section):
         description="Most tokens (after truncation) one embedding request may carry, all "
         "inputs together; more get 400. The default is 32 inputs of a full embedding_context.",
     )
-    parallel: int = Field(4, ge=1, le=64, description="Sequences decoded together per model.")
+    parallel: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto", description="Sequences decoded together per model; 'auto': as many as the "
+        "model's share of memory_budget holds at context_length, 8 to 4 per thread on a CPU "
+        "(32 on a GPU).")
     max_queue: int = Field(
         64, ge=0, description="Requests that may wait per model; more get 503 + Retry-After."
     )
@@ -225,7 +228,7 @@ class ModelOverride(_Section):
     context_length: int | None = Field(None, ge=64)
     n_gpu_layers: int | Literal["auto"] | None = None
     threads: int | None = Field(None, ge=0)
-    parallel: int | None = Field(None, ge=1, le=64)
+    parallel: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] | None = None
 
 
 class ModelsSettings(BaseModel):

@@ -43,7 +43,8 @@ from typing import Any
 
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
-from edge_agent.engine.gguf_probe import probe
+from edge_agent.engine.gguf_probe import GGUFInfo, probe
+from edge_agent.engine.parallel_plan import auto_parallel
 from edge_agent.engine.request import EmbeddingResult, Event, Generation, GenerationSpec
 from edge_agent.engine.runtime import (
     LlamaModel,
@@ -122,6 +123,11 @@ class LoadedModel:
     @property
     def size_vram(self) -> int:
         return self.memory if self.worker.model.n_gpu_layers > 0 else 0
+
+    @property
+    def parallel(self) -> int:
+        """Sequences decoded together (`parallel`, "auto" resolved at load)."""
+        return self.worker.stats.parallel
 
     # -- the narrow interface the request path uses (gateway/): nothing else of the worker
     @property
@@ -363,7 +369,7 @@ class ModelRegistry:
         if _key(info) in self._loaded:
             return True
         gguf = await run_niced(BACKGROUND_NICE, probe, info.blob_path(self.store.state_dir))
-        _, _, parallel, n_ctx, _ = self._plan(info)
+        _, _, parallel, n_ctx, _ = self._plan(info, gguf)
         need = info.size + gguf.kv_bytes_per_token() * parallel * n_ctx
         used = sum(m.memory for m in self._loaded.values())
         return self._names(name) <= self.settings.runtime.max_loaded_models and \
@@ -454,15 +460,21 @@ class ModelRegistry:
             model = self._loaded.pop(name)
             await asyncio.to_thread(model.worker.close)
 
-    def _plan(self, info: InstalledModel) -> tuple[int, int, int, int, int]:
-        """(gpu layers, threads, parallel, context per sequence, batch) for a model."""
+    def _plan(self, info: InstalledModel, gguf: GGUFInfo) -> tuple[int, int, int, int, int]:
+        """(gpu layers, threads, parallel, context per sequence, batch) for a model;
+        `parallel = "auto"` sized by `parallel_plan` from the file's KV bytes per token."""
         rt = self.settings.runtime
         override = self.settings.model_override(info.name)
         gpu = resolve_gpu_layers(
             override.n_gpu_layers if override.n_gpu_layers is not None else rt.n_gpu_layers)
         threads = override.threads or rt.threads or default_threads()
-        parallel = override.parallel or rt.parallel
         n_ctx = self._planned_context(info)
+        parallel = override.parallel or rt.parallel
+        if parallel == "auto":
+            parallel = auto_parallel(
+                kv_bytes_per_token=gguf.kv_bytes_per_token(), context=n_ctx,
+                weights=info.size, budget=self.memory_budget, models=rt.max_loaded_models,
+                threads=threads, gpu=gpu > 0)
         return gpu, threads, parallel, n_ctx, min(rt.batch_size, n_ctx)
 
     def _planned_context(self, info: InstalledModel) -> int:
@@ -505,7 +517,7 @@ class ModelRegistry:
         # Below the generation threads' priority: the models serving meanwhile keep the
         # cores (the load itself is not niced: its scheduler's threads would keep it).
         gguf = await run_niced(BACKGROUND_NICE, self.store.verify, info)
-        _, _, parallel, n_ctx, _ = self._plan(info)
+        gpu_layers, _, parallel, n_ctx, _ = self._plan(info, gguf)
         need = info.size + gguf.kv_bytes_per_token() * parallel * n_ctx
         await self._make_room(key, need)
         # The weights below the generation threads' priority too; the scheduler (its
@@ -513,19 +525,19 @@ class ModelRegistry:
         rt = self.settings.runtime
         model = await run_niced(BACKGROUND_NICE, LlamaModel,
                                 info.blob_path(self.store.state_dir),
-                                n_gpu_layers=self._plan(info)[0],
+                                n_gpu_layers=gpu_layers,
                                 extra_buffers=resolve_extra_buffers(rt.cpu_extra_buffers))
-        loaded = await asyncio.to_thread(self._load_blocking, info, need, model)
+        loaded = await asyncio.to_thread(self._load_blocking, info, need, model, gguf)
         self._loaded[_key(info)] = loaded
         log.info("loaded %s sha256:%s (%d x %d context, gpu layers %d, ~%d MiB)", key,
                  info.digest[:12], parallel, loaded.worker.n_ctx,
                  loaded.worker.model.n_gpu_layers, need // 2**20)
         return loaded
 
-    def _load_blocking(self, info: InstalledModel, memory: int, model: LlamaModel
-                       ) -> LoadedModel:
+    def _load_blocking(self, info: InstalledModel, memory: int, model: LlamaModel,
+                       gguf: GGUFInfo) -> LoadedModel:
         rt = self.settings.runtime
-        _, threads, parallel, n_ctx, n_batch = self._plan(info)
+        _, threads, parallel, n_ctx, n_batch = self._plan(info, gguf)
         try:
             worker = ModelScheduler(
                 model, parallel=parallel, n_ctx_seq=n_ctx, n_batch=n_batch, n_threads=threads,

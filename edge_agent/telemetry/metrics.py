@@ -126,6 +126,7 @@ class _LiveCollector(Collector):
             ("edge_agent_kv_cache_cells", "KV cells in all"),
             ("edge_agent_batch_tokens", "Tokens in the last decode step"),
             ("edge_agent_model_memory_bytes", "Weights + KV cache of a loaded model"),
+            ("edge_agent_parallel_sequences", "Sequences a loaded model decodes together"),
         )}
         loaded = GaugeMetricFamily("edge_agent_loaded_models", "Models resident")
         models = self._loaded()
@@ -140,6 +141,7 @@ class _LiveCollector(Collector):
             g["edge_agent_kv_cache_cells"].add_metric([name], st.kv_total)
             g["edge_agent_batch_tokens"].add_metric([name], st.last_step_tokens)
             g["edge_agent_model_memory_bytes"].add_metric([name], m.memory)
+            g["edge_agent_parallel_sequences"].add_metric([name], m.parallel)
         yield loaded
         yield from g.values()
         writer = self._ledger()
