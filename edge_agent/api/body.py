@@ -22,6 +22,7 @@ from typing import Any, NoReturn, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from edge_agent.config import MAX_DRAFT
 from edge_agent.engine.request import GenerationRequest
 from edge_agent.errors import InvalidRequest, PayloadTooLarge
 
@@ -32,6 +33,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _INT_DIGITS = 20  # longer integer literals are refused before Python converts them
 _SURROGATE = re.compile("[\ud800-\udfff]")  # after decoding, valid pairs are one character
 _LONG_INT = re.compile(rb"[0-9]{19}")  # no shorter literal can leave the 64-bit range
+_DRAFT = re.compile(r"[0-9]{1,2}")
 _TIMEOUT_MS = re.compile(r"[0-9]{1,15}")  # ASCII digits only: int() also takes "١٢" and "²"
 
 
@@ -139,8 +141,9 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
 
 def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | None = None
                    ) -> None:
-    """Scheduling controls common to both dialects: `X-Priority: interactive|batch` and a
-    deadline from `X-Timeout-Ms` (or the OpenAI body's `timeout_ms`; the smaller wins)."""
+    """Scheduling controls common to both dialects: `X-Priority: interactive|batch`, a
+    deadline from `X-Timeout-Ms` (or the OpenAI body's `timeout_ms`; the smaller wins), and
+    `X-Edge-Prompt-Lookup` (draft tokens a step; OpenAI's body has no field for it)."""
     req.dialect = "openai" if request.url.path.startswith("/v1/") else "ollama"
     priority = request.headers.get("x-priority")
     if priority is not None:
@@ -149,6 +152,13 @@ def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | N
             raise InvalidRequest("X-Priority must be 'interactive' or 'batch'",
                                  param="X-Priority")
         req.priority = priority  # type: ignore[assignment]
+    lookup = request.headers.get("x-edge-prompt-lookup")
+    if lookup is not None and req.draft is None:  # an Ollama body's option wins
+        if not _DRAFT.fullmatch(lookup.strip()) or int(lookup) > MAX_DRAFT:
+            raise InvalidRequest(f"X-Edge-Prompt-Lookup must be a whole number of draft "
+                                 f"tokens from 0 (off) to {MAX_DRAFT}",
+                                 param="X-Edge-Prompt-Lookup")
+        req.draft = int(lookup)
     header = request.headers.get("x-timeout-ms")
     values = [timeout_ms] if timeout_ms else []
     if header is not None:

@@ -32,6 +32,7 @@ from edge_agent.api.auth import authenticate, authenticated, tenant_of
 from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.openapi import request_body
 from edge_agent.api.state import AppParts, Parts
+from edge_agent.config import MAX_DRAFT
 from edge_agent.engine.catalog import normalize_name
 from edge_agent.engine.registry import parse_keep_alive
 from edge_agent.engine.request import (
@@ -97,6 +98,8 @@ class Options(StrictBody):
     seed: int | None = None
     stop: list[str] | str | None = None
     num_ctx: int | None = Field(None, gt=0)  # any size: the box serves its configured one
+    # The box's own: prompt-lookup draft tokens a step (0: off; unset: the model's setting).
+    prompt_lookup: int | None = Field(None, ge=0, le=MAX_DRAFT)
     # Accepted only at values that change nothing here.
     num_keep: int | None = None  # no context shifting happens, so nothing to keep
     penalize_newline: bool | None = None  # Ollama itself ignores it
@@ -286,6 +289,7 @@ def _apply_options(req: GenerationRequest, options: Options | None,
     if options.stop is not None:
         req.stop = [options.stop] if isinstance(options.stop, str) else list(options.stop)
     req.num_ctx = options.num_ctx
+    req.draft = options.prompt_lookup
 
 
 def _check_common(body: _GenerateCommon, model: str) -> None:

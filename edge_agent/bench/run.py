@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from edge_agent.bench.llama_server import bench_llama_server
+from edge_agent.bench.lookup import bench_lookup
 from edge_agent.bench.observability import (
     bench_governance,
     bench_ledger,
@@ -498,6 +499,8 @@ def run_bench(state_dir: Path, model: str, *, levels: list[int], requests: int,
                                     echo=echo)
     result["structured"] = bench_structured(state_dir, info.name, threads=threads,
                                             context=context, extra=extra, echo=echo)
+    result["lookup"] = bench_lookup(state_dir, info.name, threads=threads, context=context,
+                                   extra=extra, echo=echo)
     if llama_server is not None:
         result["llama_server"] = bench_llama_server(state_dir, path, info.name, llama_server,
                                                     threads=threads, context=context,

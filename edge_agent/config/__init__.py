@@ -27,10 +27,16 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from edge_agent.config.base import MAX_INTERVAL_S, MIN_INTERVAL_S, ConfigError, _Section
+from edge_agent.config.base import (
+    MAX_DRAFT,
+    MAX_INTERVAL_S,
+    MIN_INTERVAL_S,
+    ConfigError,
+    _Section,
+)
 from edge_agent.config.fleet import BrokerAddress, FleetSettings, parse_broker, parse_window
 
-__all__ = ["DEFAULT_CONFIG_FILE", "MAX_INTERVAL_S", "MIN_INTERVAL_S", "BrokerAddress",
+__all__ = ["DEFAULT_CONFIG_FILE", "MAX_DRAFT", "MAX_INTERVAL_S", "MIN_INTERVAL_S", "BrokerAddress",
            "ConfigError", "FleetSettings", "LayeredSettings", "LedgerSettings",
            "ModelOverride", "ModelsSettings", "RedactionSettings", "RetentionSettings",
            "RuntimeSettings", "ServerSettings", "Settings", "TelemetrySettings",
@@ -220,6 +226,13 @@ class RuntimeSettings(_Section):
     load_wait: bool = Field(
         True, description="Requests wait for a model that is loading (false: 503 at once)."
     )
+    prompt_lookup: int = Field(
+        0, ge=0, le=MAX_DRAFT,
+        description="Speculative decoding by prompt lookup: most draft tokens a step, taken "
+        "from where the answer's last tokens occurred before in the prompt or the answer "
+        "(0: off). The answer is the same; a stream that quotes its prompt gets it faster. "
+        "Only a stream decoding alone drafts on a CPU (up to 4 together on a GPU). A request "
+        "may set its own (`options.prompt_lookup`, `X-Edge-Prompt-Lookup`).")
 
 
 class ModelOverride(_Section):
@@ -229,6 +242,7 @@ class ModelOverride(_Section):
     n_gpu_layers: int | Literal["auto"] | None = None
     threads: int | None = Field(None, ge=0)
     parallel: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] | None = None
+    prompt_lookup: int | None = Field(None, ge=0, le=MAX_DRAFT)
 
 
 class ModelsSettings(BaseModel):

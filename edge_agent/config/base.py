@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict
 # checked by the one model.
 MIN_INTERVAL_S = 1.0
 MAX_INTERVAL_S = 86400.0
+# Most prompt-lookup draft tokens a step: a pass of 1 + 32 rows of one sequence is still one
+# llama.cpp micro-batch, and longer guesses are rarely confirmed whole.
+MAX_DRAFT = 32
 
 
 class ConfigError(Exception):

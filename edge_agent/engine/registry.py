@@ -157,7 +157,8 @@ class LoadedModel:
         job = GenerationJob(prompt=spec.prompt, params=spec.params, grammar=spec.grammar,
                             max_tokens=spec.max_tokens, stops=spec.stops,
                             emit=ThreadEmitter(loop, events), priority=spec.priority,
-                            load_ns=spec.load_ns, cache_key=spec.cache_key)
+                            load_ns=spec.load_ns, cache_key=spec.cache_key,
+                            draft=spec.draft)
         self.worker.submit(job)
         return Generation(events=events, cancelled=job.cancelled,
                           submitted_ns=job.submitted_ns)
@@ -477,6 +478,10 @@ class ModelRegistry:
                 threads=threads, gpu=gpu > 0)
         return gpu, threads, parallel, n_ctx, min(rt.batch_size, n_ctx)
 
+    def _prompt_lookup(self, info: InstalledModel) -> int:
+        own = self.settings.model_override(info.name).prompt_lookup
+        return self.settings.runtime.prompt_lookup if own is None else own
+
     def _planned_context(self, info: InstalledModel) -> int:
         n_ctx = self.settings.model_override(info.name).context_length or \
             self.settings.runtime.context_length
@@ -544,7 +549,8 @@ class ModelRegistry:
                 embed_ctx=rt.embedding_context, max_queue=rt.max_queue,
                 prefill_chunk=rt.prefill_chunk, max_step_stall=rt.max_step_stall,
                 aging_s=rt.aging_s, deterministic=rt.deterministic,
-                flash_attn=resolve_flash_attn(rt.flash_attn), nice=rt.compute_nice)
+                flash_attn=resolve_flash_attn(rt.flash_attn), nice=rt.compute_nice,
+                prompt_lookup=self._prompt_lookup(info))
         except BaseException:
             model.close()
             raise

@@ -57,6 +57,7 @@ class GenerationRequest:
     max_tokens_param: str = "max_tokens"  # how the dialect names it, for errors
     timeout_s: float | None = None  # deadline from submission; None: the operator's default
     cache_key: str | None = None  # a client's prompt-cache hint: prefer the slot it used last
+    draft: int | None = None  # prompt-lookup draft tokens a step (None: the model's setting)
     end_user: str | None = None  # a client's end-user id; only its keyed digest is recorded
 
 
@@ -81,6 +82,7 @@ class GenerationSpec:
     priority: Literal["interactive", "batch"] = "interactive"
     load_ns: int = 0  # how long the request waited for its model to load
     cache_key: str | None = None
+    draft: int | None = None  # prompt-lookup draft tokens a step (None: the model's setting)
 
 
 @dataclass

@@ -28,6 +28,7 @@ import numpy as np
 
 from edge_agent.engine.admission import AdmissionQueue, Priority
 from edge_agent.engine.grammar_cache import ParsedGrammars
+from edge_agent.engine.lookup import MAX_DRAFT, PromptLookup
 from edge_agent.engine.request import (
     DoneEvent,
     DoneReason,
@@ -79,6 +80,7 @@ class GenerationJob:
     submitted_ns: int = field(default_factory=time.perf_counter_ns)
     enqueued_at: float = 0.0
     cache_key: str | None = None  # the client's prompt-cache hint (OpenAI prompt_cache_key)
+    draft: int | None = None  # most prompt-lookup draft tokens a step (None: the model's)
 
 
 @dataclass
@@ -117,6 +119,8 @@ class SchedulerStats:
     embedding_jobs: int = 0  # embedding requests waiting or under way
     embedded_inputs: int = 0  # inputs embedded since the model was loaded
     embedded_tokens: int = 0
+    drafted: int = 0  # prompt-lookup draft tokens decoded
+    draft_accepted: int = 0  # of them, those the sampler confirmed
 
 
 class _Slot:
@@ -140,6 +144,10 @@ class _Slot:
         self.t_prompt = 0
         self.last_token_at = 0.0  # perf_counter of its latest token, for the stall bound
         self.cache_key: str | None = None  # the hint of the job that last used it
+        self.lookup: PromptLookup | None = None  # the job's tokens, when it speculates
+        self.draft_max = 0  # the job's bound on draft tokens a step
+        self.draft_len = 0  # this step's bound, adapted to how many were confirmed before
+        self.draft: list[int] = []  # the guesses decoded after next_token in this step
 
 
 def _prompt(slot: _Slot) -> Prompt:
@@ -174,8 +182,15 @@ class ModelScheduler:
         deterministic: bool = False,
         flash_attn: int = -1,
         nice: int = 0,
+        prompt_lookup: int = 0,
     ) -> None:
         self.model = model
+        self.prompt_lookup = prompt_lookup  # draft tokens a step, for jobs that set none
+        # Sequences a pass may hold for their drafts to be decoded. On a CPU every row
+        # costs ~0.4 of a one-row pass (smollm2, 2 cores): beside other rows, guesses
+        # confirmed 2 times in 3 still lower the aggregate, so only a lone stream drafts.
+        # A GPU's rows are almost free until the batch is large.
+        self.draft_rows = 1 if model.n_gpu_layers == 0 else 4
         self.ctx = BatchContext(model, n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch,
                                 n_threads=n_threads, flash_attn=flash_attn)
         self.slots = [_Slot(i) for i in range(parallel)]
@@ -420,6 +435,13 @@ class ModelScheduler:
         slot.next_token = None
         slot.stream = TextStream(job.stops)
         slot.completion, slot.parts = [], []
+        # Speculation changes how many rows of a sequence a pass holds: not in the
+        # batch-invariant mode, whose output must not depend on the batch's shape.
+        slot.draft_max = 0 if self.deterministic else min(
+            MAX_DRAFT, self.prompt_lookup if job.draft is None else job.draft)
+        slot.draft_len = min(slot.draft_max, 4)
+        slot.draft = []
+        slot.lookup = PromptLookup(prompt) if slot.draft_max > 0 else None
         self.stats.running = sum(1 for s in self.slots if s.job is not None)
 
     def _grammar_prefixes(self) -> TokenPrefixes | None:
@@ -529,42 +551,99 @@ class ModelScheduler:
         return last_chunk(take, budget, len(slot.tokens), self._prefill_cost.per_token)
 
     def _decode_rows(self, decoding: list[_Slot]) -> float:
-        """Decode and sample the rows; the seconds it took, sampling included."""
+        """Decode and sample the rows; the seconds it took, sampling included. A sequence
+        that speculates has its draft tokens in the same pass, right after its row."""
         batch = self.ctx.batch
         batch.clear()
         # Rows in ascending sequence order: llama.cpp then runs the batch as one pass.
         rows = []
-        for slot in sorted(decoding, key=lambda s: s.seq):
+        ordered = sorted(decoding, key=lambda s: s.seq)
+        drafts = len(ordered) <= self.draft_rows
+        for i, slot in enumerate(ordered):
+            start = batch.n
             try:
                 assert slot.next_token is not None
-                slot.row = batch.add(slot.next_token, len(slot.tokens), slot.seq, True)
+                pos = len(slot.tokens)
+                draft = self._draft(slot, room=batch.room - (len(ordered) - i)) \
+                    if drafts else []
+                slot.row = batch.add(slot.next_token, pos, slot.seq, True)
+                for k, token in enumerate(draft):
+                    batch.add(token, pos + 1 + k, slot.seq, True)
+                slot.draft = draft
             except Exception as exc:  # a row is stored only once every field fits
+                batch.n = start  # nor its draft
+                slot.draft = []
                 self._fail([slot], exc, "adding a row")
             else:
                 rows.append(slot)
         if not rows:
             return 0.0
+        drafted = batch.n - len(rows)
         started = time.perf_counter()
         try:
             self.ctx.decode()
         except Exception as exc:  # the whole pass: every row in it ends
+            for slot in rows:
+                slot.draft = []
             self._fail(rows, exc, "a decode pass")
             return 0.0
         self.stats.last_step_tokens += batch.n
+        self.stats.drafted += drafted
         for slot in rows:
             try:
-                assert slot.next_token is not None
-                slot.tokens.append(slot.next_token)
-                slot.next_token = None
-                self._sampled(slot)
+                self._accept(slot)
             except Exception as exc:
                 self._fail([slot], exc, "sampling")
         elapsed = time.perf_counter() - started
-        if not self._prefilled_last_step:
+        if not self._prefilled_last_step and not drafted:
             old = self._decode_s.get(len(rows), elapsed)
             self._decode_s[len(rows)] = 0.8 * old + 0.2 * elapsed
         self._rows_s += elapsed
         return elapsed
+
+    def _draft(self, slot: _Slot, room: int) -> list[int]:
+        """The prompt-lookup guesses to decode after `slot`'s next token this step, within
+        `room` batch rows (those of the sequences after it are kept free), its context and
+        what is left of its max_tokens."""
+        job = slot.job
+        if slot.lookup is None or slot.draft_len <= 0 or job is None:
+            return []
+        limit = min(slot.draft_len, room,
+                    self.ctx.n_ctx_seq - len(slot.tokens) - 1,
+                    job.max_tokens - len(slot.completion) - 1)
+        return slot.lookup.draft(limit) if limit > 0 else []
+
+    def _accept(self, slot: _Slot) -> None:
+        """Samples `slot`'s row, then each of its draft rows for as long as the token
+        sampled is the guess that row was decoded with: every token is sampled from the
+        logits of the token before it, exactly as without a draft, so the answer is the
+        same (greedy token for token; sampled, from the same distribution). The cells of
+        the guesses after the first wrong one are dropped."""
+        draft, slot.draft = slot.draft, []
+        assert slot.next_token is not None
+        written = len(slot.tokens) + 1 + len(draft)
+        slot.tokens.append(slot.next_token)
+        slot.next_token = None
+        self._sampled(slot)
+        confirmed = 0
+        for guess in draft:
+            if slot.job is None or slot.next_token != guess:
+                break
+            slot.tokens.append(guess)
+            slot.next_token = None
+            slot.row += 1
+            confirmed += 1
+            self._sampled(slot)
+        if draft:
+            self.stats.draft_accepted += confirmed
+            # Longer guesses while they are confirmed, shorter once they are not.
+            slot.draft_len = min(slot.draft_max, 2 * slot.draft_len) \
+                if confirmed == len(draft) else max(1, confirmed + 1)
+        if written > len(slot.tokens) and slot.tokens:
+            # Cells the sequence keeps (running, or finished for prefix reuse) end with
+            # its last confirmed token.
+            if not self.ctx.keep_prefix(slot.seq, len(slot.tokens)):
+                raise EdgeAgentError("llama.cpp could not drop a sequence's draft cells")
 
     def _prefill(self, slots: list[_Slot], spans: dict[int, int]) -> None:
         batch = self.ctx.batch
@@ -612,6 +691,8 @@ class ModelScheduler:
             self._finish(slot, "stop")
             return
         slot.completion.append(token)
+        if slot.lookup is not None:
+            slot.lookup.append(token)
         text = slot.stream.feed(self.model.piece(token))
         if text:
             slot.parts.append(text)
@@ -653,6 +734,7 @@ class ModelScheduler:
         slot.job = None
         slot.pending = []
         slot.next_token = None
+        slot.lookup, slot.draft = None, []
         if drop:
             slot.tokens = []
         self.stats.running = sum(1 for s in self.slots if s.job is not None)

@@ -144,7 +144,8 @@ class GenerationService:
         note(truncated_tokens=fitted.truncated_tokens, clamped=int(fitted.clamped))
         spec = GenerationSpec(prompt=fitted.tokens, params=sampling, grammar=grammar,
                               max_tokens=fitted.max_tokens, stops=stops_for(req, model),
-                              priority=priority, load_ns=load_ns, cache_key=req.cache_key)
+                              priority=priority, load_ns=load_ns, cache_key=req.cache_key,
+                              draft=req.draft)
         return spec, fitted
 
     def _govern(self, tenant: TenantContext | None, model: str) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from edge_agent.errors import (
@@ -128,6 +128,12 @@ class _LiveCollector(Collector):
             ("edge_agent_model_memory_bytes", "Weights + KV cache of a loaded model"),
             ("edge_agent_parallel_sequences", "Sequences a loaded model decodes together"),
         )}
+        drafted = CounterMetricFamily(
+            "edge_agent_draft_tokens", "Prompt-lookup draft tokens decoded (since the model "
+            "was loaded)", labels=["model"])
+        confirmed = CounterMetricFamily(
+            "edge_agent_draft_accepted_tokens", "Of them, those the sampler confirmed",
+            labels=["model"])
         loaded = GaugeMetricFamily("edge_agent_loaded_models", "Models resident")
         models = self._loaded()
         loaded.add_metric([], len(models))
@@ -142,8 +148,12 @@ class _LiveCollector(Collector):
             g["edge_agent_batch_tokens"].add_metric([name], st.last_step_tokens)
             g["edge_agent_model_memory_bytes"].add_metric([name], m.memory)
             g["edge_agent_parallel_sequences"].add_metric([name], m.parallel)
+            drafted.add_metric([name], st.drafted)
+            confirmed.add_metric([name], st.draft_accepted)
         yield loaded
         yield from g.values()
+        yield drafted
+        yield confirmed
         writer = self._ledger()
         if writer is not None:
             lag = GaugeMetricFamily("edge_agent_ledger_write_lag_seconds",
