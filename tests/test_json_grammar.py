@@ -1,10 +1,20 @@
 from __future__ import annotations
 
+import ctypes
+import json
+import math
 import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import jsonschema
+import llama_cpp as ll
 import pytest
 
+from edge_agent.engine.grammar_cache import ParsedGrammars
 from edge_agent.engine.json_grammar import _int_range, schema_to_grammar
+from edge_agent.engine.runtime import LlamaModel
 from edge_agent.errors import UnsupportedParameter
 
 
@@ -42,6 +52,9 @@ def test_bounded_integer_schema_compiles_to_a_grammar() -> None:
     ({"type": "object", "properties": {"e": {"type": "string", "format": "email"}}},
      "format.properties.e.format"),
     ({"type": "integer", "minimum": 5, "maximum": 1}, "format"),
+    # A pattern's converter takes no length: a length beside it would be dropped.
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "format.maxLength"),
+    ({"type": ["string", "null"], "pattern": "^[a-z]+$", "minLength": 2}, "format.minLength"),
 ])
 def test_what_a_grammar_cannot_enforce_is_refused_by_name(schema: dict[str, object],
                                                           param: str) -> None:
@@ -55,3 +68,69 @@ def test_strings_exclude_raw_control_characters() -> None:
                                 param="format")
     char = next(line for line in grammar.splitlines() if line.startswith("char ::="))
     assert r"\x00-\x1F" in char
+
+
+# -- a `type` list keeps every other keyword --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vocab_model(model_path: Path) -> Iterator[LlamaModel]:
+    model = LlamaModel(model_path, n_gpu_layers=0)
+    yield model
+    model.close()
+
+
+def _accepts(model: LlamaModel, schema: dict[str, Any], text: str) -> bool:
+    """Whether llama.cpp's grammar for `schema` takes `text` whole: each of its tokens in
+    turn (a one-candidate array, as the sampler checks a chosen token), then the end."""
+    grammar = ParsedGrammars.parse(model.vocab, schema_to_grammar(schema, param="format"))
+    one = ll.llama_token_data(0, 1.0, 0.0)
+    arr = ll.llama_token_data_array(data=ctypes.pointer(one), size=1, selected=-1,
+                                    sorted=False)
+
+    def allowed(token: int) -> bool:
+        one.id, one.logit = token, 1.0  # type: ignore[assignment]
+        arr.size, arr.selected = 1, -1
+        ll.llama_sampler_apply(grammar, ctypes.pointer(arr))
+        return bool(one.logit != -math.inf)
+
+    try:
+        for token in model.tokenize(text, add_special=False, parse_special=False):
+            if not allowed(token):
+                return False
+            ll.llama_sampler_accept(grammar, token)
+        return allowed(model.eos)
+    finally:
+        ll.llama_sampler_free(grammar)
+
+
+@pytest.mark.parametrize(("schema", "good", "bad"), [
+    ({"type": ["string", "null"], "maxLength": 3}, ['"abc"', "null", '""'], ['"abcd"', "1"]),
+    ({"type": ["null", "string"], "minLength": 2}, ['"ab"', "null"], ['"a"', "2"]),
+    ({"type": ["null", "string"], "pattern": "^[a-z]+$"}, ['"ab"', "null"], ['"AB"']),
+    ({"type": ["integer", "null"], "minimum": 1, "maximum": 5}, ["3", "null"], ["0", "6"]),
+    ({"type": ["array", "null"], "items": {"type": "integer"}, "maxItems": 2},
+     ["[1,2]", "null"], ["[1,2,3]", '["a"]']),
+    ({"type": ["object", "null"], "properties": {"a": {"type": "integer"}},
+      "required": ["a"], "additionalProperties": False},
+     ['{"a":1}', "null"], ["{}", '{"b":1}']),
+    ({"type": ["string", "integer"], "enum": ["x", 2, True, None]}, ['"x"', "2"],
+     ["true", "null", '"y"']),
+])
+def test_a_type_list_keeps_the_keywords_of_each_type(
+        vocab_model: LlamaModel, schema: dict[str, Any], good: list[str],
+        bad: list[str]) -> None:
+    for text in good:
+        jsonschema.validate(json.loads(text), schema)
+        assert _accepts(vocab_model, schema, text), text
+    for text in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(json.loads(text), schema)
+        assert not _accepts(vocab_model, schema, text), text
+
+
+def test_a_type_list_with_no_value_of_its_types_is_refused() -> None:
+    with pytest.raises(UnsupportedParameter) as err:
+        schema_to_grammar({"type": ["string", "null"], "enum": [1, 2]}, param="format")
+    assert err.value.param == "format"
+    with pytest.raises(UnsupportedParameter):  # bounds where a number would escape them
+        schema_to_grammar({"type": ["integer", "number"], "minimum": 1}, param="format")

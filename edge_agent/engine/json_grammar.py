@@ -40,6 +40,15 @@ _UNENFORCEABLE = ("multipleOf", "uniqueItems", "minProperties", "maxProperties",
                   "unevaluatedProperties", "unevaluatedItems", "dependencies")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _COUNTS = (("minLength", "maxLength"), ("minItems", "maxItems"))
+# The keywords that constrain one JSON type only: a schema whose `type` is a list is split
+# into one schema per type, each keeping its own keywords and those of no type (the port
+# turned `["string", "null"]` into a bare union, silently dropping maxLength and the rest).
+_TYPE_KEYWORDS = {
+    "string": {"minLength", "maxLength", "pattern", "format"},
+    "integer": set(_BOUNDS),
+    "array": {"items", "prefixItems", "minItems", "maxItems"},
+    "object": {"properties", "required", "additionalProperties"},
+}
 _FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
 _INT_CAP = 10**15 - 1  # the converter's own integers are at most 16 digits
 _MAX_NAME = 48  # rule names: property names can be any length
@@ -141,6 +150,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         self._ref_factor: dict[str, int] = {}
         self._resolving: dict[str, int] = {}
         self._widths = WidthOracle(self._refs)
+        self._split: list[dict[str, Any]] = []  # per-type parts made here, kept for _path
 
     def _path(self, node: Any) -> str:
         return _path(self._parents, node, self._param)
@@ -235,6 +245,10 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             self._states = saved
 
     def _visit(self, schema: dict[str, Any], name: str, path: str) -> str:
+        kinds = schema.get("type")
+        if isinstance(kinds, list) and "$ref" not in schema and "anyOf" not in schema \
+                and "oneOf" not in schema:
+            return self._typed_union(schema, kinds, name, path)
         if schema.get("type") == "integer" and any(k in schema for k in _BOUNDS):
             lo, hi = _int_bounds(schema)
             if lo > hi:
@@ -243,6 +257,61 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         if schema.get("items") == {} and "prefixItems" not in schema:
             schema["items"] = {"type": "object"}  # what the port makes of {} anywhere else
         return str(super().visit(schema, name))
+
+    def _typed_union(self, schema: dict[str, Any], kinds: list[str], name: str, path: str
+                     ) -> str:
+        """`type: [a, b, …]` as a union of one schema per type, each with the keywords
+        that constrain it; an `enum`/`const` keeps its values of those types."""
+        kinds = list(dict.fromkeys(kinds))
+        if "number" in kinds and "integer" in kinds:
+            kinds.remove("integer")  # a number already takes every integer
+        if "const" in schema or "enum" in schema:
+            values = [schema["const"]] if "const" in schema else list(schema["enum"])
+            kept = [v for v in values if any(_is_type(v, k) for k in kinds)]
+            if not kept:
+                raise UnsupportedParameter(
+                    f"no value of 'enum'/'const' is of the types {kinds}", param=path)
+            part = {k: v for k, v in schema.items() if k not in ("type", "const", "enum")}
+            part["enum"] = kept
+            return self._part(part, schema, "enum", name)
+        foreign = set().union(*_TYPE_KEYWORDS.values())
+        parts = []
+        for i, kind in enumerate(kinds):
+            own = _TYPE_KEYWORDS.get(kind, set())
+            parts.append({**{k: v for k, v in schema.items()
+                             if k != "type" and (k in own or k not in foreign)},
+                          "type": kind})
+            self._remember(parts[-1], schema, f"type.{i}")
+        if len(parts) == 1:
+            return self.visit(parts[0], name)
+        return str(self._add_rule(name or "root", self._generate_union_rule(name, parts)))
+
+    def _part(self, part: dict[str, Any], schema: dict[str, Any], key: str, name: str) -> str:
+        self._remember(part, schema, key)
+        return self.visit(part, name)
+
+    def _remember(self, part: dict[str, Any], schema: dict[str, Any], key: str) -> None:
+        """`part` is named after `schema` in errors (and kept alive: ids name nodes)."""
+        self._split.append(part)
+        self._parents[id(part)] = (id(schema), key)
+
+
+def _is_type(value: Any, kind: str) -> bool:
+    """Whether `value` is of JSON Schema type `kind`."""
+    if kind == "null":
+        return value is None
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool) or (
+            isinstance(value, float) and value.is_integer())
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "array":
+        return isinstance(value, list)
+    return kind == "object" and isinstance(value, dict)
 
 
 def _pattern_states(node: dict[str, Any], path: str) -> int:
@@ -264,7 +333,9 @@ def _check_node(node: Any, path: str) -> None:
             raise UnsupportedParameter(
                 f"JSON schema keyword '{key}' cannot be enforced here", param=f"{path}.{key}")
     bounds = [k for k in _BOUNDS if k in node]
-    if bounds and node.get("type") != "integer":
+    kinds = node.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if bounds and ("integer" not in kinds or "number" in kinds):
         raise UnsupportedParameter(
             "numeric bounds are enforced only on 'integer' schemas", param=path)
     for key in bounds:
@@ -283,6 +354,11 @@ def _check_node(node: Any, path: str) -> None:
             raise InvalidRequest(f"'{low}' {lo} exceeds '{high}' {hi}", param=f"{path}.{low}")
     if "pattern" in node:
         _check_pattern(node["pattern"], f"{path}.pattern")
+        for key in ("minLength", "maxLength"):
+            if key in node:
+                raise UnsupportedParameter(
+                    f"'{key}' beside 'pattern' cannot be enforced here (write the length "
+                    f"into the pattern, as {{2,8}})", param=f"{path}.{key}")
     _check_shapes(node, path)
 
 
