@@ -9,6 +9,7 @@ share the two cores of a CI machine.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -16,7 +17,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,18 +176,51 @@ def start_box(name: str, broker: Mosquitto, central: Controller, state: Path,
 
 # -- the clients --------------------------------------------------------------------------
 
+Sent = tuple[str | None, str | None]  # a request's fingerprint and error, from a sender
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of `Streams`, timed by `time.time()` (the clock of the rollout's
+    reports, so a request can be placed in a box's switch): its start, its first token,
+    its end; its error, if it failed; the version that served it where the dialect says
+    (OpenAI's `system_fingerprint`, `fp_<digest[:12]>`)."""
+
+    box: str
+    client: str
+    started: float
+    first_token: float | None
+    ended: float
+    error: str | None = None
+    fingerprint: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.started
+
+    @property
+    def duration_s(self) -> float:
+        return self.ended - self.started
+
+
 @dataclass
 class Streams:
     """Clients streaming short chats to `model`, `per_box` of them on each box, from
     `start()` to `stop()`: each request that is not a 200 ending `done` without an error
-    is a failure; `served` counts the others per box."""
+    is a failure; `served` counts the others per box, `requests` holds every one.
+
+    `clients`: what each client sends, in turn: `httpx` (Ollama's /api/chat, by hand),
+    `openai` (the official client, no retries: a refused request counts) or `ollama` (the
+    official client)."""
 
     model: str
     boxes: list[Box]
     per_box: int = 1
     num_predict: int = 8
+    clients: tuple[str, ...] = ("httpx",)
     failures: list[str] = field(default_factory=list)
     served: dict[str, int] = field(default_factory=dict)
+    requests: list[Request] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
 
@@ -202,16 +237,76 @@ class Streams:
             t.join(60)
 
     def _client(self, box: Box) -> None:  # a store's assistant, streaming all along
-        while not self._stop.is_set():
+        send = {kind: self._sender(kind, box) for kind in set(self.clients)}
+        for kind in itertools.cycle(self.clients):
+            if self._stop.is_set():
+                return
+            started = time.time()
+            first: list[float] = []  # when the first text came, set by `send`
             try:
-                with httpx.stream("POST", f"{box.base}/api/chat", timeout=60, json={
-                        "model": self.model, "options": {"num_predict": self.num_predict},
-                        "messages": [{"role": "user", "content": "Count to five."}]}) as r:
-                    lines = [json.loads(x) for x in r.iter_lines() if x]
-                if r.status_code != 200 or not lines[-1].get("done") or "error" in lines[-1]:
-                    self.failures.append(f"{box.name}: {r.status_code} "
-                                         f"{lines[-1] if lines else ''}")
-                else:
-                    self.served[box.name] += 1
-            except httpx.HTTPError as exc:
-                self.failures.append(f"{box.name}: {exc!r}")
+                fingerprint, error = send[kind](first)
+            except Exception as exc:  # whatever the client raises: a failed request
+                fingerprint, error = None, repr(exc)
+            self.requests.append(Request(box.name, kind, started,
+                                         first[0] if first else None, time.time(),
+                                         error, fingerprint))
+            if error is None:
+                self.served[box.name] += 1
+            else:
+                self.failures.append(f"{box.name}: {error}")
+
+    def _sender(self, kind: str, box: Box) -> Callable[[list[float]], Sent]:
+        """One request of `kind` to `box`: (fingerprint, error), the time of the first
+        text appended to the list it is given."""
+        messages = [{"role": "user", "content": "Count to five."}]
+        if kind == "openai":
+            import openai
+
+            chat = openai.OpenAI(base_url=f"{box.base}/v1", api_key="unused",
+                                 max_retries=0, timeout=60)
+
+            def send_openai(first: list[float]) -> Sent:
+                fingerprint = finish = None
+                for chunk in chat.chat.completions.create(
+                        model=self.model, max_tokens=self.num_predict, stream=True,
+                        messages=messages):
+                    if not first and chunk.choices and chunk.choices[0].delta.content:
+                        first.append(time.time())
+                    fingerprint = chunk.system_fingerprint or fingerprint
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finish = chunk.choices[0].finish_reason
+                return fingerprint, None if finish else "the stream ended without a finish"
+
+            return send_openai
+        if kind == "ollama":
+            import ollama
+
+            client = ollama.Client(host=box.base, timeout=60)
+
+            def send_ollama(first: list[float]) -> Sent:
+                done = False
+                for part in client.chat(self.model, messages=messages, stream=True,
+                                        options={"num_predict": self.num_predict}):
+                    if not first and part.message.content:
+                        first.append(time.time())
+                    done = bool(part.done)
+                return None, None if done else "the stream ended without done"
+
+            return send_ollama
+        assert kind == "httpx", kind
+
+        def send_httpx(first: list[float]) -> Sent:
+            lines: list[dict[str, Any]] = []
+            with httpx.stream("POST", f"{box.base}/api/chat", timeout=60, json={
+                    "model": self.model, "options": {"num_predict": self.num_predict},
+                    "messages": messages}) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(json.loads(line))
+                        if not first and (lines[-1].get("message") or {}).get("content"):
+                            first.append(time.time())
+            if r.status_code != 200 or not lines[-1].get("done") or "error" in lines[-1]:
+                return None, f"{r.status_code} {lines[-1] if lines else ''}"
+            return None, None
+
+        return send_httpx
