@@ -125,7 +125,7 @@ class HttpPeer:
 
 class EdgeAgentPeer(HttpPeer):
     def __init__(self, state_dir: Path, model: str, *, threads: int, context: int,
-                 parallel: int, env: dict[str, str] | None = None, config: Path | None = None,
+                 parallel: int | str, env: dict[str, str] | None = None, config: Path | None = None,
                  **runtime: object) -> None:
         self.name = "edge-agent"
         extra_env = env
