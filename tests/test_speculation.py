@@ -21,7 +21,7 @@ from edge_agent.engine.json_grammar import schema_to_grammar
 from edge_agent.engine.request import DoneEvent, ErrorEvent, Event, SamplingParams
 from edge_agent.engine.runtime import LlamaModel
 from edge_agent.engine.scheduler import GenerationJob, ModelScheduler
-from tests.conftest import DEFAULT_MODEL, LiveServer
+from tests.conftest import DEFAULT_MODEL, LiveServer, clone_state, free_port, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -170,12 +170,23 @@ def test_the_setting_is_bounded_in_the_config() -> None:
 
 # -- through the API ------------------------------------------------------------------------
 
-def _drafted(live: LiveServer) -> float:
+@pytest.fixture(scope="module")
+def lookup_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[LiveServer]:
+    """A server of its own, `prompt_lookup = 8` in its runtime settings: no other test's
+    stream decodes beside these (a stream drafts only alone on a CPU)."""
+    state = clone_state(model_cache, tmp_path_factory.mktemp("lookup") / "state")
+    live = start_server(load_settings(None, state_dir=state, **{
+        "server.port": free_port(), "runtime.context_length": 2048,
+        "runtime.prompt_lookup": 8}))
+    yield live
+    live.stop()
+
+
+def _counter(live: LiveServer, name: str) -> float:
     text = httpx.get(f"{live.base_url}/metrics").text
-    found = re.search(
-        r'^edge_agent_draft_accepted_tokens_total\{model="' + re.escape(DEFAULT_MODEL)
-        + r'"\} (\S+)$', text, re.M)
-    assert found, "no draft counter in /metrics"
+    found = re.search(rf'^{name}\{{model="{re.escape(DEFAULT_MODEL)}"\}} (\S+)$', text, re.M)
+    assert found, f"no {name} in /metrics"
     return float(found.group(1))
 
 
@@ -184,35 +195,43 @@ def _quote_messages() -> list[dict[str, str]]:
                                         "for word."}]
 
 
-def test_ollama_option_and_openai_header_turn_it_on_with_the_same_answer(
-        live_server: LiveServer) -> None:
-    url = live_server.base_url
-    body = {"model": DEFAULT_MODEL, "messages": _quote_messages(), "stream": False,
-            "options": {"temperature": 0, "num_predict": 64, "prompt_lookup": 0}}
-    off = httpx.post(f"{url}/api/chat", json=body, timeout=120)
-    assert off.status_code == 200, off.text
-    before = _drafted(live_server)
-    body["options"]["prompt_lookup"] = 8  # type: ignore[index]
-    on = httpx.post(f"{url}/api/chat", json=body, timeout=120)
-    assert on.status_code == 200, on.text
-    after = _drafted(live_server)
-    assert after > before
+def test_the_setting_the_ollama_option_and_the_header_turn_it_on_and_off(
+        lookup_server: LiveServer) -> None:
+    url = lookup_server.base_url
+
+    def counters() -> tuple[float, float]:
+        return (_counter(lookup_server, "edge_agent_draft_tokens_total"),
+                _counter(lookup_server, "edge_agent_draft_accepted_tokens_total"))
+
+    def ollama(**options: object) -> None:
+        r = httpx.post(f"{url}/api/chat", timeout=120, json={
+            "model": DEFAULT_MODEL, "messages": _quote_messages(), "stream": False,
+            "options": {"temperature": 0, "num_predict": 64, **options}})
+        assert r.status_code == 200, r.text
+
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    answers = []
-    for header in ("0", "8"):
-        answers.append(client.chat.completions.create(
+
+    def chat(header: str) -> None:
+        answer = client.chat.completions.create(
             model=DEFAULT_MODEL, messages=_quote_messages(),  # type: ignore[arg-type]
-            temperature=0, max_tokens=64,
-            extra_headers={"X-Edge-Prompt-Lookup": header}).choices[0].message.content)
-    assert _drafted(live_server) > after
-    # Both texts are greedy answers to one prompt: on the same cells, the same answer.
-    assert answers[0] and answers[1]
+            temperature=0, max_tokens=64, extra_headers={"X-Edge-Prompt-Lookup": header})
+        assert answer.choices[0].message.content
+
+    start = counters()
+    ollama(prompt_lookup=0)  # the request's 0 over the model's 8
+    chat("0")
+    assert counters() == start
+    ollama()  # the runtime setting
+    drafted, confirmed = counters()
+    assert confirmed > start[1] and drafted >= confirmed
+    chat("4")
+    assert counters()[1] > confirmed
 
 
 @pytest.mark.parametrize("value", ["33", "-1", "8.0", "eight", "0x8", "123"])
 def test_a_bad_header_or_option_is_refused_in_the_dialects_shape(
-        live_server: LiveServer, value: str) -> None:
-    url = live_server.base_url
+        lookup_server: LiveServer, value: str) -> None:
+    url = lookup_server.base_url
     headers = {"X-Edge-Prompt-Lookup": value}
     r = httpx.post(f"{url}/v1/chat/completions", headers=headers, json={
         "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}]})
