@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from edge_agent.engine.runtime import resolve_extra_buffers
+
 
 @dataclass
 class Sample:
@@ -166,7 +168,8 @@ class LlamaCppServerPeer(HttpPeer):
 class LlamaServerPeer(HttpPeer):
     """llama.cpp's own C++ server (`llama-server`, built from the llama.cpp that
     llama-cpp-python vendors) on the same file: `parallel` slots of `context` tokens each,
-    the same threads as edge-agent."""
+    the same threads as edge-agent, and its weight layouts: no repacking where edge-agent
+    turns llama.cpp's extra CPU buffers off (a CPU with AMX, where its kernels crash)."""
 
     def __init__(self, binary: Path, model_path: Path, model: str, *, threads: int,
                  context: int, parallel: int) -> None:
@@ -174,7 +177,9 @@ class LlamaServerPeer(HttpPeer):
         super().__init__([str(binary), "-m", str(model_path), "--alias", model,
                           "--host", "127.0.0.1", "--port", "{port}", "-t", str(threads),
                           "-tb", str(threads), "-c", str(context * parallel),
-                          "-np", str(parallel), "--no-webui"], {}, "/health", model)
+                          "-np", str(parallel), "--no-webui",
+                          *([] if resolve_extra_buffers("auto") else ["--no-repack"])],
+                         {}, "/health", model)
 
 
 class InProcessPeer:
