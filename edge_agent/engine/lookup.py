@@ -5,7 +5,7 @@ store's assistant is asked most) repeats runs of tokens the sequence already hol
 the last few tokens occurred before, the tokens that followed them then are a good guess
 of the next ones. The scheduler decodes that guess in the same pass as the sequence's next
 token and keeps the longest run the sampler confirms, token by token; a wrong guess costs
-the extra rows of one pass, never a different answer (see `scheduler._speculate`).
+the extra rows of one pass, never a different answer (`ModelScheduler._accept`).
 
 This is llama.cpp's "prompt lookup decoding" (an n-gram match over the context, no draft
 model): the n-gram is the last `ngram_max` tokens, shortened down to `ngram_min` until it
@@ -16,10 +16,6 @@ before the end is the likeliest to be the one being quoted.
 from __future__ import annotations
 
 import numpy as np
-
-from edge_agent.config.base import MAX_DRAFT
-
-__all__ = ["MAX_DRAFT", "PromptLookup"]
 
 
 class PromptLookup:

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edge_agent.config import MAX_DRAFT
 from edge_agent.engine.admission import AdmissionQueue, Priority
 from edge_agent.engine.grammar_cache import ParsedGrammars
-from edge_agent.engine.lookup import MAX_DRAFT, PromptLookup
+from edge_agent.engine.lookup import PromptLookup
 from edge_agent.engine.request import (
     DoneEvent,
     DoneReason,
