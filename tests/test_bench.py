@@ -10,14 +10,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
+
 import edge_agent
 import edge_agent.bench
+from edge_agent.bench.llama_server import TOOLS, _valid_call, ask_manual
 from edge_agent.bench.observability import REDACTION_SAMPLES, redaction_samples
-from edge_agent.bench.peers import Sample
+from edge_agent.bench.peers import Completion, HttpPeer, Sample
 from edge_agent.bench.run import request_scaling, run_levels
+from edge_agent.bench.structured import ask_order
 from edge_agent.bench.targets import BY_KEY, TARGETS, report
 from edge_agent.engine.catalog import ModelStore
-from tests.conftest import DEFAULT_MODEL
+from tests.conftest import DEFAULT_MODEL, LiveServer
 
 
 class _Recorder:
@@ -133,6 +138,25 @@ def test_a_figure_is_judged_and_printed_against_its_target() -> None:
     assert shown["prefix.ratio"] == "<= 0.1"
 
 
+def test_a_figure_whose_rounds_straddle_its_bound_widely_is_too_noisy_to_judge() -> None:
+    lines: list[str] = []
+    # Rounds 0.84-1.17 around a bound of 1.05: the median's verdict would not hold.
+    assert not report(lines.append, "llama_server.burst_aggregate", 0.91, c=8,
+                      rounds=[0.84, 0.88, 0.91, 1.02, 1.17])
+    assert "MISSED (too noisy to judge)  rounds 0.84-1.17" in lines[-1]
+    # Wide, but every round on one side: the verdict stands.
+    assert report(lines.append, "llama_server.burst_aggregate", 1.4, c=8,
+                  rounds=[1.1, 1.4, 1.9])
+    assert lines[-1].endswith("ok  rounds 1.10-1.90")
+    # Straddling, but narrow: a close call, judged by the median.
+    assert not report(lines.append, "llama_server.plain_tokens_per_s", 0.97,
+                      rounds=[0.93, 0.97, 1.01])
+    assert lines[-1].endswith("MISSED  rounds 0.93-1.01")
+    # One round says nothing about noise.
+    assert report(lines.append, "llama_server.plain_tokens_per_s", 1.2, rounds=[1.2])
+    assert lines[-1].endswith("ok  rounds 1.20-1.20")
+
+
 def test_the_package_reads_nothing_from_tests() -> None:
     """A wheel has no tests/: no module of edge_agent imports from it or names a path in
     it (docstrings and comments may mention it)."""
@@ -160,3 +184,37 @@ def test_the_labelled_redaction_samples_ship_with_the_bench() -> None:
     # The tests' fixture is the same file.
     fixture = Path(__file__).parent / "fixtures" / "redaction.jsonl"
     assert fixture.resolve() == (BENCH / REDACTION_SAMPLES).resolve()
+
+
+def _call(arguments: str, name: str = "record_order") -> Completion:
+    return Completion(seconds=1.0, tokens=10, finish_reason="tool_calls", message={
+        "tool_calls": [{"function": {"name": name, "arguments": arguments}}]})
+
+
+def test_a_tool_call_counts_as_valid_only_when_its_arguments_fit_the_schema() -> None:
+    good = ('{"order_id": "A1", "customer": "Bo Chen", "quantity": 3, "price": 2.5, '
+            '"express": true}')
+    assert _valid_call(_call(good))
+    assert not _valid_call(_call(good, name="other"))
+    assert not _valid_call(_call(good.replace("3", "300")))  # maximum 100
+    assert not _valid_call(_call(good[:-1]))  # cut short
+    assert not _valid_call(Completion(1.0, 10, {"content": good}, "stop"))
+
+
+@pytest.mark.integration
+def test_the_tool_call_round_is_answered_with_a_valid_call(live_server: LiveServer) -> None:
+    """The bench's tool-call request, as `_tools` sends it, on edge-agent: one valid call,
+    counted in completion tokens (a server that answered otherwise would be measured on
+    something else)."""
+    peer = HttpPeer.__new__(HttpPeer)  # the server is already running: no process
+    peer.model = DEFAULT_MODEL
+    with httpx.Client(base_url=live_server.base_url, timeout=120) as peer.client:
+        done = peer.complete(ask_order(7000), 96, {"tools": TOOLS, "tool_choice": "required"})
+    assert done.finish_reason == "tool_calls" and _valid_call(done)
+    assert done.tokens > 10 and done.tokens_per_s > 0
+
+
+def test_the_long_prefix_is_long_and_shared() -> None:
+    a, b = ask_manual(1), ask_manual(2)
+    assert a[0] == b[0] and a[1] != b[1]
+    assert len(a[0]["content"]) > 4000  # ~1,200 tokens of English

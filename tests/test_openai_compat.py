@@ -160,14 +160,26 @@ def _job(prompt: list[int], key: str | None) -> GenerationJob:
 
 def test_a_cache_key_prefers_the_sequence_it_used_last() -> None:
     mine, other = _Slot(0), _Slot(1)
-    mine.tokens, mine.cache_key = [1, 2, 9, 9, 9, 9], "till-3"
-    other.tokens, other.cache_key = [1, 2, 3, 4], "till-4"
+    head = list(range(100, 120))  # 20 tokens both sequences share with every prompt below
+    mine.tokens, mine.cache_key = [*head, 9, 9, 9, 9], "till-3"
+    other.tokens, other.cache_key = [*head, *range(1, 11)], "till-4"
     pick = cast(Any, ModelScheduler._pick_slot)
-    # Equal shared prefix ([1, 2]): the key's own sequence, though it holds more cells …
-    assert pick(None, [mine, other], _job([1, 2, 7, 8], "till-3")) is mine
-    assert pick(None, [mine, other], _job([1, 2, 7, 8], None)) is other
+    # Equal shared prefix (the head): the key's own sequence, though it holds more cells …
+    assert pick(None, [mine, other], _job([*head, 7, 8], "till-3")) is mine
+    assert pick(None, [mine, other], _job([*head, 7, 8, 7, 8, 7, 8], None)) is mine
     # … but a longer shared prefix still wins: reusing cells beats the hint.
-    assert pick(None, [mine, other], _job([1, 2, 3, 4, 5], "till-3")) is other
+    assert pick(None, [mine, other], _job([*head, *range(1, 11), 5], "till-3")) is other
+
+
+def test_a_template_s_opening_does_not_take_a_cache_from_an_empty_sequence() -> None:
+    """Sharing a few tokens (MIN_COPY_TOKENS or fewer) is no reason to throw away a long
+    cache: the prompt goes to the empty sequence, and the tools' cells stay."""
+    tools, empty = _Slot(0), _Slot(1)
+    tools.tokens = [1, 2, 3, *range(100, 337)]  # a tool call's 240 cells
+    pick = cast(Any, ModelScheduler._pick_slot)
+    assert pick(None, [tools, empty], _job([1, 2, 3, 50, 51, 52], None)) is empty
+    # Sharing more than that, it is reused.
+    assert pick(None, [tools, empty], _job([1, 2, 3, *range(100, 110), 7], None)) is tools
 
 
 # -- streams end with [DONE] or an error event ------------------------------------------------

@@ -167,6 +167,23 @@ def test_a_shared_prefix_is_copied_from_another_sequence(scheduler: ModelSchedul
         system, add_special=True, parse_special=False)) - 2
 
 
+def test_an_unrelated_prompt_leaves_a_long_cache_alone(scheduler: ModelScheduler) -> None:
+    """A chat that shares only a few opening tokens with a long cached prompt (a tool
+    call's system prompt) goes to another sequence, and the next request with that long
+    prompt still finds its cells."""
+    tools = "Tools: record_order(order_id, customer, quantity, price, express). " * 10
+    first, out1 = _job(scheduler, tools + "Order 1: Ana buys 3 boxes.", max_tokens=2)
+    scheduler.submit(first)
+    out1.result()
+    other, out2 = _job(scheduler, "Tools: none today. Tell me a joke.", max_tokens=2)
+    scheduler.submit(other)
+    out2.result()
+    again, out3 = _job(scheduler, tools + "Order 2: Bo buys 5 boxes.", max_tokens=2)
+    scheduler.submit(again)
+    assert out3.result().usage.cached_tokens >= len(scheduler.model.tokenize(
+        tools, add_special=True, parse_special=False)) - 2
+
+
 def test_cancelled_job_frees_its_sequence_within_a_step(scheduler: ModelScheduler) -> None:
     job, out = _job(scheduler, "Write a long story.", max_tokens=400, temperature=1.0)
     scheduler.submit(job)

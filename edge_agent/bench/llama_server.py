@@ -7,9 +7,14 @@ Per kind and level: a stream's decode tokens/s (1 / TPOT) and TTFT p50 of each s
 edge-agent / llama-server, and each server's own schema / plain. Then a burst of 8 clients
 against each server as a box runs it: edge-agent with its default configuration
 (`parallel = "auto"`), llama-server with `-np 8`; its aggregate tokens/s and its TTFT p50
-against the same server's at c=1. The ratios are judged against `targets` (plain at c=1,
-schema at c=1 and c=4, the burst); each figure is the median of the per-round ratios, and
-the range of those is printed as the noise. Both servers answer `max_tokens` (32) tokens
+against the same server's at c=1. Tool calls (the order record as a function's parameters,
+`tool_choice: "required"`) at c=1, answered whole: completion tokens/s end to end, each
+server's against the other's and edge-agent's against its own plain text of the same
+length, every call checked against the parameters' schema. A long shared prefix (a store
+manual of ~1,200 tokens as the system message, a new question each time): TTFT at c=1,
+each server reusing the manual's cells. The ratios are judged against `targets`; each
+figure is the median of the per-round ratios, and the range of those is printed as the
+noise, flagged where it leaves the verdict to chance. Both servers answer `max_tokens` (32) tokens
 of either kind, end-of-generation biased away, so the lengths match. llama-server
 is built from the sdist's vendored llama.cpp: `cmake -S vendor/llama.cpp -B build -G Ninja
 -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF && ninja -C build llama-server` (6-7 min on 2
@@ -18,6 +23,7 @@ cores).
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -25,12 +31,55 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from edge_agent.bench.peers import EdgeAgentPeer, HttpPeer, LlamaServerPeer, Sample
-from edge_agent.bench.structured import ask_order, schema_body
+import jsonschema
+
+from edge_agent.bench.peers import Completion, EdgeAgentPeer, HttpPeer, LlamaServerPeer, Sample
+from edge_agent.bench.structured import ORDER_SCHEMA, ask_order, schema_body
 from edge_agent.bench.targets import report
+from edge_agent.engine.structured import tool_call_schema, tool_instructions
 
 Echo = Callable[[str], None]
 KINDS = ("plain", "schema")
+TOOLS = [{"type": "function", "function": {
+    "name": "record_order", "description": "Record a customer's order.",
+    "parameters": ORDER_SCHEMA}}]
+AISLES = ["dairy", "bakery", "produce", "frozen food", "household", "pet food", "drinks",
+          "snacks", "baby care", "canned food", "spices", "cleaning"]
+
+
+def manual() -> str:
+    """A store manual of ~1,200 tokens: the long system prompt a store's assistant sends
+    with every question."""
+    lines = [f"Aisle {k + 1} holds {name}. It is restocked every {k % 3 + 1} days before "
+             f"{7 + k % 4} in the morning; damaged {name} items go to the returns cage at "
+             f"the back, and price labels for {name} are printed at the desk in aisle "
+             f"{(k + 5) % len(AISLES) + 1}."
+             for k, name in enumerate(AISLES * 3)]
+    return "Store manual. Answer the staff's questions from it.\n" + "\n".join(lines)
+
+
+def ask_manual(i: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": manual()},
+            {"role": "user", "content": f"Question {i}: where do damaged items of aisle "
+                                        f"{i % len(AISLES) + 1} go?"}]
+
+
+def _valid_call(done: Completion) -> bool:
+    """Whether the answer is one call of `record_order` whose arguments fit its schema: in
+    `tool_calls`, or written as llama.cpp's generic call in the text (llama-server's
+    answer, see `_tools`)."""
+    calls = done.message.get("tool_calls") or []
+    try:
+        if not calls and done.message.get("content"):
+            call = json.loads(done.message["content"])["tool_call"]
+            calls = [{"function": {"name": call["name"],
+                                   "arguments": json.dumps(call["arguments"])}}]
+        if len(calls) != 1 or calls[0]["function"]["name"] != "record_order":
+            return False
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), ORDER_SCHEMA)
+    except (ValueError, KeyError, TypeError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def bench_llama_server(state_dir: Path, path: Path, model: str, binary: Path, *,
@@ -63,6 +112,9 @@ def bench_llama_server(state_dir: Path, path: Path, model: str, binary: Path, *,
                             figures[name][kind][c].append(
                                 (statistics.median(1 / s.tpot_s for s in samples),
                                  statistics.median(s.ttft_s for s in samples)))
+        lines: list[str] = []  # printed after the table below
+        tools = _tools(peers, extra=extra, rounds=rounds, echo=lines.append)
+        prefix = _long_prefix(peers, extra=extra, rounds=rounds, echo=lines.append)
     finally:
         for peer in peers.values():
             peer.close()
@@ -86,16 +138,14 @@ def bench_llama_server(state_dir: Path, path: Path, model: str, binary: Path, *,
         for c in levels:
             e, ls = figures["edge-agent"][kind][c], figures["llama-server"][kind][c]
             tps_rounds = [a[0] / b[0] for a, b in zip(e, ls, strict=True)]
-            noise = f"    (rounds: {min(tps_rounds):.2f}-{max(tps_rounds):.2f})"
             if kind == "schema":
                 report(echo, "llama_server.schema_tokens_per_s", out[f"schema_c{c}"][
-                    "tokens_per_s_ratio"], c=c)
-                echo(noise)
+                    "tokens_per_s_ratio"], c=c, rounds=tps_rounds)
             elif c == 1:
                 report(echo, "llama_server.plain_tokens_per_s", out["plain_c1"][
-                    "tokens_per_s_ratio"])
-                echo(noise)
-                report(echo, "llama_server.plain_ttft", out["plain_c1"]["ttft_ratio"])
+                    "tokens_per_s_ratio"], rounds=tps_rounds)
+                report(echo, "llama_server.plain_ttft", out["plain_c1"]["ttft_ratio"],
+                       rounds=[a[1] / b[1] for a, b in zip(e, ls, strict=True)])
     for name in figures:
         for c in levels:
             own = statistics.median(
@@ -103,9 +153,86 @@ def bench_llama_server(state_dir: Path, path: Path, model: str, binary: Path, *,
                                             figures[name]["plain"][c], strict=True))
             echo(f"  {name} c={c}: schema / plain tokens/s {own:.2f}x")
             out[f"{name}_schema_over_plain_c{c}"] = own
+    for line in lines:
+        echo(line)
+    out["tools"], out["long_prefix"] = tools, prefix
     out["burst"] = _burst(state_dir, path, model, binary, threads=threads, context=context,
                           extra=extra, echo=echo, rounds=rounds, max_tokens=max_tokens)
     return out
+
+
+def _tools(peers: dict[str, HttpPeer], *, extra: dict[str, Any], rounds: int, echo: Echo,
+           max_tokens: int = 160) -> dict[str, Any]:
+    """Tool calls at c=1, answered whole, the servers taking turns; per server and round a
+    call, then plain text of the call's length (end-of-generation biased away) on a
+    question of its own: completion tokens / the request's wall time, prompt included, as
+    the app waits for it.
+
+    edge-agent gets `tools` with `tool_choice: "required"`: the tools in its system prompt
+    and llama.cpp's generic call, `{"tool_call": {"name": …, "arguments": …}}`, under a
+    grammar from their schema. llama-server leaves a template without tool markup
+    (SmolLM2's) unconstrained, answering free text (0 of 3 calls valid), so it gets the
+    same: edge-agent's tool instructions as the system message and the call's schema as
+    `response_format`."""
+    schema = tool_call_schema(TOOLS, "required")
+    bodies: dict[str, dict[str, Any]] = {
+        name: {"tools": TOOLS, "tool_choice": "required"} for name in peers}
+    bodies["llama-server"] = {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "tool_call", "schema": schema}}}
+    system = {"role": "system", "content": tool_instructions(TOOLS, "required")}
+
+    def ask(name: str, i: int) -> list[dict[str, str]]:
+        return ([system] if name == "llama-server" else []) + ask_order(i)
+
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in peers}
+    valid = dict.fromkeys(peers, 0)
+    for name, peer in peers.items():  # warm-up: the grammar's conversion, the tools' cells
+        peer.complete(ask(name, -5), max_tokens, bodies[name])
+    for r in range(rounds):
+        for name, peer in peers.items():
+            call = peer.complete(ask(name, 7000 + r), max_tokens, bodies[name])
+            valid[name] += _valid_call(call)
+            plain = peer.complete(ask_order(7500 + r), max(2, call.tokens), extra)
+            rows[name].append((call.tokens_per_s, plain.tokens_per_s))
+    edge, llama = rows["edge-agent"], rows["llama-server"]
+    vs_llama = [a[0] / b[0] for a, b in zip(edge, llama, strict=True)]
+    own = [a[0] / a[1] for a in edge]
+    med = {name: [statistics.median(x[i] for x in series) for i in (0, 1)]
+           for name, series in rows.items()}
+    echo(f"  tool calls c=1, whole answers (completion tokens / wall time): edge-agent "
+         f"{med['edge-agent'][0]:.1f} tok/s, llama-server {med['llama-server'][0]:.1f} tok/s; "
+         f"valid calls {valid['edge-agent']}/{rounds} and {valid['llama-server']}/{rounds}")
+    report(echo, "llama_server.tools_tokens_per_s", statistics.median(vs_llama),
+           rounds=vs_llama)
+    report(echo, "llama_server.tools_over_plain", statistics.median(own), rounds=own)
+    return {"tokens_per_s_ratio": statistics.median(vs_llama),
+            "over_plain": statistics.median(own), "valid": valid, "rounds": rounds,
+            "edge_tokens_per_s": med["edge-agent"][0],
+            "llama_tokens_per_s": med["llama-server"][0]}
+
+
+def _long_prefix(peers: dict[str, HttpPeer], *, extra: dict[str, Any], rounds: int,
+                 echo: Echo) -> dict[str, Any]:
+    """A ~1,200-token system prompt shared by every request, a new question each time, at
+    c=1: TTFT p50 of each server, the manual's cells computed once before (each server's
+    own prompt cache: llama-server's slot, edge-agent's sequences)."""
+    ttft: dict[str, list[float]] = {name: [] for name in peers}
+    prompt = dict.fromkeys(peers, 0)
+    for peer in peers.values():
+        peer.chat(ask_manual(-1), 1, extra)
+    for r in range(rounds):
+        for name, peer in peers.items():
+            sample = peer.chat(ask_manual(r), 8, extra)
+            ttft[name].append(sample.ttft_s)
+            prompt[name] = sample.prompt_tokens or prompt[name]
+    ratios = [a / b for a, b in zip(ttft["edge-agent"], ttft["llama-server"], strict=True)]
+    med = {name: statistics.median(v) for name, v in ttft.items()}
+    echo(f"  long shared prefix c=1 ({prompt['edge-agent'] or '?'} prompt tokens): TTFT p50 "
+         f"edge-agent {med['edge-agent'] * 1000:.0f} ms, llama-server "
+         f"{med['llama-server'] * 1000:.0f} ms")
+    report(echo, "llama_server.prefix_ttft", statistics.median(ratios), rounds=ratios)
+    return {"ttft_ratio": statistics.median(ratios), "ttft_ratios": ratios,
+            "edge_ttft_s": med["edge-agent"], "llama_ttft_s": med["llama-server"]}
 
 
 def _burst(state_dir: Path, path: Path, model: str, binary: Path, *, threads: int,
@@ -150,9 +277,7 @@ def _burst(state_dir: Path, path: Path, model: str, binary: Path, *, threads: in
          f"TTFT p50 {med['edge-agent'][1] * 1000:.0f} vs {med['llama-server'][1] * 1000:.0f} ms"
          f" (alone: {med['edge-agent'][2] * 1000:.0f} vs {med['llama-server'][2] * 1000:.0f} ms)")
     ratio, ttft = statistics.median(aggregate), statistics.median(growth)
-    report(echo, "llama_server.burst_aggregate", ratio, c=clients)
-    echo(f"    (rounds: {min(aggregate):.2f}-{max(aggregate):.2f})")
-    report(echo, "llama_server.burst_ttft_growth", ttft, c=clients)
-    echo(f"    (rounds: {min(growth):.2f}-{max(growth):.2f})")
+    report(echo, "llama_server.burst_aggregate", ratio, c=clients, rounds=aggregate)
+    report(echo, "llama_server.burst_ttft_growth", ttft, c=clients, rounds=growth)
     return {"aggregate_ratio": ratio, "ttft_growth": ttft, "aggregate_ratios": aggregate,
             "ttft_growths": growth, "edge": med["edge-agent"], "llama": med["llama-server"]}

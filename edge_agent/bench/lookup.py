@@ -88,10 +88,9 @@ def bench_lookup(state_dir: Path, model: str, *, threads: int, context: int, rou
         echo(f"  {kind:<8} on {on:6.1f} tok/s, off {off:6.1f} tok/s; the same text in "
              f"{same[kind]} of {rounds} pairs")
         if kind == "quoting":
-            report(echo, "lookup.quoting_ratio", ratio)
+            report(echo, "lookup.quoting_ratio", ratio, rounds=ratios[kind])
         else:
-            report(echo, "lookup.free_ratio", ratio)
-        echo(f"    (pairs: {min(ratios[kind]):.2f}-{max(ratios[kind]):.2f})")
+            report(echo, "lookup.free_ratio", ratio, rounds=ratios[kind])
         out[kind] = {"ratio": ratio, "ratios": ratios[kind], "on_tps": on, "off_tps": off,
                      "same_text": same[kind], "pairs": rounds}
     return out

@@ -46,6 +46,20 @@ class Sample:
         return (self.arrivals[-1] - self.arrivals[0]) / (len(self.arrivals) - 1)
 
 
+@dataclass
+class Completion:
+    """One request answered whole: its wall time and what the server counted."""
+
+    seconds: float
+    tokens: int  # usage.completion_tokens
+    message: dict[str, Any]
+    finish_reason: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -96,6 +110,20 @@ class HttpPeer:
         except httpx.RemoteProtocolError:
             sample.cut = True  # the server dropped the stream (llama_cpp.server interrupts)
         return sample
+
+    def complete(self, messages: list[dict[str, Any]], max_tokens: int,
+                 extra: dict[str, Any] | None = None) -> Completion:
+        """One chat completion, not streamed: the whole request as the client waits for it."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
+                "temperature": 0, "stream": False, **(extra or {})}
+        start = time.perf_counter()
+        r = self.client.post("/v1/chat/completions", json=body)
+        r.raise_for_status()
+        seconds = time.perf_counter() - start
+        data = r.json()
+        choice = data["choices"][0]
+        return Completion(seconds=seconds, tokens=data["usage"]["completion_tokens"],
+                          message=choice["message"], finish_reason=choice["finish_reason"])
 
     def _read(self, body: dict[str, Any], sample: Sample, headers: dict[str, str]) -> None:
         with self.client.stream("POST", "/v1/chat/completions", json=body,

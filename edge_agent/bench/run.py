@@ -477,6 +477,21 @@ def bench_correctness(state_dir: Path, model: str, *, threads: int, context: int
     return out
 
 
+def run_llama_server_bench(state_dir: Path, model: str, binary: Path, *, threads: int,
+                           context: int, rounds: int, echo: Echo) -> dict[str, Any]:
+    """The llama-server comparison alone (`edge-agent bench llama-server BINARY`)."""
+    store = ModelStore(state_dir)
+    if not store.is_installed(model):
+        store.pull(model)
+    info = store.get(model)
+    path = info.blob_path(state_dir)
+    echo(f"edge-agent bench llama-server: {info.name} ({info.quantization}, "
+         f"sha256:{info.digest[:12]}), {threads} threads")
+    return {"model": info.name, "threads": threads, "llama_server": bench_llama_server(
+        state_dir, path, info.name, binary, threads=threads, context=context,
+        extra=_no_eos(path), echo=echo, rounds=rounds)}
+
+
 def run_bench(state_dir: Path, model: str, *, levels: list[int], requests: int,
               max_tokens: int, threads: int, context: int, peers: bool, echo: Echo,
               llama_server: Path | None = None) -> dict[str, Any]:

@@ -105,10 +105,8 @@ def bench_structured(state_dir: Path, model: str, *, threads: int, context: int,
              f"{med['plain_ttft'] * 1000:>8.0f}ms {med['schema_ttft'] * 1000:>9.0f}ms "
              f"{med['plain_aggregate']:>17.1f} / {med['schema_aggregate']:.1f}")
         tps, ttft = statistics.median(ratios[c]["tps"]), statistics.median(ratios[c]["ttft"])
-        report(echo, "structured.tokens_per_s_ratio", tps, c=c)
-        echo(f"    (rounds: {min(ratios[c]['tps']):.2f}-{max(ratios[c]['tps']):.2f})")
-        report(echo, "structured.ttft_ratio", ttft, c=c)
-        echo(f"    (rounds: {min(ratios[c]['ttft']):.2f}-{max(ratios[c]['ttft']):.2f})")
+        report(echo, "structured.tokens_per_s_ratio", tps, c=c, rounds=ratios[c]["tps"])
+        report(echo, "structured.ttft_ratio", ttft, c=c, rounds=ratios[c]["ttft"])
         out[f"c{c}"] = {"tokens_per_s_ratio": tps, "ttft_ratio": ttft,
                         "tokens_per_s_ratios": ratios[c]["tps"],
                         "ttft_ratios": ratios[c]["ttft"], **med}

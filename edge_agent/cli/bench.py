@@ -134,6 +134,34 @@ def bench_fleet(sizes: list[int], interval: float, duration: float, broker_resta
         echo_json(result)
 
 
+@bench.command("llama-server")
+@common_options
+@click.argument("binary", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", help="Model to measure (default: the configured default).")
+@click.option("--rounds", type=click.IntRange(1), default=5, show_default=True,
+              help="Alternating rounds; the median of their ratios is judged.")
+@json_option("Print the figures as JSON on stdout (the report goes to stderr).")
+def bench_llama_server(binary: Path, model: str | None, rounds: int, as_json: bool) -> None:
+    """Only the comparison with llama.cpp's own server (BINARY: a llama-server built from
+    the llama.cpp that llama-cpp-python vendors): plain, JSON-schema and tool-call output,
+    a long shared prefix and a burst of 8, each ratio against its target."""
+    from edge_agent.bench.run import run_llama_server_bench
+    from edge_agent.engine.runtime import default_threads
+
+    settings = load()
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+
+    def echo(line: str) -> None:
+        click.echo(line, err=as_json)
+
+    result = run_llama_server_bench(settings.state_dir, model or settings.default_model, binary,
+                                    threads=settings.runtime.threads or default_threads(),
+                                    context=settings.runtime.context_length, rounds=rounds,
+                                    echo=echo)
+    if as_json:
+        echo_json(result)
+
+
 @bench.command("rollout")
 @common_options
 @click.option("--model", help="Model to roll out (default: the configured default).")

@@ -51,6 +51,7 @@ from edge_agent.engine.sampler import Candidates, Sampler
 from edge_agent.engine.stepcost import PrefillCost
 from edge_agent.engine.steppolicy import (
     DETERMINISTIC_MAX_ROWS,
+    MIN_COPY_TOKENS,
     MIN_PREFILL_CHUNK,
     Prompt,
     StepPolicy,
@@ -394,12 +395,23 @@ class ModelScheduler:
         """The free sequence whose cells share the longest prefix with the prompt, so a
         chat's next turn lands where its history already is; on a tie, the one its cache
         key used last (a client's own cache is replaced before another's), then the one
-        holding the fewest cells, keeping caches that other clients may come back to."""
+        holding the fewest cells, keeping caches that other clients may come back to.
+
+        A prefix of MIN_COPY_TOKENS or fewer counts as none: it is a template's opening
+        (`<|im_start|>user\nRecord order`), cheaper to compute again than the cache it
+        would cost. Counted, a plain chat sharing 3 such tokens with a tool call's
+        sequence took it over an empty one and threw away the 240 cells of tools that the
+        next call would have reused (each call then prefilled its prompt whole: 1.0 s
+        where 30 new tokens take 0.1)."""
         prompt, key = job.prompt, job.cache_key
         limit = len(prompt) - 1
-        return max(free, key=lambda s: (_common_prefix(s.tokens, prompt, limit),
-                                        key is not None and s.cache_key == key,
-                                        -len(s.tokens)))
+
+        def rank(s: _Slot) -> tuple[int, bool, int]:
+            shared = _common_prefix(s.tokens, prompt, limit)
+            return (shared if shared > MIN_COPY_TOKENS else 0,
+                    key is not None and s.cache_key == key, -len(s.tokens))
+
+        return max(free, key=rank)
 
     def _start(self, slot: _Slot, job: GenerationJob) -> None:
         slot.t_start = time.perf_counter_ns()
