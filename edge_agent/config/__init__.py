@@ -28,6 +28,7 @@ from pydantic_settings import (
 )
 
 from edge_agent.config.base import (
+    DRAFT_MODEL_TOKENS,
     MAX_DRAFT,
     MAX_INTERVAL_S,
     MIN_INTERVAL_S,
@@ -36,7 +37,8 @@ from edge_agent.config.base import (
 )
 from edge_agent.config.fleet import BrokerAddress, FleetSettings, parse_broker, parse_window
 
-__all__ = ["DEFAULT_CONFIG_FILE", "MAX_DRAFT", "MAX_INTERVAL_S", "MIN_INTERVAL_S", "BrokerAddress",
+__all__ = ["DEFAULT_CONFIG_FILE", "DRAFT_MODEL_TOKENS", "MAX_DRAFT", "MAX_INTERVAL_S",
+           "MIN_INTERVAL_S", "BrokerAddress",
            "ConfigError", "FleetSettings", "LayeredSettings", "LedgerSettings",
            "ModelOverride", "ModelsSettings", "RedactionSettings", "RetentionSettings",
            "RuntimeSettings", "ServerSettings", "Settings", "TelemetrySettings",
@@ -243,6 +245,11 @@ class ModelOverride(_Section):
     threads: int | None = Field(None, ge=0)
     parallel: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] | None = None
     prompt_lookup: int | None = Field(None, ge=0, le=MAX_DRAFT)
+    # Speculation by a smaller installed model with the same vocabulary (guesses from it,
+    # not from the prompt): its name, and the most guesses a step (DRAFT_MODEL_TOKENS
+    # when unset; a request's prompt_lookup option or header bounds it too).
+    draft_model: str | None = None
+    draft_tokens: int | None = Field(None, ge=1, le=MAX_DRAFT)
 
 
 class ModelsSettings(BaseModel):

@@ -17,6 +17,7 @@ MAX_INTERVAL_S = 86400.0
 # Most prompt-lookup draft tokens a step: a pass of 1 + 32 rows of one sequence is still one
 # llama.cpp micro-batch, and longer guesses are rarely confirmed whole.
 MAX_DRAFT = 32
+DRAFT_MODEL_TOKENS = 4  # a draft model's guesses a step, unless [models."x"] draft_tokens
 
 
 class ConfigError(Exception):

@@ -41,8 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_agent.config import Settings
+from edge_agent.config import DRAFT_MODEL_TOKENS, Settings
 from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
+from edge_agent.engine.draftmodel import vocabulary_difference
 from edge_agent.engine.gguf_probe import GGUFInfo, probe
 from edge_agent.engine.parallel_plan import auto_parallel
 from edge_agent.engine.request import EmbeddingResult, Event, Generation, GenerationSpec
@@ -524,6 +525,9 @@ class ModelRegistry:
         gguf = await run_niced(BACKGROUND_NICE, self.store.verify, info)
         gpu_layers, _, parallel, n_ctx, _ = self._plan(info, gguf)
         need = info.size + gguf.kv_bytes_per_token() * parallel * n_ctx
+        draft = await self._draft_info(info)
+        if draft is not None:
+            need += draft[0].size + draft[1].kv_bytes_per_token() * parallel * n_ctx
         await self._make_room(key, need)
         # The weights below the generation threads' priority too; the scheduler (its
         # context and threads) at the usual one, or its threads would keep the raised value.
@@ -532,17 +536,59 @@ class ModelRegistry:
                                 info.blob_path(self.store.state_dir),
                                 n_gpu_layers=gpu_layers,
                                 extra_buffers=resolve_extra_buffers(rt.cpu_extra_buffers))
-        loaded = await asyncio.to_thread(self._load_blocking, info, need, model, gguf)
+        draft_model = None
+        if draft is not None:
+            try:
+                draft_model = await run_niced(BACKGROUND_NICE, LlamaModel,
+                                              draft[0].blob_path(self.store.state_dir),
+                                              n_gpu_layers=gpu_layers,
+                                              extra_buffers=resolve_extra_buffers(
+                                                  rt.cpu_extra_buffers))
+            except Exception:
+                log.exception("%s: its draft model %s could not be loaded; it runs "
+                              "without", key, draft[0].name)
+        try:
+            loaded = await asyncio.to_thread(self._load_blocking, info, need, model, gguf,
+                                             draft_model)
+        except BaseException:
+            if draft_model is not None:
+                draft_model.close()  # idempotent: the scheduler may have closed it
+            raise
         self._loaded[_key(info)] = loaded
         log.info("loaded %s sha256:%s (%d x %d context, gpu layers %d, ~%d MiB)", key,
                  info.digest[:12], parallel, loaded.worker.n_ctx,
                  loaded.worker.model.n_gpu_layers, need // 2**20)
         return loaded
 
+    async def _draft_info(self, info: InstalledModel) -> tuple[InstalledModel, GGUFInfo] | None:
+        """The installed draft model `info`'s override names, checked like any load, or
+        None: none named, or one that cannot be used (logged; the model runs without)."""
+        name = self.settings.model_override(info.name).draft_model
+        if not name:
+            return None
+        try:
+            draft = self.store.get(name)
+            return draft, await run_niced(BACKGROUND_NICE, self.store.verify, draft)
+        except Exception as exc:
+            log.error("%s: its draft model %s cannot be used (%s); it runs without",
+                      info.name, name, exc)
+            return None
+
     def _load_blocking(self, info: InstalledModel, memory: int, model: LlamaModel,
-                       gguf: GGUFInfo) -> LoadedModel:
+                       gguf: GGUFInfo, draft: LlamaModel | None = None) -> LoadedModel:
         rt = self.settings.runtime
         _, threads, parallel, n_ctx, n_batch = self._plan(info, gguf)
+        override = self.settings.model_override(info.name)
+        lookup = self._prompt_lookup(info)
+        if draft is not None:
+            differs = vocabulary_difference(model, draft)
+            if differs is not None:
+                log.error("%s: its draft model %s has another vocabulary (%s); it runs "
+                          "without", info.name, override.draft_model, differs)
+                draft.close()
+                draft = None
+            else:
+                lookup = override.draft_tokens or DRAFT_MODEL_TOKENS
         try:
             worker = ModelScheduler(
                 model, parallel=parallel, n_ctx_seq=n_ctx, n_batch=n_batch, n_threads=threads,
@@ -550,7 +596,7 @@ class ModelRegistry:
                 prefill_chunk=rt.prefill_chunk, max_step_stall=rt.max_step_stall,
                 aging_s=rt.aging_s, deterministic=rt.deterministic,
                 flash_attn=resolve_flash_attn(rt.flash_attn), nice=rt.compute_nice,
-                prompt_lookup=self._prompt_lookup(info))
+                prompt_lookup=lookup, draft_model=draft)
         except BaseException:
             model.close()
             raise

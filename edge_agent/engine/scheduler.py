@@ -28,6 +28,7 @@ import numpy as np
 
 from edge_agent.config import MAX_DRAFT
 from edge_agent.engine.admission import AdmissionQueue, Priority
+from edge_agent.engine.draftmodel import DraftModel
 from edge_agent.engine.grammar_cache import ParsedGrammars
 from edge_agent.engine.lookup import PromptLookup
 from edge_agent.engine.request import (
@@ -185,6 +186,7 @@ class ModelScheduler:
         flash_attn: int = -1,
         nice: int = 0,
         prompt_lookup: int = 0,
+        draft_model: LlamaModel | None = None,
     ) -> None:
         self.model = model
         self.prompt_lookup = prompt_lookup  # draft tokens a step, for jobs that set none
@@ -196,6 +198,18 @@ class ModelScheduler:
         self.ctx = BatchContext(model, n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch,
                                 n_threads=n_threads, flash_attn=flash_attn)
         self.slots = [_Slot(i) for i in range(parallel)]
+        # Guesses from a draft model, where one is given (its vocabulary checked by the
+        # caller), rather than from the prompt; this scheduler owns and closes it.
+        self.drafter: DraftModel | None = None
+        if draft_model is not None:
+            try:
+                self.drafter = DraftModel(draft_model, n_seq=parallel,
+                                          n_ctx_seq=self.ctx.n_ctx_seq, n_batch=n_batch,
+                                          n_threads=n_threads, flash_attn=flash_attn)
+            except BaseException:
+                draft_model.close()
+                self.ctx.close()
+                raise
         # Shared by the sequences, which sample one at a time on this thread.
         self._candidates = Candidates(model.n_vocab)
         self.grammars = ParsedGrammars(model.vocab)
@@ -294,6 +308,8 @@ class ModelScheduler:
         if self._embedder is not None:
             self._embedder.close()
         self.grammars.close()
+        if self.drafter is not None:
+            self.drafter.close()
         self.ctx.close()
         self.model.close()
 
@@ -454,7 +470,8 @@ class ModelScheduler:
             MAX_DRAFT, self.prompt_lookup if job.draft is None else job.draft)
         slot.draft_len = min(slot.draft_max, 4)
         slot.draft = []
-        slot.lookup = PromptLookup(prompt) if slot.draft_max > 0 else None
+        slot.lookup = PromptLookup(prompt) \
+            if slot.draft_max > 0 and self.drafter is None else None
         self.stats.running = sum(1 for s in self.slots if s.job is not None)
 
     def _grammar_prefixes(self) -> TokenPrefixes | None:
@@ -619,12 +636,22 @@ class ModelScheduler:
         `room` batch rows (those of the sequences after it are kept free), its context and
         what is left of its max_tokens."""
         job = slot.job
-        if slot.lookup is None or slot.draft_len <= 0 or job is None:
+        if slot.draft_len <= 0 or job is None or (slot.lookup is None and self.drafter is None):
             return []
         limit = min(slot.draft_len, room,
                     self.ctx.n_ctx_seq - len(slot.tokens) - 1,
                     job.max_tokens - len(slot.completion) - 1)
-        return slot.lookup.draft(limit) if limit > 0 else []
+        if limit <= 0:
+            return []
+        if slot.lookup is not None:
+            return slot.lookup.draft(limit)
+        assert self.drafter is not None and slot.next_token is not None
+        try:
+            return self.drafter.draft(slot.seq, [*slot.tokens, slot.next_token], limit)
+        except Exception:  # no guess this step; the stream goes on as without a draft
+            log.exception("the draft model failed to guess; the stream goes on without")
+            self.drafter.forget(slot.seq)
+            return []
 
     def _accept(self, slot: _Slot) -> None:
         """Samples `slot`'s row, then each of its draft rows for as long as the token
