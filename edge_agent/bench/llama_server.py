@@ -1,24 +1,30 @@
-"""edge-agent against llama.cpp's own C++ server (`edge-agent bench --llama-server PATH`):
-plain text and the 5-field JSON schema of `structured`, at c=1 and c=4, the two servers
-taking turns burst by burst (edge-agent, llama-server, edge-agent, …) on the same file with
-the same threads, slots and context.
+"""edge-agent against llama.cpp's own C++ server (`edge-agent bench --llama-server PATH`,
+or `edge-agent bench llama-server PATH` alone), on the same file with the same threads,
+slots and context, the servers taking turns request by request or burst by burst:
 
-Per kind and level: a stream's decode tokens/s (1 / TPOT) and TTFT p50 of each server,
-edge-agent / llama-server, and each server's own schema / plain. Then a burst of 8 clients
-against each server as a box runs it: edge-agent with its default configuration
-(`parallel = "auto"`), llama-server with `-np 8`; its aggregate tokens/s and its TTFT p50
-against the same server's at c=1. Tool calls (the order record as a function's parameters,
-`tool_choice: "required"`) at c=1, answered whole: completion tokens/s end to end, each
-server's against the other's and edge-agent's against its own plain text of the same
-length, every call checked against the parameters' schema. A long shared prefix (a store
-manual of ~1,200 tokens as the system message, a new question each time): TTFT at c=1,
-each server reusing the manual's cells. The ratios are judged against `targets`; each
-figure is the median of the per-round ratios, and the range of those is printed as the
-noise, flagged where it leaves the verdict to chance. Both servers answer `max_tokens` (32) tokens
-of either kind, end-of-generation biased away, so the lengths match. llama-server
-is built from the sdist's vendored llama.cpp: `cmake -S vendor/llama.cpp -B build -G Ninja
--DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF && ninja -C build llama-server` (6-7 min on 2
-cores).
+- plain text and the 5-field JSON schema of `structured`, at c=1 and c=4: a stream's
+  decode tokens/s (1 / TPOT) and TTFT p50 of each, edge-agent / llama-server, and each
+  server's own schema / plain. Both answer `max_tokens` (32) tokens of either kind,
+  end-of-generation biased away, so the lengths match;
+- tool calls (the order record as a function's parameters, `tool_choice: "required"`) at
+  c=1, answered whole: completion tokens/s end to end, each server's against the other's
+  and edge-agent's against its own plain text of the same length, every call checked
+  against the parameters' schema;
+- a long shared prefix (a store manual of ~1,200 tokens as the system message, a new
+  question each time): TTFT at c=1, each server reusing the manual's cells;
+- prompt lookup at c=1 on answers that quote their prompt (`lookup`'s prompts):
+  edge-agent with `X-Edge-Prompt-Lookup: 8` against a third server, llama-server
+  `--spec-type ngram-simple` (its n-gram lookup with its defaults: a 12-token match, up to
+  48 guesses), each also against itself with it off;
+- a burst of 8 clients against each server as a box runs it: edge-agent with its default
+  configuration (`parallel = "auto"`), llama-server with `-np 8`; its aggregate tokens/s
+  and its TTFT p50 against the same server's at c=1.
+
+The ratios are judged against `targets`; each figure is the median of the per-round
+ratios, and the range of those is printed as the noise, flagged where it leaves the
+verdict to chance. llama-server is built from the sdist's vendored llama.cpp: `cmake -S
+vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF && cmake --build
+build --target llama-server -j2` (about 10 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 
 import jsonschema
 
+from edge_agent.bench.lookup import quote_prompt
 from edge_agent.bench.peers import Completion, EdgeAgentPeer, HttpPeer, LlamaServerPeer, Sample
 from edge_agent.bench.structured import ORDER_SCHEMA, ask_order, schema_body
 from edge_agent.bench.targets import report
@@ -115,6 +122,10 @@ def bench_llama_server(state_dir: Path, path: Path, model: str, binary: Path, *,
         lines: list[str] = []  # printed after the table below
         tools = _tools(peers, extra=extra, rounds=rounds, echo=lines.append)
         prefix = _long_prefix(peers, extra=extra, rounds=rounds, echo=lines.append)
+        peers["llama-server ngram"] = LlamaServerPeer(
+            binary, path, model, threads=threads, context=context, parallel=parallel,
+            extra_args=("--spec-type", "ngram-simple"))
+        lookup = _lookup(peers, extra=extra, rounds=rounds, echo=lines.append)
     finally:
         for peer in peers.values():
             peer.close()
@@ -155,7 +166,7 @@ def bench_llama_server(state_dir: Path, path: Path, model: str, binary: Path, *,
             out[f"{name}_schema_over_plain_c{c}"] = own
     for line in lines:
         echo(line)
-    out["tools"], out["long_prefix"] = tools, prefix
+    out["tools"], out["long_prefix"], out["lookup"] = tools, prefix, lookup
     out["burst"] = _burst(state_dir, path, model, binary, threads=threads, context=context,
                           extra=extra, echo=echo, rounds=rounds, max_tokens=max_tokens)
     return out
@@ -209,6 +220,46 @@ def _tools(peers: dict[str, HttpPeer], *, extra: dict[str, Any], rounds: int, ec
             "over_plain": statistics.median(own), "valid": valid, "rounds": rounds,
             "edge_tokens_per_s": med["edge-agent"][0],
             "llama_tokens_per_s": med["llama-server"][0]}
+
+
+def _lookup(peers: dict[str, HttpPeer], *, extra: dict[str, Any], rounds: int, echo: Echo,
+            max_tokens: int = 96) -> dict[str, Any]:
+    """Prompt lookup at c=1 on answers that quote their prompt: per round one prompt, its
+    cells computed first on each server (a 1-token request), then asked with it on and off
+    of each (edge-agent's header; llama-server's ngram server and its plain one), in turn:
+    a stream's decode rate, and whether on and off wrote the same text."""
+    ways = {"edge on": ("edge-agent", "8"), "edge off": ("edge-agent", "0"),
+            "llama on": ("llama-server ngram", ""), "llama off": ("llama-server", "")}
+    rate: dict[str, list[float]] = {way: [] for way in ways}
+    same = {"edge": 0, "llama": 0}
+    for name in {server for server, _ in ways.values()}:
+        peers[name].chat(quote_prompt(-1), 4, extra)
+    for r in range(rounds):
+        prompt = quote_prompt(6000 + r)
+        for name in {server for server, _ in ways.values()}:
+            peers[name].chat(prompt, 1, extra)
+        text: dict[str, str] = {}
+        for way, (name, header) in ways.items():
+            body = {**extra, "headers": {"X-Edge-Prompt-Lookup": header}} if header else extra
+            sample = peers[name].chat(prompt, max_tokens, body)
+            rate[way].append(1 / sample.tpot_s)
+            text[way] = sample.text
+        same["edge"] += text["edge on"] == text["edge off"]
+        same["llama"] += text["llama on"] == text["llama off"]
+    med = {way: statistics.median(v) for way, v in rate.items()}
+    vs_llama = [a / b for a, b in zip(rate["edge on"], rate["llama on"], strict=True)]
+    own = {side: statistics.median(a / b for a, b in zip(rate[f"{side} on"],
+                                                          rate[f"{side} off"], strict=True))
+           for side in ("edge", "llama")}
+    echo(f"  prompt lookup c=1, quoting ({max_tokens} greedy tokens): edge-agent on "
+         f"{med['edge on']:.1f} / off {med['edge off']:.1f} tok/s ({own['edge']:.2f}x, the "
+         f"same text in {same['edge']} of {rounds}), llama-server ngram-simple on "
+         f"{med['llama on']:.1f} / off {med['llama off']:.1f} tok/s ({own['llama']:.2f}x, "
+         f"{same['llama']} of {rounds})")
+    report(echo, "llama_server.lookup_tokens_per_s", statistics.median(vs_llama),
+           rounds=vs_llama)
+    return {"tokens_per_s_ratio": statistics.median(vs_llama), "on_over_off": own,
+            "same_text": same, "tokens_per_s": med}
 
 
 def _long_prefix(peers: dict[str, HttpPeer], *, extra: dict[str, Any], rounds: int,

@@ -200,14 +200,14 @@ class LlamaServerPeer(HttpPeer):
     turns llama.cpp's extra CPU buffers off (a CPU with AMX, where its kernels crash)."""
 
     def __init__(self, binary: Path, model_path: Path, model: str, *, threads: int,
-                 context: int, parallel: int) -> None:
+                 context: int, parallel: int, extra_args: tuple[str, ...] = ()) -> None:
         self.name = "llama-server"
         super().__init__([str(binary), "-m", str(model_path), "--alias", model,
                           "--host", "127.0.0.1", "--port", "{port}", "-t", str(threads),
                           "-tb", str(threads), "-c", str(context * parallel),
                           "-np", str(parallel), "--no-webui",
-                          *([] if resolve_extra_buffers("auto") else ["--no-repack"])],
-                         {}, "/health", model)
+                          *([] if resolve_extra_buffers("auto") else ["--no-repack"]),
+                          *extra_args], {}, "/health", model)
 
 
 class InProcessPeer:

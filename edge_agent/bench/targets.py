@@ -67,6 +67,9 @@ TARGETS: tuple[Target, ...] = (
            "tool calls, tokens/s end to end at c=1, edge-agent / llama-server", ">=", 1.0),
     Target("llama_server.tools_over_plain",
            "edge-agent tool calls / plain text, tokens/s end to end at c=1", ">=", 0.9),
+    Target("llama_server.lookup_tokens_per_s",
+           "prompt lookup on, quoting, tokens/s at c=1, edge-agent / llama-server ngram",
+           ">=", 1.0),
     Target("llama_server.prefix_ttft",
            "long shared prefix, TTFT p50 at c=1, edge-agent / llama-server", "<=", 1.2),
     Target("llama_server.burst_aggregate",
@@ -153,5 +156,5 @@ def report(echo: Callable[[str], None], key: str, value: float, *,
         if too_noisy(t, rounds):
             said += " (too noisy to judge)"
         said += f"  rounds {min(rounds):.2f}-{max(rounds):.2f}"
-    echo(f"  {label:<62} {shown:>7}{t.unit:<2} {t.shown:<10} {said}")
+    echo(f"  {label:<78} {shown:>7}{t.unit:<2} {t.shown:<10} {said}")
     return ok
