@@ -173,6 +173,8 @@ def test_the_models_draft_model_guesses_and_a_request_may_turn_it_off(
     on = _chat(draft_server)
     assert _counter(draft_server, "edge_agent_draft_accepted_tokens_total") > before
     assert on == off
+    row = httpx.get(f"{draft_server.base_url}/api/ps").json()["models"][0]
+    assert row["speculation"] == {"draft_tokens": 4, "source": DEFAULT_MODEL}
 
 
 def test_a_draft_with_another_vocabulary_is_refused_and_the_model_serves(
@@ -188,6 +190,8 @@ def test_a_draft_with_another_vocabulary_is_refused_and_the_model_serves(
         try:
             assert _chat(live)
             assert _counter(live, "edge_agent_draft_tokens_total") == 0
+            row = httpx.get(f"{live.base_url}/api/ps").json()["models"][0]
+            assert row["speculation"] == {"draft_tokens": 0, "source": None}
         finally:
             live.stop()
     assert any("another vocabulary" in r.getMessage() and GEMMA in r.getMessage()

@@ -226,6 +226,8 @@ def test_the_setting_the_ollama_option_and_the_header_turn_it_on_and_off(
     assert confirmed > start[1] and drafted >= confirmed
     chat("4")
     assert counters()[1] > confirmed
+    row = httpx.get(f"{url}/api/ps").json()["models"][0]
+    assert row["speculation"] == {"draft_tokens": 8, "source": "prompt"}
 
 
 @pytest.mark.parametrize("value", ["33", "-1", "8.0", "eight", "0x8", "123"])

@@ -116,7 +116,8 @@ def _served_context(request: Request, parts: AppParts, m: InstalledModel) -> int
 def _ps_row(m: LoadedModel) -> dict[str, Any]:
     return {"name": m.info.name, "model": m.info.name, "size": m.size, "digest": m.info.digest,
             "details": _details(m.info), "expires_at": _iso(m.expires_at),
-            "size_vram": m.size_vram, "context_length": m.n_ctx, "parallel": m.parallel}
+            "size_vram": m.size_vram, "context_length": m.n_ctx, "parallel": m.parallel,
+            "speculation": m.speculation}
 
 
 @router.get("/api/ps")

@@ -116,6 +116,15 @@ class LoadedModel:
     in_use: int = 0
     expires_at: float = FOREVER
     last_used: float = field(default_factory=time.monotonic)
+    draft_model: str | None = None  # the model that guesses for it, where one does
+
+    @property
+    def speculation(self) -> dict[str, Any]:
+        """How it speculates, for /api/ps: guesses a step for requests that set none (0:
+        off), and from where ("prompt", or the draft model's name)."""
+        tokens = self.worker.prompt_lookup
+        source = self.draft_model if self.worker.drafter is not None else "prompt"
+        return {"draft_tokens": tokens, "source": source if tokens else None}
 
     @property
     def size(self) -> int:
@@ -607,4 +616,5 @@ class ModelRegistry:
         keep = FOREVER if info.name == normalize_name(self.settings.default_model) \
             else DEFAULT_KEEP_ALIVE_S
         return LoadedModel(info=info, worker=worker, template=template,
-                           keep_alive=keep, memory=memory)
+                           keep_alive=keep, memory=memory,
+                           draft_model=override.draft_model if draft is not None else None)
