@@ -60,6 +60,7 @@ def run_checks(settings: Settings) -> list[Check]:
             checks.append(Check("fail", f"model {m.name}", exc.message,
                                 f"edge-agent models rm {m.name}, then pull or import it again"))
         checks += _other_versions(store, m.name)
+    checks += _draft_models(settings, {m.name for m in models})
     checks.append(_ledger(state / "ledger.db"))
     runtime = native.check()  # in a child: a missing library must not stop the doctor
     if runtime.ok:
@@ -86,6 +87,29 @@ def _other_versions(store: ModelStore, name: str) -> list[Check]:
         except EdgeAgentError as exc:
             checks.append(Check("warn", label, f"{kind}; {exc.message}",
                                 "remove this version, or install the file again"))
+    return checks
+
+
+def _draft_models(settings: Settings, installed: set[str]) -> list[Check]:
+    """A `draft_model` a model's settings name must be installed: a missing one is not an
+    error at load (the model serves without guesses), so only the doctor says it. Its
+    vocabulary is checked when the model loads (it takes both models in memory)."""
+    checks = []
+    for name, override in sorted(settings.models.overrides.items()):
+        if not override.draft_model:
+            continue
+        label = f"draft model of {name}"
+        try:
+            draft = normalize_name(override.draft_model)
+        except EdgeAgentError as exc:
+            checks.append(Check("warn", label, exc.message, "name an installed model"))
+            continue
+        if draft in installed:
+            checks.append(Check("ok", label, f"{draft} installed (its vocabulary is checked "
+                                "when the model loads)"))
+        else:
+            checks.append(Check("warn", label, f"{draft} is not installed: {name} runs "
+                                "without guesses", f"edge-agent models pull {draft}"))
     return checks
 
 

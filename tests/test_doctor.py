@@ -100,3 +100,17 @@ def test_doctor_checks_the_port_it_is_given_as_serve_is(model_cache: Path,
     assert given.exit_code == 1
     assert f"fail  port: 127.0.0.1:{port} is taken" in given.output
     assert str(port) not in default.output
+
+
+def test_doctor_warns_of_a_draft_model_that_is_not_installed(model_cache: Path,
+                                                              tmp_path: Path) -> None:
+    config = tmp_path / "edge-agent.toml"
+    config.write_text(f'[models."{DEFAULT_MODEL}"]\ndraft_model = "tiny:1m"\n'
+                      '[models."other:1b"]\ndraft_model = "' + DEFAULT_MODEL + '"\n')
+    code, checks = _doctor(clone_state(model_cache, tmp_path / "s"), "--config", str(config))
+    assert code == 0, checks  # the model serves without guesses: a warning, not a failure
+    by_name = {c["name"]: c for c in checks}
+    missing = by_name[f"draft model of {DEFAULT_MODEL}"]
+    assert missing["status"] == "warn" and "tiny:1m is not installed" in missing["detail"]
+    assert missing["fix"] == "edge-agent models pull tiny:1m"
+    assert by_name["draft model of other:1b"]["status"] == "ok"
