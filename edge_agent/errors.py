@@ -11,7 +11,8 @@
     │                                        active version, rolling back with no earlier one)
     ├── PayloadTooLarge                  413
     ├── RateLimited                      429 (Retry-After)
-    ├── ServiceUnavailable               503 (Retry-After): queue full, model loading
+    ├── ServiceUnavailable               503 (Retry-After): model loading, switching …
+    │   ├── QueueFull                    503 the model's queue (or embedding queue) is full
     │   └── ShuttingDown                 503 a stream still running when the stop's drain
     │                                        grace ran out: ended with this, not cut silently
     ├── RequestTimeout                   504
@@ -39,7 +40,6 @@ class EdgeAgentError(Exception):
         self.message = message
         self.param = param
         self.retry_after = retry_after
-        self.observed = False  # counted in metrics already (set where it was counted)
 
 
 class InvalidRequest(EdgeAgentError):
@@ -106,6 +106,11 @@ class ServiceUnavailable(EdgeAgentError):
     status_code = 503
     error_type = "server_error"
     code = "service_unavailable"
+
+
+class QueueFull(ServiceUnavailable):
+    """A model's queue (or its embedding queue) is full: the metrics count it apart from
+    the other reasons a model cannot take a request now."""
 
 
 class ShuttingDown(ServiceUnavailable):

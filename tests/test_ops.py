@@ -16,7 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from edge_agent import __version__
 from edge_agent.app import create_app
 from edge_agent.config import load_settings
+from edge_agent.errors import QueueFull
 from edge_agent.logs import JsonFormatter, request_id_var
+from edge_agent.telemetry.metrics import Metrics
 from tests.conftest import DEFAULT_MODEL, LiveServer, clone_state, free_port, start_server
 
 pytestmark = pytest.mark.integration
@@ -147,3 +149,22 @@ def test_json_formatter_puts_the_request_id_on_every_line() -> None:
         request_id_var.reset(token)
     assert entry["msg"] == "hello you" and entry["request_id"] == "r-1"
     assert entry["level"] == "warning"
+
+
+def test_an_error_is_counted_once_however_many_places_see_it() -> None:
+    """The request path counts an error with its model; the API's handler sees the same
+    error become a response and calls again without one: one count, the first."""
+    metrics = Metrics(lambda: [])
+    first = QueueFull("the queue for this model is full", retry_after=1.0)
+    metrics.observe_error(DEFAULT_MODEL, "openai", first)
+    metrics.observe_error("", "openai", first)
+    metrics.observe_error(DEFAULT_MODEL, "openai", QueueFull("full again"))
+    out = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for family in text_string_to_metric_families(metrics.render().decode())
+           for s in family.samples}
+    labels = (("dialect", "openai"), ("error_type", "server_error"))
+    assert out[("edge_agent_requests_total", (*labels, ("model", DEFAULT_MODEL),
+                                              ("status", "503")))] == 2
+    assert ("edge_agent_requests_total", (*labels, ("model", ""), ("status", "503"))) \
+        not in out
+    assert out[("edge_agent_rejections_total", (("reason", "queue_full"),))] == 2

@@ -20,7 +20,8 @@ from edge_agent.engine.json_grammar import schema_to_grammar
 from edge_agent.engine.request import DoneEvent, ErrorEvent, Event, SamplingParams, TokenEvent
 from edge_agent.engine.runtime import BatchContext, LlamaModel
 from edge_agent.engine.scheduler import GenerationJob, ModelScheduler
-from edge_agent.errors import ServiceUnavailable
+from edge_agent.errors import QueueFull, ServiceUnavailable
+from edge_agent.telemetry.metrics import rejection_reason
 
 pytestmark = pytest.mark.integration
 
@@ -204,9 +205,13 @@ def test_queue_bound_and_batch_class_is_not_starved() -> None:
     batch, i1, i2 = mk("batch"), mk("interactive"), mk("interactive")
     for j in (batch, i1, i2):
         q.put(j)
-    with pytest.raises(ServiceUnavailable) as err:
+    with pytest.raises(QueueFull) as err:
         q.put(mk("interactive"), retry_after=3)
     assert err.value.retry_after == 3 and err.value.status_code == 503
+    assert rejection_reason(err.value) == "queue_full"
+    # Another reason a model cannot take a request now, whatever its words say.
+    busy = ServiceUnavailable("model 'x' is switching versions; the queue waits")
+    assert rejection_reason(busy) == "unavailable"
     assert q.pop() is i1  # interactive first …
     threading.Event().wait(0.06)
     assert q.pop() is batch  # … until the batch job has waited aging_s

@@ -68,7 +68,7 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, EdgeAgentError)
         note(error_type=exc.error_type)
         metrics = getattr(request.app.state.parts, "metrics", None)
-        if metrics is not None and not exc.observed:
+        if metrics is not None:  # counted once, if the request path has not already
             dialect = "openai" if is_openai_path(request.url.path) else "ollama"
             metrics.observe_error("", dialect, exc)
         return error_response(exc, request.url.path)

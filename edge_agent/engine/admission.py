@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Generic, Literal, Protocol, TypeVar
 
-from edge_agent.errors import ServiceUnavailable
+from edge_agent.errors import QueueFull
 
 Priority = Literal["interactive", "batch"]
 
@@ -46,7 +46,7 @@ class AdmissionQueue(Generic[J, S]):
         with self._cond:
             self._drop_cancelled()
             if len(self) >= self.max_size:
-                raise ServiceUnavailable(
+                raise QueueFull(
                     f"the queue for this model is full ({self.max_size} waiting); retry later",
                     retry_after=retry_after)
             job.enqueued_at = time.monotonic()

@@ -63,7 +63,7 @@ from edge_agent.engine.steppolicy import (
 )
 from edge_agent.engine.textstream import TextStream
 from edge_agent.engine.token_prefixes import TokenPrefixes
-from edge_agent.errors import EdgeAgentError, ServiceUnavailable
+from edge_agent.errors import EdgeAgentError, QueueFull, ServiceUnavailable
 from edge_agent.priority import lower_thread_priority
 
 log = logging.getLogger(__name__)
@@ -275,7 +275,7 @@ class ModelScheduler:
         if isinstance(job, EmbeddingJob):
             with self._embed_lock:
                 if self.stats.embedding_jobs >= max(1, self._max_queue):
-                    raise ServiceUnavailable(
+                    raise QueueFull(
                         f"the embedding queue for this model is full "
                         f"({self.stats.embedding_jobs} requests); retry later",
                         retry_after=self._embed_wait())

@@ -47,7 +47,6 @@ class Observer:
             if isinstance(error, ShuttingDown):  # the row says the answer was cut, and why
                 note(status=error.status_code, done_reason="shutdown")
             if self.metrics is not None:
-                error.observed = True
                 self.metrics.observe_error(served.model, served.dialect, error)
 
     def _done(self, served: Served, event: DoneEvent, first_token_ns: int,

@@ -8,6 +8,7 @@ dashboards work; everything else is `edge_agent_*`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from edge_agent.errors import (
     Forbidden,
     ModelNotFound,
     PayloadTooLarge,
+    QueueFull,
     RateLimited,
     RequestTimeout,
     ServiceUnavailable,
@@ -46,8 +48,10 @@ def rejection_reason(exc: EdgeAgentError) -> str:
         return "limit"
     if isinstance(exc, RateLimited):
         return "quota"
+    if isinstance(exc, QueueFull):
+        return "queue_full"
     if isinstance(exc, ServiceUnavailable):
-        return "queue_full" if "queue" in exc.message else "unavailable"
+        return "unavailable"
     if isinstance(exc, RequestTimeout):
         return "timeout"
     if isinstance(exc, ModelNotFound):
@@ -60,6 +64,8 @@ class Metrics:
                  hardware: HardwareSampler | None = None,
                  ledger: Callable[[], LedgerWriter | None] | None = None) -> None:
         self.registry = CollectorRegistry()  # no auto-describe: live gauges read at scrape
+        # Errors already counted: the metrics' own record, never a mark on the exception.
+        self._counted: weakref.WeakSet[EdgeAgentError] = weakref.WeakSet()
         r = self.registry
         self.prompt_tokens = Counter("llamacpp:prompt_tokens", "Prompt tokens evaluated",
                                      ["model"], registry=r)
@@ -101,6 +107,12 @@ class Metrics:
         self.requests.labels(model, dialect, "200", "").inc()
 
     def observe_error(self, model: str, dialect: str, exc: EdgeAgentError) -> None:
+        """Counts a request that ended in `exc`, once: the request path counts it with its
+        model where it knows one, and the API's error handler, which sees every error that
+        becomes a response, calls again without one (a no-op for an error seen before)."""
+        if exc in self._counted:
+            return
+        self._counted.add(exc)
         self.requests.labels(model, dialect, str(exc.status_code), exc.error_type).inc()
         if exc.status_code != 500:
             self.rejections.labels(rejection_reason(exc)).inc()
