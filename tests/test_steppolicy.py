@@ -19,6 +19,7 @@ from edge_agent.engine.steppolicy import (
     PerToken,
     Prompt,
     StepPolicy,
+    common_prefix,
     copy_source,
     last_chunk,
     prefill_spans,
@@ -296,3 +297,11 @@ def test_the_default_prefill_cost_plugs_in() -> None:
     """The scheduler passes `PrefillCost.per_token`; before any measurement it prices
     every token at the default."""
     assert budget(policy(), per_token=PrefillCost().per_token) == int(0.25 / DEFAULT_TOKEN_S)
+
+
+def test_the_common_prefix_stops_at_the_first_difference_or_the_limit() -> None:
+    assert common_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5], 10) == 4  # one holds the other
+    assert common_prefix([1, 2, 9, 4], [1, 2, 3, 4], 10) == 2
+    assert common_prefix([1, 2, 3], [1, 2, 3], 2) == 2
+    assert common_prefix([], [1], 5) == 0
+    assert common_prefix([1], [1], -1) == 0  # an empty prompt's limit

@@ -27,6 +27,7 @@ import llama_cpp as ll
 import numpy as np
 
 from edge_agent.engine.runtime import BatchContext, LlamaModel
+from edge_agent.engine.steppolicy import common_prefix
 from edge_agent.errors import EdgeAgentError
 
 
@@ -77,11 +78,7 @@ class DraftModel:
         """Makes `seq` hold `tokens`, keeping the cells that agree, and leaves the logits
         of the last one in the batch's last row."""
         held = self._held[seq]
-        keep = 0
-        for a, b in zip(held, tokens[:-1], strict=False):  # the last one is always fed
-            if a != b:
-                break
-            keep += 1
+        keep = common_prefix(held, tokens, len(tokens) - 1)  # the last one is always fed
         if keep < len(held) and not self.ctx.keep_prefix(seq, keep):
             self.ctx.clear(seq)
             keep = 0

@@ -56,6 +56,7 @@ from edge_agent.engine.steppolicy import (
     MIN_PREFILL_CHUNK,
     Prompt,
     StepPolicy,
+    common_prefix,
     copy_source,
     last_chunk,
     prefill_spans,
@@ -157,15 +158,6 @@ def _prompt(slot: _Slot) -> Prompt:
     """What the step policy sees of a sequence being prefilled."""
     return Prompt(seq=slot.seq, pending=len(slot.pending), total=slot.prefill_total,
                   cells=len(slot.tokens))
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if n >= limit or x != y:
-            break
-        n += 1
-    return n
 
 
 class ModelScheduler:
@@ -423,7 +415,7 @@ class ModelScheduler:
         limit = len(prompt) - 1
 
         def rank(s: _Slot) -> tuple[int, bool, int]:
-            shared = _common_prefix(s.tokens, prompt, limit)
+            shared = common_prefix(s.tokens, prompt, limit)
             return (shared if shared > MIN_COPY_TOKENS else 0,
                     key is not None and s.cache_key == key, -len(s.tokens))
 
@@ -435,8 +427,8 @@ class ModelScheduler:
         limit = len(prompt) - 1  # the last prompt token is always evaluated, for its logits
         reused = 0
         if not self.deterministic:  # exact repeatability needs identical prefill chunking
-            own = _common_prefix(slot.tokens, prompt, limit)
-            i, best = copy_source(own, [_common_prefix(other.tokens, prompt, limit)
+            own = common_prefix(slot.tokens, prompt, limit)
+            i, best = copy_source(own, [common_prefix(other.tokens, prompt, limit)
                                         for other in self.slots])
             src = slot if i is None else self.slots[i]
             if src is not slot:
