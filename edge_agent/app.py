@@ -24,7 +24,7 @@ from edge_agent.engine.catalog import normalize_name
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.errors import EdgeAgentError
-from edge_agent.fleet.name_claim import by_hand
+from edge_agent.fleet.device.rollout.name_claim import by_hand
 from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.keys import KeyStore
 from edge_agent.governance.redaction import Detectors, MetadataRedactor, Redactor, device_key
@@ -149,12 +149,12 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
 
 def build_rollouts(settings: Settings, modelops: ModelOps, service: GenerationService,
                    linked: list[Any]) -> Any:
-    """The device's rollout runner (`fleet.rollout.RolloutManager`) over signed releases,
-    its gate's requests through the real request path; None if it could not be built
+    """The device's rollout runner (`fleet.device.rollout.runner.RolloutManager`) over signed
+    releases, its gate's requests through the real request path; None if it could not be built
     (logged: the link runs without rollouts, and refuses their commands as unknown)."""
     try:
-        from edge_agent.fleet.rollout import RolloutManager
-        from edge_agent.fleet.signed_releases import SignedReleases
+        from edge_agent.fleet.device.release.signed_releases import SignedReleases
+        from edge_agent.fleet.device.rollout.runner import RolloutManager
         from edge_agent.gateway.probe import ServiceProbe
 
         def emit(kind: str, cls: str, body: Any) -> bool:
@@ -173,7 +173,7 @@ def start_fleet_sync(settings: Settings, link: Any, parts: AppParts,
     """What the link syncs on its intervals (metrics, ledger summaries, events), feeding its
     outbox; None if it could not be built (logged: the link still runs)."""
     try:
-        from edge_agent.fleet.sync import Sync
+        from edge_agent.fleet.device.reporting.sync import Sync
 
         def emit(kind: str, cls: str, body: Any, *, commit: bool = False) -> int:
             if not link.emit(kind, cls, body, commit=commit):
@@ -196,12 +196,12 @@ def start_fleet_sync(settings: Settings, link: Any, parts: AppParts,
 def start_fleet_link(settings: Settings, modelops: ModelOps, governor: Governor,
                      sampler: HardwareSampler, sync_box: list[Any] | None = None,
                      extra_handlers: Mapping[str, Any] | None = None) -> Any:
-    """The fleet link (`edge_agent.fleet.link.Link`) with this box's command handlers,
+    """The fleet link (`edge_agent.fleet.device.link.link.Link`) with this box's command handlers,
     started; None if it could not even be built (logged: the box serves without it)."""
     try:
-        from edge_agent.fleet.birth import facts_source
-        from edge_agent.fleet.handlers import box_handlers, copy_patched
-        from edge_agent.fleet.link import Link
+        from edge_agent.fleet.device.link.birth import facts_source
+        from edge_agent.fleet.device.link.handlers import box_handlers, copy_patched
+        from edge_agent.fleet.device.link.link import Link
 
         ledger = settings.state_dir / "ledger.db"
 

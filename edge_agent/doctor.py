@@ -257,8 +257,8 @@ def _fleet(settings: Settings, timeout_s: float = 5.0) -> list[Check]:
     """The fleet link: its files, the broker reached with the configured credentials
     (TCP, TLS, MQTT CONNECT; never as the device's own client id, which would throw a
     running agent off the broker), and what waits in the outbox."""
-    from edge_agent.fleet.session import probe
-    from edge_agent.fleet.signing import load_public
+    from edge_agent.fleet.device.link.session import probe
+    from edge_agent.fleet.protocol.signing import load_public
 
     fleet = settings.fleet
     if not fleet.enabled:

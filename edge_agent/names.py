@@ -59,7 +59,7 @@ def _shown(name: str) -> str:
 # ACL (`pattern readwrite edge/v1/+/%u/#`) substitutes the user name into the pattern: a
 # `/` in it reaches into another device's tree, `+` and `#` are wildcards. So ids are plain
 # `[A-Za-z0-9_-]`, 1 to 64 characters, and `all` is kept for fleet-wide commands.
-# `edge_agent.fleet.ids` re-exports this as `check_id`; config uses it from here because
+# `edge_agent.fleet.protocol.ids` re-exports this as `check_id`; config uses it from here because
 # config sits below the fleet link.
 FLEET_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 RESERVED_DEVICE_IDS = frozenset({"all"})

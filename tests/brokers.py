@@ -1,6 +1,6 @@
 """Real servers for the fleet tests: a private Mosquitto and a private PostgreSQL.
 
-`Mosquitto` is the package's `edge_agent.fleet.testbed.Broker` (the bench runs it too): the
+`Mosquitto` is the package's `edge_agent.fleet.sim.testbed.Broker` (the bench runs it too): the
 broker configuration `fleet broker-config` writes (passwd, acl, mosquitto.conf with
 persistence in its own temp dir), as the current user, on a free port, optionally with a
 TLS listener whose CA and server certificate are made with `cryptography`. It can be killed
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge_agent.fleet.testbed import (
+from edge_agent.fleet.sim.testbed import (
     MOSQUITTO_PATHS,
     Broker,
     LocalCA,
@@ -43,7 +43,7 @@ TestCA = LocalCA
 
 @dataclass
 class Mosquitto(Broker):
-    """A private broker (`edge_agent.fleet.testbed.Broker`) for fleet `f1` and the test
+    """A private broker (`edge_agent.fleet.sim.testbed.Broker`) for fleet `f1` and the test
     devices unless told otherwise."""
 
     fleet: str = FLEET

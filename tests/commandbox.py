@@ -1,5 +1,5 @@
 """A box that takes signed commands over a real Mosquitto, as the command tests need it:
-the fleet link (`edge_agent.fleet.link.Link`) with the controller's public key and the
+the fleet link (`edge_agent.fleet.device.link.link.Link`) with the controller's public key and the
 box's handlers, the real controller's ingest storing the results, and the controller's
 MQTT client that publishes commands. `restart()` stops the link and starts a new one on
 the same state and broker session, to see what the broker delivers again."""
@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edge_agent.fleet.commands import Handler
-from edge_agent.fleet.link import Link
+from edge_agent.fleet.device.link.command_gate import Handler
+from edge_agent.fleet.device.link.link import Link
 from tests.brokers import Mosquitto, MQTTClient
 from tests.fleetkit import Controller, Signer, fast_options, fleet_settings, send, wait_until
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from edge_agent.config import FleetSettings
-from edge_agent.fleet.link import Link, LinkOptions
+from edge_agent.fleet.device.link.link import Link, LinkOptions
 
 
 def main(argv: list[str]) -> int:

@@ -18,7 +18,6 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edge_agent.config import FleetSettings
-from edge_agent.fleet import testbed
 from edge_agent.fleet.controller.ingest import Ingest
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.settings import (
@@ -27,8 +26,9 @@ from edge_agent.fleet.controller.settings import (
     IngestSettings,
 )
 from edge_agent.fleet.controller.store import SQLiteStore
-from edge_agent.fleet.link import LinkOptions
-from edge_agent.fleet.signing import generate_keypair, load_private, sign
+from edge_agent.fleet.device.link.link import LinkOptions
+from edge_agent.fleet.protocol.signing import generate_keypair, load_private, sign
+from edge_agent.fleet.sim import testbed
 from tests.brokers import FLEET, Mosquitto, MQTTClient
 
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from edge_agent.bench.rollout import download_vs_curl
-from edge_agent.fleet.release import ReleaseSource
+from edge_agent.fleet.device.release.source import ReleaseSource
 from tests.conftest import free_port
 from tests.releasekit import device_settings, make_repo, sized_gguf
 
@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
-from edge_agent.fleet.controller.artifacts import artifacts_router
+from edge_agent.fleet.controller.releases.artifacts import artifacts_router
 app = FastAPI()
 app.include_router(artifacts_router(Path(sys.argv[1])), prefix="/releases")
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")

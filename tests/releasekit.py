@@ -22,9 +22,9 @@ from fastapi import FastAPI
 from gguf import GGUFWriter
 
 from edge_agent.config import Settings, load_settings
-from edge_agent.fleet.controller.artifacts import artifacts_router
-from edge_agent.fleet.controller.release_keys import KeyDir, keygen
-from edge_agent.fleet.controller.releases import (
+from edge_agent.fleet.controller.releases.artifacts import artifacts_router
+from edge_agent.fleet.controller.releases.keys import KeyDir, keygen
+from edge_agent.fleet.controller.releases.repository import (
     ReleaseEntry,
     ReleaseRepository,
     manifest_for,

@@ -15,8 +15,8 @@ from pathlib import Path
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
-from edge_agent.fleet.rollout import RolloutManager
-from edge_agent.fleet.rollout_state import Rollout
+from edge_agent.fleet.device.rollout.runner import RolloutManager
+from edge_agent.fleet.device.rollout.store import Rollout
 from tests.rollout_support import DirReleases, PaperLoader, ScriptedProbe
 
 

@@ -26,7 +26,7 @@ from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.records import InstalledModel, ManifestExtras
 from edge_agent.engine.request import GenerationRequest
 from edge_agent.errors import ModelFileError, ServiceUnavailable
-from edge_agent.fleet.outcomes import ReleaseFailed, ReleaseRejected
+from edge_agent.fleet.device.rollout.outcomes import ReleaseFailed, ReleaseRejected
 from edge_agent.names import normalize_name
 from tests.ggufgen import write_tiny_gguf
 

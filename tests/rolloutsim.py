@@ -1,7 +1,7 @@
 """Scripted boxes for the controller's rollout tests, on two transports:
 
     LinkFleet   the fleet simulator with a scripted `BoxRollouts` per device
-                (`edge_agent.fleet.simrollout`, which `bench rollout` uses too): the
+                (`edge_agent.fleet.sim.rollout`, which `bench rollout` uses too): the
                 100-box tests.
     SimFleet    a paho client per box (`SimBox`) with a persistent session the broker
                 keeps while the box is offline: the offline and restart scenarios.
@@ -27,10 +27,10 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edge_agent.fleet.refusals import CommandRefused
-from edge_agent.fleet.signing import load_public, verify
-from edge_agent.fleet.simrollout import BoxRollouts
-from edge_agent.fleet.simrollout import LinkFleet as _LinkFleet
+from edge_agent.fleet.protocol.refusals import CommandRefused
+from edge_agent.fleet.protocol.signing import load_public, verify
+from edge_agent.fleet.sim.rollout import BoxRollouts
+from edge_agent.fleet.sim.rollout import LinkFleet as _LinkFleet
 from tests.brokers import FLEET, Mosquitto
 
 
@@ -186,7 +186,7 @@ class SimFleet:
 
 
 class LinkFleet(_LinkFleet):
-    """`fleet.simrollout.LinkFleet` on a test broker, with the test fleet's id."""
+    """`fleet.sim.rollout.LinkFleet` on a test broker, with the test fleet's id."""
 
     def __init__(self, broker: Mosquitto, public_key: Path, devices: Iterable[str],
                  root: Path, *, outcomes: dict[str, str] | None = None,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.fleet.testbed import find_mosquitto
+from edge_agent.fleet.sim.testbed import find_mosquitto
 from tests.conftest import clone_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.broker]

@@ -15,9 +15,10 @@ from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.records import ManifestExtras
-from edge_agent.fleet import gate
-from edge_agent.fleet.rollout import RolloutManager
-from edge_agent.fleet.rollout_state import ACTIVE, ROLLED_BACK, Rollout
+from edge_agent.fleet.device.rollout import health_gate as gate
+from edge_agent.fleet.device.rollout.runner import RolloutManager
+from edge_agent.fleet.device.rollout.store import Rollout
+from edge_agent.fleet.protocol.rollout_states import ACTIVE, ROLLED_BACK
 from edge_agent.ledger.evidence import evidence_for
 from tests.rollout_support import DirReleases, PaperLoader, ScriptedProbe, write_gguf
 

@@ -30,7 +30,7 @@ from edge_agent.fleet.controller.broker import (
     read_devices,
     write_broker_config,
 )
-from edge_agent.fleet.testbed import find_mosquitto, free_port, wait_port
+from edge_agent.fleet.sim.testbed import find_mosquitto, free_port, wait_port
 from tests.brokers import FLEET, Mosquitto, MQTTClient
 
 A, B = "store-a", "store-b"

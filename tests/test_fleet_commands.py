@@ -17,18 +17,11 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edge_agent.fleet.commands import (
-    CLOCK_SKEW_S,
-    MAX_COMMAND_BYTES,
-    MAX_SEQ,
-    Command,
-    CommandGate,
-    CommandRefused,
-    Delivery,
-    ping,
-)
-from edge_agent.fleet.signing import sign
-from edge_agent.fleet.state import FleetState
+from edge_agent.fleet.device.link.command_gate import CommandGate, Delivery, ping
+from edge_agent.fleet.device.link.state import FleetState
+from edge_agent.fleet.protocol.command import CLOCK_SKEW_S, MAX_COMMAND_BYTES, MAX_SEQ, Command
+from edge_agent.fleet.protocol.refusals import CommandRefused
+from edge_agent.fleet.protocol.signing import sign
 from tests.brokers import Mosquitto
 from tests.commandbox import CommandBox
 
@@ -289,7 +282,7 @@ def test_a_handler_may_refuse_and_must_return_json(state: FleetState, counter: C
 
 
 def test_refusal_reasons_are_exactly_the_protocols() -> None:
-    from edge_agent.fleet.commands import REASONS
+    from edge_agent.fleet.protocol.refusals import REASONS
     assert REASONS == {"bad_signature", "expired", "replay", "unknown_type", "oversized",
                        "wrong_device", "malformed"}
     with pytest.raises(ValueError):
@@ -398,7 +391,7 @@ def test_an_unexpected_error_is_answered_failed_and_the_gate_goes_on(
     gate = gate_for(state, counter)
     state.error = OverflowError("Python int too large to convert to SQLite INTEGER")
     obj = command()
-    with caplog.at_level("ERROR", logger="edge_agent.fleet.commands"):
+    with caplog.at_level("ERROR", logger="edge_agent.fleet.device.link.command_gate"):
         delivery = gate.receive(wire(obj), OWN)  # does not raise: the PUBACK goes
     assert not delivery.execute and delivery.result is not None
     assert delivery.result.body() == {"id": obj["id"], "type": "count", "status": "failed",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from edge_agent.config import BrokerAddress, ConfigError, load_settings, parse_broker
-from edge_agent.fleet.ids import check_id
+from edge_agent.fleet.protocol.ids import check_id
 from edge_agent.names import check_fleet_id
 
 

@@ -29,7 +29,7 @@ from edge_agent.fleet.controller.records import Inbound, merge_ranges
 from edge_agent.fleet.controller.service import Controller
 from edge_agent.fleet.controller.settings import ControllerSettings, load_controller_settings
 from edge_agent.fleet.controller.store import SQLiteStore
-from edge_agent.fleet.topics import Topic
+from edge_agent.fleet.protocol.topics import Topic
 from tests.brokers import FLEET, Mosquitto, MQTTClient, free_port
 
 A, B = "store-a", "store-b"

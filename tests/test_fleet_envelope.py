@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edge_agent.fleet import envelope
-from edge_agent.fleet.envelope import (
+from edge_agent.fleet.protocol import envelope
+from edge_agent.fleet.protocol.envelope import (
     AckRefused,
     Envelope,
     build,

@@ -28,10 +28,11 @@ from edge_agent.bench.rollout import variant
 from edge_agent.config import Settings, load_settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.request import GenerationRequest
-from edge_agent.fleet import gate
-from edge_agent.fleet.gate import Check, GateReport, parse_spec
-from edge_agent.fleet.rollout import RolloutManager
-from edge_agent.fleet.rollout_state import ACTIVE, ROLLED_BACK, Rollout
+from edge_agent.fleet.device.rollout import health_gate as gate
+from edge_agent.fleet.device.rollout.health_gate import Check, GateReport, parse_spec
+from edge_agent.fleet.device.rollout.runner import RolloutManager
+from edge_agent.fleet.device.rollout.store import Rollout
+from edge_agent.fleet.protocol.rollout_states import ACTIVE, ROLLED_BACK
 from edge_agent.gateway.probe import ServiceProbe
 from edge_agent.ledger.evidence import evidence_for
 from edge_agent.server import uvicorn_config

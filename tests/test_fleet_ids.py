@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge_agent.fleet import topics
-from edge_agent.fleet.ids import check_id
+from edge_agent.fleet.protocol import topics
+from edge_agent.fleet.protocol.ids import check_id
 
 
 @pytest.mark.parametrize("value", ["store-042", "A_b-9", "x" * 64, "0"])

@@ -15,14 +15,14 @@ import pytest
 
 from edge_agent.config import Settings, TenantPolicy
 from edge_agent.doctor import _fleet
-from edge_agent.fleet.birth import config_fingerprint, facts_source
-from edge_agent.fleet.commands import Command
-from edge_agent.fleet.handlers import box_handlers, copy_patched
-from edge_agent.fleet.link import Link
-from edge_agent.fleet.overlay import OVERLAY_FILE
-from edge_agent.fleet.session import probe
-from edge_agent.fleet.signing import sign
-from edge_agent.fleet.state import FleetState
+from edge_agent.fleet.device.link.birth import config_fingerprint, facts_source
+from edge_agent.fleet.device.link.handlers import box_handlers, copy_patched
+from edge_agent.fleet.device.link.link import Link
+from edge_agent.fleet.device.link.overlay import OVERLAY_FILE
+from edge_agent.fleet.device.link.session import probe
+from edge_agent.fleet.device.link.state import FleetState
+from edge_agent.fleet.protocol.command import Command
+from edge_agent.fleet.protocol.signing import sign
 from tests.brokers import FLEET, Mosquitto, MQTTClient, free_port
 from tests.fleetkit import (
     Controller,

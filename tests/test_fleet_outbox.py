@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.fleet.envelope import decode
-from edge_agent.fleet.outbox import Outbox, OutboxFull
+from edge_agent.fleet.device.link.outbox import Outbox, OutboxFull
+from edge_agent.fleet.protocol.envelope import decode
 
 DEVICE = "store-042"
 
@@ -295,7 +295,7 @@ def test_a_damaged_page_is_caught_by_the_integrity_check(path: Path) -> None:
 _CHILD = """
 import sys, uuid
 from pathlib import Path
-from edge_agent.fleet.outbox import Outbox
+from edge_agent.fleet.device.link.outbox import Outbox
 box = Outbox(Path(sys.argv[1]), device="store-042", boot_id=sys.argv[2], max_bytes=1 << 30)
 n = 0
 while True:

@@ -15,10 +15,9 @@ import annotated_types
 import pytest
 
 from edge_agent.config import Settings, TenantPolicy, load_settings
-from edge_agent.fleet import overlay
-from edge_agent.fleet.commands import Command, CommandRefused
-from edge_agent.fleet.handlers import box_handlers, copy_patched
-from edge_agent.fleet.overlay import (
+from edge_agent.fleet.device.link import overlay
+from edge_agent.fleet.device.link.handlers import box_handlers, copy_patched
+from edge_agent.fleet.device.link.overlay import (
     KEYS,
     NULLABLE,
     OVERLAY_FILE,
@@ -29,6 +28,8 @@ from edge_agent.fleet.overlay import (
     load_overlay,
     patched,
 )
+from edge_agent.fleet.protocol.command import Command
+from edge_agent.fleet.protocol.refusals import CommandRefused
 from edge_agent.telemetry.hardware import HardwareSampler
 from tests.brokers import Mosquitto
 from tests.commandbox import CommandBox
@@ -332,7 +333,7 @@ def test_an_overlay_saved_past_a_bound_is_skipped_at_start(
     (tmp_path / OVERLAY_FILE).write_text(json.dumps({"v": 1, "set": {
         "telemetry.interval_s": 1e10, "fleet.metrics_interval_s": 1e-6,
         "retention.ledger_days": 30}}))
-    with caplog.at_level("WARNING", logger="edge_agent.fleet.overlay"):
+    with caplog.at_level("WARNING", logger="edge_agent.fleet.device.link.overlay"):
         new = apply_overlay(settings, tmp_path)
     assert (new.telemetry.interval_s, new.fleet.metrics_interval_s,
             new.retention.ledger_days) == (5.0, 60.0, 30)

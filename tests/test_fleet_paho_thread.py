@@ -1,5 +1,5 @@
-"""Ending a client that runs paho's own thread (`fleet.paho_thread`): paho's `loop_stop()`
-fails when the thread ends between its check and its `join()` (the thread clears
+"""Ending a client that runs paho's own thread (`fleet.controller.paho_thread`): paho's
+`loop_stop()` fails when the thread ends between its check and its `join()` (the thread clears
 `client._thread` on its way out, as it does right after a clean DISCONNECT); ours does not.
 The race is made certain here: the stand-in thread ends exactly at loop_stop's comparison."""
 
@@ -9,7 +9,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from edge_agent.fleet.paho_thread import disconnect_and_stop
+from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
 
 
 def _ending_thread(client: mqtt.Client) -> object:

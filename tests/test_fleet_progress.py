@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from edge_agent.config import ConfigError, load_settings
-from edge_agent.fleet.envelope import AUDIT
-from edge_agent.fleet.outcomes import ReleaseFailed
-from edge_agent.fleet.progress import ProgressThrottle
-from edge_agent.fleet.rollout_state import ACTIVE, FAILED
+from edge_agent.fleet.device.rollout.outcomes import ReleaseFailed
+from edge_agent.fleet.device.rollout.progress import ProgressThrottle
+from edge_agent.fleet.protocol.envelope import AUDIT
+from edge_agent.fleet.protocol.rollout_states import ACTIVE, FAILED
 from tests.test_fleet_rollout import Box, _roll, make_box, run
 
 CHUNK = 64 * 1024

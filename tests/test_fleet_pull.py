@@ -29,13 +29,14 @@ from edge_agent.cli.output import TransferBar, duration, transfer_figures
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
-from edge_agent.fleet import release as rel
-from edge_agent.fleet import transfer
-from edge_agent.fleet.name_claim import NameHeld, claim_path, name_claim
-from edge_agent.fleet.pull import pull
-from edge_agent.fleet.rollout import RolloutManager
-from edge_agent.fleet.rollout_state import DOWNLOADING, RolloutStore
-from edge_agent.fleet.signed_releases import SignedReleases
+from edge_agent.fleet.device.release import source as rel
+from edge_agent.fleet.device.release import transfer
+from edge_agent.fleet.device.release.pull import pull
+from edge_agent.fleet.device.release.signed_releases import SignedReleases
+from edge_agent.fleet.device.rollout.name_claim import NameHeld, claim_path, name_claim
+from edge_agent.fleet.device.rollout.runner import RolloutManager
+from edge_agent.fleet.device.rollout.store import RolloutStore
+from edge_agent.fleet.protocol.rollout_states import DOWNLOADING
 from tests.ggufgen import write_tiny_gguf
 from tests.releasekit import (
     ArtifactServer,
@@ -316,7 +317,7 @@ def test_the_claim_is_one_holder_at_a_time_and_dies_with_its_process(box: Box) -
 _HOLD = """
 import sys, time
 from pathlib import Path
-from edge_agent.fleet.name_claim import name_claim
+from edge_agent.fleet.device.rollout.name_claim import name_claim
 with name_claim(Path(sys.argv[1]), sys.argv[2], {"pull": "held", "pid": 0}):
     print("held", flush=True)
     time.sleep(60)

@@ -23,15 +23,20 @@ from tuf.api.metadata import TargetFile
 
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
-from edge_agent.fleet import release as rel
-from edge_agent.fleet import transfer
-from edge_agent.fleet.files import EscapesDirectory, inside
-from edge_agent.fleet.manifest import parse
-from edge_agent.fleet.pull import pull
-from edge_agent.fleet.release import Release, ReleaseFailed, ReleaseRejected, ReleaseSource
-from edge_agent.fleet.rollout import RolloutManager
-from edge_agent.fleet.rollout_state import CANCELLED, RECEIVED, STAGED
-from edge_agent.fleet.signed_releases import SignedReleases
+from edge_agent.files import EscapesDirectory, inside
+from edge_agent.fleet.device.release import source as rel
+from edge_agent.fleet.device.release import transfer
+from edge_agent.fleet.device.release.pull import pull
+from edge_agent.fleet.device.release.signed_releases import SignedReleases
+from edge_agent.fleet.device.release.source import (
+    Release,
+    ReleaseFailed,
+    ReleaseRejected,
+    ReleaseSource,
+)
+from edge_agent.fleet.device.rollout.runner import RolloutManager
+from edge_agent.fleet.protocol.manifest import parse
+from edge_agent.fleet.protocol.rollout_states import CANCELLED, RECEIVED, STAGED
 from tests.ggufgen import write_tiny_gguf
 from tests.releasekit import ArtifactServer, Repo, device_settings, make_repo, mirror
 

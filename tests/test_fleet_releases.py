@@ -19,9 +19,15 @@ from edge_agent.cli import main
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import ModelNotFound
-from edge_agent.fleet import release as rel
-from edge_agent.fleet import transfer
-from edge_agent.fleet.manifest import (
+from edge_agent.fleet.device.release import source as rel
+from edge_agent.fleet.device.release import transfer
+from edge_agent.fleet.device.release.source import (
+    ReleaseFailed,
+    ReleaseRejected,
+    ReleaseSource,
+    install,
+)
+from edge_agent.fleet.protocol.manifest import (
     ManifestError,
     ReleaseManifest,
     agent_too_old,
@@ -29,7 +35,6 @@ from edge_agent.fleet.manifest import (
     parse_ref,
     target_path,
 )
-from edge_agent.fleet.release import ReleaseFailed, ReleaseRejected, ReleaseSource, install
 from tests.ggufgen import write_tiny_gguf
 from tests.releasekit import ArtifactServer, Repo, device_settings, make_repo, mirror
 
@@ -356,7 +361,7 @@ def test_a_release_of_a_catalog_name_without_its_template_or_parameters_is_warne
     """gemma3:270m's GGUF has no template and the catalog gives it parameters: a release
     that carries neither says so, and where to get them; one that carries both says
     nothing."""
-    from edge_agent.fleet.controller.releases import manifest_for
+    from edge_agent.fleet.controller.releases.repository import manifest_for
 
     gguf = write_tiny_gguf(tmp_path / "g.gguf")
     notes: list[str] = []

@@ -27,12 +27,13 @@ from edge_agent.cli import main as cli
 from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
-from edge_agent.fleet.commands import Command
-from edge_agent.fleet.outcomes import ReleaseFailed, ReleaseRejected
-from edge_agent.fleet.refusals import CommandRefused
-from edge_agent.fleet.rollout import RolloutManager
-from edge_agent.fleet.rollout_rules import backoff_s, hold_reason
-from edge_agent.fleet.rollout_state import (
+from edge_agent.fleet.device.rollout.outcomes import ReleaseFailed, ReleaseRejected
+from edge_agent.fleet.device.rollout.rules import backoff_s, hold_reason
+from edge_agent.fleet.device.rollout.runner import RolloutManager
+from edge_agent.fleet.device.rollout.store import IllegalTransition, NameBusy, RolloutStore
+from edge_agent.fleet.protocol.command import Command
+from edge_agent.fleet.protocol.refusals import CommandRefused
+from edge_agent.fleet.protocol.rollout_states import (
     ACTIVATING,
     ACTIVE,
     CANCELLED,
@@ -44,9 +45,6 @@ from edge_agent.fleet.rollout_state import (
     ROLLED_BACK,
     STAGED,
     VERIFYING,
-    IllegalTransition,
-    NameBusy,
-    RolloutStore,
 )
 from edge_agent.ledger.evidence import evidence_for
 from tests.rollout_support import DirReleases, PaperLoader, ScriptedProbe, write_gguf

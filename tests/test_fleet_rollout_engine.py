@@ -23,7 +23,7 @@ from edge_agent.fleet.controller.rollouts import RolloutEngine
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import PostgresStore, SQLiteStore
 from edge_agent.fleet.controller.waves import Policy, parse_waves
-from edge_agent.fleet.signing import load_private, load_public, verify
+from edge_agent.fleet.protocol.signing import load_private, load_public, verify
 from tests.ggufgen import write_tiny_gguf
 from tests.releasekit import Repo, make_repo
 

@@ -21,7 +21,7 @@ from edge_agent.fleet.controller.rollout_records import (
     NewRollout,
     RolloutConflict,
 )
-from edge_agent.fleet.controller.sql import SCHEMA
+from edge_agent.fleet.controller.schema import SCHEMA
 from edge_agent.fleet.controller.store import FleetStore, PostgresStore, SQLiteStore
 from edge_agent.fleet.controller.waves import (
     ABORTED,

@@ -13,8 +13,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edge_agent.fleet.commands import CommandRefused
-from edge_agent.fleet.signing import (
+from edge_agent.fleet.protocol.refusals import CommandRefused
+from edge_agent.fleet.protocol.signing import (
     canonical,
     generate_keypair,
     load_private,

@@ -1,4 +1,4 @@
-"""The fleet simulator (`edge_agent.fleet.simulate`) against a real Mosquitto and the real
+"""The fleet simulator (`edge_agent.fleet.sim.fleet`) against a real Mosquitto and the real
 controller: its devices connect as their own broker users, are born, publish metrics and
 lose nothing across a broker restart; scripted command outcomes come back as results; and
 `edge-agent bench fleet` prints its figures (their values are the bench's business, not a
@@ -19,12 +19,13 @@ from click.testing import CliRunner
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edge_agent.cli import main
-from edge_agent.fleet.commands import Command, CommandRefused
 from edge_agent.fleet.controller import commands
-from edge_agent.fleet.envelope import AUDIT
-from edge_agent.fleet.signing import generate_keypair, load_private, load_public
-from edge_agent.fleet.simdevice import SimDevice
-from edge_agent.fleet.simulate import SimOptions, Simulator
+from edge_agent.fleet.protocol.command import Command
+from edge_agent.fleet.protocol.envelope import AUDIT
+from edge_agent.fleet.protocol.refusals import CommandRefused
+from edge_agent.fleet.protocol.signing import generate_keypair, load_private, load_public
+from edge_agent.fleet.sim.device import SimDevice
+from edge_agent.fleet.sim.fleet import SimOptions, Simulator
 from tests.brokers import FLEET, Mosquitto
 from tests.conftest import clone_state
 from tests.fleetkit import Controller, fast_options, wait_until

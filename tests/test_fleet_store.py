@@ -355,3 +355,15 @@ def test_loss_accounting_per_boot_as_an_operator_reads_it(store: FleetStore) -> 
     assert loss["outbox"] == {"depth": 42, "oldest_age_s": 3.5, "reported": 50.0}
     assert store.loss("nobody") == {"device": "nobody", "boots": [], "missing": 0,
                                     "duplicates": 0, "outbox": None}
+
+
+def test_every_table_the_controller_stores_is_listed_in_one_place() -> None:
+    """`controller.schema`'s table names every table its steps create, and no other."""
+    import re
+
+    from edge_agent.fleet.controller import schema
+    created = {m for _, steps in schema.SCHEMA for s in steps
+               for m in re.findall(r"CREATE TABLE (\w+)", s)}
+    listed = set(re.findall(r"^\| `(\w+)` \|", schema.__doc__ or "", re.M))
+    assert created == listed
+    assert len(created) == 11

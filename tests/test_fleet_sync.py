@@ -23,12 +23,12 @@ from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.request import DoneEvent, Timings, Usage
 from edge_agent.errors import RateLimited
-from edge_agent.fleet import ledger_summary
-from edge_agent.fleet.envelope import Envelope, decode
-from edge_agent.fleet.ledger_summary import LedgerSummaries
-from edge_agent.fleet.outbox import Outbox
-from edge_agent.fleet.privacy import WITHHELD, screen
-from edge_agent.fleet.sync import Sync
+from edge_agent.fleet.device.link.outbox import Outbox
+from edge_agent.fleet.device.reporting import ledger_summary
+from edge_agent.fleet.device.reporting.ledger_summary import LedgerSummaries
+from edge_agent.fleet.device.reporting.privacy import WITHHELD, screen
+from edge_agent.fleet.device.reporting.sync import Sync
+from edge_agent.fleet.protocol.envelope import Envelope, decode
 from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.telemetry.hardware import HardwareSampler, Reading
 from edge_agent.telemetry.metrics import Metrics
@@ -465,7 +465,7 @@ def test_a_failing_tick_is_logged_once_and_the_next_ones_still_run(
         stop.set()
         await asyncio.wait_for(task, 5)
 
-    caplog.set_level(logging.DEBUG, logger="edge_agent.fleet.sync")
+    caplog.set_level(logging.DEBUG, logger="edge_agent.fleet.device.reporting.sync")
     asyncio.run(main())
     assert sync.failures["events"] == 3 and sync.failures["metrics"] == 1
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]

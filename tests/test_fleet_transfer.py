@@ -23,10 +23,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from edge_agent.fleet import transfer
-from edge_agent.fleet.controller.artifacts import _resolve, artifacts_router
-from edge_agent.fleet.manifest import parse
-from edge_agent.fleet.release import (
+from edge_agent.fleet.controller.releases.artifacts import _resolve, artifacts_router
+from edge_agent.fleet.device.release import transfer
+from edge_agent.fleet.device.release.source import (
     HASH_MISMATCH,
     INVALID_MODEL,
     NO_SPACE,
@@ -37,6 +36,7 @@ from edge_agent.fleet.release import (
     ReleaseRejected,
     ReleaseSource,
 )
+from edge_agent.fleet.protocol.manifest import parse
 from tests.releasekit import (
     ArtifactServer,
     device_settings,
@@ -268,8 +268,8 @@ def test_a_killed_download_resumes_from_its_part(served: tuple[ArtifactServer, R
 _CHILD = """
 import json, sys
 from pathlib import Path
-from edge_agent.fleet import transfer
-from edge_agent.fleet.release import Release
+from edge_agent.fleet.device.release import transfer
+from edge_agent.fleet.device.release.source import Release
 transfer.download(Release.from_json(json.loads(sys.argv[1])), Path(sys.argv[2]))
 """
 

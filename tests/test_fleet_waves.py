@@ -36,7 +36,7 @@ from edge_agent.fleet.controller.waves import (
     tally,
     wave_sizes,
 )
-from edge_agent.fleet.rollout_state import (
+from edge_agent.fleet.protocol.rollout_states import (
     ACTIVATING,
     ACTIVE,
     CANCELLED,

@@ -42,9 +42,21 @@ def test_the_code_keeps_every_contract() -> None:
     # two packages of the wiring layer tied together
     ("doctor.py", "import edge_agent.bench.run", "cli -> app"),
     # the fleet link reaching the scheduler, here through the registry (indirect counts)
-    ("fleet/topics.py", "import edge_agent.engine.registry", "never the scheduler"),
+    ("fleet/protocol/topics.py", "import edge_agent.engine.registry", "never the scheduler"),
+    # the wire reaching into one side of it
+    ("fleet/protocol/envelope.py", "import edge_agent.fleet.device.link.outbox",
+     "sim -> controller | device -> protocol"),
+    # the controller borrowing a fact from the box's modules instead of the protocol
+    ("fleet/controller/waves.py", "import edge_agent.fleet.device.rollout.store",
+     "sim -> controller | device -> protocol"),
+    # the box using the simulator
+    ("fleet/device/link/link.py", "import edge_agent.fleet.sim.testbed",
+     "sim -> controller | device -> protocol"),
+    # the serving path pulling in the simulator
+    ("server.py", "import edge_agent.fleet.sim.testbed", "never imports the fleet simulator"),
     # a store reporting to the fleet itself
-    ("telemetry/metrics.py", "import edge_agent.fleet.topics", "know nothing of the request"),
+    ("telemetry/metrics.py", "import edge_agent.fleet.protocol.topics",
+     "know nothing of the request"),
     # the bottom importing the top
     ("config/__init__.py", "import edge_agent.cli", "cli -> app"),
 ])

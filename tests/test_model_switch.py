@@ -20,7 +20,8 @@ from edge_agent.bench.rollout import variant
 from edge_agent.config import load_settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
-from edge_agent.fleet.rollout_state import CANCELLED, STAGED, RolloutStore
+from edge_agent.fleet.device.rollout.store import RolloutStore
+from edge_agent.fleet.protocol.rollout_states import CANCELLED, STAGED
 from edge_agent.governance.keys import KeyStore
 from tests.conftest import (
     DEFAULT_MODEL,

@@ -17,12 +17,12 @@ from fastapi.testclient import TestClient
 
 from edge_agent.app import create_app
 from edge_agent.config import load_settings
-from edge_agent.fleet.files import atomic_write, locked
-from edge_agent.fleet.name_claim import by_hand
-from edge_agent.fleet.outbox import Outbox
-from edge_agent.fleet.overlay import OVERLAY_FILE
-from edge_agent.fleet.rollout_state import RolloutStore
-from edge_agent.fleet.state import FleetState
+from edge_agent.files import atomic_write, locked
+from edge_agent.fleet.device.link.outbox import Outbox
+from edge_agent.fleet.device.link.overlay import OVERLAY_FILE
+from edge_agent.fleet.device.link.state import FleetState
+from edge_agent.fleet.device.rollout.name_claim import by_hand
+from edge_agent.fleet.device.rollout.store import RolloutStore
 from edge_agent.governance.keys import KeyStore
 from edge_agent.ledger.store import REQUESTS, open_ledger
 from edge_agent.owner_only import private_dir, private_file

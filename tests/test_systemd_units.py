@@ -150,7 +150,7 @@ def test_the_stop_timeout_covers_the_drain_and_the_flushes() -> None:
     the code by a timeout read here, so the unit cannot fall behind it. (The role adds a
     longer grace: tests/test_ansible_role.py.)"""
     from edge_agent.config import ServerSettings
-    from edge_agent.fleet.link import Link
+    from edge_agent.fleet.device.link.link import Link
     from edge_agent.ledger.writer import LedgerWriter
     from edge_agent.server import CUT_WAIT_S, GRACEFUL_SHUTDOWN_S
     assert ServerSettings().stop_grace_s == GRACEFUL_SHUTDOWN_S

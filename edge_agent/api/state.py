@@ -30,7 +30,8 @@ class AppParts:
     governor: Governor | None = None
     ledger: LedgerWriter | None = None  # set while the app runs
     # hold_name(name, change): a change of a model by hand, under the box's claim on the
-    # name and refused (409) while a fleet rollout of it is live (`fleet.name_claim`).
+    # name and refused (409) while a fleet rollout of it is live
+    # (`fleet.device.rollout.name_claim`).
     hold_name: Callable[[str, str], AbstractContextManager[None]] | None = None
 
     def held(self, name: str, change: str) -> AbstractContextManager[None]:

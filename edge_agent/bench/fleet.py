@@ -35,10 +35,10 @@ from edge_agent.bench.fleet_sim import FLEET, bench_simulated_fleet
 from edge_agent.bench.peers import EdgeAgentPeer
 from edge_agent.bench.targets import report
 from edge_agent.config import FleetSettings
-from edge_agent.fleet.envelope import METRICS, build, encode
-from edge_agent.fleet.link import Link, LinkOptions
-from edge_agent.fleet.paho_thread import disconnect_and_stop
-from edge_agent.fleet.testbed import Broker, ControllerProcess, raise_nofile, wait_until
+from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
+from edge_agent.fleet.device.link.link import Link, LinkOptions
+from edge_agent.fleet.protocol.envelope import METRICS, build, encode
+from edge_agent.fleet.sim.testbed import Broker, ControllerProcess, raise_nofile, wait_until
 
 Echo = Callable[[str], None]
 LINK, PLAIN, SERVE = "bench-link", "bench-plain", "bench-serve"

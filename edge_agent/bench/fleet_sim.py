@@ -1,4 +1,4 @@
-"""The simulated fleet of `edge-agent bench fleet`: N devices of `fleet.simulate` (the
+"""The simulated fleet of `edge-agent bench fleet`: N devices of `fleet.sim.fleet` (the
 agent's own link code, all in this process on one selector loop) against a private
 Mosquitto and a private controller (`fleet serve`, a subprocess), one metrics message per
 device per interval.
@@ -27,8 +27,8 @@ from typing import Any, Literal
 import psutil
 
 from edge_agent.bench.targets import report
-from edge_agent.fleet.simulate import SimOptions, Simulator
-from edge_agent.fleet.testbed import Broker, ControllerProcess
+from edge_agent.fleet.sim.fleet import SimOptions, Simulator
+from edge_agent.fleet.sim.testbed import Broker, ControllerProcess
 
 Echo = Callable[[str], None]
 FLEET = "bench"

@@ -39,10 +39,10 @@ from edge_agent.bench.peers import EdgeAgentPeer, Sample
 from edge_agent.bench.rollout_waves import run_waves, sim_devices
 from edge_agent.bench.targets import report
 from edge_agent.engine.catalog import ModelStore
-from edge_agent.fleet.testbed import Broker, ControllerProcess, wait_until
+from edge_agent.fleet.sim.testbed import Broker, ControllerProcess, wait_until
 
 if TYPE_CHECKING:
-    from edge_agent.fleet.release import Release
+    from edge_agent.fleet.device.release.source import Release
 
 Echo = Callable[[str], None]
 FLEET, DEV = "bench", "bench-box"
@@ -148,7 +148,7 @@ class Load:
 def _download_vs_curl(ctl_url: str, root_file: Path, work: Path, version: str,
                       model: str, runs: int) -> dict[str, Any]:
     from edge_agent.config import load_settings
-    from edge_agent.fleet.release import ReleaseSource
+    from edge_agent.fleet.device.release.source import ReleaseSource
 
     device = work / "device"
     settings = load_settings(None, state_dir=device, **{
@@ -161,7 +161,7 @@ def download_vs_curl(release: Release, work: Path, runs: int) -> dict[str, Any]:
     """`transfer.download` of a verified release against `curl` of its URL, in turns:
     MB/s to the last byte (`transfer`), with the sha256 and GGUF precheck that follow
     (`download`), and curl's; the ratios of the medians."""
-    from edge_agent.fleet import transfer
+    from edge_agent.fleet.device.release import transfer
 
     times: dict[str, list[float]] = {"transfer": [], "download": [], "curl": []}
     for _ in range(runs):

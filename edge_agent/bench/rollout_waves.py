@@ -1,5 +1,5 @@
 """The controller's figure of `edge-agent bench rollout`: a rollout in waves over simulated
-boxes — the fleet simulator (`fleet.simrollout.LinkFleet`: the agent's own link code per
+boxes — the fleet simulator (`fleet.sim.rollout.LinkFleet`: the agent's own link code per
 box, its command gate checking every signature, its outbox waiting for the controller's
 acks), each box answering with the scripted path RECEIVED … GATING → ACTIVE — driven by
 the real `fleet serve` (its rollout engine signs and publishes every command) through
@@ -27,9 +27,9 @@ import httpx
 import psutil
 
 from edge_agent.bench.targets import report
-from edge_agent.fleet.signing import load_public
-from edge_agent.fleet.simrollout import LinkFleet
-from edge_agent.fleet.testbed import Broker, ControllerProcess
+from edge_agent.fleet.protocol.signing import load_public
+from edge_agent.fleet.sim.rollout import LinkFleet
+from edge_agent.fleet.sim.testbed import Broker, ControllerProcess
 
 Echo = Callable[[str], None]
 WAVES = "1,10%,50%,100%"

@@ -130,7 +130,7 @@ def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
 @json_option()
 def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
     """A device's latest metrics message (or every device's with --all)."""
-    from edge_agent.fleet.ids import check_id
+    from edge_agent.fleet.protocol.ids import check_id
 
     settings = _settings()
     if (device is None) == (not all_devices):
@@ -270,7 +270,7 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
     to DEVICE (or --all) and print the results the boxes send back (exit 1 unless every
     awaited box answered ok). Results are stored by the running `fleet serve`."""
     from edge_agent.fleet.controller import commands
-    from edge_agent.fleet.signing import load_private
+    from edge_agent.fleet.protocol.signing import load_private
 
     settings = _settings(**{"broker.url": broker, "broker.username": username,
                             "broker.password_file": password_file})

@@ -13,7 +13,7 @@ its signed release repository (The Update Framework).
 These run on the controller, on its state dir (`--state-dir`, default
 /var/lib/edge-agent-fleet); the repository is `<state>/releases/`, which `fleet serve`
 (or any static server with Range) publishes. Thin: each command parses its arguments and
-calls `fleet.controller.releases` / `release_keys`; their errors are mapped by the root
+calls `fleet.controller.releases.repository` / `release_keys`; their errors are mapped by the root
 group (a bad flag or missing key: exit 2; a missing release or a bad file: exit 1).
 """
 
@@ -32,8 +32,8 @@ from edge_agent.cli.common import BadUsage, F
 from edge_agent.cli.output import echo_json, json_option, progress, table
 
 if TYPE_CHECKING:
-    from edge_agent.fleet.controller.release_keys import KeyDir
-    from edge_agent.fleet.controller.releases import ReleaseEntry, ReleaseRepository
+    from edge_agent.fleet.controller.releases.keys import KeyDir
+    from edge_agent.fleet.controller.releases.repository import ReleaseEntry, ReleaseRepository
 
 DEFAULT_STATE_DIR = Path("/var/lib/edge-agent-fleet")
 _DURATION = re.compile(r"(\d+)([smhd]?)")
@@ -61,13 +61,13 @@ def _state_dir(value: Path) -> Path:
 
 
 def _repo(state_dir: Path) -> ReleaseRepository:
-    from edge_agent.fleet.controller.releases import ReleaseRepository, releases_dir
+    from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
 
     return ReleaseRepository(releases_dir(_state_dir(state_dir)))
 
 
 def _keys(repo: ReleaseRepository, keys_dir: Path | None) -> KeyDir:
-    from edge_agent.fleet.controller.release_keys import KeyDir
+    from edge_agent.fleet.controller.releases.keys import KeyDir
 
     return KeyDir(keys_dir) if keys_dir is not None else repo.default_keys()
 
@@ -83,7 +83,7 @@ def _keys(repo: ReleaseRepository, keys_dir: Path | None) -> KeyDir:
               help="Root signatures a new root version needs.")
 def keygen(state_dir: Path, out: Path | None, root_keys: int, root_threshold: int) -> None:
     """Make the controller's keys: command signing, and the release (TUF) role keys."""
-    from edge_agent.fleet.controller.release_keys import keygen as make
+    from edge_agent.fleet.controller.releases.keys import keygen as make
 
     state = _state_dir(state_dir)
     out = out if out is not None else state / "keys"
@@ -115,8 +115,8 @@ def release() -> None:
 def release_init(state_dir: Path, keys_dir: Path | None, root_key_dir: Path | None,
                  root_threshold: int | None, expires: tuple[str, ...]) -> None:
     """Create the repository: root metadata signed by the root keys, empty targets."""
-    from edge_agent.fleet.controller.release_keys import KeyDir
-    from edge_agent.fleet.controller.releases import ReleaseRepository, releases_dir
+    from edge_agent.fleet.controller.releases.keys import KeyDir
+    from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
 
     state = _state_dir(state_dir)
     keys = KeyDir(keys_dir if keys_dir is not None else state / "keys")
@@ -153,8 +153,8 @@ def release_add(state_dir: Path, keys_dir: Path | None, file: Path, name: str, v
                 min_agent_version: str | None, tier: str | None, license_: str | None,
                 as_json: bool) -> None:
     """Publish a GGUF as NAME@VERSION: signed targets, snapshot and timestamp."""
-    from edge_agent.fleet.controller.releases import manifest_for
-    from edge_agent.fleet.manifest import ManifestError
+    from edge_agent.fleet.controller.releases.repository import manifest_for
+    from edge_agent.fleet.protocol.manifest import ManifestError
 
     repo = _repo(state_dir)
     keys = _keys(repo, keys_dir)
@@ -205,7 +205,7 @@ def release_list(state_dir: Path, as_json: bool) -> None:
 @json_option()
 def release_show(state_dir: Path, ref: str, as_json: bool) -> None:
     """One release: its file, length, sha256 and the signed manifest."""
-    from edge_agent.fleet.manifest import ManifestError, parse_ref
+    from edge_agent.fleet.protocol.manifest import ManifestError, parse_ref
 
     repo = _repo(state_dir)
     try:

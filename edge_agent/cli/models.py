@@ -40,8 +40,8 @@ def _ops_for(settings: Settings) -> ModelOps:
 @contextmanager
 def _by_hand(settings: Settings, name: str, change: str, force: bool) -> Iterator[None]:
     """The change under the name's claim, refused while a fleet rollout of the name is
-    live on this box (`fleet.name_claim.by_hand`)."""
-    from edge_agent.fleet.name_claim import by_hand
+    live on this box (`fleet.device.rollout.name_claim.by_hand`)."""
+    from edge_agent.fleet.device.rollout.name_claim import by_hand
 
     with by_hand(settings.state_dir, name, change, force=force):
         yield
@@ -155,7 +155,7 @@ def models_pull(name: str, activate: bool, force: bool, as_json: bool) -> None:
 
 def _pull_release(name: str, version: str, *, activate: bool, as_json: bool,
                   force: bool) -> None:
-    from edge_agent.fleet.pull import pull
+    from edge_agent.fleet.device.release.pull import pull
 
     settings = load()
     ops = _ops_for(settings)
@@ -309,7 +309,7 @@ def models_history(name: str, limit: int | None, as_json: bool) -> None:
 def _print_evidence(rows: list[dict[str, Any]]) -> None:
     """Each activation attempt: what replaced what, on what, how long each state took,
     and every gate check with its figure."""
-    from edge_agent.fleet.rollout_state import STATES
+    from edge_agent.fleet.protocol.rollout_states import STATES
 
     for ev in rows:
         click.echo("")

@@ -18,7 +18,7 @@ from edge_agent.netaddr import is_loopback
 def serve(host: str | None, port: int | None, log_level: str | None) -> None:
     """Serve both API dialects on one port."""
     from edge_agent.app import create_app
-    from edge_agent.fleet.overlay import apply_overlay
+    from edge_agent.fleet.device.link.overlay import apply_overlay
     from edge_agent.governance.keys import KeyStore
     from edge_agent.server import serve as run_server
 

@@ -24,8 +24,8 @@ class BrokerAddress(NamedTuple):
 
 
 _BROKER_SCHEMES = {"mqtt": (1883, False), "mqtts": (8883, True)}
-# A download's progress is offered at most every 0.25 s (`fleet.transfer`), so an interval
-# below that sends no more often; the floor only keeps the figure sane.
+# A download's progress is offered at most every 0.25 s (`fleet.device.release.transfer`), so an
+# interval below that sends no more often; the floor only keeps the figure sane.
 MIN_PROGRESS_INTERVAL_S = 0.1
 # A cap above any link's speed (10 GB/s) caps nothing: no cap is written as unset.
 MAX_DOWNLOAD_BYTES_PER_S = 10_000_000_000

@@ -4,7 +4,7 @@ what the gate measures.
 
 The fleet link may not import `gateway.service` (it imports the registry, which imports
 the scheduler and llama.cpp); the app builds a `ServiceProbe` over its GenerationService
-and hands it to the rollout manager, which sees only `fleet.gate.Probe`.
+and hands it to the rollout manager, which sees only `fleet.device.rollout.health_gate.Probe`.
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from edge_agent import __version__
-from edge_agent.fleet.controller.artifacts import artifacts_router
 from edge_agent.fleet.controller.metrics import ControllerMetrics
+from edge_agent.fleet.controller.releases.artifacts import artifacts_router
 from edge_agent.fleet.controller.rollout_ops import report
 from edge_agent.fleet.controller.store import FleetStore
-from edge_agent.fleet.ids import check_id
+from edge_agent.fleet.protocol.ids import check_id
 
 
 def _problem(status: int, message: str) -> JSONResponse:

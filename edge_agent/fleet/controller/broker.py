@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge_agent.config import ConfigError
-from edge_agent.fleet import topics
-from edge_agent.fleet.files import atomic_write
-from edge_agent.fleet.ids import check_id
+from edge_agent.files import atomic_write
+from edge_agent.fleet.protocol import topics
+from edge_agent.fleet.protocol.ids import check_id
 
 # Mosquitto 2's password hash: PBKDF2-SHA512, 101 iterations, 12-byte salt, 64-byte key.
 HASH_ITERATIONS = 101

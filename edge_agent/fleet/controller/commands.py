@@ -21,14 +21,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from paho.mqtt.enums import CallbackAPIVersion
 
 from edge_agent.errors import EdgeAgentError, InvalidRequest, ServiceUnavailable
-from edge_agent.fleet import topics
-from edge_agent.fleet.commands import MAX_COMMAND_BYTES
+from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import FleetStore
-from edge_agent.fleet.envelope import dumps
-from edge_agent.fleet.ids import check_id
-from edge_agent.fleet.paho_thread import disconnect_and_stop
-from edge_agent.fleet.signing import sign
+from edge_agent.fleet.protocol import topics
+from edge_agent.fleet.protocol.command import MAX_COMMAND_BYTES
+from edge_agent.fleet.protocol.envelope import dumps
+from edge_agent.fleet.protocol.ids import check_id
+from edge_agent.fleet.protocol.signing import sign
 
 ALL = topics.ALL
 DEFAULT_TTL_S = 300.0

@@ -2,7 +2,7 @@
 earns, and inclusive seq ranges.
 
 Plain data and pure functions only: no database, no MQTT. The ranges are what the ingest
-acknowledgement carries; its wire form (signed) is `fleet.envelope.encode_ack`'s.
+acknowledgement carries; its wire form (signed) is `fleet.protocol.envelope.encode_ack`'s.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edge_agent.fleet.envelope import encode_ack
+from edge_agent.fleet.protocol.envelope import encode_ack
 
 Ranges = list[list[int]]
 """Inclusive, sorted, disjoint, non-adjacent `[first, last]` seq ranges."""
@@ -60,7 +60,7 @@ class Acks:
 
     def payload(self, device: str, key: Ed25519PrivateKey | None = None) -> bytes:
         """The ack message for `device`, signed with the command key when there is one
-        (its wire form is `fleet.envelope`'s)."""
+        (its wire form is `fleet.protocol.envelope`'s)."""
         return encode_ack(self.ranges.get(device, {}), device=device, key=key)
 
 

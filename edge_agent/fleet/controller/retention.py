@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
-from edge_agent.fleet.envelope import AUDIT, METRICS
+from edge_agent.fleet.protocol.envelope import AUDIT, METRICS
 
 if TYPE_CHECKING:
     from edge_agent.fleet.controller.settings import RetentionSettings
@@ -34,15 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DAY_S = 86400.0
-
-RETENTION_SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("m005_retention", (
-        """CREATE TABLE retired (
-            device TEXT NOT NULL, boot_id TEXT NOT NULL, last_seq BIGINT NOT NULL,
-            PRIMARY KEY (device, boot_id))""",
-        "CREATE INDEX messages_by_age ON messages (class, received)",
-    )),
-)
 
 # The watermark only moves up (GREATEST is PostgreSQL's, max() SQLite's: CASE is both's).
 _HIGHER = ("CASE WHEN excluded.last_seq > retired.last_seq THEN excluded.last_seq "

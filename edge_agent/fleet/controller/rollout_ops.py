@@ -23,12 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.errors import InvalidRequest
-from edge_agent.fleet.controller.releases import ReleaseRepository, releases_dir
-from edge_agent.fleet.controller.rollout_records import (
-    DeviceRecord,
-    NewRollout,
-    RolloutRecord,
-)
+from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
+from edge_agent.fleet.controller.rollout_records import DeviceRecord, NewRollout, RolloutRecord
 from edge_agent.fleet.controller.store import FleetStore
 from edge_agent.fleet.controller.waves import (
     ABORTED,
@@ -45,8 +41,8 @@ from edge_agent.fleet.controller.waves import (
     phase,
     tally,
 )
-from edge_agent.fleet.ids import check_id
-from edge_agent.fleet.rollout_state import ROLLED_BACK
+from edge_agent.fleet.protocol.ids import check_id
+from edge_agent.fleet.protocol.rollout_states import ROLLED_BACK
 from edge_agent.names import normalize_name
 
 ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from edge_agent.errors import Conflict
 from edge_agent.fleet.controller.waves import DeviceView, Policy, parse_waves
-from edge_agent.fleet.rollout_state import DOWNLOADING
+from edge_agent.fleet.protocol.rollout_states import DOWNLOADING
 
 
 class RolloutConflict(Conflict):

@@ -39,51 +39,18 @@ from edge_agent.fleet.controller.rollout_records import (
     RolloutRecord,
     rollout_from_row,
 )
-from edge_agent.fleet.controller.waves import (
-    LIVE,
-    PENDING,
-    REFUSED,
-    SENT,
+from edge_agent.fleet.controller.waves import LIVE, PENDING, REFUSED, SENT
+from edge_agent.fleet.protocol.rollout_states import (
+    ACTIVE,
+    FAILED,
+    REJECTED,
+    ROLLED_BACK,
+    STATES,
+    describe,
 )
-from edge_agent.fleet.name_claim import describe
-from edge_agent.fleet.rollout_state import ACTIVE, FAILED, REJECTED, ROLLED_BACK, STATES
 
 if TYPE_CHECKING:
     from edge_agent.fleet.controller.sql import Exec
-
-ROLLOUT_SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("m003_rollouts", (
-        """CREATE TABLE rollouts (
-            id TEXT PRIMARY KEY, name TEXT NOT NULL, version TEXT NOT NULL,
-            selector TEXT NOT NULL, waves TEXT NOT NULL, abort_above DOUBLE PRECISION NOT NULL,
-            min_executed BIGINT NOT NULL, soak_s DOUBLE PRECISION NOT NULL,
-            device_timeout_s DOUBLE PRECISION NOT NULL, rollback_on_abort INTEGER NOT NULL,
-            state TEXT NOT NULL, live INTEGER NOT NULL, settled INTEGER NOT NULL DEFAULT 0,
-            wave BIGINT NOT NULL DEFAULT 0, waves_total BIGINT NOT NULL,
-            devices_total BIGINT NOT NULL, reason TEXT, wave_started_at DOUBLE PRECISION,
-            created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL)""",
-        "CREATE UNIQUE INDEX rollouts_one_live_per_name ON rollouts (name) WHERE live = 1",
-        "CREATE INDEX rollouts_unsettled ON rollouts (settled, created_at)",
-        """CREATE TABLE rollout_devices (
-            rollout_id TEXT NOT NULL, device TEXT NOT NULL, fleet TEXT NOT NULL,
-            wave BIGINT NOT NULL, state TEXT NOT NULL, retrying INTEGER NOT NULL DEFAULT 0,
-            reason TEXT, command_id TEXT, started_at DOUBLE PRECISION,
-            active_at DOUBLE PRECISION, finished_at DOUBLE PRECISION, outcome TEXT,
-            reported_ts DOUBLE PRECISION, updated_at DOUBLE PRECISION NOT NULL,
-            PRIMARY KEY (rollout_id, device))""",
-        "CREATE INDEX rollout_devices_by_command ON rollout_devices (command_id)",
-        """CREATE TABLE rollout_commands (
-            command_id TEXT PRIMARY KEY, rollout_id TEXT NOT NULL, device TEXT NOT NULL,
-            type TEXT NOT NULL, recorded DOUBLE PRECISION NOT NULL,
-            published_at DOUBLE PRECISION, withdrawn_at DOUBLE PRECISION)""",
-        "CREATE INDEX rollout_commands_by_rollout ON rollout_commands (rollout_id, device)",
-    )),
-    ("m004_rollout_progress", tuple(
-        f"ALTER TABLE rollout_devices ADD COLUMN {column}" for column in (
-            "progress_bytes BIGINT", "progress_total BIGINT",
-            "progress_rate_bps DOUBLE PRECISION", "progress_eta_s DOUBLE PRECISION",
-            "progress_ts DOUBLE PRECISION"))),
-)
 
 _ROLLOUT_COLUMNS = ("id, name, version, selector, waves, abort_above, min_executed, soak_s, "
                     "device_timeout_s, rollback_on_abort, state, live, settled, wave, "

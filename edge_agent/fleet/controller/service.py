@@ -28,12 +28,12 @@ from edge_agent.config import ConfigError
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.ingest import Ingest
 from edge_agent.fleet.controller.metrics import ControllerMetrics
-from edge_agent.fleet.controller.releases import releases_dir
+from edge_agent.fleet.controller.releases.repository import releases_dir
 from edge_agent.fleet.controller.retention import Retention
 from edge_agent.fleet.controller.rollouts import RolloutEngine
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import FleetStore, open_store
-from edge_agent.fleet.signing import load_private
+from edge_agent.fleet.protocol.signing import load_private
 from edge_agent.sdnotify import Notifier, announce_ready, keep_alive
 
 log = logging.getLogger(__name__)

@@ -26,61 +26,12 @@ from edge_agent.fleet.controller.records import (
     merge_ranges,
     to_ranges,
 )
-from edge_agent.fleet.controller.retention import RETENTION_SCHEMA, RetentionQueries
-from edge_agent.fleet.controller.rollout_sql import ROLLOUT_SCHEMA, RolloutQueries
+from edge_agent.fleet.controller.retention import RetentionQueries
+from edge_agent.fleet.controller.rollout_sql import RolloutQueries
 
 log = logging.getLogger(__name__)
 
 COMMAND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-# Schema steps, in order; each runs once, in one transaction, on either database. Types are
-# the ones both understand (SQLite maps BIGINT to INTEGER, DOUBLE PRECISION to REAL).
-# Bodies are JSON text so the two stores read back the same thing.
-SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("m001_devices_and_messages", (
-        """CREATE TABLE devices (
-            device TEXT PRIMARY KEY, fleet TEXT NOT NULL, online INTEGER NOT NULL DEFAULT 0,
-            bdseq BIGINT, boot_id TEXT, birth TEXT, first_seen DOUBLE PRECISION NOT NULL,
-            last_seen DOUBLE PRECISION NOT NULL, last_birth DOUBLE PRECISION,
-            last_death DOUBLE PRECISION)""",
-        """CREATE TABLE messages (
-            device TEXT NOT NULL, boot_id TEXT NOT NULL, seq BIGINT NOT NULL,
-            fleet TEXT NOT NULL, kind TEXT NOT NULL, class TEXT NOT NULL,
-            ts DOUBLE PRECISION NOT NULL, received DOUBLE PRECISION NOT NULL,
-            body TEXT NOT NULL, PRIMARY KEY (device, boot_id, seq))""",
-        "CREATE INDEX messages_by_kind ON messages (device, kind, ts)",
-        """CREATE TABLE dropped (
-            device TEXT NOT NULL, boot_id TEXT NOT NULL, first_seq BIGINT NOT NULL,
-            last_seq BIGINT NOT NULL, reported DOUBLE PRECISION NOT NULL,
-            PRIMARY KEY (device, boot_id, first_seq, last_seq))""",
-    )),
-    ("m002_commands", (
-        "CREATE TABLE command_streams (stream TEXT PRIMARY KEY, last_seq BIGINT NOT NULL)",
-        """CREATE TABLE commands (
-            id TEXT PRIMARY KEY, fleet TEXT NOT NULL, target TEXT NOT NULL,
-            type TEXT NOT NULL, seq BIGINT NOT NULL, issued_at DOUBLE PRECISION NOT NULL,
-            expires_at DOUBLE PRECISION NOT NULL, body TEXT NOT NULL,
-            recorded DOUBLE PRECISION NOT NULL)""",
-        """CREATE TABLE command_results (
-            id TEXT NOT NULL, device TEXT NOT NULL, type TEXT, status TEXT NOT NULL,
-            reason TEXT, result TEXT, received DOUBLE PRECISION NOT NULL,
-            PRIMARY KEY (id, device))""",
-    )),
-    *ROLLOUT_SCHEMA,  # rollouts, their devices and commands (rollout_sql)
-    *RETENTION_SCHEMA,  # what retention removed (retention)
-    # A box's models as its latest birth or models.state event says, and when it said
-    # so (the box's clock): the newer of the two is the view.
-    ("m006_device_models", (
-        "ALTER TABLE devices ADD COLUMN models TEXT",
-        "ALTER TABLE devices ADD COLUMN models_ts DOUBLE PRECISION",
-    )),
-    # Duplicates dropped, per device and boot: loss accounting's other half.
-    ("m007_duplicates", (
-        """CREATE TABLE duplicates (
-            device TEXT NOT NULL, boot_id TEXT NOT NULL, count BIGINT NOT NULL,
-            PRIMARY KEY (device, boot_id))""",
-    )),
-)
 
 _DEVICE_COLUMNS = ("device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, "
                    "last_birth, last_death, models")

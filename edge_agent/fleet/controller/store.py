@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.controller.records import Acks, Inbound, Ranges
 from edge_agent.fleet.controller.rollout_records import RolloutStore
-from edge_agent.fleet.controller.sql import SCHEMA, Exec, SQLStore
+from edge_agent.fleet.controller.schema import SCHEMA
+from edge_agent.fleet.controller.sql import Exec, SQLStore
 
 if TYPE_CHECKING:
     import psycopg

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from edge_agent.errors import InvalidRequest
-from edge_agent.fleet.rollout_state import (
+from edge_agent.fleet.protocol.rollout_states import (
     ACTIVATING,
     ACTIVE,
     CANCELLED,
@@ -60,7 +60,7 @@ RUNNING, PAUSED, ABORTED, COMPLETED = "RUNNING", "PAUSED", "ABORTED", "COMPLETED
 ROLLOUT_STATES = (RUNNING, PAUSED, ABORTED, COMPLETED, ROLLED_BACK)
 LIVE = frozenset({RUNNING, PAUSED})
 
-# A device's state as the controller records it: the box's own (`fleet.rollout_state`),
+# A device's state as the controller records it: the box's own (`fleet.device.rollout.store`),
 # or one of these before the box said anything.
 PENDING = "PENDING"  # its wave has not started: nothing sent
 SENT = "SENT"  # rollout.start recorded (and published once `started_at` is set)

@@ -1,0 +1,7 @@
+"""The controller's release repository: The Update Framework's metadata (`repository`),
+its keys (`keys`) and the HTTP server that hands metadata and model files to boxes
+(`artifacts`).
+
+Never: a key in the repository's served folder. Next: `device.release.source`, the box's
+client of what this publishes.
+"""

@@ -1,0 +1,107 @@
+"""Every table the controller stores, in one place: the schema steps, in order, that
+`store.SQLiteStore` and `store.PostgresStore` run once each (`fleet_migrations` records
+them). The queries that read and write these tables are `sql.SQLStore` (devices,
+messages, commands), `rollout_sql.RolloutQueries` (rollouts) and
+`retention.RetentionQueries` (what retention removed).
+
+| table | one row per | written by |
+|---|---|---|
+| `devices` | box: online, bdseq, boot, birth, models | ingest (birth, death, models.state) |
+| `messages` | message a box sent (device, boot_id, seq) | ingest |
+| `dropped` | range of seqs a box's outbox dropped | ingest (outbox.dropped) |
+| `duplicates` | box and boot: messages delivered twice | ingest |
+| `command_streams` | stream (a device or `all`): its last seq | `fleet send`, the rollout engine |
+| `commands` | signed command sent | `fleet send`, the rollout engine |
+| `command_results` | command and device: its outcome | ingest (`cmd/result`) |
+| `rollouts` | rollout: policy, state, wave | `fleet rollout`, the rollout engine |
+| `rollout_devices` | rollout and device: wave, state, progress | the rollout engine, ingest |
+| `rollout_commands` | command a rollout sent | the rollout engine |
+| `retired` | box and boot: the last seq retention removed | retention |
+
+Types are the ones both databases understand (SQLite maps BIGINT to INTEGER, DOUBLE
+PRECISION to REAL); bodies are JSON text, so the two stores read back the same thing. A
+step is never edited once released: a change is a new step at the end.
+"""
+
+from __future__ import annotations
+
+SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("m001_devices_and_messages", (
+        """CREATE TABLE devices (
+            device TEXT PRIMARY KEY, fleet TEXT NOT NULL, online INTEGER NOT NULL DEFAULT 0,
+            bdseq BIGINT, boot_id TEXT, birth TEXT, first_seen DOUBLE PRECISION NOT NULL,
+            last_seen DOUBLE PRECISION NOT NULL, last_birth DOUBLE PRECISION,
+            last_death DOUBLE PRECISION)""",
+        """CREATE TABLE messages (
+            device TEXT NOT NULL, boot_id TEXT NOT NULL, seq BIGINT NOT NULL,
+            fleet TEXT NOT NULL, kind TEXT NOT NULL, class TEXT NOT NULL,
+            ts DOUBLE PRECISION NOT NULL, received DOUBLE PRECISION NOT NULL,
+            body TEXT NOT NULL, PRIMARY KEY (device, boot_id, seq))""",
+        "CREATE INDEX messages_by_kind ON messages (device, kind, ts)",
+        """CREATE TABLE dropped (
+            device TEXT NOT NULL, boot_id TEXT NOT NULL, first_seq BIGINT NOT NULL,
+            last_seq BIGINT NOT NULL, reported DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (device, boot_id, first_seq, last_seq))""",
+    )),
+    ("m002_commands", (
+        "CREATE TABLE command_streams (stream TEXT PRIMARY KEY, last_seq BIGINT NOT NULL)",
+        """CREATE TABLE commands (
+            id TEXT PRIMARY KEY, fleet TEXT NOT NULL, target TEXT NOT NULL,
+            type TEXT NOT NULL, seq BIGINT NOT NULL, issued_at DOUBLE PRECISION NOT NULL,
+            expires_at DOUBLE PRECISION NOT NULL, body TEXT NOT NULL,
+            recorded DOUBLE PRECISION NOT NULL)""",
+        """CREATE TABLE command_results (
+            id TEXT NOT NULL, device TEXT NOT NULL, type TEXT, status TEXT NOT NULL,
+            reason TEXT, result TEXT, received DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (id, device))""",
+    )),
+    ("m003_rollouts", (
+        """CREATE TABLE rollouts (
+            id TEXT PRIMARY KEY, name TEXT NOT NULL, version TEXT NOT NULL,
+            selector TEXT NOT NULL, waves TEXT NOT NULL, abort_above DOUBLE PRECISION NOT NULL,
+            min_executed BIGINT NOT NULL, soak_s DOUBLE PRECISION NOT NULL,
+            device_timeout_s DOUBLE PRECISION NOT NULL, rollback_on_abort INTEGER NOT NULL,
+            state TEXT NOT NULL, live INTEGER NOT NULL, settled INTEGER NOT NULL DEFAULT 0,
+            wave BIGINT NOT NULL DEFAULT 0, waves_total BIGINT NOT NULL,
+            devices_total BIGINT NOT NULL, reason TEXT, wave_started_at DOUBLE PRECISION,
+            created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL)""",
+        "CREATE UNIQUE INDEX rollouts_one_live_per_name ON rollouts (name) WHERE live = 1",
+        "CREATE INDEX rollouts_unsettled ON rollouts (settled, created_at)",
+        """CREATE TABLE rollout_devices (
+            rollout_id TEXT NOT NULL, device TEXT NOT NULL, fleet TEXT NOT NULL,
+            wave BIGINT NOT NULL, state TEXT NOT NULL, retrying INTEGER NOT NULL DEFAULT 0,
+            reason TEXT, command_id TEXT, started_at DOUBLE PRECISION,
+            active_at DOUBLE PRECISION, finished_at DOUBLE PRECISION, outcome TEXT,
+            reported_ts DOUBLE PRECISION, updated_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (rollout_id, device))""",
+        "CREATE INDEX rollout_devices_by_command ON rollout_devices (command_id)",
+        """CREATE TABLE rollout_commands (
+            command_id TEXT PRIMARY KEY, rollout_id TEXT NOT NULL, device TEXT NOT NULL,
+            type TEXT NOT NULL, recorded DOUBLE PRECISION NOT NULL,
+            published_at DOUBLE PRECISION, withdrawn_at DOUBLE PRECISION)""",
+        "CREATE INDEX rollout_commands_by_rollout ON rollout_commands (rollout_id, device)",
+    )),
+    ("m004_rollout_progress", tuple(
+        f"ALTER TABLE rollout_devices ADD COLUMN {column}" for column in (
+            "progress_bytes BIGINT", "progress_total BIGINT",
+            "progress_rate_bps DOUBLE PRECISION", "progress_eta_s DOUBLE PRECISION",
+            "progress_ts DOUBLE PRECISION"))),
+    ("m005_retention", (
+        """CREATE TABLE retired (
+            device TEXT NOT NULL, boot_id TEXT NOT NULL, last_seq BIGINT NOT NULL,
+            PRIMARY KEY (device, boot_id))""",
+        "CREATE INDEX messages_by_age ON messages (class, received)",
+    )),
+    # A box's models as its latest birth or models.state event says, and when it said
+    # so (the box's clock): the newer of the two is the view.
+    ("m006_device_models", (
+        "ALTER TABLE devices ADD COLUMN models TEXT",
+        "ALTER TABLE devices ADD COLUMN models_ts DOUBLE PRECISION",
+    )),
+    # Duplicates dropped, per device and boot: loss accounting's other half.
+    ("m007_duplicates", (
+        """CREATE TABLE duplicates (
+            device TEXT NOT NULL, boot_id TEXT NOT NULL, count BIGINT NOT NULL,
+            PRIMARY KEY (device, boot_id))""",
+    )),
+)

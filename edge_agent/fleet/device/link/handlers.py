@@ -1,0 +1,95 @@
+"""The command handlers that act on the box: `ledger.purge`, `keys.revoke`, and the live
+half of `config.patch` — each over a callable the app passes in, since the fleet link
+imports no app and no server part (`ping` and `rebirth` are the link's own; the patch's
+validation and persistence are `fleet.device.link.overlay`'s).
+
+A handler checks its `args` and raises CommandRefused(`malformed`) before it changes
+anything. Every handler is idempotent: a command cut short by a stop runs again at the next
+start. Handlers run on the link's `fleet-commands` thread, never on the owner thread.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from edge_agent.config import Settings
+from edge_agent.fleet.device.link.command_gate import Handler
+from edge_agent.fleet.device.link.overlay import config_patch_handler
+from edge_agent.fleet.protocol.command import Command, is_finite_number
+from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
+
+KEY_PREFIX = re.compile(r"[A-Za-z0-9]{1,64}")
+
+
+def ledger_purge_handler(purge: Callable[[float | None], int]) -> Handler:
+    """`ledger.purge`, args `{}` (what retention says) or `{"before": unix_ts}` (also every
+    request row older than that). `purge(before)` returns the rows removed."""
+
+    def handle(command: Command) -> dict[str, Any]:
+        args = command.args
+        if set(args) - {"before"}:
+            raise CommandRefused(MALFORMED, 'args must be {} or {"before": unix_time}')
+        before = args.get("before")
+        if before is not None and not is_finite_number(before):
+            raise CommandRefused(MALFORMED, "before must be a number (unix time)")
+        return {"removed": purge(before), "before": before}
+
+    return handle
+
+
+def keys_revoke_handler(revoke: Callable[[str], bool]) -> Handler:
+    """`keys.revoke`, args `{"prefix": "<the key's prefix>"}`; `revoke(prefix)` is True if
+    a key was revoked now (False: unknown or revoked already — the same end state)."""
+
+    def handle(command: Command) -> dict[str, Any]:
+        args = command.args
+        prefix = args.get("prefix")
+        if set(args) != {"prefix"} or not isinstance(prefix, str) \
+                or not KEY_PREFIX.fullmatch(prefix):
+            raise CommandRefused(MALFORMED, 'args must be {"prefix": "<key prefix>"}')
+        return {"prefix": prefix, "revoked": revoke(prefix)}
+
+    return handle
+
+
+def _split(key: str) -> tuple[list[str], str]:
+    """Where a patchable key lives: (path to its section, field). A tenant's name may hold
+    dots, so `tenants.<name>.<field>` splits at the last one."""
+    if key.startswith("tenants."):
+        name, _, leaf = key[len("tenants."):].rpartition(".")
+        return ["tenants", name], leaf
+    *path, leaf = key.split(".")
+    return path, leaf
+
+
+def _node(settings: Settings, path: list[str]) -> Any:
+    node: Any = settings
+    for part in path:
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def copy_patched(live: Settings, new: Settings, keys: Iterable[str]) -> list[str]:
+    """Copies the values of `keys` from `new` (validated) into the `live` settings object
+    in place, so every part holding it (the governor, the hourly purge, the sync
+    producers) sees them at its next read; the keys copied."""
+    done = []
+    for key in keys:
+        path, leaf = _split(key)
+        setattr(_node(live, path), leaf, getattr(_node(new, path), leaf))
+        done.append(key)
+    return done
+
+
+def box_handlers(settings: Settings, state_dir: Path, *,
+                 purge: Callable[[float | None], int], revoke: Callable[[str], bool],
+                 apply_live: Callable[[Settings, dict[str, Any]], Iterable[str]]
+                 ) -> Mapping[str, Handler]:
+    """The handlers a serving box registers besides ping and rebirth. `settings` is the
+    live object `config.patch` validates against and `apply_live` updates."""
+    return {"config.patch": config_patch_handler(lambda: settings, state_dir, apply_live),
+            "ledger.purge": ledger_purge_handler(purge),
+            "keys.revoke": keys_revoke_handler(revoke)}

@@ -1,0 +1,174 @@
+"""Pure computations behind the `metrics` message: counter deltas from the box's own
+Prometheus registry, per-model figures, nearest-rank percentiles, and the hardware
+readings shaped for the wire. No I/O, no clock, no state: `fleet.device.reporting.sync` keeps
+the previous snapshot and hands both in.
+
+Series are read by their exported names (`edge_agent_requests_total`,
+`llamacpp:prompt_tokens_total` …), which are a public interface already (dashboards use
+them), so this module never imports `telemetry.metrics` — that module names the engine's
+registry for typing, and the fleet link must not reach the registry even indirectly.
+
+Must never: read a request's text or a label holding client text (the registry's labels
+are model names, dialects, statuses, error types and reasons — all the box's own words).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from edge_agent.telemetry.hardware import Reading
+
+# Counters (deltas per interval) and gauges (read at the tick), by sample name.
+REQUESTS = "edge_agent_requests_total"  # labels model, dialect, status, error_type
+REJECTIONS = "edge_agent_rejections_total"  # label reason
+EVALUATED = "llamacpp:prompt_tokens_total"  # prompt tokens evaluated (cached ones excluded)
+CACHED = "edge_agent_cached_prompt_tokens_total"  # prompt tokens reused from the KV cache
+PREDICTED = "llamacpp:tokens_predicted_total"
+COUNTERS = frozenset({REQUESTS, REJECTIONS, EVALUATED, CACHED, PREDICTED})
+WAITING = "llamacpp:requests_deferred"  # label model
+RUNNING = "llamacpp:requests_processing"
+GAUGES = frozenset({WAITING, RUNNING})
+NO_MODEL = "(none)"  # requests refused before a model was chosen (auth, a bad body)
+
+Labels = tuple[tuple[str, str], ...]
+Series = dict[tuple[str, Labels], float]
+
+
+class MetricsSource(Protocol):
+    """A Prometheus registry (`Metrics.registry`): anything with `collect()`."""
+
+    def collect(self) -> Iterable[Any]: ...
+
+
+def read_series(source: MetricsSource) -> tuple[Series, Series]:
+    """(counters, gauges) of the series this module uses, keyed by (name, sorted labels).
+    One `collect()`, so every figure of a message comes from the same instant."""
+    counters: Series = {}
+    gauges: Series = {}
+    for family in source.collect():
+        for s in family.samples:
+            if s.name in COUNTERS:
+                counters[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+            elif s.name in GAUGES:
+                gauges[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return counters, gauges
+
+
+def deltas(now: Series, before: Series) -> Series:
+    """What each counter gained since `before` (zero gains left out). A counter below its
+    earlier value belongs to a new registry (the process restarted): all of it is new."""
+    out: Series = {}
+    for key, value in now.items():
+        gained = value - before.get(key, 0.0)
+        if gained < 0:
+            gained = value
+        if gained:
+            out[key] = gained
+    return out
+
+
+def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 95)) -> dict[str, Any] | None:
+    """Nearest-rank percentiles (each one an observed value: the smallest with at least q%
+    of the observations at or below it) and the count; None without observations."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    n = len(ordered)
+    out: dict[str, Any] = {f"p{q}": ordered[max(0, math.ceil(q / 100 * n) - 1)] for q in qs}
+    out["n"] = n
+    return out
+
+
+def _empty_model() -> dict[str, Any]:
+    return {"requests": {}, "tokens": {"in": 0, "out": 0, "cached": 0, "cached_share": None},
+            "ttft_ms": None, "tpot_ms": None, "queue": {"waiting": 0, "running": 0}}
+
+
+def model_metrics(gained: Series, gauges: Series,
+                  latencies: Mapping[str, tuple[Sequence[float], Sequence[float]]]
+                  ) -> dict[str, dict[str, Any]]:
+    """Per model: requests by HTTP status, tokens in (evaluated + cached) / out / cached and
+    the cached share of the tokens in, TTFT and TPOT percentiles (ms, from `latencies`:
+    model → (ttft values, tpot values)), and the queue at the tick. A model appears when it
+    served, failed, is loaded (its gauges) or has latencies."""
+    models: dict[str, dict[str, Any]] = {}
+
+    def entry(labels: Labels) -> dict[str, Any]:
+        name = dict(labels).get("model") or NO_MODEL
+        return models.setdefault(name, _empty_model())
+
+    for (name, labels), value in gained.items():
+        if name == REQUESTS:
+            status = dict(labels).get("status", "")
+            requests = entry(labels)["requests"]
+            requests[status] = requests.get(status, 0) + int(value)
+        elif name in (EVALUATED, CACHED, PREDICTED):
+            tokens = entry(labels)["tokens"]
+            if name == PREDICTED:
+                tokens["out"] += int(value)
+            else:  # tokens in = evaluated + reused from the cache
+                tokens["in"] += int(value)
+                if name == CACHED:
+                    tokens["cached"] += int(value)
+    for (name, labels), value in gauges.items():
+        entry(labels)["queue"]["waiting" if name == WAITING else "running"] = int(value)
+    for model, (ttft, tpot) in latencies.items():
+        m = models.setdefault(model or NO_MODEL, _empty_model())
+        m["ttft_ms"], m["tpot_ms"] = percentiles(ttft), percentiles(tpot)
+    for m in models.values():
+        tokens = m["tokens"]
+        if tokens["in"]:
+            tokens["cached_share"] = round(tokens["cached"] / tokens["in"], 4)
+    return models
+
+
+def rejections(gained: Series) -> dict[str, int]:
+    """Requests refused in the interval by reason (auth, scope, quota, queue_full …)."""
+    out: dict[str, int] = {}
+    for (name, labels), value in gained.items():
+        if name == REJECTIONS:
+            reason = dict(labels).get("reason", "")
+            out[reason] = out.get(reason, 0) + int(value)
+    return out
+
+
+def errors(gained: Series) -> list[dict[str, Any]]:
+    """Failed requests in the interval by model, HTTP status and error type (the error
+    tree's `error_type`), for the `errors` event; empty when none failed."""
+    rows: dict[tuple[str, str, str], int] = {}
+    for (name, labels), value in gained.items():
+        if name != REQUESTS:
+            continue
+        d = dict(labels)
+        if d.get("status") == "200":
+            continue
+        key = (d.get("model") or NO_MODEL, d.get("status", ""), d.get("error_type", ""))
+        rows[key] = rows.get(key, 0) + int(value)
+    return [{"model": m, "status": int(s) if s.isdigit() else s, "type": t, "count": n}
+            for (m, s, t), n in sorted(rows.items())]
+
+
+def hardware(readings: Iterable[Reading]) -> dict[str, Any]:
+    """The sampler's latest readings: unlabelled ones flat (`cpu_utilization_ratio`,
+    `memory_used_bytes`, `state_disk_free_bytes` …), GPUs as a list of objects (one per
+    `gpu` label: utilization_ratio, memory_used/total_bytes, temperature_celsius,
+    power_watts … where NVML or Jetson sysfs has them), other labelled readings as
+    {label values joined by '/': value} (`load_average`, `temperature_celsius` by sensor,
+    `power_rail_watts` by rail)."""
+    out: dict[str, Any] = {}
+    gpus: dict[str, dict[str, Any]] = {}
+    for r in readings:
+        labels = dict(r.labels)
+        if r.name.startswith("gpu_") and "gpu" in labels:
+            gpu = gpus.setdefault(labels["gpu"], {"gpu": labels["gpu"],
+                                                  "name": labels.get("name", "")})
+            gpu[r.name.removeprefix("gpu_")] = r.value
+        elif not r.labels:
+            out[r.name] = r.value
+        else:
+            out.setdefault(r.name, {})["/".join(v for _, v in r.labels)] = r.value
+    if gpus:
+        out["gpus"] = [gpus[k] for k in sorted(gpus, key=lambda g: (len(g), g))]
+    return out

@@ -1,0 +1,12 @@
+"""The box's rollout state machine: a release received, fetched, staged, switched to,
+gated, and kept or rolled back.
+
+Owns: the runner (`runner`), the persisted rollouts and their transitions (`store`), the
+rules it applies (`rules`), the `rollout.*` commands (`commands`), activation
+(`activation`), the health gate a release must pass (`health_gate`), how a fetch can end
+(`outcomes`), download progress (`progress`) and the one-change-per-name claim
+(`name_claim`).
+
+Never: publish except through the link's outbox, or act on a transition before it is
+committed. Next: `protocol.rollout_states` for the graph; `release/` for the fetch.
+"""

@@ -1,0 +1,380 @@
+"""The rollout runner on the device: takes `rollout.start` / `rollout.cancel` /
+`rollout.rollback` from the fleet link, and drives each rollout through its states
+(`rollout_state`), one task per live rollout on the server's event loop.
+
+    RECEIVED     release looked up (TUF-verified facts; the gate spec checked)
+    DOWNLOADING  resumable transfer into `<state>/rollouts/<id>/`, progress over the link
+                 (the first, at most one per `fleet.progress_interval_s`, the last)
+    VERIFYING    length, sha256, GGUF header, then `ModelOps.install_verified` (inactive)
+    STAGED       held by the maintenance window and `defer_while_busy`
+    ACTIVATING, GATING, ACTIVE | ROLLED_BACK   — `fleet.device.rollout.activation`
+    FAILED       retried (back to RECEIVED) after a backoff, up to rollout_max_failures
+    REJECTED     final: never retried      CANCELLED  final: an operator's cancel
+
+Restart (`start` → `resume`): DOWNLOADING continues its download from where it stopped;
+VERIFYING verifies again (or finds the version installed); STAGED waits again; a rollout
+found in ACTIVATING or GATING is never continued: if the pointer already names the new
+digest it goes back to the previous one, and the rollout ends ROLLED_BACK ("interrupted
+during gating") — a release whose gate did not pass is never left serving. A ROLLED_BACK
+row whose switch back a crash cut is finished too.
+
+`defer_while_busy`: STAGED waits while the name has requests running or queued, up to
+`defer_deadline_s` after staging; then it activates anyway (a box that is never idle still
+gets the release, and the switch fails no request: running ones finish on the old
+weights). The maintenance window is never overridden.
+
+Every transition is committed before it is acted on and sent as an `audit` message
+(kind `rollout`) through the injected `emit(kind, cls, body)`. Command handlers
+(`fleet.device.rollout.commands`, the manager's base) only commit and wake the runner; they
+return at once. Must never import the registry, the scheduler, the runtime or the request
+path's service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from edge_agent.config import Settings
+from edge_agent.engine.modelops import ModelOps
+from edge_agent.errors import EdgeAgentError, InvalidRequest
+from edge_agent.fleet.device.rollout import health_gate as gate
+from edge_agent.fleet.device.rollout.activation import (
+    SETTLE_S,
+    Activator,
+    RetryLater,
+    interrupted,
+    restore_pointer,
+)
+from edge_agent.fleet.device.rollout.commands import RolloutCommands
+from edge_agent.fleet.device.rollout.health_gate import Probe
+from edge_agent.fleet.device.rollout.outcomes import ReleaseFailed, ReleaseRejected
+from edge_agent.fleet.device.rollout.progress import Figures, ProgressThrottle
+from edge_agent.fleet.device.rollout.rules import Releases, backoff_s, hold_reason
+from edge_agent.fleet.device.rollout.store import IllegalTransition, Rollout, RolloutStore
+from edge_agent.fleet.protocol.envelope import AUDIT
+from edge_agent.fleet.protocol.rollout_states import (
+    DOWNLOADING,
+    FAILED,
+    RECEIVED,
+    REJECTED,
+    ROLLED_BACK,
+    STAGED,
+    SWITCHING,
+    VERIFYING,
+)
+from edge_agent.names import normalize_name
+from edge_agent.priority import run_niced
+
+log = logging.getLogger(__name__)
+KIND = "rollout"
+
+
+Emit = Callable[[str, str, Mapping[str, Any]], Any]
+
+
+class _Stopped(Exception):
+    """Raised in a download's progress callback: the rollout was cancelled or the
+    manager is stopping."""
+
+
+class RolloutManager(RolloutCommands):
+    def __init__(self, settings: Settings, modelops: ModelOps, releases: Releases,
+                 probe: Probe, *, emit: Emit | None = None,
+                 clock: Callable[[], float] = time.time,
+                 local_now: Callable[[], datetime] = datetime.now,
+                 poll_s: float = 1.0, retry_base_s: float = 30.0, settle_s: float = SETTLE_S,
+                 hook: Callable[[str, Rollout], None] | None = None,
+                 hardware: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        """`emit`: the link's `emit(kind, cls, body)` (None: nothing is published).
+        `hook(event, rollout)`: called after each committed transition (event = the new
+        state) and after the pointer switch ("switched"), for logs and tests."""
+        self.settings = settings
+        self.ops = modelops
+        self.releases = releases
+        self.emit = emit
+        self.clock = clock
+        self.local_now = local_now
+        self.poll_s = poll_s
+        self.retry_base_s = retry_base_s
+        self.hook = hook
+        self.store = RolloutStore(settings.state_dir / "rollouts.db", clock=clock)
+        self.activator = Activator(settings, modelops, self.store, probe, self._move,
+                                   self._publish, clock=clock, poll_s=poll_s, hook=hook,
+                                   hardware=hardware, settle_s=settle_s)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stop_ids: set[str] = set()  # rollouts whose download must stop
+        self._aborts: set[str] = set()  # rollouts asked to roll back while switching
+        self._stopping = False
+        self._lock = threading.Lock()
+
+    @property
+    def work_dir(self) -> Path:
+        return self.settings.state_dir / "rollouts"
+
+    # -- life ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """On the server's loop, once (the app's lifespan): `resume`, then commands may
+        come (a `begin` before `start` is committed and picked up here)."""
+        self._loop = asyncio.get_running_loop()
+        await self.resume()
+
+    async def resume(self) -> None:
+        """Converges what a stop or a kill left (module docstring), then drives the live
+        rollouts on."""
+        for r in await asyncio.to_thread(self.store.unfinished):
+            try:
+                if r.state in SWITCHING or (r.state == ROLLED_BACK and not r.restored):
+                    await self._converge(r)
+                else:
+                    self._publish({"event": "rollout.resumed", **r.summary()})
+                    self._spawn(r.id)
+            except Exception:  # one bad row never keeps the others (or the box) back
+                log.exception("rollout %s: not resumed", r.id)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.to_thread(self.store.close)
+
+    async def settled(self, rollout_id: str, timeout: float) -> Rollout:
+        """The rollout's row once it is final and its task has ended (the switch back,
+        the evidence row done), or when `timeout` passed (tests, tools)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            r = self.store.get(rollout_id)
+            if r is None:
+                raise KeyError(rollout_id)
+            if (not r.live and r.restored and rollout_id not in self._tasks) \
+                    or time.monotonic() > deadline:
+                return r
+            await asyncio.sleep(0.02)
+
+    # -- the runner ----------------------------------------------------------------------------
+    def _wake(self, rollout_id: str) -> None:
+        loop = self._loop
+        if loop is not None and not self._stopping:  # not started: `start` picks it up
+            loop.call_soon_threadsafe(self._spawn, rollout_id)
+
+    def _interrupt(self, rollout_id: str) -> None:
+        loop = self._loop
+        task = self._tasks.get(rollout_id)
+        if loop is not None and task is not None:
+            loop.call_soon_threadsafe(task.cancel)
+
+    def _spawn(self, rollout_id: str) -> None:
+        if rollout_id in self._tasks or self._stopping:
+            return
+        task = asyncio.get_running_loop().create_task(self._drive(rollout_id))
+        self._tasks[rollout_id] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(rollout_id, None))
+
+    async def _drive(self, rollout_id: str) -> None:
+        try:
+            while True:
+                r = await asyncio.to_thread(self.store.get, rollout_id)
+                if r is None or not r.live:
+                    return
+                if r.state in (RECEIVED, DOWNLOADING, VERIFYING):
+                    await self._fetch(r)
+                elif r.state == STAGED:
+                    await self._hold_then_activate(r)
+                elif r.state == FAILED:
+                    await self._retry(r)
+                else:  # SWITCHING: only `start` meets them (converged there)
+                    return
+        except (asyncio.CancelledError, _Stopped, IllegalTransition):
+            return  # cancelled, stopping, or moved by a command meanwhile
+        except Exception:
+            log.exception("rollout %s: runner failed", rollout_id)
+        finally:  # a stop mark stays: a download thread may still be running
+            with self._lock:
+                self._aborts.discard(rollout_id)
+
+    async def _fetch(self, r: Rollout) -> None:
+        try:
+            release = await asyncio.to_thread(self.releases.lookup, r.name, r.version)
+            digest = release.sha256.lower().removeprefix("sha256:")
+            try:
+                gate.parse_spec((release.manifest or {}).get("gate"))
+                if normalize_name(release.name) != r.name:
+                    raise ReleaseRejected("release_mismatch", {"release": release.name})
+            except ValueError as exc:
+                raise ReleaseRejected("bad_gate", {"error": str(exc)[:300]}) from None
+            if r.target_digest is not None and r.target_digest != digest:
+                raise ReleaseRejected("release_changed", {"was": r.target_digest,
+                                                          "now": digest})
+            facts = {"length": release.length, "sha256": digest,
+                     "manifest": dict(release.manifest or {})}
+            if self._installed(r.name, digest):
+                await self._stage(r, release=facts, target_digest=digest,
+                                  reason="already installed")
+                return
+            if r.state == RECEIVED:
+                r = await self._move(r, DOWNLOADING, expect=RECEIVED, release=facts,
+                                     target_digest=digest,
+                                     details={"bytes": release.length})
+            fleet = self.settings.fleet
+            throttle = ProgressThrottle(fleet.progress_interval_s)
+            try:
+                path = await run_niced(
+                    fleet.rollout_nice, self.releases.download, release, self.work_dir / r.id,
+                    progress=self._progress(r, throttle),
+                    max_bytes_per_s=fleet.max_download_bytes_per_s,
+                    headroom=fleet.download_headroom_bytes)
+            except (ReleaseFailed, ReleaseRejected):
+                held = throttle.held()  # where it stopped, if that report was kept back
+                if held is not None:
+                    self._publish_progress(r, held)
+                raise
+            if r.state == DOWNLOADING:
+                r = await self._move(r, VERIFYING, expect=DOWNLOADING)
+            self._check_stop(r.id)
+            await run_niced(fleet.rollout_nice, self.releases.install, release, path,
+                            self.ops, by=f"rollout:{r.id}")
+            if not self._installed(r.name, digest):
+                raise ReleaseFailed("not_installed", {"digest": digest})
+            await self._stage(r)
+        except ReleaseRejected as exc:
+            await self._end(r, REJECTED, exc.reason, {**exc.details, "message": exc.message})
+        except ReleaseFailed as exc:
+            await self._fail(r, exc.reason, {**exc.details, "message": exc.message})
+        except InvalidRequest as exc:  # the release's own data refused by the store
+            await self._end(r, REJECTED, "invalid_release", {"message": exc.message})
+        except EdgeAgentError as exc:  # a file that did not verify, a store error
+            await self._fail(r, type(exc).__name__, {"message": exc.message[:300]})
+
+    async def _stage(self, r: Rollout, **fields: Any) -> None:
+        r = await self._move(r, STAGED, expect=r.state, staged_at=self.clock(), **fields)
+        shutil.rmtree(self.work_dir / r.id, ignore_errors=True)
+
+    async def _hold_then_activate(self, r: Rollout) -> None:
+        said = None
+        while True:
+            fleet = self.settings.fleet
+            now = self.local_now()
+            why = hold_reason(minute=now.hour * 60 + now.minute,
+                              window=fleet.maintenance_window, busy=self.ops.busy(r.name),
+                              defer=fleet.defer_while_busy,
+                              staged_for_s=self.clock() - (r.staged_at or r.entered_at),
+                              deadline_s=fleet.defer_deadline_s)
+            if why is None:
+                break
+            if why != said:  # each new reason once, not every poll
+                said = why
+                self._publish({"event": "rollout.held", "held_by": why, **r.summary()})
+            await asyncio.sleep(self.poll_s)
+            self._check_stop(r.id)
+        try:
+            await self.activator.run(r, lambda: self._aborted(r.id))
+        except RetryLater as exc:
+            current = await asyncio.to_thread(self.store.get, r.id)
+            if current is not None:
+                await self._fail(current, exc.reason, exc.details)
+
+    async def _retry(self, r: Rollout) -> None:
+        wait = (r.retry_at or 0) - self.clock()
+        while wait > 0:
+            await asyncio.sleep(min(wait, self.poll_s))
+            self._check_stop(r.id)
+            wait = (r.retry_at or 0) - self.clock()
+        await self._move(r, RECEIVED, expect=FAILED, attempts=r.attempts + 1, retry_at=None,
+                         reason=f"retry {r.attempts + 1}")
+
+    async def _fail(self, r: Rollout, reason: str, details: Mapping[str, Any]) -> None:
+        failures = r.failures + 1
+        limit = self.settings.fleet.rollout_max_failures
+        retry_at = self.clock() + backoff_s(failures, self.retry_base_s) \
+            if failures < limit else None
+        current = await asyncio.to_thread(self.store.get, r.id)
+        assert current is not None
+        await self._move(current, FAILED, reason=reason, expect=current.state,
+                         details={**details, "failures": failures, "limit": limit},
+                         failures=failures, retry_at=retry_at)
+        if retry_at is None:
+            shutil.rmtree(self.work_dir / r.id, ignore_errors=True)
+
+    async def _end(self, r: Rollout, state: str, reason: str,
+                   details: Mapping[str, Any]) -> None:
+        current = await asyncio.to_thread(self.store.get, r.id)
+        assert current is not None
+        await self._move(current, state, reason=reason, details=details, expect=current.state)
+        shutil.rmtree(self.work_dir / r.id, ignore_errors=True)
+
+    async def _converge(self, r: Rollout) -> None:
+        """A rollout a restart found switching, or rolled back with its switch back
+        undone: the previous digest serves again; never the new one without its gate."""
+        if r.state in SWITCHING:
+            r = await self._move(r, ROLLED_BACK, reason=interrupted(r.state),
+                                 expect=r.state, restored=False)
+            self.activator.evidence(r, [])
+        await asyncio.to_thread(restore_pointer, self.ops, self.store, r)
+
+    # -- helpers ------------------------------------------------------------------------------
+    async def _move(self, r: Rollout, to: str, *, reason: str | None = None,
+                    details: Mapping[str, Any] | None = None, expect: str | None = None,
+                    **fields: Any) -> Rollout:
+        """Commit, then publish, then tell the hook: the order a restart relies on."""
+        new = await asyncio.to_thread(self.store.transition, r.id, to, reason=reason,
+                                      details=details, expect=expect, **fields)
+        self._published(new, r.state)
+        return new
+
+    def _published(self, r: Rollout, was: str | None) -> None:
+        self._publish({"event": "rollout.transition", "from": was, "to": r.state,
+                       "details": _small(r.details), **r.summary()})
+        if self.hook is not None:
+            self.hook(r.state, r)
+
+    def _publish(self, body: Mapping[str, Any]) -> None:
+        if self.emit is None:
+            return
+        try:
+            self.emit(KIND, AUDIT, {**body, "ts": self.clock()})
+        except Exception:  # the link counts and logs its own refusals; never stop here
+            log.exception("rollout: audit message not emitted")
+
+    def _progress(self, r: Rollout, throttle: ProgressThrottle) -> Callable[[int, int], None]:
+        """The download's callback: a stop is checked at every call; what goes over the
+        link is the throttle's choice (`fleet.device.rollout.progress`)."""
+
+        def progress(done: int, total: int) -> None:
+            self._check_stop(r.id)
+            figures = throttle.offer(done, total)
+            if figures is not None:
+                self._publish_progress(r, figures)
+
+        return progress
+
+    def _publish_progress(self, r: Rollout, figures: Figures) -> None:
+        self._publish({"event": "rollout.progress", "rollout_id": r.id, "name": r.name,
+                       **figures})
+
+    def _aborted(self, rollout_id: str) -> bool:
+        with self._lock:
+            return rollout_id in self._aborts
+
+    def _check_stop(self, rollout_id: str) -> None:
+        with self._lock:
+            if self._stopping or rollout_id in self._stop_ids:
+                raise _Stopped(rollout_id)
+
+    def _installed(self, name: str, digest: str) -> bool:
+        return any(v.digest == digest for v in self.ops.store.versions(name))
+
+
+def _small(details: Mapping[str, Any]) -> dict[str, Any]:
+    """A transition's details as sent: strings cut, so a message stays small."""
+    return {k: (v[:300] if isinstance(v, str) else v) for k, v in details.items()}
+
