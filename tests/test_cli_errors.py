@@ -11,7 +11,8 @@ import pytest
 import tomllib
 from click.testing import CliRunner
 
-from edge_agent.cli import EdgeAgentGroup, common, fleet_release, main
+from edge_agent.cli import EdgeAgentGroup, common, main
+from edge_agent.cli.fleet import release as fleet_release
 from edge_agent.config import ConfigError
 from edge_agent.errors import EdgeAgentError, ModelFileError
 from edge_agent.fleet.controller import settings as controller_settings

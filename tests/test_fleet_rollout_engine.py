@@ -348,7 +348,7 @@ def test_the_status_shows_a_downloading_boxs_progress_and_watches_to_the_end(
     assert out["state"] == "ABORTED" and out["settled"] and time.monotonic() - t0 >= 0.8
     # In a terminal: redrawn every interval until it has ended.
     rollout_ops.act(store, "p1", "rollback", now=time.time())  # work again: unsettled
-    monkeypatch.setattr("edge_agent.cli.fleet_rollout.is_terminal", lambda stream: True)
+    monkeypatch.setattr("edge_agent.cli.fleet.rollout.is_terminal", lambda stream: True)
     ender = end_later(0.8, "ROLLED_BACK")
     text = cli(config, "status", "p1", "--watch", "0.5")
     ender.join()

@@ -17,7 +17,7 @@ from edge_agent import __version__
 from edge_agent.cli.bench import bench
 from edge_agent.cli.common import BadUsage, CheckFailed
 from edge_agent.cli.doctor import doctor
-from edge_agent.cli.fleet import fleet
+from edge_agent.cli.fleet import fleet as fleet_group  # the package keeps its name
 from edge_agent.cli.keys import keys
 from edge_agent.cli.ledger import ledger
 from edge_agent.cli.models import models
@@ -56,5 +56,5 @@ def main() -> None:
     """edge-agent: a governed local LLM appliance (Ollama- and OpenAI-compatible)."""
 
 
-for _command in (serve, models, keys, ledger, doctor, bench, fleet):
+for _command in (serve, models, keys, ledger, doctor, bench, fleet_group):
     main.add_command(_command)

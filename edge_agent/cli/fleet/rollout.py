@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from edge_agent.cli.common import BadUsage, CheckFailed
-from edge_agent.cli.fleet_options import (
-    _open_existing,
-    _settings,
+from edge_agent.cli.fleet.options import (
     controller_options,
+    controller_settings,
     given_options,
+    open_existing,
 )
 from edge_agent.cli.output import (
     echo_json,
@@ -37,7 +37,7 @@ from edge_agent.cli.output import (
 )
 
 if TYPE_CHECKING:
-    from edge_agent.fleet.controller.store import FleetStore
+    from edge_agent.fleet.controller.store import ControllerStore
 
 SELECTOR_HELP = ("all (default), fleet:ID, a glob on device ids (store-0*), or device ids; "
                  "comma-separated, their union.")
@@ -88,7 +88,7 @@ def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_exe
         wave_sizes,
     )
 
-    settings = _settings()
+    settings = controller_settings()
     try:
         policy = Policy(parse_waves(waves), parse_share(abort_above), min_executed,
                         parse_duration(soak), parse_duration(device_timeout,
@@ -98,7 +98,7 @@ def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_exe
         raise BadUsage(exc.message) from None
     if policy.device_timeout_s <= 0:
         raise BadUsage("--device-timeout must be longer than 0s")
-    store = _open_existing(settings)
+    store = open_existing(settings)
     try:
         try:
             record = rollout_ops.start(store, settings.state_dir, ref, selector, policy,
@@ -158,7 +158,7 @@ def rollout_status(rollout_id: str | None, as_json: bool, watch_arg: str | None)
 
     rollout_id, watch = _watch_args(rollout_id, watch_arg)
     redraw = watch is not None and not as_json and is_terminal(sys.stdout)
-    store = _open_existing(_settings())
+    store = open_existing(controller_settings())
     try:
         if rollout_id is None:
             reports = [rollout_ops.report(r, store.rollout_devices(r.id), time.time())
@@ -185,7 +185,7 @@ def rollout_status(rollout_id: str | None, as_json: bool, watch_arg: str | None)
         _show(reports[0])
 
 
-def _report(store: FleetStore, rollout_id: str) -> dict[str, Any]:
+def _report(store: ControllerStore, rollout_id: str) -> dict[str, Any]:
     from edge_agent.fleet.controller import rollout_ops
 
     record = store.rollout(rollout_id)
@@ -194,7 +194,7 @@ def _report(store: FleetStore, rollout_id: str) -> dict[str, Any]:
     return rollout_ops.report(record, store.rollout_devices(rollout_id), time.time())
 
 
-def _watch(store: FleetStore, rollout_id: str, every_s: float, *, redraw: bool
+def _watch(store: ControllerStore, rollout_id: str, every_s: float, *, redraw: bool
            ) -> dict[str, Any]:
     """The rollout's report once it has ended (no longer RUNNING or PAUSED, and `fleet
     serve` done with it); with `redraw`, the screen shows each report meanwhile."""
@@ -245,7 +245,7 @@ def _progress(p: dict[str, Any] | None) -> str:
 def _act(action: str, rollout_id: str, as_json: bool) -> None:
     from edge_agent.fleet.controller import rollout_ops
 
-    store = _open_existing(_settings())
+    store = open_existing(controller_settings())
     try:
         record = rollout_ops.act(store, rollout_id, action, now=time.time())
     finally:

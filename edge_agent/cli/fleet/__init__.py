@@ -1,5 +1,7 @@
 """`edge-agent fleet`: the central side of the fleet link — run the controller, see the
-devices and their metrics, provision the broker, send signed commands.
+devices and their metrics, provision the broker, send signed commands. Its rooms mirror
+`edge_agent.fleet.controller`: rollouts in waves (`rollout`), signed releases and their
+keys (`release`), and the options they share (`options`).
 
 The controller has its own settings (`--config`, default
 /etc/edge-agent-fleet/controller.toml if present) and state dir, apart from the agent's.
@@ -15,13 +17,12 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from edge_agent.cli.common import EXIT_CHECK_FAILED, BadUsage, CheckFailed
-from edge_agent.cli.fleet_options import _open_existing, _settings, controller_options
-from edge_agent.cli.fleet_release import keygen, release
-from edge_agent.cli.fleet_rollout import rollout
+from edge_agent.cli.fleet import release, rollout  # modules: their names stay theirs
+from edge_agent.cli.fleet.options import controller_options, controller_settings, open_existing
 from edge_agent.cli.output import echo_json, json_option, table
 
 if TYPE_CHECKING:
-    from edge_agent.fleet.controller.store import FleetStore
+    from edge_agent.fleet.controller.store import ControllerStore
 
 
 @click.group()
@@ -30,9 +31,9 @@ def fleet() -> None:
 
 
 # Keys, signed model releases and rollouts in waves: their own modules.
-fleet.add_command(keygen)
-fleet.add_command(release)
-fleet.add_command(rollout)
+fleet.add_command(release.keygen)
+fleet.add_command(release.release)
+fleet.add_command(rollout.rollout)
 
 
 @fleet.command("serve")
@@ -55,7 +56,7 @@ def fleet_serve(broker: str | None, username: str | None, password_file: Path | 
 
     from edge_agent.fleet.controller.service import serve
 
-    settings = _settings(**{"broker.url": broker, "broker.username": username,
+    settings = controller_settings(**{"broker.url": broker, "broker.username": username,
                             "broker.password_file": password_file, "broker.ca_file": ca_file,
                             "http.host": host, "http.port": port})
     if settings.broker.username and settings.broker.password_file is None:
@@ -88,7 +89,7 @@ def fleet_devices(as_json: bool) -> None:
     duplicates dropped, over every boot; the outbox backlog the box last reported), active
     models (name@digest, as the box last said: its birth, or a models.state event after any
     change). --json has the ranges per boot: highest seq, gaps, dropped, retired."""
-    store = _open_existing(_settings())
+    store = open_existing(controller_settings())
     try:
         devices = [{**d, "loss": store.loss(d["device"])} for d in store.devices()]
     finally:
@@ -132,7 +133,7 @@ def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
     """A device's latest metrics message (or every device's with --all)."""
     from edge_agent.fleet.protocol.ids import check_id
 
-    settings = _settings()
+    settings = controller_settings()
     if (device is None) == (not all_devices):
         raise BadUsage("name one DEVICE, or --all")
     if device is not None:
@@ -140,7 +141,7 @@ def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
             check_id("device", device)
         except ValueError as exc:
             raise BadUsage(str(exc)) from None
-    store = _open_existing(settings)
+    store = open_existing(settings)
     try:
         names = [device] if device else [d["device"] for d in store.devices()]
         if device and store.device(device) is None:
@@ -272,7 +273,7 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
     from edge_agent.fleet.controller import commands
     from edge_agent.fleet.protocol.signing import load_private
 
-    settings = _settings(**{"broker.url": broker, "broker.username": username,
+    settings = controller_settings(**{"broker.url": broker, "broker.username": username,
                             "broker.password_file": password_file})
     if len(words) != (1 if all_devices else 2):
         raise BadUsage("name one DEVICE (or --all), then the command's TYPE")
@@ -282,7 +283,7 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
         raise BadUsage("no signing key: pass --key or set command_key_file "
                        "(edge-agent fleet keygen makes one)")
     key = load_private(key_path)
-    store = _open_existing(settings)
+    store = open_existing(settings)
     try:
         target = commands.ALL if all_devices else str(device)
         fleet_name = fleet_id or _fleet_of(store, device)
@@ -307,7 +308,7 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
         ctx.exit(EXIT_CHECK_FAILED)
 
 
-def _fleet_of(store: FleetStore, device: str | None) -> str:
+def _fleet_of(store: ControllerStore, device: str | None) -> str:
     """The fleet a device reported in; for --all, the one fleet the store knows."""
     if device is not None:
         row = store.device(device)

@@ -1,6 +1,6 @@
 """The controller options every `edge-agent fleet …` command that reads the controller's
-settings or store shares (`--config`, `--state-dir`, `--db`), apart from `fleet.py` so that
-the command modules it registers (`fleet_rollout`) can use them too.
+settings or store shares (`--config`, `--state-dir`, `--db`), apart from the group
+(`cli.fleet`) so that the command modules it registers (`rollout`, `release`) use them too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from edge_agent.cli.common import CheckFailed, F
 
 if TYPE_CHECKING:
     from edge_agent.fleet.controller.settings import ControllerSettings
-    from edge_agent.fleet.controller.store import FleetStore
+    from edge_agent.fleet.controller.store import ControllerStore
 
 _META = "edge_agent.fleet."
 
@@ -26,7 +26,8 @@ def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
 
 
 def controller_options(fn: F) -> F:
-    """--config, --state-dir and --db on a controller command; `_settings()` reads them."""
+    """--config, --state-dir and --db on a controller command; `controller_settings()`
+    reads them."""
     for option in (
         click.option("--db", expose_value=False, callback=_remember,
                      help="postgresql://… (default: SQLite in the state dir)."),
@@ -42,7 +43,7 @@ def controller_options(fn: F) -> F:
     return fn
 
 
-def _settings(**flags: Any) -> ControllerSettings:
+def controller_settings(**flags: Any) -> ControllerSettings:
     from edge_agent.fleet.controller.settings import load_controller_settings
 
     meta = click.get_current_context().meta
@@ -63,7 +64,7 @@ def given_options() -> str:
     return " ".join(words)
 
 
-def _open_existing(settings: ControllerSettings) -> FleetStore:
+def open_existing(settings: ControllerSettings) -> ControllerStore:
     """The controller's store, for reading; the CLI never creates a SQLite one."""
     from edge_agent.fleet.controller.store import DB_FILE, open_store
 
