@@ -9,8 +9,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
@@ -29,13 +29,16 @@ from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.keys import KeyStore
 from edge_agent.governance.redaction import Detectors, MetadataRedactor, Redactor, device_key
 from edge_agent.governance.tenants import Governor
-from edge_agent.ledger.retention import purge_before, purge_expired
+from edge_agent.ledger.retention import purge_expired
 from edge_agent.ledger.store import REQUESTS
 from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.logs import RequestContext
 from edge_agent.owner_only import private_dir
 from edge_agent.telemetry.hardware import HardwareSampler, NvmlReader, default_readers
 from edge_agent.telemetry.metrics import Metrics
+
+if TYPE_CHECKING:
+    from edge_agent.fleet.device.service import FleetDevice
 
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 5.0
@@ -93,35 +96,16 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
                 _preload(modelops, registry, settings.default_model)))
         # The link runs on its own threads and never holds the start back: with the broker
         # unreachable the box serves exactly as without it.
-        sync_box: list[Any] = []  # the producers, once built (config.patch reaches them)
-        linked: list[Any] = []  # the link, once started: rollouts report through it
-        rollouts = build_rollouts(settings, modelops, service, linked) \
+        fleet = _fleet_device(settings, parts, governor, sampler) \
             if settings.fleet.enabled else None
-        link = start_fleet_link(settings, modelops, governor, sampler, sync_box,
-                                rollouts.handlers() if rollouts is not None else None) \
-            if settings.fleet.enabled else None
-        app.state.fleet_link = link
-        if link is not None:
-            linked.append(link)
-        if rollouts is not None:
-            await rollouts.start()  # resumes what a restart interrupted
-        stop_sync = asyncio.Event()
-        sync_task = None
-        if link is not None:
-            sync = start_fleet_sync(settings, link, parts, sampler)
-            if sync is not None:
-                sync_box.append(sync)
-                sync_task = asyncio.create_task(sync.run(stop_sync))
+        if fleet is not None:
+            await fleet.start()
+            app.state.fleet_link = fleet.link
         try:
             yield
         finally:
-            if rollouts is not None:  # before the registry goes: it may hold a version
-                await rollouts.stop()
-            if sync_task is not None:  # its last ticks append to the outbox: before it closes
-                stop_sync.set()
-                await asyncio.gather(sync_task, return_exceptions=True)
-            if link is not None:  # the server takes no more requests: say goodbye
-                await asyncio.to_thread(link.stop)
+            if fleet is not None:  # before the registry goes: a rollout may hold a version
+                await fleet.stop()
                 app.state.fleet_link = None
             for task in tasks:
                 task.cancel()
@@ -147,95 +131,20 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     return app
 
 
-def build_rollouts(settings: Settings, modelops: ModelOps, service: GenerationService,
-                   linked: list[Any]) -> Any:
-    """The device's rollout runner (`fleet.device.rollout.runner.RolloutManager`) over signed
-    releases, its gate's requests through the real request path; None if it could not be built
-    (logged: the link runs without rollouts, and refuses their commands as unknown)."""
+def _fleet_device(settings: Settings, parts: AppParts, governor: Governor,
+                  sampler: HardwareSampler) -> FleetDevice | None:
+    """The box's side of the fleet (`fleet.device.service.FleetDevice`), its health gate's
+    requests through the real request path; None if it could not be built (logged: the
+    box serves without it)."""
     try:
-        from edge_agent.fleet.device.release.signed_releases import SignedReleases
-        from edge_agent.fleet.device.rollout.runner import RolloutManager
+        from edge_agent.fleet.device.service import FleetDevice
         from edge_agent.gateway.probe import ServiceProbe
 
-        def emit(kind: str, cls: str, body: Any) -> bool:
-            return bool(linked) and bool(linked[0].emit(kind, cls, body))
-
-        return RolloutManager(settings, modelops,
-                              SignedReleases(settings.fleet, settings.state_dir),
-                              ServiceProbe(service), emit=emit)
-    except Exception:
-        log.exception("fleet rollouts not available; the link runs without them")
-        return None
-
-
-def start_fleet_sync(settings: Settings, link: Any, parts: AppParts,
-                     sampler: HardwareSampler) -> Any:
-    """What the link syncs on its intervals (metrics, ledger summaries, events), feeding its
-    outbox; None if it could not be built (logged: the link still runs)."""
-    try:
-        from edge_agent.fleet.device.reporting.sync import Sync
-
-        def emit(kind: str, cls: str, body: Any, *, commit: bool = False) -> int:
-            if not link.emit(kind, cls, body, commit=commit):
-                raise RuntimeError(f"the outbox refused a {kind} message")
-            return 0
-
-        fleet = settings.fleet
-        return Sync(emit=emit, ledger_path=settings.state_dir / "ledger.db",
-                    state_path=settings.state_dir / "fleet-sync.json",
-                    metrics=parts.metrics.registry if parts.metrics is not None else None,
-                    hardware=lambda: sampler.snapshot, outbox_stats=link.outbox_stats,
-                    models=parts.ops, ready=lambda: not readiness_problems(parts),
-                    metrics_interval_s=fleet.metrics_interval_s,
-                    ledger_interval_s=fleet.ledger_interval_s)
-    except Exception:
-        log.exception("fleet sync not started; the link runs without it")
-        return None
-
-
-def start_fleet_link(settings: Settings, modelops: ModelOps, governor: Governor,
-                     sampler: HardwareSampler, sync_box: list[Any] | None = None,
-                     extra_handlers: Mapping[str, Any] | None = None) -> Any:
-    """The fleet link (`edge_agent.fleet.device.link.link.Link`) with this box's command handlers,
-    started; None if it could not even be built (logged: the box serves without it)."""
-    try:
-        from edge_agent.fleet.device.link.birth import facts_source
-        from edge_agent.fleet.device.link.handlers import box_handlers, copy_patched
-        from edge_agent.fleet.device.link.link import Link
-
-        ledger = settings.state_dir / "ledger.db"
-
-        def purge(before: float | None) -> int:
-            if before is None:
-                return purge_expired(ledger, settings.retention)
-            return purge_before(ledger, before, settings.retention)
-
-        def revoke(prefix: str) -> bool:
-            revoked = governor.keys.revoke(prefix)
-            governor.reload_keys()  # at once, not at the next periodic reload
-            return revoked
-
-        def apply_live(new: Settings, changes: dict[str, Any]) -> list[str]:
-            # Every patchable key is read from the one Settings object when it is used,
-            # except the sampler's interval (copied here) and whether content is stored
-            # at all (decided at start: content_hours crossing 0 waits for a restart).
-            was_kept = settings.retention.content_hours > 0
-            keys = [k for k in changes if k != "retention.content_hours"
-                    or (new.retention.content_hours > 0) == was_kept]
-            done = copy_patched(settings, new, keys)
-            sampler.interval_s = settings.telemetry.interval_s
-            for sync in sync_box or ():
-                sync.set_intervals(metrics_s=settings.fleet.metrics_interval_s,
-                                   ledger_s=settings.fleet.ledger_interval_s)
-            return done
-
-        link = Link(settings.fleet, settings.state_dir,
-                    facts=facts_source(lambda: settings, modelops, gpus=_gpus),
-                    handlers={**box_handlers(settings, settings.state_dir, purge=purge,
-                                             revoke=revoke, apply_live=apply_live),
-                              **(extra_handlers or {})})
-        link.start()
-        return link
+        return FleetDevice(settings, modelops=parts.ops, governor=governor,
+                           sampler=sampler, probe=ServiceProbe(parts.service),
+                           ready=lambda: not readiness_problems(parts),
+                           metrics=parts.metrics.registry if parts.metrics is not None
+                           else None, gpus=_gpus)
     except Exception:
         log.exception("fleet link not started; the box serves without it")
         return None
