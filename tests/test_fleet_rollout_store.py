@@ -22,7 +22,7 @@ from edge_agent.fleet.controller.rollout_records import (
     RolloutConflict,
 )
 from edge_agent.fleet.controller.schema import SCHEMA
-from edge_agent.fleet.controller.store import FleetStore, PostgresStore, SQLiteStore
+from edge_agent.fleet.controller.store import ControllerStore, PostgresStore, SQLiteStore
 from edge_agent.fleet.controller.waves import (
     ABORTED,
     PAUSED,
@@ -39,14 +39,14 @@ POLICY = Policy(parse_waves("1,100%"), abort_above=0.1, min_executed=2, soak_s=5
                 device_timeout_s=60, rollback_on_abort=True)
 
 
-def _open(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> FleetStore:
+def _open(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> ControllerStore:
     if kind == "sqlite":
         return SQLiteStore(tmp_path / "controller.db")
     return PostgresStore(request.getfixturevalue("postgres_url"))
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FleetStore]:
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ControllerStore]:
     made = _open(request.param, tmp_path, request)
     yield made
     made.close()
@@ -85,11 +85,11 @@ def command(device: str, type_: str, cid: str, seq: int = 1) -> dict[str, Any]:
             "issued_at": 1.0, "expires_at": 100.0, "args": {"rollout_id": "r1"}, "sig": "x"}
 
 
-def devices_of(store: FleetStore, rid: str = "r1") -> dict[str, Any]:
+def devices_of(store: ControllerStore, rid: str = "r1") -> dict[str, Any]:
     return {d.device: d for d in store.rollout_devices(rid)}
 
 
-def test_one_live_rollout_per_name(store: FleetStore) -> None:
+def test_one_live_rollout_per_name(store: ControllerStore) -> None:
     r = store.create_rollout(new(), now=1.0)
     assert (r.state, r.live, r.settled, r.wave, r.waves_total, r.devices_total) == (
         RUNNING, True, False, 0, 2, 3)
@@ -106,7 +106,7 @@ def test_one_live_rollout_per_name(store: FleetStore) -> None:
     assert [r.id for r in store.rollouts(unsettled=True)] == ["r2", "r3", "r1"]
 
 
-def test_operator_transitions_follow_the_rules(store: FleetStore) -> None:
+def test_operator_transitions_follow_the_rules(store: ControllerStore) -> None:
     store.create_rollout(new(), now=1.0)
     to, allowed = ACTIONS["resume"]
     with pytest.raises(RolloutConflict, match="is RUNNING"):
@@ -117,7 +117,7 @@ def test_operator_transitions_follow_the_rules(store: FleetStore) -> None:
         store.set_rollout_state("nope", PAUSED, ACTIONS["pause"][1], reason="p", now=2.0)
 
 
-def test_reports_reach_the_devices_rows_newest_first_wins(store: FleetStore) -> None:
+def test_reports_reach_the_devices_rows_newest_first_wins(store: ControllerStore) -> None:
     store.create_rollout(new(), now=1.0)
     acks = store.ingest([transition("d0", "RECEIVED", 10), transition("d0", "DOWNLOADING", 11),
                          transition("d1", "RECEIVED", 10),
@@ -136,7 +136,7 @@ def test_reports_reach_the_devices_rows_newest_first_wins(store: FleetStore) -> 
         "ROLLED_BACK", 1500.0, 1500.0, "rollback requested")
 
 
-def test_failed_counts_as_final_only_once_the_box_stops_retrying(store: FleetStore) -> None:
+def test_failed_counts_as_final_only_once_the_box_stops_retrying(store: ControllerStore) -> None:
     store.create_rollout(new(), now=1.0)
     store.ingest([transition("d0", "FAILED", 10, details={"failures": 1, "limit": 3},
                              reason="unreachable")])
@@ -147,7 +147,7 @@ def test_failed_counts_as_final_only_once_the_box_stops_retrying(store: FleetSto
     assert (d0.retrying, d0.finished_at) == (False, 1020.0)
 
 
-def test_refusals_from_events_and_results(store: FleetStore) -> None:
+def test_refusals_from_events_and_results(store: ControllerStore) -> None:
     store.create_rollout(new(), now=1.0)
     store.claim_commands("r1", {"d0": command("d0", "rollout.start", "c0"),
                                 "d1": command("d1", "rollout.start", "c1")}, 2.0)
@@ -175,7 +175,7 @@ def test_refusals_from_events_and_results(store: FleetStore) -> None:
     assert rows["d1"].retrying is False and rows["d1"].finished_at is not None
 
 
-def test_a_busy_box_gets_a_new_start_and_only_a_busy_one(store: FleetStore) -> None:
+def test_a_busy_box_gets_a_new_start_and_only_a_busy_one(store: ControllerStore) -> None:
     store.create_rollout(new(), now=1.0)
     store.claim_commands("r1", {"d0": command("d0", "rollout.start", "c0"),
                                 "d1": command("d1", "rollout.start", "c1")}, 2.0)
@@ -202,7 +202,7 @@ def test_a_busy_box_gets_a_new_start_and_only_a_busy_one(store: FleetStore) -> N
     assert devices_of(store)["d0"].state == "RECEIVED"
 
 
-def test_a_bad_report_is_stored_and_changes_nothing(store: FleetStore) -> None:
+def test_a_bad_report_is_stored_and_changes_nothing(store: ControllerStore) -> None:
     store.create_rollout(new(), now=1.0)
     acks = store.ingest([transition("d0", "EXPLODED", 10),
                          report("d0", {"event": "rollout.transition", "rollout_id": 5}, ts=11)])
@@ -217,7 +217,7 @@ def progress(device: str, done: int, ts: float, rid: str = "r1") -> Inbound:
 
 
 def test_the_latest_download_progress_is_kept_and_shown_while_downloading(
-        store: FleetStore) -> None:
+        store: ControllerStore) -> None:
     r = store.create_rollout(new(), now=1.0)
     store.ingest([transition("d0", "DOWNLOADING", 10), progress("d0", 200, 11),
                   progress("d0", 600, 13), progress("d1", 100, 11),  # d1: still PENDING
@@ -247,7 +247,7 @@ def test_the_latest_download_progress_is_kept_and_shown_while_downloading(
     assert devices_of(store)["d0"].to_json()["progress"]["bytes"] == 100
 
 
-def test_commands_are_claimed_once_and_published(store: FleetStore) -> None:
+def test_commands_are_claimed_once_and_published(store: ControllerStore) -> None:
     store.create_rollout(new(), now=1.0)
     starts = {d: command(d, "rollout.start", f"s-{d}") for d in ("d0", "d1")}
     assert store.claim_commands("r1", starts, 2.0, require_state=RUNNING) == ["d0", "d1"]
@@ -270,7 +270,7 @@ def test_commands_are_claimed_once_and_published(store: FleetStore) -> None:
                                 require_state=RUNNING) == []  # paused meanwhile: not sent
 
 
-def test_the_engines_decision_applies_only_to_the_state_it_read(store: FleetStore) -> None:
+def test_the_engines_decision_applies_only_to_the_state_it_read(store: ControllerStore) -> None:
     store.create_rollout(new(), now=1.0)
     assert store.apply_plan("r1", expect=RUNNING, state=RUNNING, wave=1, reason=None,
                             settled=False, timed_out=[], skipped=[], now=2.0)
@@ -292,14 +292,14 @@ def test_the_engines_decision_applies_only_to_the_state_it_read(store: FleetStor
     assert [r.id for r in store.rollouts(unsettled=True)] == ["r1"]  # work again
 
 
-def test_next_command_seqs_share_the_streams_with_fleet_send(store: FleetStore) -> None:
+def test_next_command_seqs_share_the_streams_with_fleet_send(store: ControllerStore) -> None:
     assert store.next_command_seq("f1/d0") == 1
     assert store.next_command_seqs(["f1/d0", "f1/d1"]) == {"f1/d0": 2, "f1/d1": 1}
     assert store.next_command_seq("f1/d1") == 2
 
 
-def _migrated(kind: str, before: str, fill: Callable[[FleetStore], object], tmp_path: Path,
-              request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> FleetStore:
+def _migrated(kind: str, before: str, fill: Callable[[ControllerStore], object], tmp_path: Path,
+              request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ControllerStore:
     """A store made with the schema steps before `before` and filled by `fill`, then
     opened again with every step."""
     monkeypatch.setattr(store_module, "SCHEMA", tuple(s for s in SCHEMA if s[0] < before))
@@ -331,7 +331,7 @@ def test_a_store_of_the_previous_schema_gains_the_rollouts_and_keeps_its_data(
 def test_a_store_without_the_progress_columns_gains_them_and_keeps_its_rollouts(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    def fill(first: FleetStore) -> None:
+    def fill(first: ControllerStore) -> None:
         first.create_rollout(new(), now=1.0)
         first.ingest([transition("d0", "DOWNLOADING", 10)])
 

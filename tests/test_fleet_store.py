@@ -11,7 +11,7 @@ import pytest
 
 from edge_agent.fleet.controller.records import Inbound, complement, merge_ranges, to_ranges
 from edge_agent.fleet.controller.store import (
-    FleetStore,
+    ControllerStore,
     FleetStoreError,
     PostgresStore,
     SQLiteStore,
@@ -29,9 +29,9 @@ def msg(seq: int, *, device: str = "d1", boot: str = BOOT, kind: str = "metrics"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FleetStore]:
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ControllerStore]:
     if request.param == "sqlite":
-        made: FleetStore = SQLiteStore(tmp_path / "controller.db")
+        made: ControllerStore = SQLiteStore(tmp_path / "controller.db")
     else:
         made = PostgresStore(request.getfixturevalue("postgres_url"))
     yield made
@@ -45,7 +45,7 @@ def test_ranges() -> None:
     assert complement([[1, 9]], 9) == []
 
 
-def test_ingest_stores_each_message_once_and_acks_duplicates_too(store: FleetStore) -> None:
+def test_ingest_stores_each_message_once_and_acks_duplicates_too(store: ControllerStore) -> None:
     first = store.ingest([msg(s) for s in (1, 2, 3, 5)] + [msg(1, device="d2")])
     assert (first.stored, first.duplicates) == (5, 0)
     assert first.ranges == {"d1": {BOOT: [[1, 3], [5, 5]]}, "d2": {BOOT: [[1, 1]]}}
@@ -58,14 +58,14 @@ def test_ingest_stores_each_message_once_and_acks_duplicates_too(store: FleetSto
     assert store.messages("d1", limit=1)[0]["body"] == {"n": 1}  # the first copy kept
 
 
-def test_the_same_seq_in_another_boot_is_another_message(store: FleetStore) -> None:
+def test_the_same_seq_in_another_boot_is_another_message(store: ControllerStore) -> None:
     acks = store.ingest([msg(1), msg(1, boot=BOOT2)])
     assert acks.stored == 2
     assert acks.ranges["d1"] == {BOOT: [[1, 1]], BOOT2: [[1, 1]]}
     assert store.boots("d1") == [BOOT, BOOT2]
 
 
-def test_gaps_are_seqs_neither_stored_nor_reported_dropped(store: FleetStore) -> None:
+def test_gaps_are_seqs_neither_stored_nor_reported_dropped(store: ControllerStore) -> None:
     store.ingest([msg(s) for s in (1, 2, 5, 6, 9)])
     assert store.gaps("d1", BOOT) == [[3, 4], [7, 8]]
     dropped = {"event": "outbox.dropped", "class": "metrics", "count": 2, "bytes": 600,
@@ -80,14 +80,15 @@ def test_gaps_are_seqs_neither_stored_nor_reported_dropped(store: FleetStore) ->
     assert store.gaps("nobody", BOOT) == []
 
 
-def test_a_dropped_report_for_a_boot_not_seen_yet_counts_once_stored(store: FleetStore) -> None:
+def test_a_dropped_report_for_a_boot_not_seen_yet_counts_once_stored(
+        store: ControllerStore) -> None:
     dropped = {"event": "outbox.dropped", "ranges": {BOOT2: [[1, 5]]}}
     store.ingest([msg(1, kind="events", body=dropped), msg(1, kind="events", body=dropped)])
     store.ingest([msg(s, boot=BOOT2) for s in (6, 7)])
     assert store.gaps("d1", BOOT2) == []
 
 
-def test_a_malformed_dropped_report_is_stored_but_changes_nothing(store: FleetStore) -> None:
+def test_a_malformed_dropped_report_is_stored_but_changes_nothing(store: ControllerStore) -> None:
     bad = {"event": "outbox.dropped", "ranges": {BOOT: [[5, 1]]}}
     assert store.ingest([msg(1, kind="events", body=bad)]).stored == 1
     assert store.dropped("d1", BOOT) == []
@@ -108,7 +109,7 @@ def death(bdseq: int) -> dict[str, Any]:
             "bdseq": bdseq, "ts": 2.0}
 
 
-def test_birth_online_death_of_the_same_session_offline(store: FleetStore) -> None:
+def test_birth_online_death_of_the_same_session_offline(store: ControllerStore) -> None:
     store.birth("f1", "d1", birth(12), 100.0)
     found = store.device("d1")
     assert found is not None
@@ -122,7 +123,7 @@ def test_birth_online_death_of_the_same_session_offline(store: FleetStore) -> No
 
 
 def test_a_models_state_event_updates_the_view_and_only_a_newer_report_wins(
-        store: FleetStore) -> None:
+        store: ControllerStore) -> None:
     """The box's models.state (an events message, through the outbox) changes what
     `fleet devices` shows without a rebirth; of a birth and an event, the one the box sent
     later (its `ts`) is the view, whichever arrives last."""
@@ -153,7 +154,7 @@ def test_a_models_state_event_updates_the_view_and_only_a_newer_report_wins(
     assert store.device("d1")["active_models"] == ["smollm2:135m"]  # type: ignore[index]
 
 
-def test_a_stale_death_leaves_the_newer_session_online(store: FleetStore) -> None:
+def test_a_stale_death_leaves_the_newer_session_online(store: ControllerStore) -> None:
     store.birth("f1", "d1", birth(12), 100.0)
     store.birth("f1", "d1", birth(13), 101.0)  # reconnected before the old Will fired
     assert store.death("f1", "d1", death(12), 102.0) is False
@@ -162,12 +163,13 @@ def test_a_stale_death_leaves_the_newer_session_online(store: FleetStore) -> Non
     assert store.death("f1", "d1", death(13), 103.0) is True
 
 
-def test_a_death_first_makes_an_offline_device(store: FleetStore) -> None:
+def test_a_death_first_makes_an_offline_device(store: ControllerStore) -> None:
     assert store.death("f1", "d9", death(3) | {"device": "d9"}, 50.0) is False
     assert [(d["device"], d["online"]) for d in store.devices()] == [("d9", False)]
 
 
-def test_ingest_makes_devices_known_and_last_seen_moves_forward_only(store: FleetStore) -> None:
+def test_ingest_makes_devices_known_and_last_seen_moves_forward_only(
+        store: ControllerStore) -> None:
     store.ingest([msg(1, received=500.0)])
     store.ingest([msg(2, received=400.0)])
     found = store.device("d1")
@@ -176,20 +178,20 @@ def test_ingest_makes_devices_known_and_last_seen_moves_forward_only(store: Flee
     assert found["messages"] == {"metrics": 2}
 
 
-def test_latest_metrics_is_the_newest_by_device_time(store: FleetStore) -> None:
+def test_latest_metrics_is_the_newest_by_device_time(store: ControllerStore) -> None:
     store.ingest([msg(1, ts=30.0), msg(2, ts=10.0), msg(3, kind="events", ts=99.0)])
     latest = store.latest_metrics("d1")
     assert latest is not None and latest["seq"] == 1 and latest["body"] == {"n": 1}
     assert store.latest_metrics("nobody") is None
 
 
-def test_command_streams_are_separate_and_monotonic(store: FleetStore) -> None:
+def test_command_streams_are_separate_and_monotonic(store: ControllerStore) -> None:
     assert [store.next_command_seq("f1/d1") for _ in range(3)] == [1, 2, 3]
     assert store.next_command_seq("f1/all") == 1
     assert store.next_command_seq("f1/d1") == 4
 
 
-def test_command_seq_is_unique_under_threads(store: FleetStore) -> None:
+def test_command_seq_is_unique_under_threads(store: ControllerStore) -> None:
     got: list[int] = []
     lock = threading.Lock()
 
@@ -207,7 +209,7 @@ def test_command_seq_is_unique_under_threads(store: FleetStore) -> None:
     assert sorted(got) == list(range(1, 81))
 
 
-def test_commands_and_their_results(store: FleetStore) -> None:
+def test_commands_and_their_results(store: ControllerStore) -> None:
     command = {"v": 1, "id": "c1", "fleet": "f1", "device": "all", "type": "ping", "seq": 1,
                "issued_at": 10.0, "expires_at": 310.0, "args": {}, "sig": "x"}
     store.record_command(command, 10.0)
@@ -263,7 +265,7 @@ def test_open_store_refuses_other_urls(tmp_path: Path) -> None:
         open_store("mysql://x/y", tmp_path)
 
 
-def test_device_text_the_databases_would_refuse_is_made_safe(store: FleetStore) -> None:
+def test_device_text_the_databases_would_refuse_is_made_safe(store: ControllerStore) -> None:
     """NUL (PostgreSQL text refuses it), nested values and huge numbers from a device must
     not fail a commit: a failed commit would hold back every other device's messages."""
     result = {"id": "c1", "type": {"x": 1}, "status": "failed", "reason": "bad\x00byte",
@@ -282,7 +284,7 @@ def test_device_text_the_databases_would_refuse_is_made_safe(store: FleetStore) 
 
 
 def test_retention_removes_old_messages_in_batches_and_keeps_loss_accounting(
-        store: FleetStore) -> None:
+        store: ControllerStore) -> None:
     """Metrics older than their retention go, audit messages by their own; what went is
     accounted for (no gap), a loss above it still shows, and nothing younger is touched."""
     from edge_agent.fleet.controller.retention import Retention, cutoffs
@@ -336,7 +338,7 @@ def test_the_retention_thread_survives_a_failed_pass(caplog: pytest.LogCaptureFi
     assert idle._thread is None  # noqa: SLF001 - nothing to purge, no thread
 
 
-def test_loss_accounting_per_boot_as_an_operator_reads_it(store: FleetStore) -> None:
+def test_loss_accounting_per_boot_as_an_operator_reads_it(store: ControllerStore) -> None:
     """Stored 1-3, 6 and 9-10 of one boot, 4-5 reported dropped, 7-8 never seen: 2 seqs
     missing; two duplicates counted on that boot; the other boot whole; the outbox backlog
     from the newest metrics."""

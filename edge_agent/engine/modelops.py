@@ -118,12 +118,22 @@ class ModelOps:
     def is_installed(self, name: str) -> bool:
         return self.store.is_installed(name)
 
-    def versions(self, name: str) -> list[Version]:
-        """Every installed version of `name`, the active one first (404 when none)."""
+    def versions(self, name: str, *, missing_ok: bool = False) -> list[Version]:
+        """Every installed version of `name`, the active one first (404 when none, unless
+        `missing_ok`: then an empty list, as a rollout asks before its first install)."""
         found = self.store.versions(name)
-        if not found:
+        if not found and not missing_ok:
             raise ModelNotFound(f"model '{name}' not found", param="model")
         return found
+
+    def active_digest(self, name: str) -> str | None:
+        """The digest `name` serves now; None when it is not installed."""
+        return self.store.active_digest(name)
+
+    @property
+    def blobs(self) -> Path:
+        """Where installed model files live (a download beside them may be renamed in)."""
+        return self.store.blobs
 
     def history(self, name: str, limit: int | None = None) -> list[HistoryEntry]:
         """What happened to `name`, newest first: installs, switches (with the digest

@@ -30,7 +30,7 @@ from edge_agent import __version__
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.releases.artifacts import artifacts_router
 from edge_agent.fleet.controller.rollout_ops import report
-from edge_agent.fleet.controller.store import FleetStore
+from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol.ids import check_id
 
 
@@ -38,7 +38,7 @@ def _problem(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def create_app(store: FleetStore, metrics: ControllerMetrics, *,
+def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
                broker_connected: Callable[[], bool] = lambda: False,
                releases: Path | None = None) -> FastAPI:
     """`releases`: the signed release repository to serve under /releases/ (metadata and

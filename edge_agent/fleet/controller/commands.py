@@ -23,7 +23,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from edge_agent.errors import EdgeAgentError, InvalidRequest, ServiceUnavailable
 from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
 from edge_agent.fleet.controller.settings import ControllerSettings
-from edge_agent.fleet.controller.store import FleetStore
+from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol import topics
 from edge_agent.fleet.protocol.command import MAX_COMMAND_BYTES
 from edge_agent.fleet.protocol.envelope import dumps
@@ -45,7 +45,7 @@ def stream(fleet: str, device: str) -> str:
     return f"{fleet}/{device}"
 
 
-def build(store: FleetStore, key: Ed25519PrivateKey, *, fleet: str, device: str,
+def build(store: ControllerStore, key: Ed25519PrivateKey, *, fleet: str, device: str,
           type_: str, args: Mapping[str, Any] | None = None, ttl_s: float = DEFAULT_TTL_S,
           clock: Callable[[], float] = time.time, seq: int | None = None) -> dict[str, Any]:
     """A signed command with the stream's next seq (taken, so never reused; `seq`: one
@@ -67,7 +67,7 @@ def build(store: FleetStore, key: Ed25519PrivateKey, *, fleet: str, device: str,
     return signed
 
 
-def targets(store: FleetStore, fleet: str, device: str) -> list[str]:
+def targets(store: ControllerStore, fleet: str, device: str) -> list[str]:
     """Whose results to wait for: the device, or every online device of the fleet."""
     if device != ALL:
         return [device]
@@ -171,7 +171,7 @@ def publish(settings: ControllerSettings, command: Mapping[str, Any], *,
         publisher.close()
 
 
-def send(settings: ControllerSettings, store: FleetStore, key: Ed25519PrivateKey, *,
+def send(settings: ControllerSettings, store: ControllerStore, key: Ed25519PrivateKey, *,
          fleet: str, device: str, type_: str, args: Mapping[str, Any] | None = None,
          ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time) -> Sent:
     """Sign, record, publish. The results arrive later (see `wait`)."""
@@ -184,7 +184,7 @@ def send(settings: ControllerSettings, store: FleetStore, key: Ed25519PrivateKey
     return Sent(command, targets(store, fleet, device))
 
 
-def wait(store: FleetStore, sent: Sent, timeout_s: float, *, poll_s: float = 0.2,
+def wait(store: ControllerStore, sent: Sent, timeout_s: float, *, poll_s: float = 0.2,
          clock: Callable[[], float] = time.monotonic) -> list[dict[str, Any]]:
     """The results stored so far, once every expected device answered or at the timeout."""
     deadline = clock() + timeout_s

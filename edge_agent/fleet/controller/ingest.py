@@ -36,7 +36,7 @@ from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
 from edge_agent.fleet.controller.records import MAX_SEQ, Acks, Inbound
 from edge_agent.fleet.controller.settings import ControllerSettings
-from edge_agent.fleet.controller.store import FleetStore
+from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol import envelope, topics
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class _Item:
 class Ingest:
     """Start with `start()`; `stop()` commits what it holds and disconnects."""
 
-    def __init__(self, settings: ControllerSettings, store: FleetStore,
+    def __init__(self, settings: ControllerSettings, store: ControllerStore,
                  metrics: ControllerMetrics, *, key: Ed25519PrivateKey | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self._settings = settings

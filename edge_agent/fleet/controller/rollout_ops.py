@@ -25,7 +25,7 @@ from typing import Any
 from edge_agent.errors import InvalidRequest
 from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
 from edge_agent.fleet.controller.rollout_records import DeviceRecord, NewRollout, RolloutRecord
-from edge_agent.fleet.controller.store import FleetStore
+from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.controller.waves import (
     ABORTED,
     COMPLETED,
@@ -101,7 +101,7 @@ def select_devices(known: Iterable[Mapping[str, Any]], selector: str) -> dict[st
     return {d: fleets[d] for d in sorted(chosen)}
 
 
-def start(store: FleetStore, state_dir: Path, ref: str, selector: str, policy: Policy, *,
+def start(store: ControllerStore, state_dir: Path, ref: str, selector: str, policy: Policy, *,
           now: float, rollout_id: str | None = None) -> RolloutRecord:
     """A new RUNNING rollout of a published release (ModelNotFound if the controller's
     repository does not list it; RolloutConflict while another of the name is live)."""
@@ -117,7 +117,7 @@ def start(store: FleetStore, state_dir: Path, ref: str, selector: str, policy: P
         policy, {d: (fleet, waves[d]) for d, fleet in devices.items()}), now)
 
 
-def act(store: FleetStore, rollout_id: str, action: str, *, now: float) -> RolloutRecord:
+def act(store: ControllerStore, rollout_id: str, action: str, *, now: float) -> RolloutRecord:
     """pause, resume, abort or rollback (RolloutConflict where the state does not allow it;
     ModelNotFound for an unknown id)."""
     to, allowed = ACTIONS[action]

@@ -1,6 +1,6 @@
 """What the controller's rollouts are as data: a rollout, one device of it, a new one to
-write, the conflict error, and the store interface for them (`RolloutStore`, part of
-`store.FleetStore`). Plain records: the SQL is `rollout_sql`, the rules `waves`.
+write, the conflict error, and the store interface for them (`RolloutRecordStore`, part of
+`store.ControllerStore`). Plain records: the SQL is `rollout_sql`, the rules `waves`.
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ class NewRollout:
     devices: Mapping[str, tuple[str, int]]  # device -> (fleet, wave)
 
 
-class RolloutStore(Protocol):
-    """The rollout part of the store's interface (`store.FleetStore` includes it)."""
+class RolloutRecordStore(Protocol):
+    """The rollout part of the store's interface (`store.ControllerStore` includes it)."""
 
     def create_rollout(self, new: NewRollout, now: float) -> RolloutRecord: ...
 

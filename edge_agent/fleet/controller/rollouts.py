@@ -37,7 +37,7 @@ from edge_agent.fleet.controller import commands
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.rollout_records import RolloutRecord
 from edge_agent.fleet.controller.settings import ControllerSettings
-from edge_agent.fleet.controller.store import FleetStore
+from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.controller.waves import RUNNING, Plan, decide
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ CHUNK = 200  # commands signed, recorded and published per transaction
 class RolloutEngine:
     """`start()` the thread, `stop()` it; `tick()` runs one pass (tests call it directly)."""
 
-    def __init__(self, settings: ControllerSettings, store: FleetStore,
+    def __init__(self, settings: ControllerSettings, store: ControllerStore,
                  key: Ed25519PrivateKey | None, *, metrics: ControllerMetrics | None = None,
                  publisher: commands.Publisher | None = None,
                  clock: Callable[[], float] = time.time, tick_s: float | None = None) -> None:

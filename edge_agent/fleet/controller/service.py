@@ -32,7 +32,7 @@ from edge_agent.fleet.controller.releases.repository import releases_dir
 from edge_agent.fleet.controller.retention import Retention
 from edge_agent.fleet.controller.rollouts import RolloutEngine
 from edge_agent.fleet.controller.settings import ControllerSettings
-from edge_agent.fleet.controller.store import FleetStore, open_store
+from edge_agent.fleet.controller.store import ControllerStore, open_store
 from edge_agent.fleet.protocol.signing import load_private
 from edge_agent.sdnotify import Notifier, announce_ready, keep_alive
 
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Controller:
     settings: ControllerSettings
-    store: FleetStore
+    store: ControllerStore
     metrics: ControllerMetrics
     ingest: Ingest
     rollouts: RolloutEngine | None = None

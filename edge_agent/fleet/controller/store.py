@@ -1,4 +1,4 @@
-"""The controller's store: the `FleetStore` interface and its two databases.
+"""The controller's store: the `ControllerStore` interface and its two databases.
 
 `SQLiteStore` (`<state>/controller.db`, the default: WAL, synchronous FULL, sqlite-utils
 migrations) and `PostgresStore` (`--db postgresql://…`, psycopg 3, schema created and
@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.controller.records import Acks, Inbound, Ranges
-from edge_agent.fleet.controller.rollout_records import RolloutStore
+from edge_agent.fleet.controller.rollout_records import RolloutRecordStore
 from edge_agent.fleet.controller.schema import SCHEMA
 from edge_agent.fleet.controller.sql import Exec, SQLStore
 
@@ -35,7 +35,7 @@ class FleetStoreError(EdgeAgentError):
     """The store cannot be opened or written (the database is down, unreadable or newer)."""
 
 
-class FleetStore(RolloutStore, Protocol):
+class ControllerStore(RolloutRecordStore, Protocol):
     def ingest(self, batch: Sequence[Inbound]) -> Acks: ...
 
     def birth(self, fleet: str, device: str, message: Mapping[str, Any],

@@ -102,12 +102,12 @@ class SimDevice(LinkCore):
     def emit(self, kind: str, cls: str, body: Mapping[str, Any], *, commit: bool = False
              ) -> bool:
         if self.closed:
-            self._count("emit_refused")
+            self.count("emit_refused")
             return False
         try:
             seq = self.outbox.append(kind, cls, body, commit=commit)
         except (ValueError, TypeError):  # OutboxFull is a ValueError too
-            self._count("emit_refused")
+            self.count("emit_refused")
             return False
         with self._seq_lock:
             self.last_seq = max(self.last_seq, seq)
@@ -121,7 +121,7 @@ class SimDevice(LinkCore):
         assert self._script is not None
         return self._script(self, command)
 
-    def _dispatch(self, command: Command) -> None:
+    def dispatch(self, command: Command) -> None:
         self._run(self, command)
 
     def execute(self, command: Command) -> None:
@@ -130,7 +130,7 @@ class SimDevice(LinkCore):
         try:
             result = self.gate.execute(command)
         except Exception:
-            self._count("errors")
+            self.count("errors")
             return
         self._finished(result)
 
@@ -143,4 +143,4 @@ class SimDevice(LinkCore):
             try:
                 closer.close()
             except Exception:
-                self._count("errors")
+                self.count("errors")

@@ -6,7 +6,7 @@ connected flags, and how a command's result goes back (an outbox row).
 exist: `fleet.device.link.link.Link`, the box's own, with its owner thread and a `fleet-commands`
 thread; and the simulator's devices (`fleet.sim.fleet`), many driven from one selector loop.
 A subclass says how a producer wakes its owner (`_wake`), where an accepted command runs
-(`_dispatch`) and how a message is queued (`emit`).
+(`dispatch`) and how a message is queued (`emit`).
 
 Must never: block, touch a file, or raise into a producer (`emit` swallows and counts).
 """
@@ -64,7 +64,7 @@ class LinkCore:
         self.device: str = fleet.device_id
         self.options = options or LinkOptions()
         self.boot_id = boot_id or uuid.uuid4().hex
-        self._facts = facts
+        self.facts = facts
         self._handlers: dict[str, Handler] = {"ping": ping, "rebirth": self._rebirth_handler,
                                               **(handlers or {})}
         self._connected = threading.Event()
@@ -85,12 +85,12 @@ class LinkCore:
         """Makes the owner take a turn soon (a producer emitted, a rebirth was asked)."""
         raise NotImplementedError
 
-    def _dispatch(self, command: Command) -> None:
+    def dispatch(self, command: Command) -> None:
         """Runs an accepted command away from the owner's loop; its result through
         `_finished`."""
         raise NotImplementedError
 
-    def _finish_commands(self) -> None:
+    def finish_commands(self) -> None:
         """At a clean stop, before the last flush: let a running command end (bounded)."""
 
     # -- shared -----------------------------------------------------------------------------
@@ -107,6 +107,21 @@ class LinkCore:
         owner = self._owner
         return owner.bdseq if owner is not None else 0
 
+    def mark_connected(self, up: bool) -> None:
+        """The owner's: subscribed, so commands can arrive (`wait_connected` returns), or
+        not (the connection dropped)."""
+        if up:
+            self._connected.set()
+        else:
+            self._connected.clear()
+
+    def take_rebirth(self) -> bool:
+        """The owner's: whether a rebirth was asked since it last took one."""
+        if not self._rebirth.is_set():
+            return False
+        self._rebirth.clear()
+        return True
+
     def request_rebirth(self) -> None:
         """The birth is published again (same bdseq) as soon as the link is connected."""
         self._rebirth.set()
@@ -116,24 +131,24 @@ class LinkCore:
         self.request_rebirth()
         return {"bdseq": self.bdseq}
 
-    def _emit_result(self, result: Result) -> None:
+    def emit_result(self, result: Result) -> None:
         self.emit(topics.RESULT, AUDIT, result.body())
 
     def _finished(self, result: Result) -> None:
         """An executed command's result goes out; a changed config is born again."""
-        self._emit_result(result)
+        self.emit_result(result)
         if result.status == OK and result.type in REBIRTH_AFTER:
             self.request_rebirth()
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         with self._count_lock:
             self.counts[name] = self.counts.get(name, 0) + n
 
-    def _forget_logged(self, prefixes: tuple[str, ...]) -> None:
+    def forget_logged(self, prefixes: tuple[str, ...]) -> None:
         """After a recovery: the same failure later is worth a warning again."""
         self._logged = {k for k in self._logged if not k.startswith(prefixes)}
 
-    def _log_once(self, key: str, msg: str, *args: Any, exc_info: bool = False) -> None:
+    def log_once(self, key: str, msg: str, *args: Any, exc_info: bool = False) -> None:
         """Warns the first time; later repeats go to debug (a flapping link is one line)."""
         if key in self._logged:
             log.debug(msg, *args)

@@ -121,16 +121,16 @@ class Link(LinkCore):
                     self._early.append((kind, cls, dict(body)))
                     return True
             if refused or outbox is None:
-                self._count("emit_refused")
+                self.count("emit_refused")
                 return False
             outbox.append(kind, cls, body, commit=commit)
         except (ValueError, TypeError) as exc:  # OutboxFull is a ValueError too
-            self._count("emit_refused")
+            self.count("emit_refused")
             if not isinstance(exc, OutboxFull):
-                self._log_once(f"emit:{kind}", "fleet: a %s message was refused: %s", kind, exc)
+                self.log_once(f"emit:{kind}", "fleet: a %s message was refused: %s", kind, exc)
             return False
         except Exception:
-            self._log_once(f"emit-error:{kind}", "fleet: emitting a %s message failed", kind,
+            self.log_once(f"emit-error:{kind}", "fleet: emitting a %s message failed", kind,
                            exc_info=True)
             return False
         self._wake()
@@ -167,7 +167,7 @@ class Link(LinkCore):
                                 boot_id=self.boot_id, max_bytes=self.fleet.outbox_max_bytes)
                 break
             except Exception as exc:
-                self._log_once("open", "fleet: cannot open the link's state in %s (%s); "
+                self.log_once("open", "fleet: cannot open the link's state in %s (%s); "
                                "retrying", self.state_dir, exc)
                 if self._state is not None:
                     self._state.close()
@@ -213,15 +213,15 @@ class Link(LinkCore):
                 assert self._gate is not None
                 result = self._gate.execute(command)
             except Exception:
-                self._count("errors")
+                self.count("errors")
                 log.exception("fleet: command %s (%s) could not run", command.id, command.type)
                 continue
             self._finished(result)
 
-    def _dispatch(self, command: Command) -> None:
+    def dispatch(self, command: Command) -> None:
         self._work.put(command)
 
-    def _finish_commands(self) -> None:
+    def finish_commands(self) -> None:
         """At stop: commands still queued stay stored without an outcome (they run at the
         next start); the one running may finish, bounded."""
         while True:

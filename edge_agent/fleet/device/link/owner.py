@@ -1,6 +1,6 @@
 """The loop of the link's owner thread: connect and reconnect, publish the outbox, take the
 controller's acks and the commands, birth and death. What is in flight (the window, the
-acks, the resends) is its base's, `fleet.device.link.send_window.SendWindow`.
+acks, the resends) is the `SendWindow` it holds (`send`).
 
 It runs on one thread only (the box's `fleet-link` thread), and is the only code that
 touches the outbox's file and receives commands. `run()` is the box's loop: one selector
@@ -46,7 +46,7 @@ def backoff_delay(attempt: int, min_s: float, max_s: float) -> float:
     return random.uniform(0, min(max_s, min_s * 2 ** min(attempt, 30)))
 
 
-class Owner(SendWindow):
+class Owner:
     def __init__(self, link: LinkCore, outbox: Outbox, gate: CommandGate,
                  state: FleetState, sel: selectors.BaseSelector | None = None) -> None:
         self.link = link
@@ -60,7 +60,9 @@ class Owner(SendWindow):
         self.sel = sel if sel is not None else selectors.DefaultSelector()
         self.session: Session | None = None
         self._fd: int | None = None  # the descriptor this owner registered in `sel`
-        super().__init__(link.options.window)  # what is in flight: `fleet.device.link.send_window`
+        # What is in flight: the window, the acks, the resends.
+        self.send = SendWindow(link, outbox, gate, signed_acks=self.signed_acks,
+                               step=self.step)
         self.bdseq = 0
         self._status = topics.topic(link.fleet_id, link.device, topics.STATUS)
         self._ack = topics.topic(link.fleet_id, link.device, topics.ACK)
@@ -123,7 +125,7 @@ class Owner(SendWindow):
             try:
                 alive = session.pump(readable, writable)
             except Exception as exc:  # a paho bug or a half-closed TLS socket
-                link._log_once("pump", "fleet: connection error: %s", exc, exc_info=True)
+                link.log_once("pump", "fleet: connection error: %s", exc, exc_info=True)
                 alive = False
             lost = self._handle(session)
             now = time.monotonic()
@@ -142,10 +144,9 @@ class Owner(SendWindow):
         self.step(self.outbox.flush)
         if session is not None and session.established:
             self.step(self._publish_pending)
-            if link._rebirth.is_set():
-                link._rebirth.clear()
+            if link.take_rebirth():
                 self.step(self._publish_birth)
-            self._check_overdue(now)
+            self.send.check_overdue(now)
             self._watch_writes(session)
         if session is not None and self.session is session and session.fd is None:
             # paho closed the socket during this turn (a publish whose write failed): its
@@ -165,10 +166,14 @@ class Owner(SendWindow):
         try:
             fn()
         except Exception as exc:
-            self.link._count("errors")
-            self.link._log_once(f"step:{getattr(fn, '__name__', fn)}:{type(exc).__name__}",
+            self.link.count("errors")
+            self.link.log_once(f"step:{getattr(fn, '__name__', fn)}:{type(exc).__name__}",
                                 "fleet: %s failed (%s); the link goes on",
                                 getattr(fn, "__name__", fn), exc, exc_info=True)
+
+    def _publish_pending(self) -> None:
+        if self.session is not None:
+            self.send.publish(self.session)
 
     def _backoff(self, attempt: int) -> tuple[float, int]:
         delay = backoff_delay(attempt, self.fleet.reconnect_min_s, self.fleet.reconnect_max_s)
@@ -199,8 +204,8 @@ class Owner(SendWindow):
             session.open()
         except Exception as exc:
             err = exc if isinstance(exc, LinkError) else LinkError("error", str(exc))
-            link._count("connect_failures")
-            link._log_once(f"connect:{err.message}", "fleet: cannot reach the broker %s:%s "
+            link.count("connect_failures")
+            link.log_once(f"connect:{err.message}", "fleet: cannot reach the broker %s:%s "
                            "(%s); retrying with backoff, the box serves meanwhile",
                            address.host, address.port, err.message)
             return None
@@ -214,11 +219,11 @@ class Owner(SendWindow):
     def _on_connected(self, session: Session) -> None:
         link = self.link
         address = self.fleet.broker_address
-        link._count("connects")
-        link._forget_logged(("connect:", "connack:"))
+        link.count("connects")
+        link.forget_logged(("connect:", "connack:"))
         log.info("fleet: connected to %s:%s as %s (bdseq %d)", address.host, address.port,
                  link.device, self.bdseq)
-        link._rebirth.clear()  # this birth answers any rebirth asked while offline
+        link.take_rebirth()  # this birth answers any rebirth asked while offline
         self.step(self._publish_birth)
         # `connected` is set at the SUBACK: from then on a command sent to the box arrives.
         session.subscribe(topics.device_filter(link.fleet_id, link.device))
@@ -232,11 +237,10 @@ class Owner(SendWindow):
         session.close()
         self._forget_fd()
         self.session = None
-        self.inflight.clear()
-        self.ready.clear()
-        link._connected.clear()
+        self.send.forget_in_flight()
+        link.mark_connected(False)
         if was:
-            link._count("disconnects")
+            link.count("disconnects")
             log.warning("fleet: lost the broker (%s); reconnecting, the box serves "
                         "meanwhile", reason)
             link.emit("events", AUDIT, {"event": "link.disconnected", "reason": reason,
@@ -255,26 +259,24 @@ class Owner(SendWindow):
                 if event.kind == "connack":
                     if event.ok:
                         session.established = True
-                        self.window = max(1, min(self.options.window, event.receive_max))
+                        self.send.limit(event.receive_max)
                     else:
-                        link._count("connect_failures")
+                        link.count("connect_failures")
                         lost = connack_error(event.reason, event.code).message
-                        link._log_once(f"connack:{event.reason}", "fleet: %s", lost)
+                        link.log_once(f"connack:{event.reason}", "fleet: %s", lost)
                 elif event.kind == "suback":
-                    link._connected.set()
+                    link.mark_connected(True)
                     if not event.ok:
-                        link._log_once(f"suback:{event.reason}", "fleet: the broker refused "
+                        link.log_once(f"suback:{event.reason}", "fleet: the broker refused "
                                        "a subscription (%s): commands may not arrive",
                                        event.reason)
                 elif event.kind == "disconnected":
                     lost = lost or event.reason or "connection lost"
                 elif event.kind == "puback":
-                    self.inflight.pop(event.mid, None)
-                    if event.code == NO_SUBSCRIBERS:
-                        self.unheard = True
-                    elif not event.ok:
-                        link._count("publish_refused")
-                        link._log_once(f"puback:{event.reason}", "fleet: the broker refused "
+                    self.send.puback(event.mid, nobody_heard=event.code == NO_SUBSCRIBERS)
+                    if event.code != NO_SUBSCRIBERS and not event.ok:
+                        link.count("publish_refused")
+                        link.log_once(f"puback:{event.reason}", "fleet: the broker refused "
                                        "a message: %s", event.reason)
                 elif event.kind == "message":
                     if event.topic == self._ack:
@@ -282,12 +284,12 @@ class Owner(SendWindow):
                     else:
                         self._command(session, event)
             except Exception as exc:  # one message never ends the link
-                link._count("errors")
-                link._log_once(f"event:{event.kind}:{type(exc).__name__}",
+                link.count("errors")
+                link.log_once(f"event:{event.kind}:{type(exc).__name__}",
                                "fleet: handling a %s failed: %s", event.kind, exc,
                                exc_info=True)
         if acks:
-            self.step(lambda: self._apply_acks(session, acks))
+            self.step(lambda: self.send.apply_acks(session, acks))
         return lost
 
     def _command(self, session: Session, event: Event) -> None:
@@ -295,11 +297,11 @@ class Owner(SendWindow):
         # delivers the command again.
         delivery = self.gate.receive(event.payload, event.topic)
         session.ack(event.mid, event.qos)
-        self.link._count("commands")
+        self.link.count("commands")
         if delivery.result is not None:
-            self.link._emit_result(delivery.result)
+            self.link.emit_result(delivery.result)
         if delivery.execute and delivery.command is not None:
-            self.link._dispatch(delivery.command)
+            self.link.dispatch(delivery.command)
 
     # -- sending ------------------------------------------------------------------------
 
@@ -307,7 +309,7 @@ class Owner(SendWindow):
         if self.session is None:
             return
         link = self.link
-        payload = birth.birth(link._facts(), fleet=link.fleet_id, device=link.device,
+        payload = birth.birth(link.facts(), fleet=link.fleet_id, device=link.device,
                               boot_id=link.boot_id, bdseq=self.bdseq)
         self.session.publish(self._status, payload, retain=True)
 
@@ -333,7 +335,7 @@ class Owner(SendWindow):
         """A clean stop's first half: commit what is buffered and, if connected, publish
         what is pending and the death. The session and the death's message id (None: it
         could not be sent) to wait for, or None when there is no connection to close."""
-        self.link._finish_commands()
+        self.link.finish_commands()
         self.step(self.outbox.flush)
         session = self.session
         if session is None:
@@ -365,7 +367,7 @@ class Owner(SendWindow):
         session.disconnect()
         self._forget_fd()
         self.session = None
-        self.link._connected.clear()
+        self.link.mark_connected(False)
 
     def _forget_fd(self) -> None:
         # By number: paho may have closed the socket already, and the number must leave

@@ -60,7 +60,7 @@ def pull(settings: Settings, ops: ModelOps, name: str, version: str, *, by: str,
         if not force:  # `models pull --force`: the claim, not the rollout check
             refuse_live_rollout(state, key)
         release = (source or signed.ReleaseSource(fleet, state)).lookup(key, version)
-        have = [v.model for v in ops.store.versions(key) if v.digest == release.sha256]
+        have = [v.model for v in ops.versions(key, missing_ok=True) if v.digest == release.sha256]
         if have:
             model = have[0]
         else:
@@ -70,10 +70,10 @@ def pull(settings: Settings, ops: ModelOps, name: str, version: str, *, by: str,
                                      headroom=fleet.download_headroom_bytes, retry=retry,
                                      pace=signed.Pace.of(fleet),
                                      install_copy=transfer.store_copy_needed(
-                                         dest, ops.store.blobs))
+                                         dest, ops.blobs))
             model = signed.install(release, path, ops, by=by)
         if activate:
             model = ops.activate(key, release.sha256, by=by)
     return Pulled(model, ref, downloaded=not have,
-                  active=ops.store.active_digest(key) == release.sha256)
+                  active=ops.active_digest(key) == release.sha256)
 

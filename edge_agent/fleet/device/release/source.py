@@ -59,7 +59,7 @@ from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import urllib3
@@ -69,9 +69,9 @@ from tuf.ngclient import FetcherInterface, Updater, UpdaterConfig
 
 from edge_agent import __version__
 from edge_agent.config import FleetSettings
-from edge_agent.errors import EdgeAgentError, ModelFileError
+from edge_agent.errors import ModelFileError
 from edge_agent.files import atomic_write, locked
-from edge_agent.fleet.device.rollout import outcomes
+from edge_agent.fleet.device.rollout.outcomes import ReleaseError, ReleaseFailed, ReleaseRejected
 from edge_agent.fleet.protocol.manifest import (
     ManifestError,
     ReleaseManifest,
@@ -111,35 +111,6 @@ _LOOKUP_PREFIX = ".lookup-"
 _ROOT_HISTORY = "root_history"  # python-tuf's: every root version walked, N.root.json
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _READ = 1 << 16
-
-
-class ReleaseError(EdgeAgentError):
-    """A release that cannot (yet) be installed. `reason`: one of the codes above;
-    `details`: the figures (bytes needed and free, versions, the URL …)."""
-
-    retry: ClassVar[bool] = True
-
-    def __init__(self, reason: str, message: str, **details: Any) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.details = details
-
-    def body(self) -> dict[str, Any]:
-        """For an audit message or a rollout's state row."""
-        return {"reason": self.reason, "message": self.message, "retry": self.retry,
-                **self.details}
-
-
-class ReleaseRejected(ReleaseError, outcomes.ReleaseRejected):
-    """This release will not be installed here; trying again changes nothing."""
-
-    retry = False
-
-
-class ReleaseFailed(ReleaseError, outcomes.ReleaseFailed):
-    """It did not work this time (network, clock, the controller's re-signing); retry."""
-
-    retry = True
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The box's rollout state machine: a release received, fetched, staged, switched to,
 gated, and kept or rolled back.
 
-Owns: the runner (`runner`), the persisted rollouts and their transitions (`store`), the
-rules it applies (`rules`), the `rollout.*` commands (`commands`), activation
+Owns: the runner and the `rollout.*` commands it takes (`runner`), the persisted
+rollouts and their transitions (`store`), the rules it applies (`rules`), activation
 (`activation`), the health gate a release must pass (`health_gate`), how a fetch can end
 (`outcomes`), download progress (`progress`) and the one-change-per-name claim
 (`name_claim`).

@@ -87,7 +87,7 @@ def restore_pointer(ops: ModelOps, store: RolloutStore, rollout: Rollout) -> Rol
     """The switch back a ROLLED_BACK row committed: if the name still serves the rollout's
     digest, back to the previous one (a name that had none is removed: nothing may serve
     a release whose gate did not pass). Idempotent; `restored` once done."""
-    active = ops.store.active_digest(rollout.name)
+    active = ops.active_digest(rollout.name)
     if active is not None and active == rollout.target_digest:
         if rollout.previous_digest:
             ops.activate(rollout.name, rollout.previous_digest, by=by(rollout))
@@ -125,7 +125,7 @@ class Activator:
         spec = gate.parse_spec(((r.release or {}).get("manifest") or {}).get("gate"))
         target = r.target_digest
         assert target is not None
-        previous = self.ops.store.active_digest(r.name)
+        previous = self.ops.active_digest(r.name)
         r = await self.move(r, ACTIVATING, expect=STAGED, previous_digest=previous)
         if previous == target:
             r = await self.move(r, ACTIVE, reason="already active")
@@ -186,7 +186,8 @@ class Activator:
         return r
 
     def _template_check(self, name: str, previous: str | None, target: str) -> Check:
-        templates = {v.digest: v.model.chat_template for v in self.ops.store.versions(name)}
+        templates = {v.digest: v.model.chat_template
+                     for v in self.ops.versions(name, missing_ok=True)}
         return gate.check_template(templates.get(previous) if previous else None,
                                    templates.get(target))
 

@@ -15,29 +15,44 @@ no release code: the two meet only at these two names.
 
 `reason` is a short stable word for results and tests (`bad_signature`, `disk_full`,
 `unreachable`…); `details` holds the figures (bytes needed and free, versions…), JSON-able.
-This module holds data only: no I/O, no imports beyond the standard library.
+The release side adds its reason codes (`device.release.source`); `body()` is what an
+audit message or a rollout's row records. This module holds data only: no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
+
+from edge_agent.errors import EdgeAgentError
 
 
-class _ReleaseOutcome(Exception):
-    def __init__(self, reason: str, details: Mapping[str, Any] | None = None,
-                 message: str = "") -> None:
+class ReleaseError(EdgeAgentError):
+    """A release that cannot (yet) be installed. `reason`: a short stable word;
+    `details`: the figures (bytes needed and free, versions, the URL …)."""
+
+    retry: ClassVar[bool] = True
+
+    def __init__(self, reason: str, message: str = "", **details: Any) -> None:
         if not reason:
             raise ValueError("a release outcome needs a reason")
+        super().__init__(message)
         self.reason = reason
-        self.details: dict[str, Any] = dict(details or {})
-        self.message = message
-        super().__init__(f"{reason}: {message}" if message else reason)
+        self.details = details
+
+    def body(self) -> dict[str, Any]:
+        """For an audit message or a rollout's state row."""
+        return {"reason": self.reason, "message": self.message, "retry": self.retry,
+                **self.details}
 
 
-class ReleaseRejected(_ReleaseOutcome):
-    """Final: this release cannot be installed here (not retried)."""
+class ReleaseRejected(ReleaseError):
+    """Final: this release cannot be installed here; trying again changes nothing."""
+
+    retry = False
 
 
-class ReleaseFailed(_ReleaseOutcome):
-    """This attempt failed; another may succeed (retried up to the limit)."""
+class ReleaseFailed(ReleaseError):
+    """This attempt failed (network, clock, the controller's re-signing); another may
+    succeed (retried up to the limit)."""
+
+    retry = True

@@ -24,9 +24,16 @@ gets the release, and the switch fails no request: running ones finish on the ol
 weights). The maintenance window is never overridden.
 
 Every transition is committed before it is acted on and sent as an `audit` message
-(kind `rollout`) through the injected `emit(kind, cls, body)`. Command handlers
-(`fleet.device.rollout.commands`, the manager's base) only commit and wake the runner; they
-return at once. Must never import the registry, the scheduler, the runtime or the request
+(kind `rollout`) through the injected `emit(kind, cls, body)`. The `rollout.*` commands
+(`handlers`) run elsewhere: on the fleet link's `fleet-commands` thread, not on the event
+loop (tests call them from anywhere). A command commits what it decided, then wakes the
+runner (`begin`: `_wake`) or interrupts a rollout's task (`cancel`: `_interrupt`, after
+marking its download to stop in `_stop_ids`); a rollback during the switch only asks
+(`_aborts`: the health gate fails with `rollback_requested`). Those marks are read on the
+loop and in download threads, so they are touched only under `_lock`. A command returns at
+once: it never awaits, never downloads, verifies or activates (the runner's). The one
+pointer it moves is an ACTIVE rollout's switch back (`rollout.rollback`), committed as
+ROLLED_BACK before it. Must never import the registry, the scheduler, the runtime or the request
 path's service.
 """
 
@@ -38,6 +45,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -45,6 +53,7 @@ from typing import Any
 from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError, InvalidRequest
+from edge_agent.fleet.device.link.command_gate import Handler
 from edge_agent.fleet.device.rollout import health_gate as gate
 from edge_agent.fleet.device.rollout.activation import (
     SETTLE_S,
@@ -53,14 +62,31 @@ from edge_agent.fleet.device.rollout.activation import (
     interrupted,
     restore_pointer,
 )
-from edge_agent.fleet.device.rollout.commands import RolloutCommands
 from edge_agent.fleet.device.rollout.health_gate import Probe
+from edge_agent.fleet.device.rollout.name_claim import NameHeld, name_claim
 from edge_agent.fleet.device.rollout.outcomes import ReleaseFailed, ReleaseRejected
 from edge_agent.fleet.device.rollout.progress import Figures, ProgressThrottle
-from edge_agent.fleet.device.rollout.rules import Releases, backoff_s, hold_reason
-from edge_agent.fleet.device.rollout.store import IllegalTransition, Rollout, RolloutStore
+from edge_agent.fleet.device.rollout.rules import (
+    Releases,
+    backoff_s,
+    check_id,
+    check_name,
+    check_version,
+    hold_reason,
+    target,
+)
+from edge_agent.fleet.device.rollout.store import (
+    IllegalTransition,
+    NameBusy,
+    Rollout,
+    RolloutStore,
+)
+from edge_agent.fleet.protocol.command import Command
 from edge_agent.fleet.protocol.envelope import AUDIT
+from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
 from edge_agent.fleet.protocol.rollout_states import (
+    ACTIVE,
+    CANCELLED,
     DOWNLOADING,
     FAILED,
     RECEIVED,
@@ -85,7 +111,7 @@ class _Stopped(Exception):
     manager is stopping."""
 
 
-class RolloutManager(RolloutCommands):
+class RolloutManager:
     def __init__(self, settings: Settings, modelops: ModelOps, releases: Releases,
                  probe: Probe, *, emit: Emit | None = None,
                  clock: Callable[[], float] = time.time,
@@ -209,12 +235,11 @@ class RolloutManager(RolloutCommands):
             try:
                 gate.parse_spec((release.manifest or {}).get("gate"))
                 if normalize_name(release.name) != r.name:
-                    raise ReleaseRejected("release_mismatch", {"release": release.name})
+                    raise ReleaseRejected("release_mismatch", release=release.name)
             except ValueError as exc:
-                raise ReleaseRejected("bad_gate", {"error": str(exc)[:300]}) from None
+                raise ReleaseRejected("bad_gate", error=str(exc)[:300]) from None
             if r.target_digest is not None and r.target_digest != digest:
-                raise ReleaseRejected("release_changed", {"was": r.target_digest,
-                                                          "now": digest})
+                raise ReleaseRejected("release_changed", was=r.target_digest, now=digest)
             facts = {"length": release.length, "sha256": digest,
                      "manifest": dict(release.manifest or {})}
             if self._installed(r.name, digest):
@@ -244,7 +269,7 @@ class RolloutManager(RolloutCommands):
             await run_niced(fleet.rollout_nice, self.releases.install, release, path,
                             self.ops, by=f"rollout:{r.id}")
             if not self._installed(r.name, digest):
-                raise ReleaseFailed("not_installed", {"digest": digest})
+                raise ReleaseFailed("not_installed", digest=digest)
             await self._stage(r)
         except ReleaseRejected as exc:
             await self._end(r, REJECTED, exc.reason, {**exc.details, "message": exc.message})
@@ -371,7 +396,121 @@ class RolloutManager(RolloutCommands):
                 raise _Stopped(rollout_id)
 
     def _installed(self, name: str, digest: str) -> bool:
-        return any(v.digest == digest for v in self.ops.store.versions(name))
+        return any(v.digest == digest for v in self.ops.versions(name, missing_ok=True))
+
+
+    # -- the `rollout.*` commands, on the link's `fleet-commands` thread ------------------
+
+    def handlers(self) -> dict[str, Handler]:
+        """`rollout.start` {rollout_id, name, version}; `rollout.cancel` {rollout_id} or
+        {name}; `rollout.rollback` {rollout_id} or {name}. Results: `accepted` and the
+        rollout's summary (a refusal says why in `refused`)."""
+        return {"rollout.start": self._start_handler, "rollout.cancel": self._cancel_handler,
+                "rollout.rollback": self._rollback_handler}
+
+    def _start_handler(self, command: Command) -> dict[str, Any]:
+        args = command.args
+        if set(args) != {"rollout_id", "name", "version"}:
+            raise CommandRefused(MALFORMED, "args must be {rollout_id, name, version}")
+        rid, name, version = check_id(args["rollout_id"]), args["name"], args["version"]
+        return self.begin(rid, check_name(name), check_version(version), command.id)
+
+    def _cancel_handler(self, command: Command) -> dict[str, Any]:
+        return self.cancel(**target(command.args))
+
+    def _rollback_handler(self, command: Command) -> dict[str, Any]:
+        return self.rollback(**target(command.args))
+
+    def begin(self, rollout_id: str, name: str, version: str,
+              command_id: str | None = None) -> dict[str, Any]:
+        """A new rollout (RECEIVED, committed) and its task; the same id again reports
+        it; refused while another rollout of the name is live, or a `models pull` of it
+        runs (its row is created under the name's claim: `fleet.device.rollout.name_claim`)."""
+        key = normalize_name(name)
+        claim = name_claim(self.settings.state_dir, key, {"rollout_id": rollout_id}) \
+            if self.store.get(rollout_id) is None else nullcontext()
+        try:
+            with claim:
+                r, created = self.store.create(rollout_id, key, version,
+                                               command_id=command_id)
+        except NameBusy as busy:
+            return self._busy(rollout_id, busy.live.name, busy.live.summary())
+        except NameHeld as held:
+            return self._busy(rollout_id, key, held.holder)
+        if created:
+            self._published(r, None)
+            self._wake(r.id)
+        return {"accepted": True, "created": created, **r.summary()}
+
+    def _busy(self, rollout_id: str, name: str, live: Mapping[str, Any]) -> dict[str, Any]:
+        body = {"accepted": False, "refused": "busy", "rollout_id": rollout_id,
+                "name": name, "live": dict(live)}
+        self._publish({"event": "rollout.refused", **body})
+        return body
+
+    def cancel(self, rollout_id: str | None = None, name: str | None = None
+               ) -> dict[str, Any]:
+        """Before activation: CANCELLED (a download stops at its next chunk, its partial
+        file goes). From ACTIVATING on: refused (`rollout.rollback` is the way back)."""
+        r = self._find(rollout_id, name)
+        if r is None:
+            return {"accepted": False, "refused": "unknown", "rollout_id": rollout_id,
+                    "name": name}
+        if not r.live:
+            return {"accepted": r.state == CANCELLED, **r.summary()}
+        if r.state in SWITCHING:
+            return {"accepted": False, "refused": "activating", **r.summary()}
+        with self._lock:
+            self._stop_ids.add(r.id)
+        try:
+            r = self.store.transition(r.id, CANCELLED, reason="cancel requested",
+                                      expect=r.state)
+        except IllegalTransition:
+            return self.cancel(r.id)  # it moved meanwhile: decide again
+        self._published(r, None)
+        self._interrupt(r.id)
+        shutil.rmtree(self.work_dir / r.id, ignore_errors=True)
+        return {"accepted": True, **r.summary()}
+
+    def rollback(self, rollout_id: str | None = None, name: str | None = None
+                 ) -> dict[str, Any]:
+        """ACTIVE: back to the previous digest now (if the name still serves this
+        rollout's digest). ACTIVATING/GATING: the gate fails with `rollback_requested`.
+        Earlier: the rollout is cancelled."""
+        r = self._find(rollout_id, name, prefer=ACTIVE)
+        if r is None:
+            return {"accepted": False, "refused": "unknown", "rollout_id": rollout_id,
+                    "name": name}
+        if r.state in SWITCHING:
+            with self._lock:
+                self._aborts.add(r.id)
+            return {"accepted": True, "requested": True, **r.summary()}
+        if r.live:
+            return self.cancel(r.id)
+        if r.state != ACTIVE:
+            return {"accepted": r.state == ROLLED_BACK, **r.summary()}
+        if self.ops.active_digest(r.name) != r.target_digest:
+            return {"accepted": False, "refused": "superseded", **r.summary()}
+        try:
+            r = self.store.transition(r.id, ROLLED_BACK, reason="rollback requested",
+                                      expect=ACTIVE, restored=False)
+        except IllegalTransition:
+            return self.rollback(r.id)
+        self._published(r, None)
+        r = restore_pointer(self.ops, self.store, r)
+        return {"accepted": True, **r.summary()}
+
+    def _find(self, rollout_id: str | None, name: str | None,
+              prefer: str | None = None) -> Rollout | None:
+        if rollout_id is not None:
+            return self.store.get(rollout_id)
+        assert name is not None
+        key = normalize_name(name)
+        live = self.store.live_for(key)
+        if live is not None:
+            return live
+        return (self.store.latest_for(key, prefer) if prefer else None) \
+            or self.store.latest_for(key)
 
 
 def _small(details: Mapping[str, Any]) -> dict[str, Any]:
