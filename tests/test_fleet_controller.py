@@ -25,10 +25,11 @@ from edge_agent.config import ConfigError
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.ingest import Ingest, Rejected, inbound, status
 from edge_agent.fleet.controller.metrics import ControllerMetrics
-from edge_agent.fleet.controller.records import Inbound, merge_ranges
+from edge_agent.fleet.controller.records import Inbound
 from edge_agent.fleet.controller.service import Controller
 from edge_agent.fleet.controller.settings import ControllerSettings, load_controller_settings
 from edge_agent.fleet.controller.store import SQLiteStore
+from edge_agent.fleet.protocol.envelope import merge_ranges
 from edge_agent.fleet.protocol.topics import Topic
 from tests.brokers import FLEET, Mosquitto, MQTTClient, free_port
 

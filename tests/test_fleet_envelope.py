@@ -76,8 +76,8 @@ def test_missing_fields_are_named() -> None:
 
 
 def test_ranges() -> None:
-    assert envelope.ranges([5, 1, 2, 3, 3, 7, 8]) == [[1, 3], [5, 5], [7, 8]]
-    assert envelope.ranges([]) == []
+    assert envelope.to_ranges([5, 1, 2, 3, 3, 7, 8]) == [[1, 3], [5, 5], [7, 8]]
+    assert envelope.to_ranges([]) == []
 
 
 def test_ack_round_trip_and_strictness() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from edge_agent.fleet.controller.records import Inbound, complement, merge_ranges, to_ranges
+from edge_agent.fleet.controller.records import Inbound
 from edge_agent.fleet.controller.store import (
     ControllerStore,
     FleetStoreError,
@@ -17,6 +17,7 @@ from edge_agent.fleet.controller.store import (
     SQLiteStore,
     open_store,
 )
+from edge_agent.fleet.protocol.envelope import complement, merge_ranges, to_ranges
 
 BOOT, BOOT2 = "a" * 32, "b" * 32
 

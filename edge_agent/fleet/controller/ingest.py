@@ -34,10 +34,11 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
-from edge_agent.fleet.controller.records import MAX_SEQ, Acks, Inbound
+from edge_agent.fleet.controller.records import Acks, Inbound
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol import envelope, topics
+from edge_agent.fleet.protocol.envelope import MAX_SEQ
 
 log = logging.getLogger(__name__)
 MAX_TS = 1e11  # seconds since 1970: about the year 5138; a float SQLite stores as REAL

@@ -1,24 +1,19 @@
 """What the controller's store takes and gives back: an inbound envelope, the acks a batch
-earns, and inclusive seq ranges.
+earns.
 
-Plain data and pure functions only: no database, no MQTT. The ranges are what the ingest
-acknowledgement carries; its wire form (signed) is `fleet.protocol.envelope.encode_ack`'s.
+Plain data only: no database, no MQTT. The seq ranges an ack carries, and their wire
+form (signed), are the protocol's (`fleet.protocol.envelope`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edge_agent.fleet.protocol.envelope import encode_ack
-
-Ranges = list[list[int]]
-"""Inclusive, sorted, disjoint, non-adjacent `[first, last]` seq ranges."""
-
-MAX_SEQ = 2**63 - 1  # a BIGINT: a larger seq from a device is refused, not a failed commit
+from edge_agent.fleet.protocol.envelope import Ranges, encode_ack, merge_ranges
 
 
 @dataclass(frozen=True)
@@ -62,55 +57,3 @@ class Acks:
         """The ack message for `device`, signed with the command key when there is one
         (its wire form is `fleet.protocol.envelope`'s)."""
         return encode_ack(self.ranges.get(device, {}), device=device, key=key)
-
-
-def to_ranges(seqs: Iterable[int]) -> Ranges:
-    """[1, 2, 3, 7, 5, 6, 9] -> [[1, 3], [5, 7], [9, 9]] (duplicates collapse)."""
-    out: Ranges = []
-    for seq in sorted(set(seqs)):
-        if out and seq == out[-1][1] + 1:
-            out[-1][1] = seq
-        else:
-            out.append([seq, seq])
-    return out
-
-
-def merge_ranges(ranges: Iterable[Iterable[int]]) -> Ranges:
-    """Overlapping or adjacent ranges joined: [[1, 3], [2, 5], [6, 6]] -> [[1, 6]]."""
-    out: Ranges = []
-    for first, last in sorted((int(a), int(b)) for a, b in ranges):
-        if out and first <= out[-1][1] + 1:
-            out[-1][1] = max(out[-1][1], last)
-        else:
-            out.append([first, last])
-    return out
-
-
-def complement(covered: Ranges, upto: int) -> Ranges:
-    """The seqs of 1..upto that `covered` (merged) leaves out, as ranges."""
-    out: Ranges = []
-    nxt = 1
-    for first, last in covered:
-        if first > nxt:
-            out.append([nxt, min(first - 1, upto)])
-        nxt = max(nxt, last + 1)
-        if nxt > upto:
-            break
-    if nxt <= upto:
-        out.append([nxt, upto])
-    return [r for r in out if r[0] <= r[1]]
-
-
-def check_ranges(value: Any) -> Ranges:
-    """A `[[a, b], ...]` list from a device's message, checked (ints, 1 <= a <= b); else
-    ValueError. Device data is never trusted to have the shape the protocol says."""
-    if not isinstance(value, list):
-        raise ValueError("ranges must be a list")
-    out: Ranges = []
-    for item in value:
-        if (not isinstance(item, list) or len(item) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)
-                or not 1 <= item[0] <= item[1] <= MAX_SEQ):
-            raise ValueError(f"bad range {item!r}")
-        out.append([item[0], item[1]])
-    return merge_ranges(out)

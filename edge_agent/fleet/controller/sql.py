@@ -17,17 +17,16 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from edge_agent.fleet.controller.records import (
-    Acks,
-    Inbound,
+from edge_agent.fleet.controller.records import Acks, Inbound
+from edge_agent.fleet.controller.retention import RetentionQueries
+from edge_agent.fleet.controller.rollout_sql import RolloutQueries
+from edge_agent.fleet.protocol.envelope import (
     Ranges,
     check_ranges,
     complement,
     merge_ranges,
     to_ranges,
 )
-from edge_agent.fleet.controller.retention import RetentionQueries
-from edge_agent.fleet.controller.rollout_sql import RolloutQueries
 
 log = logging.getLogger(__name__)
 

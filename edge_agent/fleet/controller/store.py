@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from edge_agent.errors import EdgeAgentError
-from edge_agent.fleet.controller.records import Acks, Inbound, Ranges
+from edge_agent.fleet.controller.records import Acks, Inbound
 from edge_agent.fleet.controller.rollout_records import RolloutRecordStore
 from edge_agent.fleet.controller.schema import SCHEMA
 from edge_agent.fleet.controller.sql import Exec, SQLStore
+from edge_agent.fleet.protocol.envelope import Ranges
 
 if TYPE_CHECKING:
     import psycopg

@@ -18,15 +18,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_agent.fleet.protocol.envelope import loads
+from edge_agent.fleet.protocol.envelope import MAX_SEQ, loads
 from edge_agent.fleet.protocol.refusals import MALFORMED, OVERSIZED, CommandRefused
 
 __all__ = ["CLOCK_SKEW_S", "MAX_COMMAND_BYTES", "MAX_SEQ", "Command", "Result",
            "best_effort_names", "command_of", "is_finite_number", "parse"]
 
 MAX_COMMAND_BYTES = 64 * 1024
-# The largest seq: fleet.db stores it as an SQLite INTEGER (signed 64-bit).
-MAX_SEQ = 2**63 - 1
 # A box's clock may lag the controller's by seconds (NTP not yet synced after boot); a
 # command is still taken this long after its expiry. Replay is stopped by seq, not by this.
 CLOCK_SKEW_S = 30.0

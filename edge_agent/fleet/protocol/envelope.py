@@ -15,7 +15,9 @@ without the key accepts (and says at start that it trusts the broker's ACL alone
 
 This module owns the byte form of both: compact UTF-8 JSON, at most `MAX_BYTES`, decoded
 strictly (the controller drops and counts what `decode` refuses, so a field of the wrong
-type never reaches its store). It does no I/O and never assigns a seq — the outbox does.
+type never reaches its store), and the inclusive seq ranges an ack carries (`Ranges`:
+`to_ranges`, `merge_ranges`, `complement`, `check_ranges`), which both the box's outbox and
+the controller's store count in. It does no I/O and never assigns a seq — the outbox does.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from edge_agent.fleet.protocol.refusals import CommandRefused
 from edge_agent.fleet.protocol.topics import OUTBOX_KINDS
 
 VERSION = 1
+MAX_SEQ = 2**63 - 1  # a BIGINT: both sides store seqs as signed 64-bit integers
 MAX_BYTES = 256 * 1024
 MAX_ACK_BYTES = 1024 * 1024
 AUDIT = "audit"
@@ -44,6 +47,9 @@ BOOT_ID = re.compile(r"[0-9a-f]{32}")
 _FIELDS = frozenset({"v", "device", "boot_id", "seq", "kind", "class", "ts", "body"})
 _ACK_FIELDS = frozenset({"v", "acks"})
 _SIGNED_ACK_FIELDS = _ACK_FIELDS | {"device", signing.SIG}
+
+Ranges = list[list[int]]
+"""Inclusive, sorted, disjoint, non-adjacent `[first, last]` seq ranges."""
 
 
 def class_of(kind: str) -> str:
@@ -159,15 +165,56 @@ def decode(payload: bytes) -> Envelope:
                  obj["body"], obj["ts"])
 
 
-def ranges(seqs: Iterable[int]) -> list[list[int]]:
-    """Inclusive `[a, b]` runs covering `seqs` (any order, duplicates allowed)."""
-    out: list[list[int]] = []
+def to_ranges(seqs: Iterable[int]) -> Ranges:
+    """[1, 2, 3, 7, 5, 6, 9] -> [[1, 3], [5, 7], [9, 9]] (duplicates collapse)."""
+    out: Ranges = []
     for seq in sorted(set(seqs)):
         if out and seq == out[-1][1] + 1:
             out[-1][1] = seq
         else:
             out.append([seq, seq])
     return out
+
+
+def merge_ranges(ranges: Iterable[Iterable[int]]) -> Ranges:
+    """Overlapping or adjacent ranges joined: [[1, 3], [2, 5], [6, 6]] -> [[1, 6]]."""
+    out: Ranges = []
+    for first, last in sorted((int(a), int(b)) for a, b in ranges):
+        if out and first <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], last)
+        else:
+            out.append([first, last])
+    return out
+
+
+def complement(covered: Ranges, upto: int) -> Ranges:
+    """The seqs of 1..upto that `covered` (merged) leaves out, as ranges."""
+    out: Ranges = []
+    nxt = 1
+    for first, last in covered:
+        if first > nxt:
+            out.append([nxt, min(first - 1, upto)])
+        nxt = max(nxt, last + 1)
+        if nxt > upto:
+            break
+    if nxt <= upto:
+        out.append([nxt, upto])
+    return [r for r in out if r[0] <= r[1]]
+
+
+def check_ranges(value: Any) -> Ranges:
+    """A `[[a, b], ...]` list from a device's message, checked (ints, 1 <= a <= b); else
+    ValueError. Device data is never trusted to have the shape the protocol says."""
+    if not isinstance(value, list):
+        raise ValueError("ranges must be a list")
+    out: Ranges = []
+    for item in value:
+        if (not isinstance(item, list) or len(item) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)
+                or not 1 <= item[0] <= item[1] <= MAX_SEQ):
+            raise ValueError(f"bad range {item!r}")
+        out.append([item[0], item[1]])
+    return merge_ranges(out)
 
 
 def check_acks(acks: Any) -> dict[str, list[tuple[int, int]]]:
