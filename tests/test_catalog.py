@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.engine.catalog import ModelStore, normalize_name
+from edge_agent.engine.catalog import ModelStore
 from edge_agent.errors import ModelFileError, ModelNotFound
+from edge_agent.names import ModelName
 from tests.conftest import DEFAULT_MODEL, clone_state
 from tests.ggufgen import write_tiny_gguf
 
@@ -17,8 +18,8 @@ def test_catalog_lists_both_shipped_models() -> None:
 
 
 def test_names_follow_ollama() -> None:
-    assert normalize_name("smollm2") == "smollm2:latest"
-    assert normalize_name("smollm2:135m") == "smollm2:135m"
+    assert ModelName.parse("smollm2") == "smollm2:latest"
+    assert ModelName.parse("smollm2:135m") == "smollm2:135m"
 
 
 def test_pulled_default_model_is_verified_and_carries_its_own_template(model_cache: Path

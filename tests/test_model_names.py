@@ -1,4 +1,4 @@
-"""Model names: one rule (`normalize_name`) for every name a client or operator gives.
+"""Model names: one rule (`ModelName.parse`) for every name a client or operator gives.
 
 A name the rule refuses is a 400 (`param: model`) on every endpoint that takes one, in the
 dialect's shape, never a 500; a well-formed name that is not installed stays a 404.
@@ -16,8 +16,9 @@ import pytest
 from click.testing import CliRunner
 
 from edge_agent.cli import main
-from edge_agent.engine.catalog import MAX_NAME_CHARS, ModelStore, normalize_name
+from edge_agent.engine.catalog import MAX_NAME_CHARS, ModelStore
 from edge_agent.errors import InvalidRequest
+from edge_agent.names import ModelName
 from tests.conftest import DEFAULT_MODEL, LiveServer
 from tests.ggufgen import write_tiny_gguf
 
@@ -46,14 +47,14 @@ INVALID = {
 
 @pytest.mark.parametrize("name", VALID)
 def test_names_that_were_valid_stay_valid(name: str) -> None:
-    key = normalize_name(name)
+    key = ModelName.parse(name)
     assert key == (name if ":" in name else f"{name}:latest")
 
 
 @pytest.mark.parametrize("name", INVALID.values(), ids=INVALID.keys())
 def test_invalid_names_are_refused_with_a_short_ascii_message(name: str) -> None:
     with pytest.raises(InvalidRequest) as err:
-        normalize_name(name)
+        ModelName.parse(name)
     assert err.value.param == "model"
     assert err.value.message.isascii() and len(err.value.message) < 200
 
@@ -65,12 +66,13 @@ def test_the_longest_names_fit_a_manifest_file_name(tmp_path: Path) -> None:
     longest = f"{part}/{part}/{part}:{'t' * (MAX_NAME_CHARS - 3 * len(part) - 3)}"
     assert len(longest) == MAX_NAME_CHARS
     for name in (longest, "n" * MAX_NAME_CHARS):
-        store.import_file(tiny, name)
-        assert store.get(name).name == normalize_name(name)
+        key = ModelName.parse(name)
+        store.import_file(tiny, key)
+        assert store.get(key).name == ModelName.parse(name)
         manifest = next(p for p in (tmp_path / "state" / "manifests").iterdir()
                         if p.name.startswith(name[:20]))
         assert len(manifest.name.encode()) <= 255
-        store.remove(name)
+        store.remove(key)
 
 
 def test_cli_refuses_a_long_name_in_one_line(tmp_path: Path) -> None:

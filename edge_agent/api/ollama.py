@@ -33,7 +33,6 @@ from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.openapi import request_body
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.config import MAX_DRAFT
-from edge_agent.engine.catalog import normalize_name
 from edge_agent.engine.registry import parse_keep_alive
 from edge_agent.engine.request import (
     DoneEvent,
@@ -49,6 +48,7 @@ from edge_agent.errors import (
     UnsupportedParameter,
 )
 from edge_agent.logs import note
+from edge_agent.names import ModelName
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ def _apply_options(req: GenerationRequest, options: Options | None,
 
 
 def _check_common(body: _GenerateCommon, model: str) -> None:
-    normalize_name(model)  # a malformed name is refused before a message quotes it
+    ModelName.parse(model)  # a malformed name is refused before a message quotes it
     if body.think not in (None, False, "", "none"):
         raise UnsupportedParameter(f'"{model}" does not support thinking', param="think")
     if body.logprobs:
@@ -333,7 +333,7 @@ def _tool_calls(done: DoneEvent) -> list[dict[str, Any]]:
 
 
 def _is_default(parts: AppParts, name: str) -> bool:
-    return normalize_name(name) == normalize_name(parts.settings.default_model)
+    return ModelName.parse(name) == ModelName.parse(parts.settings.default_model)
 
 
 def _keep_alive(request: Request, parts: AppParts, model: str, value: object
@@ -348,7 +348,7 @@ def _keep_alive(request: Request, parts: AppParts, model: str, value: object
     if _is_default(parts, model):
         return None, {PINNED_HEADER: "true"}
     if seconds == 0:
-        authenticated(request).check_manage(f"unloading '{normalize_name(model)}' (keep_alive 0)",
+        authenticated(request).check_manage(f"unloading '{ModelName.parse(model)}' (keep_alive 0)",
                                       param="keep_alive")
     return seconds, {}
 
@@ -407,7 +407,7 @@ async def _load_only(request: Request, parts: AppParts, model: str, keep_alive: 
     Loading a model outside the tenant's scope and unloading are management (403 without
     an operator key, decided before the store is looked at); the default model's unload
     is ignored."""
-    name = normalize_name(model)
+    name = ModelName.parse(model)
     authenticated(request).check_reach(name)
     unload = parse_keep_alive(keep_alive) == 0
     seconds, pinned = _keep_alive(request, parts, name, keep_alive)
@@ -508,8 +508,9 @@ async def embed(request: Request, parts: Parts) -> Response:
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
     headers.update(named)
     if not inputs:  # as Ollama: nothing to embed is an empty answer, not an error
-        authenticated(request).check_model(normalize_name(body.model))
-        return JSONResponse({"model": parts.store.get(body.model).name, "embeddings": [],
+        name = ModelName.parse(body.model)
+        authenticated(request).check_model(name)
+        return JSONResponse({"model": parts.store.get(name).name, "embeddings": [],
                              "total_duration": 0, "load_duration": 0,
                              "prompt_eval_count": 0}, headers=headers)
     result = await parts.service.embed(
@@ -545,8 +546,9 @@ async def embeddings(request: Request, parts: Parts) -> Response:
     body = validate(EmbeddingsBody, data)
     named = _name_ignored(_ignored_fields(body, data, []))
     if not body.prompt:
-        authenticated(request).check_reach(normalize_name(body.model))
-        parts.store.get(body.model)
+        name = ModelName.parse(body.model)
+        authenticated(request).check_reach(name)
+        parts.store.get(name)
         return JSONResponse({"embedding": []}, headers=named)
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
     headers.update(named)

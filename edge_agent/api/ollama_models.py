@@ -23,9 +23,10 @@ from edge_agent.api.ollama import NDJSON, StrictBody
 from edge_agent.api.openapi import request_body
 from edge_agent.api.pull import catalog_installs, pull_progress
 from edge_agent.api.state import AppParts, Parts
-from edge_agent.engine.catalog import InstalledModel, normalize_name
+from edge_agent.engine.catalog import InstalledModel
 from edge_agent.engine.registry import FOREVER, LoadedModel
 from edge_agent.errors import EdgeAgentError, InvalidRequest
+from edge_agent.names import ModelName
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,9 @@ async def show(request: Request, parts: Parts) -> dict[str, Any]:
     body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
     # Outside the scope: 403 on the name alone, as for generation, so nothing says whether
     # such a model is installed.
-    authenticated(request).check_reach(normalize_name(body.ref))
-    m = parts.ops.show(body.ref)  # the active version
+    name = ModelName.parse(body.ref)
+    authenticated(request).check_reach(name)
+    m = parts.ops.show(name)  # the active version
     params = "\n".join(
         f"{k} {json.dumps(x)}" for k, v in m.parameters.items()
         for x in (v if isinstance(v, list) else [v]))
@@ -130,10 +132,11 @@ async def ps(request: Request, parts: Parts) -> dict[str, Any]:
 @router.delete("/api/delete", openapi_extra=request_body(ModelRef))
 async def delete(request: Request, parts: Parts) -> Response:
     body = validate(ModelRef, await read_json(request, parts.settings.server.max_body_bytes))
-    authenticated(request).check_manage(f"deleting '{normalize_name(body.ref)}'")
+    name = ModelName.parse(body.ref)
+    authenticated(request).check_manage(f"deleting '{name}'")
     # 404, then the default model (400), then serving requests (503): as ModelOps decides.
-    with parts.held(body.ref, "DELETE /api/delete"):
-        await parts.ops.delete(body.ref, by=_operator(request))
+    with parts.held(name, "DELETE /api/delete"):
+        await parts.ops.delete(name, by=_operator(request))
     return Response(status_code=200)
 
 
@@ -150,9 +153,9 @@ async def copy(request: Request, parts: Parts) -> Response:
     return Response(status_code=200)
 
 
-def _name(name: str, param: str) -> str:
+def _name(name: str, param: str) -> ModelName:
     try:
-        return normalize_name(name)
+        return ModelName.parse(name)
     except InvalidRequest as exc:
         exc.param = param
         raise
@@ -166,10 +169,11 @@ def _operator(request: Request) -> str:
 @router.post("/api/pull", openapi_extra=request_body(PullBody))
 async def pull(request: Request, parts: Parts) -> Response:
     body = validate(PullBody, await read_json(request, parts.settings.server.max_body_bytes))
-    authenticated(request).check_manage(f"pulling '{normalize_name(body.ref)}'")
+    name = ModelName.parse(body.ref)
+    authenticated(request).check_manage(f"pulling '{name}'")
     install = catalog_installs(request.app, parts.ops).start(  # 404 first
-        body.ref, by=_operator(request))
-    progress = pull_progress(parts.ops, install, body.ref)
+        name, by=_operator(request))
+    progress = pull_progress(parts.ops, install, name)
     if not body.stream:
         async for _ in progress:
             pass

@@ -29,7 +29,7 @@ from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.errors import openai_body
 from edge_agent.api.openapi import request_body
 from edge_agent.api.state import Parts
-from edge_agent.engine.catalog import InstalledModel, normalize_name
+from edge_agent.engine.catalog import InstalledModel
 from edge_agent.engine.request import (
     DoneEvent,
     EmbeddingRequest,
@@ -41,6 +41,7 @@ from edge_agent.engine.request import (
 from edge_agent.engine.structured import ANY_JSON_OBJECT
 from edge_agent.errors import EdgeAgentError, InvalidRequest, UnsupportedParameter
 from edge_agent.gateway.service import PreparedGeneration
+from edge_agent.names import ModelName
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 log = logging.getLogger(__name__)
@@ -502,7 +503,8 @@ async def embeddings(request: Request, parts: Parts) -> Response:
         if body.encoding_format == "base64":
             emb = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
         data.append({"object": "embedding", "index": i, "embedding": emb})
-    return JSONResponse({"object": "list", "data": data, "model": parts.store.get(body.model).name,
+    served = parts.store.get(ModelName.parse(body.model)).name
+    return JSONResponse({"object": "list", "data": data, "model": served,
                          "usage": {"prompt_tokens": result.prompt_tokens,
                                    "total_tokens": result.prompt_tokens}})
 
@@ -525,5 +527,6 @@ async def list_models(request: Request, parts: Parts) -> dict[str, Any]:
 @router.get("/models/{model_id:path}")
 async def get_model(request: Request, model_id: str, parts: Parts) -> dict[str, Any]:
     # Outside the scope: 403 on the name alone, as /api/show and generation answer.
-    authenticated(request).check_reach(normalize_name(model_id))
-    return _model_obj(parts.ops.show(model_id))
+    name = ModelName.parse(model_id)
+    authenticated(request).check_reach(name)
+    return _model_obj(parts.ops.show(name))

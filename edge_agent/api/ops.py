@@ -11,8 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from edge_agent import __version__
 from edge_agent.api.state import AppParts, Parts
-from edge_agent.engine.catalog import normalize_name
 from edge_agent.errors import ModelNotFound, Unauthorized
+from edge_agent.names import ModelName
 from edge_agent.netaddr import is_loopback
 
 router = APIRouter()
@@ -28,7 +28,7 @@ async def health() -> dict[str, str]:
 
 def readiness_problems(parts: AppParts) -> list[str]:
     reasons = []
-    default = normalize_name(parts.settings.default_model)
+    default = ModelName.parse(parts.settings.default_model)
     if not parts.registry.is_loaded(default):
         registry = parts.registry
         state = "being installed" if registry.is_installing(default) else \

@@ -22,9 +22,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
+from edge_agent.engine.catalog import InstalledModel, ModelStore
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import ModelNotFound
+from edge_agent.names import ModelName
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class CatalogInstalls:
         self.store = ops
         self._running: dict[str, CatalogInstall] = {}
 
-    def _install(self, key: str, install: CatalogInstall, by: str) -> InstalledModel:
+    def _install(self, key: ModelName, install: CatalogInstall, by: str) -> InstalledModel:
         if isinstance(self.store, ModelOps):
             return self.store.install_catalog(key, install.progress, by=by)
         return self.store.pull(key, install.progress, by=by)
@@ -60,7 +61,7 @@ class CatalogInstalls:
         """The install of `name`, started now or already running; None when the model is
         installed. A name neither installed nor in the catalog is a 404, raised here so
         that it comes before any progress is streamed."""
-        key = normalize_name(name)
+        key = ModelName.parse(name)
         running = self._running.get(key)
         if running is not None:
             return running
@@ -96,7 +97,7 @@ def _layer(digest: str, total: int, completed: int) -> dict[str, Any]:
             "completed": completed}
 
 
-async def pull_progress(ops: ModelOps, install: CatalogInstall | None, name: str
+async def pull_progress(ops: ModelOps, install: CatalogInstall | None, name: ModelName
                         ) -> AsyncIterator[dict[str, Any]]:
     """Ollama's progress objects for one pull; a failed install raises its error."""
     yield {"status": "pulling manifest"}

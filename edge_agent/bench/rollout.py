@@ -40,6 +40,7 @@ from edge_agent.bench.rollout_waves import run_waves, sim_devices
 from edge_agent.bench.targets import report
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.fleet.sim.testbed import Broker, ControllerProcess, wait_until
+from edge_agent.names import ModelName
 
 if TYPE_CHECKING:
     from edge_agent.fleet.device.release.source import Release
@@ -192,7 +193,7 @@ def download_vs_curl(release: Release, work: Path, runs: int) -> dict[str, Any]:
             "ratio_with_verification": med["download"] / med["curl"]}
 
 
-def run_rollout_bench(state_dir: Path, model: str, *, runs: int, threads: int, context: int,
+def run_rollout_bench(state_dir: Path, model: ModelName, *, runs: int, threads: int, context: int,
                       before_s: float = 5.0, long_tokens: int = 64, boxes: int = 100,
                       soak_s: float = 1.0, echo: Echo) -> dict[str, Any]:
 

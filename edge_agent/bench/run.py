@@ -31,6 +31,7 @@ from edge_agent.bench.structured import bench_structured
 from edge_agent.bench.targets import report, target
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.runtime import BatchContext, LlamaModel, resolve_flash_attn
+from edge_agent.names import ModelName
 
 Echo = Callable[[str], None]
 # The worst step a long prompt's chunks may make, in normal steps: the chunked-prefill
@@ -477,7 +478,7 @@ def bench_correctness(state_dir: Path, model: str, *, threads: int, context: int
     return out
 
 
-def run_llama_server_bench(state_dir: Path, model: str, binary: Path, *, threads: int,
+def run_llama_server_bench(state_dir: Path, model: ModelName, binary: Path, *, threads: int,
                            context: int, rounds: int, echo: Echo) -> dict[str, Any]:
     """The llama-server comparison alone (`edge-agent bench llama-server BINARY`)."""
     store = ModelStore(state_dir)
@@ -492,7 +493,7 @@ def run_llama_server_bench(state_dir: Path, model: str, binary: Path, *, threads
         extra=_no_eos(path), echo=echo, rounds=rounds)}
 
 
-def run_bench(state_dir: Path, model: str, *, levels: list[int], requests: int,
+def run_bench(state_dir: Path, model: ModelName, *, levels: list[int], requests: int,
               max_tokens: int, threads: int, context: int, peers: bool, echo: Echo,
               llama_server: Path | None = None) -> dict[str, Any]:
     store = ModelStore(state_dir)

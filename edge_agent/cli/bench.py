@@ -14,6 +14,7 @@ import click
 
 from edge_agent.cli.common import BadUsage, common_options, load
 from edge_agent.cli.output import echo_json, json_option
+from edge_agent.names import ModelName
 
 
 def _levels(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -67,8 +68,8 @@ def bench(ctx: click.Context, model: str | None, levels: list[int], requests: in
         except ImportError:
             raise BadUsage("the peer needs llama-cpp-python[server]: pip install -e "
                            "'.[bench]' (or pass --no-peers)") from None
-    result = run_bench(settings.state_dir, model or settings.default_model, levels=levels,
-                       requests=requests, max_tokens=max_tokens,
+    result = run_bench(settings.state_dir, ModelName.parse(model or settings.default_model),
+                       levels=levels, requests=requests, max_tokens=max_tokens,
                        threads=settings.runtime.threads or default_threads(),
                        context=settings.runtime.context_length, peers=not no_peers,
                        echo=click.echo, llama_server=llama_server)
@@ -110,9 +111,9 @@ def bench_fleet(sizes: list[int], interval: float, duration: float, broker_resta
     from edge_agent.engine.runtime import default_threads
 
     settings = load()
-    name: str | None = None
+    name: ModelName | None = None
     if not no_serving:
-        name = model or settings.default_model
+        name = ModelName.parse(model or settings.default_model)
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         store = ModelStore(settings.state_dir)
         try:
@@ -154,10 +155,10 @@ def bench_llama_server(binary: Path, model: str | None, rounds: int, as_json: bo
     def echo(line: str) -> None:
         click.echo(line, err=as_json)
 
-    result = run_llama_server_bench(settings.state_dir, model or settings.default_model, binary,
-                                    threads=settings.runtime.threads or default_threads(),
-                                    context=settings.runtime.context_length, rounds=rounds,
-                                    echo=echo)
+    result = run_llama_server_bench(
+        settings.state_dir, ModelName.parse(model or settings.default_model), binary,
+        threads=settings.runtime.threads or default_threads(),
+        context=settings.runtime.context_length, rounds=rounds, echo=echo)
     if as_json:
         echo_json(result)
 
@@ -190,7 +191,7 @@ def bench_rollout(model: str | None, runs: int, before_s: float, boxes: int, soa
     def echo(line: str) -> None:
         click.echo(line, err=as_json)
 
-    result = run_rollout_bench(settings.state_dir, model or settings.default_model,
+    result = run_rollout_bench(settings.state_dir, ModelName.parse(model or settings.default_model),
                                runs=runs, threads=settings.runtime.threads or default_threads(),
                                context=settings.runtime.context_length, before_s=before_s,
                                boxes=boxes, soak_s=soak_s, echo=echo)

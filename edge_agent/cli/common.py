@@ -16,6 +16,7 @@ from typing import IO, Any, TypeVar
 import click
 
 from edge_agent.config import Settings, load_settings
+from edge_agent.names import ModelName
 
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
@@ -23,6 +24,20 @@ EXIT_USAGE = 2
 F = TypeVar("F", bound=Callable[..., Any])
 _CONFIG = "edge_agent.config"
 _STATE_DIR = "edge_agent.state_dir"
+
+
+class _ModelNameType(click.ParamType):
+    """A model name argument, parsed where it enters (`ModelName.parse`): a bad one is the
+    same one line and exit 1 as any model error (`EdgeAgentGroup` turns it into one)."""
+
+    name = "name"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> ModelName:
+        return ModelName.parse(value)
+
+
+MODEL_NAME = _ModelNameType()
 
 
 class Failure(click.ClickException):

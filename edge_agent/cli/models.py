@@ -18,9 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from edge_agent.cli.common import EXIT_CHECK_FAILED, BadUsage, common_options, load
+from edge_agent.cli.common import (
+    EXIT_CHECK_FAILED,
+    MODEL_NAME,
+    BadUsage,
+    common_options,
+    load,
+)
 from edge_agent.cli.output import echo_json, json_option, progress, table, transfer_bar
 from edge_agent.errors import InvalidRequest, ModelNotFound
+from edge_agent.names import ModelName
 
 if TYPE_CHECKING:
     from edge_agent.config import Settings
@@ -97,13 +104,13 @@ def models_list(as_json: bool) -> None:
 
 @models.command("show")
 @common_options
-@click.argument("name")
+@click.argument("name", type=MODEL_NAME)
 @click.option("--template", "only_template", is_flag=True,
               help="Print only the chat template (e.g. for `fleet release add --template`).")
 @click.option("--parameters", "only_parameters", is_flag=True,
               help="Print only the default parameters, as JSON (for `--parameters`).")
 @json_option()
-def models_show(name: str, only_template: bool, only_parameters: bool, as_json: bool) -> None:
+def models_show(name: ModelName, only_template: bool, only_parameters: bool, as_json: bool) -> None:
     """Show the manifest of a model's active version."""
     data = json.loads(_ops().show(name).model_dump_json())
     if only_template and only_parameters:
@@ -140,10 +147,11 @@ def models_pull(name: str, activate: bool, force: bool, as_json: bool) -> None:
     if "@" in name:
         _pull_release(*name.rsplit("@", 1), activate=activate, as_json=as_json, force=force)
         return
+    key = ModelName.parse(name)
     settings = load()
-    with _by_hand(settings, name, "models pull", force):
+    with _by_hand(settings, key, "models pull", force):
         m = _ops_for(settings).install_catalog(
-            name, progress=None if as_json else progress(f"copying {name}"), by=_by(),
+            key, progress=None if as_json else progress(f"copying {name}"), by=_by(),
             activate=activate)
     if as_json:
         echo_json({"name": m.name, "digest": m.digest, "size": m.size, "active": activate,
@@ -180,11 +188,12 @@ def _pull_release(name: str, version: str, *, activate: bool, as_json: bool,
 @models.command("import")
 @common_options
 @click.argument("path", type=click.Path(path_type=Path, dir_okay=False, exists=True))
-@click.option("--name", required=True, help="Name to serve it under, as name:tag.")
+@click.option("--name", required=True, type=MODEL_NAME,
+              help="Name to serve it under, as name:tag.")
 @click.option("--activate/--no-activate", default=True, show_default=True,
               help="Make it the version the name serves (else keep it staged).")
 @force_option
-def models_import(path: Path, name: str, activate: bool, force: bool) -> None:
+def models_import(path: Path, name: ModelName, activate: bool, force: bool) -> None:
     """Import a local GGUF file; its header is checked before anything is copied. Under a
     name already installed it becomes a new version of that name."""
     settings = load()
@@ -199,9 +208,9 @@ def models_import(path: Path, name: str, activate: bool, force: bool) -> None:
 
 @models.command("verify")
 @common_options
-@click.argument("name", required=False)
+@click.argument("name", type=MODEL_NAME, required=False)
 @click.pass_context
-def models_verify(ctx: click.Context, name: str | None) -> None:
+def models_verify(ctx: click.Context, name: ModelName | None) -> None:
     """Check digests and GGUF headers of installed versions (exit 1 on any failure)."""
     failed = 0
     for result in _ops().verify(name):
@@ -218,11 +227,11 @@ def models_verify(ctx: click.Context, name: str | None) -> None:
 
 @models.command("rm")
 @common_options
-@click.argument("name")
+@click.argument("name", type=MODEL_NAME)
 @click.option("--digest", default=None,
               help="Remove only this inactive version (12+ hex digits), not the whole name.")
 @force_option
-def models_rm(name: str, digest: str | None, force: bool) -> None:
+def models_rm(name: ModelName, digest: str | None, force: bool) -> None:
     """Remove an installed model, or one of its versions (a blob goes when no other name
     uses it)."""
     settings = load()
@@ -233,10 +242,10 @@ def models_rm(name: str, digest: str | None, force: bool) -> None:
 
 @models.command("activate")
 @common_options
-@click.argument("name")
+@click.argument("name", type=MODEL_NAME)
 @click.argument("digest")
 @force_option
-def models_activate(name: str, digest: str, force: bool) -> None:
+def models_activate(name: ModelName, digest: str, force: bool) -> None:
     """Switch NAME to an installed DIGEST (in full or 12+ hex digits). Requests already
     running finish on the old version; the next ones get this one."""
     settings = load()
@@ -252,9 +261,9 @@ def models_activate(name: str, digest: str, force: bool) -> None:
 
 @models.command("rollback")
 @common_options
-@click.argument("name")
+@click.argument("name", type=MODEL_NAME)
 @force_option
-def models_rollback(name: str, force: bool) -> None:
+def models_rollback(name: ModelName, force: bool) -> None:
     """Switch NAME back to the version that was active before the current one."""
     settings = load()
     ops = _ops_for(settings)
@@ -266,11 +275,11 @@ def models_rollback(name: str, force: bool) -> None:
 
 @models.command("history")
 @common_options
-@click.argument("name")
+@click.argument("name", type=MODEL_NAME)
 @click.option("-n", "limit", type=click.IntRange(min=1), default=None,
               help="Only the newest N entries.")
 @json_option()
-def models_history(name: str, limit: int | None, as_json: bool) -> None:
+def models_history(name: ModelName, limit: int | None, as_json: bool) -> None:
     """What happened to NAME, newest first: installs, switches (from which digest, when,
     by whom), copies, removals; the versions installed now; and the release evidence of
     each fleet rollout's activation (gate checks with their figures, outcome)."""

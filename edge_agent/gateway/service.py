@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from edge_agent.engine.catalog import normalize_name
 from edge_agent.engine.prompt import grammar_for, sampling_for, stops_for, tool_mode
 from edge_agent.engine.registry import LoadedModel, ModelRegistry
 from edge_agent.engine.request import (
@@ -39,6 +38,7 @@ from edge_agent.gateway.privacy import Record, RequestPrivacy
 from edge_agent.governance.redaction import Redactor
 from edge_agent.governance.tenants import Governor, TenantContext
 from edge_agent.logs import note
+from edge_agent.names import ModelName
 from edge_agent.telemetry.metrics import Metrics
 
 
@@ -87,9 +87,10 @@ class GenerationService:
         note(model=req.model, dialect=req.dialect)
         if req.end_user:
             note(end_user=self.privacy.end_user_digest(req.end_user))
-        self._govern(tenant, req.model)
+        name = ModelName.parse(req.model)  # the request path's one parse of the name
+        self._govern(tenant, name)
         req = self.privacy.redact_prompt(req, tenant)
-        model, load_ns = await self.registry.acquire(req.model, keep_alive)
+        model, load_ns = await self.registry.acquire(name, keep_alive)
         try:
             # A new schema's grammar is checked in a child process (0.1-0.3 s): off the loop.
             grammar = await asyncio.to_thread(grammar_for, req)
@@ -116,10 +117,11 @@ class GenerationService:
         response starts, so a later part cannot be refused after an earlier one streamed.
         Nothing is observed, logged or charged here; rate and quota (what running spends),
         the deadline and the queue are `prepare`'s, at each part's turn."""
+        name = ModelName.parse(req.model)
         if tenant is not None:
-            tenant.check_model(normalize_name(req.model))
+            tenant.check_model(name)
         req = self.privacy.redact_prompt(req, tenant, keep=False)
-        model, load_ns = await self.registry.acquire(req.model)
+        model, load_ns = await self.registry.acquire(name)
         try:
             grammar = await asyncio.to_thread(grammar_for, req)
             self._plan(req, tenant, model, load_ns, grammar)
@@ -148,11 +150,11 @@ class GenerationService:
                               draft=req.draft)
         return spec, fitted
 
-    def _govern(self, tenant: TenantContext | None, model: str) -> None:
+    def _govern(self, tenant: TenantContext | None, model: ModelName) -> None:
         """Scope (403) and rate/quota (429), before a model is loaded or a slot taken."""
         if tenant is None:
             return
-        tenant.check_model(normalize_name(model))
+        tenant.check_model(model)
         if self.governor is not None:
             self.governor.admit(tenant)
 
@@ -239,8 +241,9 @@ class GenerationService:
         """See `gateway.embeddings.embed`; scope and quota are checked first."""
         note(model=req.model, dialect=req.dialect)
         embeddings.check_count(req, self.registry.settings.runtime.max_embedding_inputs)
-        self._govern(tenant, req.model)
-        return await embeddings.embed(self.registry, req, keep_alive=keep_alive,
+        name = ModelName.parse(req.model)
+        self._govern(tenant, name)
+        return await embeddings.embed(self.registry, req, name, keep_alive=keep_alive,
                                       disconnected=disconnected)
 
 

@@ -151,7 +151,7 @@ class _LiveCollector(Collector):
         loaded.add_metric([], len(models))
         for m in models:
             st = m.worker.stats
-            name = m.info.name
+            name: str = m.info.name
             g["llamacpp:requests_processing"].add_metric([name], st.running)
             g["llamacpp:requests_deferred"].add_metric([name], m.worker.queued)
             g["llamacpp:kv_cache_usage_ratio"].add_metric([name], st.kv_used / st.kv_total)

@@ -43,7 +43,7 @@ from edge_agent.fleet.controller.waves import (
 )
 from edge_agent.fleet.protocol.ids import check_id
 from edge_agent.fleet.protocol.rollout_states import ROLLED_BACK
-from edge_agent.names import normalize_name
+from edge_agent.names import ModelName
 
 ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
@@ -64,7 +64,7 @@ def parse_ref(ref: str) -> tuple[str, str]:
     if not sep or not name or not VERSION.fullmatch(version):
         raise InvalidRequest(f"{ref!r} is not NAME@VERSION (e.g. gemma3:270m@2)",
                              param="release")
-    return normalize_name(name), version
+    return ModelName.parse(name), version
 
 
 def select_devices(known: Iterable[Mapping[str, Any]], selector: str) -> dict[str, str]:

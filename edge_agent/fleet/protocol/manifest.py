@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from edge_agent.engine.records import ManifestExtras
 from edge_agent.engine.request import SamplingParams
 from edge_agent.errors import InvalidRequest
-from edge_agent.names import normalize_name
+from edge_agent.names import ModelName
 
 FORMAT = 1  # bumped when a device of this version could not read a newer manifest right
 FLOATS = "floats"
@@ -58,7 +58,7 @@ class ReleaseManifest(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     format: int = FORMAT
-    name: str
+    name: ModelName
     version: str
     architecture: str
     quantization: str = "unknown"
@@ -79,7 +79,7 @@ class ReleaseManifest(BaseModel):
     @classmethod
     def _name(cls, value: str) -> str:
         try:
-            return normalize_name(value)
+            return ModelName.parse(value)
         except InvalidRequest as exc:
             raise ValueError(exc.message) from None
 
@@ -190,23 +190,28 @@ def target_path(name: str, version: str) -> str:
     version and file are its last three parts) and has no odd character for a web server
     or an object store.
     """
-    try:
-        key = normalize_name(name)
-    except InvalidRequest as exc:
-        raise ManifestError(exc.message) from None
+    key = _model_name(name)
     if not _VERSION.fullmatch(version):
         raise ManifestError(f"version {version[:40]!r} must be 1-32 of [A-Za-z0-9._-]")
     base, tag = key.rsplit(":", 1)
     return f"{base}/{tag}/{version}/{TARGET_FILE}"
 
 
-def parse_ref(ref: str) -> tuple[str, str]:
+def _model_name(name: str) -> ModelName:
+    try:
+        return ModelName.parse(name)  # a no-op for one parsed before
+    except InvalidRequest as exc:
+        raise ManifestError(exc.message) from None
+
+
+def parse_ref(ref: str) -> tuple[ModelName, str]:
     """`NAME@VERSION` -> (normalized name, version)."""
     name, sep, version = ref.rpartition("@")
     if not sep or not name or not version:
         raise ManifestError(f"{ref[:80]!r} is not NAME@VERSION (e.g. gemma3:270m@2)")
-    target_path(name, version)  # validates both
-    return normalize_name(name), version
+    key = _model_name(name)
+    target_path(key, version)  # validates the version
+    return key, version
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

@@ -58,7 +58,7 @@ from edge_agent.errors import EdgeAgentError, ModelNotFound
 from edge_agent.files import atomic_write, locked
 from edge_agent.fleet.controller.releases.keys import KeyDir, root_keys, root_signers
 from edge_agent.fleet.protocol.manifest import ReleaseManifest, parse, target_path
-from edge_agent.names import normalize_name
+from edge_agent.names import ModelName
 
 RELEASES_DIR = "releases"
 DAY = 86400
@@ -367,7 +367,7 @@ def manifest_for(gguf: Path, *, name: str, version: str, notes: list[str] | None
 def _missing(name: str, version: str, info: GGUFInfo, fields: dict[str, Any]) -> list[str]:
     """What a release leaves out that its boxes will miss: a chat template where the
     GGUF has none, the catalog's default parameters for a catalog name."""
-    entry = read_catalog(packaged_catalog_dir()).get(normalize_name(name))
+    entry = read_catalog(packaged_catalog_dir()).get(ModelName.parse(name))
     out = []
     if not info.chat_template and not fields.get("chat_template"):
         out.append(f"{name}@{version}: the GGUF has no chat template and none was given "

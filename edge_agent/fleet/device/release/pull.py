@@ -32,7 +32,7 @@ from edge_agent.engine.records import InstalledModel
 from edge_agent.fleet.device.release import source as signed
 from edge_agent.fleet.device.release import transfer
 from edge_agent.fleet.device.rollout.name_claim import name_claim, refuse_live_rollout
-from edge_agent.names import normalize_name
+from edge_agent.names import ModelName
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def pull(settings: Settings, ops: ModelOps, name: str, version: str, *, by: str,
     if missing:
         raise ConfigError(f"models pull {name}@{version} installs a signed release: set "
                           f"{' and '.join(missing)} (the release repository's root and URL)")
-    key = normalize_name(name)
+    key = ModelName.parse(name)
     ref = f"{key}@{version}"
     state = settings.state_dir
     with name_claim(state, key, {"pull": ref, "pid": os.getpid()}):

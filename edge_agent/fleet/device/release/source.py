@@ -79,6 +79,7 @@ from edge_agent.fleet.protocol.manifest import (
     parse,
     target_path,
 )
+from edge_agent.names import ModelName
 
 if TYPE_CHECKING:
     from edge_agent.engine.modelops import ModelOps
@@ -118,7 +119,7 @@ class Release:
     """A release as the device verified it: what to download, from where, and what it
     must be (length and sha256 from the signed targets metadata)."""
 
-    name: str
+    name: ModelName
     version: str
     target_path: str
     length: int
@@ -145,7 +146,7 @@ class Release:
         """A release as `to_json` stored it (a rollout's row), to resume its download
         after a restart without a new lookup. Only what this box verified may be stored:
         the row is as trusted as the state dir it lives in."""
-        return cls(str(data["name"]), str(data["version"]), str(data["target"]),
+        return cls(ModelName(str(data["name"])), str(data["version"]), str(data["target"]),
                    int(data["length"]), str(data["sha256"]), str(data["url"]),
                    parse(data["manifest"]))
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from edge_agent.errors import InvalidRequest
-from edge_agent.names import MAX_NAME_CHARS, normalize_name
+from edge_agent.names import MAX_NAME_CHARS, ModelName
 
 TEXT_LIMIT = 64
 WITHHELD = "(withheld)"
@@ -45,7 +45,7 @@ def is_name_like(value: str, limit: int = TEXT_LIMIT) -> bool:
     if len(value) > MAX_NAME_CHARS or value != value.strip():
         return False
     try:
-        normalize_name(value)
+        ModelName.parse(value)
     except InvalidRequest:
         return False
     return True

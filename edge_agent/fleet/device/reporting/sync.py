@@ -57,6 +57,7 @@ from edge_agent.fleet.device.reporting.ledger_summary import (
 )
 from edge_agent.fleet.device.reporting.privacy import TEXT_LIMIT, screen
 from edge_agent.fleet.protocol.envelope import AUDIT, METRICS
+from edge_agent.names import ModelName
 from edge_agent.telemetry.hardware import Reading
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,9 @@ class ModelView(Protocol):
 
     def loaded(self) -> Sequence[Serving]: ...
 
-    def is_installed(self, name: str) -> bool: ...
+    def is_installed(self, name: ModelName) -> bool: ...
 
-    def versions(self, name: str) -> Sequence[Any]: ...
+    def versions(self, name: ModelName) -> Sequence[Any]: ...
 
 
 class Sync:
@@ -126,8 +127,10 @@ class Sync:
         self.ledger_path = ledger_path
         self.intervals = {"metrics": metrics_interval_s, "ledger": ledger_interval_s,
                           "events": events_interval_s}
-        self.ledger = LedgerSummaries(ledger_path, state_path,
-                                      models.is_installed if models is not None else None)
+        # A ledger row's name is the client's string: parsed here, where it enters.
+        known = (lambda name: models.is_installed(ModelName.parse(name))) \
+            if models is not None else None
+        self.ledger = LedgerSummaries(ledger_path, state_path, known)
         self.failures = dict.fromkeys(KINDS, 0)  # ticks failed, all time
         self.withheld = 0  # strings the privacy screen kept off the wire
         self._failing = dict.fromkeys(KINDS, False)

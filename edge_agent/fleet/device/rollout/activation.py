@@ -56,6 +56,7 @@ from edge_agent.fleet.protocol.rollout_states import (
     STAGED,
 )
 from edge_agent.ledger.evidence import record_evidence, served_since
+from edge_agent.names import ModelName
 
 log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 300.0
@@ -185,7 +186,7 @@ class Activator:
         self.evidence(r, report.checks)
         return r
 
-    def _template_check(self, name: str, previous: str | None, target: str) -> Check:
+    def _template_check(self, name: ModelName, previous: str | None, target: str) -> Check:
         templates = {v.digest: v.model.chat_template
                      for v in self.ops.versions(name, missing_ok=True)}
         return gate.check_template(templates.get(previous) if previous else None,
@@ -254,7 +255,7 @@ class Activator:
         self.evidence(r, report.checks)
         return r
 
-    async def _settle(self, name: str, previous: str) -> None:
+    async def _settle(self, name: ModelName, previous: str) -> None:
         """Before the speed is measured: the requests still running on the previous
         version (started before the switch) end first, up to `settle_s` — two versions
         decoding at once share the CPU, and the new one would look slower than it is."""
@@ -262,7 +263,7 @@ class Activator:
         while self.ops.busy(name, previous) > 0 and self.clock() < deadline:
             await asyncio.sleep(min(self.poll_s, 0.05))
 
-    async def _wait_idle(self, name: str) -> None:
+    async def _wait_idle(self, name: ModelName) -> None:
         deadline = self.clock() + self.drain_timeout_s
         while (busy := self.ops.busy(name)) > 0:
             if self.clock() >= deadline:

@@ -35,7 +35,7 @@ from typing import Any
 from edge_agent.errors import Conflict
 from edge_agent.fleet.device.rollout.store import RolloutStore
 from edge_agent.fleet.protocol.rollout_states import describe
-from edge_agent.names import normalize_name
+from edge_agent.names import ModelName
 from edge_agent.owner_only import private_dir
 
 CLAIMS = Path("rollouts") / ".names"
@@ -106,7 +106,7 @@ def by_hand(state_dir: Path, name: str, change: str, *, force: bool = False
             ) -> Iterator[None]:
     """A change of `name` by hand (`change` says which, for whoever is refused): under
     the name's claim, and refused while a rollout of the name is live unless `force`."""
-    key = normalize_name(name)
+    key = ModelName.parse(name)
     with name_claim(state_dir, key, {"change": change, "pid": os.getpid()}):
         if not force:
             refuse_live_rollout(state_dir, key)

@@ -15,7 +15,7 @@ from edge_agent.config import parse_window
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import InvalidRequest
 from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
-from edge_agent.names import normalize_name
+from edge_agent.names import ModelName
 
 ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
@@ -81,11 +81,11 @@ def check_id(value: Any) -> str:
     return value
 
 
-def check_name(value: Any) -> str:
+def check_name(value: Any) -> ModelName:
     try:
         if not isinstance(value, str):
             raise InvalidRequest("not a string")
-        return normalize_name(value)
+        return ModelName.parse(value)
     except InvalidRequest as exc:
         raise CommandRefused(MALFORMED, f"name: {exc.message[:100]}") from None
 

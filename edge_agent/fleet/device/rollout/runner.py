@@ -96,7 +96,7 @@ from edge_agent.fleet.protocol.rollout_states import (
     SWITCHING,
     VERIFYING,
 )
-from edge_agent.names import normalize_name
+from edge_agent.names import ModelName
 from edge_agent.priority import run_niced
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class RolloutManager:
             digest = release.sha256.lower().removeprefix("sha256:")
             try:
                 gate.parse_spec((release.manifest or {}).get("gate"))
-                if normalize_name(release.name) != r.name:
+                if release.name != r.name:
                     raise ReleaseRejected("release_mismatch", release=release.name)
             except ValueError as exc:
                 raise ReleaseRejected("bad_gate", error=str(exc)[:300]) from None
@@ -395,7 +395,7 @@ class RolloutManager:
             if self._stopping or rollout_id in self._stop_ids:
                 raise _Stopped(rollout_id)
 
-    def _installed(self, name: str, digest: str) -> bool:
+    def _installed(self, name: ModelName, digest: str) -> bool:
         return any(v.digest == digest for v in self.ops.versions(name, missing_ok=True))
 
 
@@ -426,7 +426,7 @@ class RolloutManager:
         """A new rollout (RECEIVED, committed) and its task; the same id again reports
         it; refused while another rollout of the name is live, or a `models pull` of it
         runs (its row is created under the name's claim: `fleet.device.rollout.name_claim`)."""
-        key = normalize_name(name)
+        key = ModelName.parse(name)
         claim = name_claim(self.settings.state_dir, key, {"rollout_id": rollout_id}) \
             if self.store.get(rollout_id) is None else nullcontext()
         try:
@@ -505,7 +505,7 @@ class RolloutManager:
         if rollout_id is not None:
             return self.store.get(rollout_id)
         assert name is not None
-        key = normalize_name(name)
+        key = ModelName.parse(name)
         live = self.store.live_for(key)
         if live is not None:
             return live

@@ -44,6 +44,7 @@ from edge_agent.fleet.protocol.rollout_states import (
     REJECTED,
     ROLLED_BACK,
 )
+from edge_agent.names import ModelName
 
 MIGRATIONS = Migrations("edge-agent-rollouts")
 
@@ -84,7 +85,7 @@ class NameBusy(RuntimeError):
 @dataclass(frozen=True)
 class Rollout:
     id: str
-    name: str
+    name: ModelName  # parsed when the rollout was created
     version: str
     state: str
     live: bool
@@ -149,6 +150,7 @@ def _row(values: tuple[Any, ...]) -> Rollout:
     d["details"] = d["details"] or {}
     d["timings"] = d["timings"] or {}
     d["live"], d["restored"] = bool(d["live"]), bool(d["restored"])
+    d["name"] = ModelName(d["name"])
     return Rollout(**d)
 
 
