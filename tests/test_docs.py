@@ -11,7 +11,8 @@
 - the settings tables written by hand (`<!-- settings: SECTION -->` before the table) name
   real keys with their real defaults.
 
-Blocks that can run are run elsewhere: the walk-through by tests/test_readme_walkthrough.py,
+Blocks that can run are run elsewhere: the README's five-minute fleet and the rollout
+walk-through by tests/test_readme_walkthrough.py,
 the health gate by tests/test_fleet_gate.py, the role's variables by
 tests/test_ansible_role.py, `config.patch`'s bounds by tests/test_fleet_overlay.py.
 """

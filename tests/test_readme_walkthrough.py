@@ -1,7 +1,7 @@
 """The manual's walk-through ("one machine, one broker, two boxes", steps 1 to 6, in
-docs/fleet/rollouts.md), run as a reader runs it: its ```sh and ```toml blocks are read from
-that page, not copied here, and run in order in one folder, so the page cannot drift from
-what works.
+docs/fleet/rollouts.md), and the README's "A fleet in five minutes", run as a reader runs
+them: their ```sh and ```toml blocks are read from the page, not copied here, and run in
+order in one folder, so neither page can drift from what works.
 
 Only what a tester on a shared machine must change is changed, each change checked to
 apply (an edit of the page that drops one fails here rather than running on a real port):
@@ -360,3 +360,46 @@ def _figures(report: dict[str, Any], rows: dict[str, dict[str, Any]],
             f"{len(mine)} requests, {len(during)} during its switch: longest first text "
             f"{ttft:.2f} s, longest request {longest:.2f} s; served by {versions}")
     return "\n".join(lines)
+
+
+README_SECTION = "## A fleet in five minutes"
+
+
+def readme_fleet_blocks(readme: str) -> list[tuple[str, str]]:
+    """The README's five-minute fleet: its ```sh and ```toml blocks, in order."""
+    assert README_SECTION in readme, f"README.md: no {README_SECTION!r}"
+    section = readme.split(README_SECTION, 1)[1].split("\n## ", 1)[0]
+    return [(m.group(1), m.group(2))
+            for m in re.finditer(r"^```(sh|toml)\n(.*?)^```", section, re.S | re.M)]
+
+
+def test_the_readmes_fleet_brings_a_box_online_and_it_answers_a_signed_ping(
+        walkthrough: Walkthrough) -> None:
+    """The README's "A fleet in five minutes", run as written (ports excepted): a broker, a
+    controller and store-001; `fleet devices` shows it online and `fleet send … ping` gets
+    its answer."""
+    run = walkthrough
+    blocks = readme_fleet_blocks((ROOT / "README.md").read_text())
+    text = "\n".join(body for _, body in blocks)
+    for needle in ("1883", "9464", "11434", "edge-agent fleet broker-config", "fleet send"):
+        assert needle in text, f"README's fleet: {needle!r} is gone; update this test"
+    for needle in ("1883", "9464", "11434"):
+        assert needle not in run.substitute(text), f"{needle!r} left after the substitutions"
+    seen = set()
+    for language, body in blocks:
+        body = run.substitute(body)
+        if language == "toml":
+            _write_config(run, body, copy_root=False)
+            continue
+        for script, background in shell_steps(body):
+            if background:
+                run.start(script)
+                continue
+            out = run.run(script)
+            if "fleet devices" in script:  # "# store-001 online"
+                assert re.search(r"^store-001\s.*\bonline\b", out, re.M), out
+                seen.add("devices")
+            if "fleet send" in script:
+                assert re.search(r"^store-001\s+ok\s", out, re.M), out
+                seen.add("send")
+    assert seen == {"devices", "send"} and set(run.boxes) == {"store-001"}
