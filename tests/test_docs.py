@@ -11,10 +11,11 @@
 - the settings tables written by hand (`<!-- settings: SECTION -->` before the table) name
   real keys with their real defaults.
 
-Blocks that can run are run elsewhere: the README's five-minute fleet and the rollout
-walk-through by tests/test_readme_walkthrough.py,
-the health gate by tests/test_fleet_gate.py, the role's variables by
-tests/test_ansible_role.py, `config.patch`'s bounds by tests/test_fleet_overlay.py.
+The Python blocks that talk to a box (the official `openai` and `ollama` clients) run here
+against a live server. The other blocks that can run are run elsewhere: the README's
+five-minute fleet and the rollout walk-through by tests/test_readme_walkthrough.py, the
+health gate by tests/test_fleet_gate.py, the role's variables by tests/test_ansible_role.py,
+`config.patch`'s bounds by tests/test_fleet_overlay.py.
 """
 
 from __future__ import annotations
@@ -187,6 +188,19 @@ def test_every_json_block_parses(page: str, text: str) -> None:
 @pytest.mark.parametrize(("page", "text"), _all("python"))
 def test_every_python_block_compiles(page: str, text: str) -> None:
     compile(text, page, "exec")
+
+
+BOX = "http://127.0.0.1:11434"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("page", "text"), [b for b in _all("python") if BOX in b[1]])
+def test_every_client_block_runs_against_a_live_box(live_server: Any, page: str, text: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """As a reader runs it, on this test's box instead of the default port: it prints an
+    answer and raises nothing."""
+    exec(compile(text.replace(BOX, live_server.base_url), page, "exec"), {})
+    assert capsys.readouterr().out.strip(), f"{page}: the block printed nothing"
 
 
 def _command_lines(text: str) -> list[str]:
