@@ -252,6 +252,35 @@ def test_the_command_check_sees_a_wrong_option_and_a_wrong_command() -> None:
     assert _check_command("edge-agent modells pull")
 
 
+# -- names the prose uses ----------------------------------------------------------------------
+
+# Dotted names in code spans that look like settings and are not: a command, files, an event.
+NOT_SETTINGS = {"ledger.purge", "fleet.db", "models.db", "models.state", "redaction.key"}
+
+
+def test_every_setting_the_prose_names_exists() -> None:
+    sections = "server|runtime|telemetry|ledger|retention|redaction|fleet|models"
+    wrong = [f"{_name(page)}: {key}" for page in PAGES
+             for key in sorted(set(re.findall(rf"`((?:{sections})\.[a-z_]+)", page.read_text())))
+             if key not in NOT_SETTINGS and reference.settings_field("", key) is None]
+    assert not wrong, wrong
+
+
+def test_every_metric_the_prose_names_exists() -> None:
+    """Every `edge_agent_*`, `edge_fleet_*` or `llamacpp:*` name in the prose is a series
+    a scrape shows (the Ansible role's `edge_agent_*` variables and tags aside)."""
+    role = ROOT / "ansible" / "roles" / "edge_agent"
+    specs = yaml.safe_load((role / "meta" / "argument_specs.yml").read_text())
+    tags = {tag for task in yaml.safe_load((role / "tasks" / "main.yml").read_text())
+            for tag in ([task["tags"]] if isinstance(task["tags"], str) else task["tags"])}
+    known = reference.metric_names() | set(specs["argument_specs"]["main"]["options"]) | tags
+    wrong = [f"{_name(page)}: {name}" for page in PAGES
+             for name in sorted(set(re.findall(
+                 r"`((?:edge_agent_|edge_fleet_|llamacpp:)\w+)", page.read_text())))
+             if name not in known]
+    assert not wrong, wrong
+
+
 # -- settings tables written by hand -----------------------------------------------------------
 
 def _hand_tables() -> list[tuple[str, str, list[list[str]]]]:

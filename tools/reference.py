@@ -421,16 +421,32 @@ def _metrics_table(registry: CollectorRegistry, owner: object) -> list[str]:
     return rows
 
 
-def metrics_page() -> str:
-    with tempfile.TemporaryDirectory() as scratch:
-        from edge_agent.telemetry.metrics import Metrics
+def _registries(scratch: Path) -> list[tuple[CollectorRegistry, object]]:
+    """The box's registry and the controller's, each with the object that declares its
+    metrics."""
+    from edge_agent.telemetry.metrics import Metrics
 
-        registry = box_registry(Path(scratch))
-        box = _metrics_table(registry, Metrics(lambda: []))
     # One device in the store, so that the series read from it at scrape are there too.
     store = types.SimpleNamespace(devices=lambda: [
         {"device": "d", "fleet": "f", "online": True, "last_seen": 0.0}])
     controller = ControllerMetrics(store)  # type: ignore[arg-type]
+    return [(box_registry(scratch), Metrics(lambda: [])),
+            (controller.registry, controller)]
+
+
+def metric_names() -> set[str]:
+    """Every series name a scrape shows, as the manual writes it: counters with `_total`,
+    histograms by their base name."""
+    with tempfile.TemporaryDirectory() as scratch:
+        return {f.name + ("_total" if f.type == "counter" else "")
+                for registry, _ in _registries(Path(scratch)) for f in registry.collect()}
+
+
+def metrics_page() -> str:
+    with tempfile.TemporaryDirectory() as scratch:
+        (box, box_owner), (controller, controller_owner) = _registries(Path(scratch))
+        box_rows = _metrics_table(box, box_owner)
+        controller_rows = _metrics_table(controller, controller_owner)
     return "\n".join([
         "# Metrics", "", GENERATED, "",
         "## The box (`GET /metrics`)", "",
@@ -441,10 +457,10 @@ def metrics_page() -> str:
         "Jetson's sensors): what a box lacks is absent. Histograms add `_bucket`, `_sum` "
         "and `_count`. Explained in [Health, metrics, doctor and "
         "logs](../operate/health.md).", "",
-        *box, "",
+        *box_rows, "",
         "## The controller (`edge-agent fleet serve`, `GET /metrics`)", "",
         "Explained in [Running a fleet](../fleet/controller.md).", "",
-        *_metrics_table(controller.registry, controller), ""])
+        *controller_rows, ""])
 
 
 # -- pages and regions -----------------------------------------------------------------------
