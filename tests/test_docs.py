@@ -165,12 +165,14 @@ def _all(language: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("page", "text"), _all("toml"))
 def test_every_toml_block_is_settings_the_program_takes(page: str, text: str) -> None:
     """A block whose first line names controller.toml is the controller's; every other is
-    (a part of) a box's config.toml."""
-    data = tomllib.loads(text)
-    if "controller.toml" in text.splitlines()[0]:
-        reference.ControllerSettings.model_validate(data)
-    else:
-        Settings.model_validate(data)
+    (a part of) a box's config.toml. Its commented-out settings (`# key = value`, the
+    optional ones) are taken too."""
+    model = (reference.ControllerSettings if "controller.toml" in text.splitlines()[0]
+             else Settings)
+    model.model_validate(tomllib.loads(text))
+    uncommented = re.sub(r"^# (?=[a-z_]+ = )", "", text, flags=re.M)
+    if uncommented != text:
+        model.model_validate(tomllib.loads(uncommented))
 
 
 @pytest.mark.parametrize(("page", "text"), _all("json"))
