@@ -11,8 +11,8 @@ What it writes:
   fleet link's topics and command refusals (the fleet protocol's own constants), and the
   metrics (the Prometheus registries of the box and of the controller, as built);
 - regions inside hand-written pages, between `<!-- generated: NAME -->` and
-  `<!-- end generated: NAME -->`, where a table belongs beside its prose (the topics and the
-  refusals).
+  `<!-- end generated: NAME -->`, where a table belongs beside its prose (the topics, the
+  refusals, and the Ansible role's variables from its argument spec).
 
 `tests/test_docs.py` runs the check, so `make test` fails when the code changes and the
 manual does not. It also uses `settings_field` to hold the settings tables written by hand
@@ -463,6 +463,50 @@ def metrics_page() -> str:
         *controller_rows, ""])
 
 
+# -- the Ansible role's variables ------------------------------------------------------------
+
+ROLE = ROOT / "ansible" / "roles" / "edge_agent"
+
+
+def _ansible_text(text: str | list[str]) -> str:
+    """An argument spec's description as one cell: Ansible's C() and I() markup as code."""
+    text = " ".join(text) if isinstance(text, list) else text
+    return _cell(re.sub(r"\b[CI]\(([^)]*)\)", r"`\1`", text))
+
+
+def _role_default(value: Any) -> str:
+    if isinstance(value, str) and "|" in value and value.startswith("{{"):
+        # A Jinja filter chain: each step in code of its own (a pipe inside a code span
+        # would end the table cell on GitHub).
+        steps = [s.strip() for s in value.strip("{} ").split("|")]
+        return " → ".join(f"`{s}`" for s in steps)
+    if isinstance(value, list):
+        return "`[" + ", ".join(map(str, value)) + "]`"
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    if isinstance(value, dict):
+        return "`{}`" if not value else f"`{json.dumps(value)}`"
+    return '`""`' if value == "" else f"`{value}`"
+
+
+def role_variables_table() -> str:
+    """The role's variables as its argument spec (meta/argument_specs.yml) types, defaults
+    and describes them; Ansible checks every run against the same spec."""
+    import yaml
+
+    spec = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())
+    rows = ["| variable | type | default | what it is |", "|---|---|---|---|"]
+    for name, option in spec["argument_specs"]["main"]["options"].items():
+        kind = option["type"]
+        if kind == "list":
+            kind = f"list of {option.get('elements', 'raw')}"
+        if "choices" in option:
+            kind += f" ({', '.join(map(str, option['choices']))})"
+        rows.append(f"| `{name}` | {kind} | {_role_default(option.get('default'))} | "
+                    f"{_ansible_text(option['description'])} |")
+    return "\n".join(rows)
+
+
 # -- pages and regions -----------------------------------------------------------------------
 
 PAGES: dict[str, Callable[[], str]] = {
@@ -475,6 +519,7 @@ PAGES: dict[str, Callable[[], str]] = {
 REGIONS: dict[str, Callable[[], str]] = {
     "topics": topics_table,
     "refusals": refusals_table,
+    "role-variables": role_variables_table,
 }
 REGION = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(<!-- end generated: \2 -->)", re.S)
 
