@@ -6,7 +6,7 @@ STATE  ?= ./var
 # Compile llama.cpp with both cores; pip caches the built wheel afterwards.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: run test check unit bench clean system-deps
+.PHONY: run test check docs unit bench clean system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +48,12 @@ system-deps:
 			$$sudo apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-test: check system-deps
+# The manual (docs/, mkdocs.yml) as a site in site/. --strict: a broken link or anchor, or a
+# page left out of the nav, fails the build, and so `make test` and CI.
+docs: $(VENV)/.test-deps
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+test: check docs system-deps
 	$(BIN)/pytest
 
 unit: $(VENV)/.test-deps

@@ -71,7 +71,7 @@ def check(wheelhouse: Path, floor: str) -> int:
                     worst = 1
                     print(f"wheelhouse check: {wheel.name}: {Path(name).name}: {count} "
                           f"instructions above the {floor} floor (AVX-512), e.g. `{first}`: "
-                          "rebuild with the README's CMAKE_ARGS and --no-cache-dir")
+                          "rebuild with docs/install/wheelhouse.md's CMAKE_ARGS and --no-cache-dir")
             if not worst:
                 print(f"wheelhouse check: {wheel.name}: {len(names)} libraries within the "
                       f"{floor} floor")

@@ -83,9 +83,9 @@ def test_argument_specs_and_defaults_name_the_same_variables() -> None:
     assert all(name.startswith("_edge_agent_") for name in internal)
 
 
-def test_the_readme_documents_every_variable() -> None:
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("### The role's variables", 1)[1].split("\n## ", 1)[0]
+def test_the_manual_documents_every_variable() -> None:
+    page = (ROOT / "docs" / "install" / "provisioning.md").read_text()
+    table = page.split("## The role's variables", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `(edge_agent_\w+)` \|", table, re.M))
     specs = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())
     assert documented == set(specs["argument_specs"]["main"]["options"])
@@ -258,11 +258,12 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return where
 
 
-def test_the_readme_says_what_a_fresh_wheelhouse_holds(wheelhouse: Path) -> None:
+def test_the_manual_says_what_a_fresh_wheelhouse_holds(wheelhouse: Path) -> None:
     wheels = list(wheelhouse.glob("*.whl"))
     size_mb = sum(w.stat().st_size for w in wheels) / 1e6
-    said = re.search(r"gives (\d+) wheels, (\d+) MB", (ROOT / "README.md").read_text())
-    assert said, "README, Building the wheelhouse: 'gives N wheels, M MB'"
+    page = (ROOT / "docs" / "install" / "wheelhouse.md").read_text()
+    said = re.search(r"gives (\d+) wheels, (\d+) MB", page)
+    assert said, "docs/install/wheelhouse.md: 'gives N wheels, M MB'"
     print(f"a fresh wheelhouse: {len(wheels)} wheels, {size_mb:.0f} MB")
     assert int(said.group(1)) == len(wheels)
     assert abs(int(said.group(2)) - size_mb) <= 0.1 * size_mb

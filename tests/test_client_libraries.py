@@ -354,9 +354,9 @@ def test_unknown_top_level_fields_are_ignored_and_named(live_server: LiveServer)
     assert _ledger_row(live_server, "ignored-none")["ignored_fields"] is None
 
 
-def test_the_readme_names_every_top_level_field_that_means_an_option() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("- Top-level fields Ollama does not define"):]
+def test_the_manual_names_every_top_level_field_that_means_an_option() -> None:
+    page = (Path(__file__).parents[1] / "docs" / "api" / "ollama.md").read_text()
+    section = page[page.index("- Top-level fields Ollama does not define"):]
     section = section[:section.index("\n- ")]
     assert all(f"`{field}`" in section for field in TOP_LEVEL_OPTIONS)
     assert f"`{IGNORED_HEADER}: field,…`" in section

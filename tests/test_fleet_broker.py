@@ -272,7 +272,7 @@ def test_the_broker_accepts_our_own_hashes_without_mosquitto_passwd(
 @pytest.mark.broker
 def test_a_rerun_keeps_a_broker_running_as_its_own_user_reading_its_files(
         request: pytest.FixtureRequest) -> None:
-    """The README's procedure as root: broker-config, `chown mosquitto:` on passwd and acl,
+    """The manual's procedure as root: broker-config, `chown mosquitto:` on passwd and acl,
     Mosquitto started as root dropping to `mosquitto`; then a device is added (broker-config
     again) and the broker reloaded with SIGHUP. Every device, old and new, logs in after,
     and the files still belong to the broker's user."""

@@ -264,7 +264,7 @@ def _patchable() -> set[str]:
 
 
 def test_the_documented_bounds_are_the_settings_own() -> None:
-    """The allow-list with its bounds, in this module's docstring and in the README, is
+    """The allow-list with its bounds, in this module's docstring and in the manual, is
     the Settings' constraints and the overlay's keys — no more, no less."""
     settings = {key: settings_bounds(key) for key in _patchable()}
     assert {k for k, (_, _, nullable) in settings.items() if nullable} == (
@@ -272,9 +272,9 @@ def test_the_documented_bounds_are_the_settings_own() -> None:
     doc = overlay.__doc__ or ""
     rows = re.findall(r"^ {4}((?:telemetry|fleet|retention|tenants)\.\S+) +(.+)$", doc, re.M)
     assert _documented(rows) == settings
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### `config.patch`: settings the controller may change", 1)[1]
-    section = section.split("\n### ", 1)[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "fleet" / "commands.md").read_text()
+    section = page.split("## `config.patch`: settings the controller may change", 1)[1]
+    section = section.split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([a-z_<>.]+)` \| ([^|]+) \|", section, re.M)
     assert _documented(rows) == settings
 

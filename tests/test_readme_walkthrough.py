@@ -1,9 +1,10 @@
-"""The README's walk-through ("one machine, one broker, two boxes", steps 1 to 6), run as a
-reader runs it: its ```sh and ```toml blocks are read from README.md, not copied here, and
-run in order in one folder, so the README cannot drift from what works.
+"""The manual's walk-through ("one machine, one broker, two boxes", steps 1 to 6, in
+docs/fleet/rollouts.md), and the README's "A fleet in five minutes", run as a reader runs
+them: their ```sh and ```toml blocks are read from the page, not copied here, and run in
+order in one folder, so neither page can drift from what works.
 
 Only what a tester on a shared machine must change is changed, each change checked to
-apply (a README edit that drops one fails here rather than running on a real port):
+apply (an edit of the page that drops one fails here rather than running on a real port):
 
 - free ports for 1883 (the broker: `fleet broker-config --port`, and the URLs of the
   configs), 9464 (`fleet serve`'s HTTP) and 11434 / 11435 (the boxes), since the machine
@@ -15,9 +16,9 @@ apply (a README edit that drops one fails here rather than running on a real por
 - a command ending in `&` is a process this test starts, waits for (the port, /healthz,
   /ready and online at the controller, as a reader looks before the next step) and stops
   at the end;
-- the README shows store-001's `[fleet]` TOML; store-002's is the same with store-002 for
+- the page shows store-001's `[fleet]` TOML; store-002's is the same with store-002 for
   store-001, and each box's `release-root.json` is the copy its comment asks for, unless
-  the README's commands make it.
+  the page's commands make it.
 
 The boxes are pre-seeded with the default model (`clone_state`), which `serve` would
 otherwise assemble at start; `models pull gemma3:270m` still runs as written (from the
@@ -56,19 +57,21 @@ from tests.rolloutkit import ENV, Box, Controller, Request, Streams, get_json
 pytestmark = [pytest.mark.integration, pytest.mark.broker]
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTION = "### Walk-through: one machine, one broker, two boxes"
+PAGE = ROOT / "docs" / "fleet" / "rollouts.md"
+SECTION = "## Walk-through: one machine, one broker, two boxes"
 SECTION_END = "With a real fleet, the same command reads"
 GEMMA = "gemma3:270m"
 BOXES = ("store-001", "store-002")
 SOAK = "3s"
 
 
-def walkthrough_blocks(readme: str) -> list[tuple[str, str]]:
+def walkthrough_blocks(page: str) -> list[tuple[str, str]]:
     """The section's ```sh and ```toml blocks, in order, as (language, text); the output
     samples (plain ```) are left out."""
-    assert SECTION in readme, f"README: no {SECTION!r}"
-    section = readme.split(SECTION, 1)[1]
-    assert SECTION_END in section, f"README: the walk-through no longer ends at {SECTION_END!r}"
+    assert SECTION in page, f"{PAGE.name}: no {SECTION!r}"
+    section = page.split(SECTION, 1)[1]
+    assert SECTION_END in section, (
+        f"{PAGE.name}: the walk-through no longer ends at {SECTION_END!r}")
     section = section.split(SECTION_END, 1)[0]
     return [(m.group(1), m.group(2))
             for m in re.finditer(r"^```(sh|toml)\n(.*?)^```", section, re.S | re.M)]
@@ -106,7 +109,7 @@ def shell_steps(block: str) -> list[tuple[str, bool]]:
 
 @dataclass
 class Walkthrough:
-    """One run of the walk-through in `folder`: the ports in place of the README's, the
+    """One run of the walk-through in `folder`: the ports in place of the page's, the
     processes it started (stopped by `close`, the last started first) and their logs."""
 
     folder: Path
@@ -128,7 +131,7 @@ class Walkthrough:
                           f"{self.api}/releases/", self.api)
 
     def substitute(self, text: str) -> str:
-        """The README's text with this run's ports and soak: only what a tester must
+        """The page's text with this run's ports and soak: only what a tester must
         change."""
         for old, new in (
                 ("edge-agent fleet broker-config ",
@@ -147,7 +150,7 @@ class Walkthrough:
         output."""
         done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=self.folder,
                               env=self.env, capture_output=True, text=True, timeout=timeout)
-        assert done.returncode == 0, (f"README walk-through: `{script}` exited "
+        assert done.returncode == 0, (f"the walk-through: `{script}` exited "
                                       f"{done.returncode}\n{done.stdout}{done.stderr}"
                                       f"{self.logs()}")
         return done.stdout
@@ -223,11 +226,11 @@ def test_the_walkthrough_rolls_version_2_out_to_both_boxes_with_no_failed_reques
         walkthrough: Walkthrough) -> None:
     began = time.monotonic()
     run = walkthrough
-    blocks = walkthrough_blocks((ROOT / "README.md").read_text())
+    blocks = walkthrough_blocks(PAGE.read_text())
     text = "\n".join(body for _, body in blocks)
     for needle in ("1883", "9464", "11434", "11435", "--soak 2m",
                    "edge-agent fleet broker-config"):
-        assert needle in text, f"README walk-through: {needle!r} is gone; update this test"
+        assert needle in text, f"the walk-through: {needle!r} is gone; update this test"
     for needle in ("1883", "9464", "11434", "11435", "--soak 2m"):
         assert needle not in run.substitute(text), f"{needle!r} left after the substitutions"
     assert blocks[-1][0] == "sh" and "fleet rollout start" in blocks[-1][1], blocks[-1]
@@ -299,7 +302,7 @@ def _write_config(run: Walkthrough, body: str, *, copy_root: bool) -> None:
     """A toml block: the controller's block names its file in its first line; the box's
     `[fleet]` is store-001's (`--config store-001.toml`), and store-002's the same with
     store-002. A box's `release-root.json` is the copy its comment asks for, unless the
-    README's commands make it (`copy_root` false)."""
+    page's commands make it (`copy_root` false)."""
     named = re.match(r"#\s*(\S+\.toml)\s*\n", body)
     if named:
         (run.folder / named.group(1)).write_text(body)
@@ -357,3 +360,46 @@ def _figures(report: dict[str, Any], rows: dict[str, dict[str, Any]],
             f"{len(mine)} requests, {len(during)} during its switch: longest first text "
             f"{ttft:.2f} s, longest request {longest:.2f} s; served by {versions}")
     return "\n".join(lines)
+
+
+README_SECTION = "## A fleet in five minutes"
+
+
+def readme_fleet_blocks(readme: str) -> list[tuple[str, str]]:
+    """The README's five-minute fleet: its ```sh and ```toml blocks, in order."""
+    assert README_SECTION in readme, f"README.md: no {README_SECTION!r}"
+    section = readme.split(README_SECTION, 1)[1].split("\n## ", 1)[0]
+    return [(m.group(1), m.group(2))
+            for m in re.finditer(r"^```(sh|toml)\n(.*?)^```", section, re.S | re.M)]
+
+
+def test_the_readmes_fleet_brings_a_box_online_and_it_answers_a_signed_ping(
+        walkthrough: Walkthrough) -> None:
+    """The README's "A fleet in five minutes", run as written (ports excepted): a broker, a
+    controller and store-001; `fleet devices` shows it online and `fleet send … ping` gets
+    its answer."""
+    run = walkthrough
+    blocks = readme_fleet_blocks((ROOT / "README.md").read_text())
+    text = "\n".join(body for _, body in blocks)
+    for needle in ("1883", "9464", "11434", "edge-agent fleet broker-config", "fleet send"):
+        assert needle in text, f"README's fleet: {needle!r} is gone; update this test"
+    for needle in ("1883", "9464", "11434"):
+        assert needle not in run.substitute(text), f"{needle!r} left after the substitutions"
+    seen = set()
+    for language, body in blocks:
+        body = run.substitute(body)
+        if language == "toml":
+            _write_config(run, body, copy_root=False)
+            continue
+        for script, background in shell_steps(body):
+            if background:
+                run.start(script)
+                continue
+            out = run.run(script)
+            if "fleet devices" in script:  # "# store-001 online"
+                assert re.search(r"^store-001\s.*\bonline\b", out, re.M), out
+                seen.add("devices")
+            if "fleet send" in script:
+                assert re.search(r"^store-001\s+ok\s", out, re.M), out
+                seen.add("send")
+    assert seen == {"devices", "send"} and set(run.boxes) == {"store-001"}

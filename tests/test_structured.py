@@ -69,7 +69,7 @@ def test_earlier_tool_turns_are_rewritten_in_the_answer_format() -> None:
     assert out[3]["role"] == "user" and "tool_response" in out[3]["content"]
 
 
-# -- generated schemas within the documented subset (README, "JSON schemas"), on the model --
+# -- generated schemas within the documented subset (docs/api/tools-and-schemas.md), on the model --
 # Every string, array and number is bounded, so that a finished answer fits in the tokens
 # asked for; unions stay between a value and null (overlapping alternatives have limits of
 # their own, tested in test_grammar_limits.py).

@@ -5,7 +5,7 @@ The box is what a fresh store box is: `debootstrap --variant=minbase bookworm` w
 dbus, python3, python3-venv and sudo, and nothing else: no libgomp1 (llama.cpp links it), no
 setfacl, no network (`--private-network`: its own loopback only). The technician is a sudo
 user with a password; the project's `ansible/` is in their home, the wheelhouse beside it as
-the README builds it (this checkout's wheels, and `apt-get download libgomp1`: the box has no
+the manual builds it (this checkout's wheels, and `apt-get download libgomp1`: the box has no
 apt mirror to reach); Ansible is the project's own ansible-core, run by the box's Python; the
 connection is local. `ansible-playbook playbook.yml --become-password-file …` converges on the
 first run and changes nothing on the second.
@@ -102,7 +102,7 @@ class Site:
     libgomp_before: str = ""
 
     def playbook(self, *extra: str, as_root: bool = False, timeout: float = 900) -> Run:
-        """The README's command, run at the box's console by the technician (a sudo user:
+        """The manual's command, run at the box's console by the technician (a sudo user:
         the become password from a file, as --ask-become-pass would take it), or by root."""
         command = (f"cd {HOME}/ansible && ansible-playbook playbook.yml -i {HOME}/site/hosts.yml "
                    + ("" if as_root else f"--become-password-file {HOME}/site/become-pass ")
@@ -151,7 +151,7 @@ def base_root() -> Path:
 
 
 def runtime_debs() -> list[Path]:
-    """`apt-get download` of RUNTIME_DEBS, as the README's wheelhouse step 3, kept in the
+    """`apt-get download` of RUNTIME_DEBS, as the wheelhouse's step 3 in the manual, kept in the
     cache: the same files every run."""
     where = nspawnkit.CACHE / "debs"
     where.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,332 @@
+"""The manual (README.md and docs/) against the code, so that neither drifts from the other:
+
+- the reference pages and regions that `tools/reference.py` writes are what the code says;
+- the README stays an overview (at most 300 lines, `make run` and `make test` first);
+- every relative link resolves, and every `#anchor` names a heading of its page (mkdocs
+  checks docs/ too, but the README is not part of the site);
+- every page is in mkdocs.yml's nav, and the site builds with `mkdocs build --strict`;
+- the blocks a reader copies are what the code takes: every TOML block loads as the box's
+  or the controller's settings, every JSON and Python block parses, every `edge-agent`
+  command in a shell block names a command and options the CLI has;
+- the settings tables written by hand (`<!-- settings: SECTION -->` before the table) name
+  real keys with their real defaults.
+
+The Python blocks that talk to a box (the official `openai` and `ollama` clients) run here
+against a live server. The other blocks that can run are run elsewhere: the README's
+five-minute fleet and the rollout walk-through by tests/test_readme_walkthrough.py, the
+health gate by tests/test_fleet_gate.py, the role's variables by tests/test_ansible_role.py,
+`config.patch`'s bounds by tests/test_fleet_overlay.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import click
+import pytest
+import tomllib
+import yaml
+
+from edge_agent.cli import main as cli_main
+from edge_agent.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
+FENCE = re.compile(r"^(`{3,})([\w-]*)[^\n]*\n(.*?)^\1[ \t]*$", re.S | re.M)
+
+
+def _reference() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("reference", ROOT / "tools" / "reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+reference = _reference()
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def blocks(page: Path) -> list[tuple[str, str]]:
+    """The page's fenced blocks as (language, text)."""
+    return [(m.group(2), m.group(3)) for m in FENCE.finditer(page.read_text())]
+
+
+def prose(text: str) -> str:
+    """The text without its fenced blocks and code spans (what links can live in)."""
+    text = FENCE.sub("", text)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def anchors(page: Path) -> set[str]:
+    """The ids mkdocs gives the page's headings (Python-Markdown's toc: duplicates get
+    `_1`, `_2`…)."""
+    seen: set[str] = set()
+    for line in FENCE.sub("", page.read_text()).splitlines():
+        heading = re.match(r"^#{1,6} (.+?)\s*#*$", line)
+        if not heading:
+            continue
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).replace("`", "")
+        base = reference.slug(text)
+        anchor, n = base, 0
+        while anchor in seen:
+            n += 1
+            anchor = f"{base}_{n}"
+        seen.add(anchor)
+    return seen
+
+
+# -- generated pages ---------------------------------------------------------------------------
+
+def test_the_reference_pages_say_what_the_code_says() -> None:
+    stale = [_name(p) for p in reference.drifted()]
+    assert not stale, f"{stale} differ from the code: run python tools/reference.py --write"
+
+
+# -- the README --------------------------------------------------------------------------------
+
+def test_the_readme_is_an_overview_that_starts_with_the_two_commands() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move detail into docs/"
+    commands = [line.split()[0:2] for line in lines if line.startswith("    make ")]
+    assert commands[:2] == [["make", "run"], ["make", "test"]], commands[:2]
+
+
+# -- links, anchors and the nav ----------------------------------------------------------------
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
+    broken = []
+    for m in re.finditer(r"\[[^\]]*\]\(([^)\s]+)\)", prose(page.read_text())):
+        target = m.group(1)
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        where = (page.parent / path).resolve() if path else page
+        if not where.exists():
+            broken.append(f"{target}: no such file")
+        elif page != README and not where.is_relative_to(DOCS):
+            broken.append(f"{target}: outside docs/ (the site cannot link it)")
+        elif anchor and (where.suffix != ".md" or anchor not in anchors(where)):
+            broken.append(f"{target}: no heading with that anchor")
+    assert not broken, f"{_name(page)}: {broken}"
+
+
+def test_every_page_is_in_the_nav_and_every_nav_entry_is_a_page() -> None:
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assert config["docs_dir"] == "docs"
+
+    def entries(nav: Any) -> list[str]:
+        if isinstance(nav, str):
+            return [nav]
+        if isinstance(nav, list):
+            return [e for item in nav for e in entries(item)]
+        return [e for value in nav.values() for e in entries(value)]
+
+    listed = entries(config["nav"])
+    pages = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*") if p.is_file())
+    assert sorted(listed) == pages
+    assert len(listed) == len(set(listed))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("material") is None,
+                    reason="mkdocs-material is not installed (the test extra has it)")
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+         "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "site" / "reference" / "settings.html").is_file()
+
+
+# -- blocks ------------------------------------------------------------------------------------
+
+def _all(language: str) -> list[tuple[str, str]]:
+    return [(_name(page), text) for page in PAGES for lang, text in blocks(page)
+            if lang == language]
+
+
+@pytest.mark.parametrize(("page", "text"), _all("toml"))
+def test_every_toml_block_is_settings_the_program_takes(page: str, text: str) -> None:
+    """A block whose first line names controller.toml is the controller's; every other is
+    (a part of) a box's config.toml. Its commented-out settings (`# key = value`, the
+    optional ones) are taken too."""
+    model = (reference.ControllerSettings if "controller.toml" in text.splitlines()[0]
+             else Settings)
+    model.model_validate(tomllib.loads(text))
+    uncommented = re.sub(r"^# (?=[a-z_]+ = )", "", text, flags=re.M)
+    if uncommented != text:
+        model.model_validate(tomllib.loads(uncommented))
+
+
+@pytest.mark.parametrize(("page", "text"), _all("json"))
+def test_every_json_block_parses(page: str, text: str) -> None:
+    """One document, or one per line; a block with `…` stands for a shape, not a value."""
+    if "…" in text:
+        pytest.skip("an elided example")
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        for line in filter(str.strip, text.splitlines()):
+            json.loads(line)
+
+
+@pytest.mark.parametrize(("page", "text"), _all("python"))
+def test_every_python_block_compiles(page: str, text: str) -> None:
+    compile(text, page, "exec")
+
+
+BOX = "http://127.0.0.1:11434"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("page", "text"), [b for b in _all("python") if BOX in b[1]])
+def test_every_client_block_runs_against_a_live_box(live_server: Any, page: str, text: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """As a reader runs it, on this test's box instead of the default port: it prints an
+    answer and raises nothing."""
+    exec(compile(text.replace(BOX, live_server.base_url), page, "exec"), {})
+    assert capsys.readouterr().out.strip(), f"{page}: the block printed nothing"
+
+
+def _command_lines(text: str) -> list[str]:
+    """`edge-agent …` commands of a shell block, continuation lines joined."""
+    out = []
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        line = re.sub(r"^\$ ", "", line.strip())
+        if line.startswith("edge-agent "):
+            out.append(line)
+    return out
+
+
+def _options(command: click.Command) -> set[str]:
+    return {o for p in command.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+
+
+def _check_command(line: str) -> list[str]:
+    words = shlex.split(line.replace("|", " "), comments=True)
+    command: click.Command = cli_main
+    path = [command]
+    problems = []
+    for word in words[1:]:
+        word = word.strip("[]")
+        if isinstance(command, click.Group) and word in command.commands:
+            command = command.commands[word]
+            path.append(command)
+        elif word.startswith("--"):
+            option = word.split("=", 1)[0]
+            if not any(option in _options(c) for c in path):
+                problems.append(f"{line!r}: {option} is not an option of "
+                                f"{' '.join(['edge-agent', *(c.name or '' for c in path[1:])])}")
+    if isinstance(command, click.Group) and command.invoke_without_command is False:
+        problems.append(f"{line!r}: names a group, not a command")
+    return problems
+
+
+SHELL = [(page, text) for lang in ("sh", "bash", "") for page, text in _all(lang)]
+
+
+@pytest.mark.parametrize(("page", "text"), SHELL)
+def test_every_edge_agent_command_in_a_shell_block_exists(page: str, text: str) -> None:
+    problems = [p for line in _command_lines(text) for p in _check_command(line)]
+    assert not problems, f"{page}: {problems}"
+
+
+def test_the_command_check_sees_a_wrong_option_and_a_wrong_command() -> None:
+    assert _check_command("edge-agent models pull gemma3:270m --no-activate") == []
+    assert _check_command("edge-agent models pull gemma3:270m --bogus")
+    assert _check_command("edge-agent modells pull")
+
+
+# -- names the prose uses ----------------------------------------------------------------------
+
+# Dotted names in code spans that look like settings and are not: a command, files, an event.
+NOT_SETTINGS = {"ledger.purge", "fleet.db", "models.db", "models.state", "redaction.key"}
+
+
+def test_every_setting_the_prose_names_exists() -> None:
+    sections = "server|runtime|telemetry|ledger|retention|redaction|fleet|models"
+    wrong = [f"{_name(page)}: {key}" for page in PAGES
+             for key in sorted(set(re.findall(rf"`((?:{sections})\.[a-z_]+)", page.read_text())))
+             if key not in NOT_SETTINGS and reference.settings_field("", key) is None]
+    assert not wrong, wrong
+
+
+def test_every_metric_the_prose_names_exists() -> None:
+    """Every `edge_agent_*`, `edge_fleet_*` or `llamacpp:*` name in the prose is a series
+    a scrape shows (the Ansible role's `edge_agent_*` variables and tags aside)."""
+    role = ROOT / "ansible" / "roles" / "edge_agent"
+    specs = yaml.safe_load((role / "meta" / "argument_specs.yml").read_text())
+    tags = {tag for task in yaml.safe_load((role / "tasks" / "main.yml").read_text())
+            for tag in ([task["tags"]] if isinstance(task["tags"], str) else task["tags"])}
+    known = reference.metric_names() | set(specs["argument_specs"]["main"]["options"]) | tags
+    wrong = [f"{_name(page)}: {name}" for page in PAGES
+             for name in sorted(set(re.findall(
+                 r"`((?:edge_agent_|edge_fleet_|llamacpp:)\w+)", page.read_text())))
+             if name not in known]
+    assert not wrong, wrong
+
+
+# -- settings tables written by hand -----------------------------------------------------------
+
+def _hand_tables() -> list[tuple[str, str, list[list[str]]]]:
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in re.finditer(r"<!-- settings:\s*(\S*?)\s*-->\n\n?((?:\|.*\n)+)", text):
+            rows = [[c.strip() for c in row.strip().strip("|").split(" | ")]
+                    for row in m.group(2).splitlines()[2:]]
+            found.append((_name(page), m.group(1), rows))
+    return found
+
+
+def _default_said(cell: str) -> str:
+    cell = cell.replace("`", "").strip()
+    return "unset" if cell in ("—", "-", "") else re.split(r" \(|, ", cell)[0].strip()
+
+
+def _same_default(said: str, actual: Any) -> bool:
+    want = reference.toml_value(actual).strip('"')
+    try:
+        return float(said.replace("_", "")) == float(want)
+    except ValueError:
+        return said.strip('"') == want
+
+
+@pytest.mark.parametrize(("page", "section", "rows"), _hand_tables(),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_a_settings_table_names_real_keys_with_their_defaults(
+        page: str, section: str, rows: list[list[str]]) -> None:
+    assert rows, page
+    wrong = []
+    for row in rows:
+        for key in re.findall(r"`([a-z_.]+)`", row[0]):
+            field = reference.settings_field(section, key)
+            if field is None:
+                wrong.append(f"{section}.{key}: no such setting")
+            elif not _same_default(_default_said(row[1]), reference.default_of(field)):
+                wrong.append(f"{section}.{key}: the table says {row[1]}, the default is "
+                             f"{reference.toml_value(reference.default_of(field))}")
+    assert not wrong, f"{page}: {wrong}"
+
+
+def test_the_hand_written_settings_tables_are_marked() -> None:
+    assert {(page, section) for page, section, _ in _hand_tables()} >= {
+        ("docs/operate/configuration.md", "server"), ("docs/api/embeddings.md", ""),
+        ("docs/fleet/link.md", "fleet")}
