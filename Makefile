@@ -24,7 +24,7 @@ run: $(VENV)/.run-deps
 	$(BIN)/edge-agent serve --state-dir $(STATE)
 
 check: $(VENV)/.test-deps
-	$(BIN)/ruff check edge_agent tests
+	$(BIN)/ruff check edge_agent tests tools
 	$(BIN)/mypy edge_agent
 	$(BIN)/lint-imports
 

@@ -43,13 +43,11 @@ from pydantic_core import PydanticUndefined  # noqa: E402
 
 from edge_agent.cli import main as cli_main  # noqa: E402
 from edge_agent.config import ModelOverride, ModelsSettings, Settings, TenantPolicy  # noqa: E402
-
-# -- the fleet's modules: the only lines that name where they live --------------------------
-from edge_agent.fleet import refusals as fleet_refusals  # noqa: E402
-from edge_agent.fleet import topics as fleet_topics  # noqa: E402
 from edge_agent.fleet.controller.metrics import ControllerMetrics  # noqa: E402
 from edge_agent.fleet.controller.settings import ControllerSettings  # noqa: E402
-from edge_agent.fleet.envelope import class_of as envelope_class  # noqa: E402
+from edge_agent.fleet.protocol import refusals as fleet_refusals  # noqa: E402
+from edge_agent.fleet.protocol import topics as fleet_topics  # noqa: E402
+from edge_agent.fleet.protocol.envelope import class_of as envelope_class  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 DOCS = ROOT / "docs"

@@ -52,8 +52,8 @@ PACKAGES: Mapping[str, str] = {
     "libvulkan.so.1": "libvulkan1",
 }
 _CUDA = re.compile(r"lib(cudart|cublas|cublasLt|cuda)\.so")
-_FLOOR = ("build the wheelhouse with the CPU floor of this box (README: Building the "
-          "wheelhouse)")
+_FLOOR = ("build the wheelhouse with the CPU floor of this box "
+          "(docs/install/wheelhouse.md)")
 
 # llama.cpp's system-info names -> the /proc/cpuinfo flag that says the CPU has it.
 CPU_FLAGS: Mapping[str, str] = {

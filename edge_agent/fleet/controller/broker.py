@@ -227,9 +227,10 @@ def write_broker_config(plan: BrokerPlan, out: Path, *,
 
 def _rewrite(path: Path, data: bytes, mode: int) -> None:
     """A file Mosquitto reads, written anew: a first write gets `mode`; a rewrite keeps the
-    owner, group and mode the operator gave it (`chown mosquitto: passwd`, as the README
-    says), so a re-run to add a device never locks the broker out of its own password
-    file — every login, existing devices' included, would be refused at the next HUP."""
+    owner, group and mode the operator gave it (`chown mosquitto: passwd`, as
+    docs/fleet/controller.md says), so a re-run to add a device never locks the broker out
+    of its own password file — every login, existing devices' included, would be refused
+    at the next HUP."""
     try:
         st = path.stat()
     except FileNotFoundError:

@@ -4,7 +4,7 @@
 Allow-list (nothing else, ever — a patch cannot reach the broker, keys, paths or models),
 with the bounds of each key. The bounds are the Settings' own (`edge_agent.config`), so a
 config file or an environment variable outside them stops the start just as a patch is
-refused; this table copies them and a test holds the two (and the README's) together:
+refused; this table copies them and a test holds the two (and docs/fleet/commands.md) together:
 
     key                                  bounds
     telemetry.interval_s                 1 … 86_400 (seconds)
