@@ -75,7 +75,7 @@ class DirReleases:
             raise self.lookup_errors.pop(0)
         release = self.releases.get((ModelName.parse(name), version))
         if release is None:
-            raise ReleaseRejected("unknown", {"name": name, "version": version})
+            raise ReleaseRejected("unknown", name=name, version=version)
         return release
 
     def download(self, release: Release, dest_dir: Path, *,
@@ -114,14 +114,14 @@ class DirReleases:
     def _check(path: Path, release: Release) -> None:
         size = path.stat().st_size
         if size != release.length:
-            raise ReleaseFailed("length_mismatch", {"bytes": size, "expected": release.length})
+            raise ReleaseFailed("length_mismatch", bytes=size, expected=release.length)
         if sha256_of(path) != release.sha256:
-            raise ReleaseFailed("hash_mismatch", {"expected": release.sha256})
+            raise ReleaseFailed("hash_mismatch", expected=release.sha256)
         with os.fdopen(open_regular(path), "rb") as fh:
             try:
                 precheck_open(fh, path)
             except ModelFileError as exc:
-                raise ReleaseRejected("not_gguf", {"error": exc.message}) from None
+                raise ReleaseRejected("not_gguf", error=exc.message) from None
 
     def install(self, release: Release, path: Path, modelops: ModelOps, *,
                 by: str) -> InstalledModel:

@@ -100,7 +100,7 @@ def test_a_download_that_stops_short_sends_where_it_stopped(tmp_path: Path) -> N
 
     def cut(done: int, total: int) -> None:
         if done >= total // 2:
-            raise ReleaseFailed("unreachable", {"done": done})
+            raise ReleaseFailed("unreachable", done=done)
 
     box.releases.after_chunk = cut
     r = run(_roll(box))

@@ -289,8 +289,8 @@ def test_one_rollout_per_name(tmp_path: Path) -> None:
 
 def test_rejected_is_final(tmp_path: Path) -> None:
     box = make_box(tmp_path)
-    box.releases.lookup_errors = [ReleaseRejected("disk_full", {"need": 10, "free": 1},
-                                                  "not enough disk")]
+    box.releases.lookup_errors = [ReleaseRejected("disk_full", "not enough disk",
+                                                  need=10, free=1)]
     r = run(_roll(box))
     assert (r.state, r.reason, r.live) == (REJECTED, "disk_full", False)
     assert r.details == {"need": 10, "free": 1, "message": "not enough disk"}
