@@ -55,9 +55,9 @@ class ModelName(str):
         """The name `name` stands for; InvalidRequest (400, param `model`) if it breaks
         the rule, its message showing the name cut short and escaped. One rule decides
         what may become a manifest file name."""
-        if type(name) is cls:
-            return name
-        given, name = name, name.strip()
+        if type(name) is cls and "given" in name.__dict__:
+            return name  # parsed before; one only wrapped (read back) is checked again
+        given, name = str(name), name.strip()
         if not name:
             raise InvalidRequest("model name is empty", param="model")
         if len(name) > MAX_NAME_CHARS:
