@@ -41,13 +41,13 @@ _HIGHER = ("CASE WHEN excluded.last_seq > retired.last_seq THEN excluded.last_se
 
 
 class RetentionQueries:
-    """The purge, over the store's `_tx()` and `_read()`."""
+    """The purge, each call in a transaction of the store that holds this object
+    (`sql.SQLStore.retention_rows`): `tx` opens a write, `read` a read."""
 
-    def _tx(self) -> AbstractContextManager[Exec]:
-        raise NotImplementedError
-
-    def _read(self) -> AbstractContextManager[Exec]:
-        raise NotImplementedError
+    def __init__(self, tx: Callable[[], AbstractContextManager[Exec]],
+                 read: Callable[[], AbstractContextManager[Exec]]) -> None:
+        self._tx = tx
+        self._read = read
 
     def purge_messages(self, before: Mapping[str, float], batch: int = 5000) -> int:
         """Removes the messages of each class received before its cutoff (controller

@@ -1,5 +1,6 @@
-"""The controller store's rollouts, in the SQL SQLite and PostgreSQL share: the schema step
-and `RolloutQueries` (a mixin of `sql.SQLStore`; the records are `rollout_records`).
+"""The controller store's rollouts, in the SQL SQLite and PostgreSQL share: `RolloutQueries`,
+which `sql.SQLStore` holds (its tables are listed in `schema`; its records are
+`rollout_records`).
 
     rollouts          one row per `fleet rollout start`: release, selector, policy, state
                       (RUNNING|PAUSED|ABORTED|COMPLETED|ROLLED_BACK), the wave reached,
@@ -15,8 +16,8 @@ and `RolloutQueries` (a mixin of `sql.SQLStore`; the records are `rollout_record
                       and when the broker took each (unpublished ones are published again,
                       but a start the rollout stopped before it left is withdrawn)
 
-The devices' reports reach `rollout_devices` inside the ingest's own transaction (`_rollout
-message`, `_rollout_result`): a rollout audit message or a refused rollout.start result is
+The devices' reports reach `rollout_devices` inside the ingest's own transaction
+(`rollout_message`, `rollout_result`): a rollout audit message or a refused rollout.start result is
 applied exactly once, when it is stored, and only if it is newer (device time) than what
 the row shows; a `rollout.progress` message likewise, to the progress columns only.
 Nothing here decides anything (that is `waves`) or publishes.
@@ -25,7 +26,7 @@ Nothing here decides anything (that is `waves`) or publishes.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -110,18 +111,19 @@ def _short(value: Any, limit: int = 500) -> str | None:
     return text.replace("\x00", "\ufffd")[:limit]
 
 
+Tx = Callable[[], AbstractContextManager["Exec"]]
+
+
 class RolloutQueries:
-    """Rollout rows over the store's `_tx()` and `_read()` (see `sql.SQLStore`)."""
+    """Rollout rows, each call in a transaction of the store that holds this object
+    (`sql.SQLStore.rollout_rows`): `tx` opens a write, `read` a read; `insert_command` is
+    the store's own (the commands table is its)."""
 
-    def _tx(self) -> AbstractContextManager[Exec]:
-        raise NotImplementedError
-
-    def _read(self) -> AbstractContextManager[Exec]:
-        raise NotImplementedError
-
-    @staticmethod
-    def _insert_command(db: Exec, command: Mapping[str, Any], recorded: float) -> None:
-        raise NotImplementedError  # sql.SQLStore's: the commands table is its
+    def __init__(self, tx: Tx, read: Tx,
+                 insert_command: Callable[[Exec, Mapping[str, Any], float], None]) -> None:
+        self._tx = tx
+        self._read = read
+        self._insert_command = insert_command
 
     # -- the operator's side --------------------------------------------------------------
     def create_rollout(self, new: NewRollout, now: float) -> RolloutRecord:
@@ -311,7 +313,7 @@ class RolloutQueries:
 
     # -- the ingest's side (inside its transaction) ------------------------------------------
     @staticmethod
-    def _rollout_message(db: Exec, msg: Inbound) -> None:
+    def rollout_message(db: Exec, msg: Inbound) -> None:
         """A box's rollout audit message: its state for that rollout, or its download
         progress, each if newer than what the row holds."""
         body = msg.body
@@ -354,7 +356,7 @@ class RolloutQueries:
                 rollout_id, msg.device, ts])
 
     @staticmethod
-    def _rollout_result(db: Exec, device: str, body: Mapping[str, Any], msg_ts: float,
+    def rollout_result(db: Exec, device: str, body: Mapping[str, Any], msg_ts: float,
                         received: float) -> None:
         """A rollout.start the box refused (a bad signature, an expired or replayed
         command, a busy name): REFUSED, unless the box reported something since."""

@@ -15,10 +15,12 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from functools import cached_property
 from typing import Any, Protocol
 
 from edge_agent.fleet.controller.records import Acks, Inbound
 from edge_agent.fleet.controller.retention import RetentionQueries
+from edge_agent.fleet.controller.rollout_records import DeviceRecord, NewRollout, RolloutRecord
 from edge_agent.fleet.controller.rollout_sql import RolloutQueries
 from edge_agent.fleet.protocol.envelope import (
     Ranges,
@@ -75,9 +77,18 @@ def _text(value: Any, limit: int = 1000) -> str | None:
     return text.replace("\x00", "\ufffd")[:limit]
 
 
-class SQLStore(RolloutQueries, RetentionQueries):
-    """The store's behaviour over `_tx()` (a write transaction) and `_read()`; the
-    rollouts' queries are `RolloutQueries`', the purge `RetentionQueries`'."""
+class SQLStore:
+    """The store's behaviour over `_tx()` (a write transaction) and `_read()`, which a
+    subclass gives (its connection); the rollouts' queries are the `RolloutQueries` it
+    holds (`rollout_rows`), the purge its `RetentionQueries` (`retention_rows`)."""
+
+    @cached_property
+    def rollout_rows(self) -> RolloutQueries:
+        return RolloutQueries(self._tx, self._read, self._insert_command)
+
+    @cached_property
+    def retention_rows(self) -> RetentionQueries:
+        return RetentionQueries(self._tx, self._read)
 
     def _tx(self) -> AbstractContextManager[Exec]:
         raise NotImplementedError
@@ -87,6 +98,53 @@ class SQLStore(RolloutQueries, RetentionQueries):
 
     def close(self) -> None:
         raise NotImplementedError
+
+    # -- rollouts and retention: the rows the objects it holds keep -----------------------
+
+    def create_rollout(self, new: NewRollout, now: float) -> RolloutRecord:
+        return self.rollout_rows.create_rollout(new, now)
+
+    def set_rollout_state(self, rollout_id: str, to: str, allowed: frozenset[str], *,
+                          reason: str, now: float) -> RolloutRecord:
+        return self.rollout_rows.set_rollout_state(rollout_id, to, allowed, reason=reason,
+                                                   now=now)
+
+    def rollout(self, rollout_id: str) -> RolloutRecord | None:
+        return self.rollout_rows.rollout(rollout_id)
+
+    def rollouts(self, *, unsettled: bool = False, limit: int = 100) -> list[RolloutRecord]:
+        return self.rollout_rows.rollouts(unsettled=unsettled, limit=limit)
+
+    def rollout_devices(self, rollout_id: str) -> list[DeviceRecord]:
+        return self.rollout_rows.rollout_devices(rollout_id)
+
+    def apply_plan(self, rollout_id: str, *, expect: str, state: str, wave: int,
+                   reason: str | None, settled: bool, timed_out: Sequence[str],
+                   skipped: Sequence[str], now: float) -> bool:
+        return self.rollout_rows.apply_plan(rollout_id, expect=expect, state=state, wave=wave,
+                                            reason=reason, settled=settled,
+                                            timed_out=timed_out, skipped=skipped, now=now)
+
+    def next_command_seqs(self, streams: Sequence[str]) -> dict[str, int]:
+        return self.rollout_rows.next_command_seqs(streams)
+
+    def claim_commands(self, rollout_id: str, commands: Mapping[str, Mapping[str, Any]],
+                       now: float, *, require_state: str | None = None,
+                       retry: bool = False) -> list[str]:
+        return self.rollout_rows.claim_commands(rollout_id, commands, now,
+                                                require_state=require_state, retry=retry)
+
+    def unpublished_commands(self, rollout_id: str) -> list[dict[str, Any]]:
+        return self.rollout_rows.unpublished_commands(rollout_id)
+
+    def mark_published(self, command_ids: Sequence[str], now: float) -> None:
+        self.rollout_rows.mark_published(command_ids, now)
+
+    def purge_messages(self, before: Mapping[str, float], batch: int = 5000) -> int:
+        return self.retention_rows.purge_messages(before, batch)
+
+    def retired(self, device: str, boot_id: str) -> int:
+        return self.retention_rows.retired(device, boot_id)
 
     # -- ingest -------------------------------------------------------------------------
 
@@ -149,9 +207,9 @@ class SQLStore(RolloutQueries, RetentionQueries):
                 self._models_state(db, msg)
             elif msg.kind == "cmd/result":
                 self._insert_result(db, msg.device, body, msg.received)
-                self._rollout_result(db, msg.device, body, msg.ts, msg.received)
+                RolloutQueries.rollout_result(db, msg.device, body, msg.ts, msg.received)
             elif msg.kind == "rollout":
-                self._rollout_message(db, msg)
+                RolloutQueries.rollout_message(db, msg)
         except (ValueError, TypeError) as exc:
             log.warning("fleet: %s from %s seq %s: %s", msg.kind, msg.device, msg.seq, exc)
 
