@@ -1,5 +1,5 @@
 """Shared fixtures: the real default model in a session state dir, and a live server;
-for the fleet link, a private Mosquitto and a private PostgreSQL (tests/brokers.py).
+for the fleet link, a private Mosquitto and a private PostgreSQL (tests/support/brokers.py).
 
 The server is the real app under uvicorn on a free port, in a thread of the test process,
 so tests can drive it with the official clients and still look at its scheduler state.
@@ -25,7 +25,7 @@ from edge_agent.app import create_app
 from edge_agent.config import Settings, load_settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.server import uvicorn_config
-from tests.brokers import Mosquitto, Postgres, find_mosquitto, find_postgres_bin
+from tests.support.brokers import Mosquitto, Postgres, find_mosquitto, find_postgres_bin
 
 DEFAULT_MODEL = "smollm2:135m"
 # The default model's end-of-generation tokens, biased away where a test needs a long output.
@@ -138,12 +138,12 @@ def fuzz_live(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
     live.stop()
 
 
-# -- The fleet link's real servers (tests/brokers.py) ----------------------------------------
+# -- The fleet link's real servers (tests/support/brokers.py) -------------------------------
 
 @pytest.fixture(scope="session")
 def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
     """The session's broker, configured by `fleet broker-config` for fleet `f1` and the
-    devices in `tests.brokers.DEVICES`, with a TLS listener (CA made in the test). Shared:
+    devices in `tests.support.brokers.DEVICES`, with a TLS listener (CA made in the test). Shared:
     never kill it; take `mosquitto_factory` for a broker of your own."""
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed (apt-get install mosquitto)")

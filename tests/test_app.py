@@ -12,8 +12,8 @@ import pytest
 from edge_agent.config import load_settings
 from edge_agent.engine.modelops import ModelOps
 from tests.conftest import DEFAULT_MODEL, LiveServer, free_port, start_server
-from tests.fleetkit import wait_until
-from tests.releasekit import small_filesystem
+from tests.support.fleetkit import wait_until
+from tests.support.releasekit import small_filesystem
 
 pytestmark = pytest.mark.integration
 

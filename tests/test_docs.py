@@ -14,8 +14,8 @@
 The Python blocks that talk to a box (the official `openai` and `ollama` clients) run here
 against a live server. The other blocks that can run are run elsewhere: the README's
 five-minute fleet and the rollout walk-through by tests/test_readme_walkthrough.py, the
-health gate by tests/test_fleet_gate.py, the role's variables by tests/test_ansible_role.py,
-`config.patch`'s bounds by tests/test_fleet_overlay.py.
+health gate by tests/fleet/device/test_health_gate.py, the role's variables by
+tests/test_ansible_role.py, `config.patch`'s bounds by tests/fleet/device/test_overlay.py.
 """
 
 from __future__ import annotations

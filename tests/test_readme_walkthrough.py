@@ -49,10 +49,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.brokers import find_mosquitto, wait_port
 from tests.conftest import clone_state, free_port
-from tests.fleetkit import wait_until
-from tests.rolloutkit import ENV, Box, Controller, Request, Streams, get_json
+from tests.support.brokers import find_mosquitto, wait_port
+from tests.support.fleetkit import wait_until
+from tests.support.rolloutkit import ENV, Box, Controller, Request, Streams, get_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.broker]
 

@@ -26,7 +26,7 @@ from tests.conftest import (
     free_port,
     start_server,
 )
-from tests.fleetkit import wait_until
+from tests.support.fleetkit import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,7 @@ from edge_agent.governance.keys import KeyStore
 from edge_agent.ledger.store import REQUESTS, open_ledger
 from edge_agent.owner_only import private_dir, private_file
 from tests.conftest import DEFAULT_MODEL, free_port, start_server
-from tests.fleetkit import wait_until
+from tests.support.fleetkit import wait_until
 
 
 @pytest.fixture

@@ -12,8 +12,15 @@ from typing import Any
 
 from edge_agent.fleet.device.link.command_gate import Handler
 from edge_agent.fleet.device.link.link import Link
-from tests.brokers import Mosquitto, MQTTClient
-from tests.fleetkit import Controller, Signer, fast_options, fleet_settings, send, wait_until
+from tests.support.brokers import Mosquitto, MQTTClient
+from tests.support.fleetkit import (
+    Controller,
+    Signer,
+    fast_options,
+    fleet_settings,
+    send,
+    wait_until,
+)
 
 
 class CommandBox:

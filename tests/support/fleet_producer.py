@@ -3,7 +3,7 @@ kill -9 tests kill mid-flush. Prints `boot <id>` once connected, `emitted <n>` e
 messages, and `drained` when the controller has acknowledged everything (then stops
 cleanly).
 
-    python -m tests.fleet_producer BROKER_URL DEVICE PASSWORD_FILE STATE_DIR COUNT RATE
+    python -m tests.support.fleet_producer BROKER_URL DEVICE PASSWORD_FILE STATE_DIR COUNT RATE
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from edge_agent.fleet.controller.store import SQLiteStore
 from edge_agent.fleet.device.link.link import LinkOptions
 from edge_agent.fleet.protocol.signing import generate_keypair, load_private, sign
 from edge_agent.fleet.sim import testbed
-from tests.brokers import FLEET, Mosquitto, MQTTClient
+from tests.support.brokers import FLEET, Mosquitto, MQTTClient
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.02) -> bool:

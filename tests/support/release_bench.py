@@ -2,7 +2,7 @@
 file from the same server (the measurement of `edge-agent bench rollout`, against a bare
 artifacts server and a file of any size), and the time of `fleet release add`.
 
-    python -m tests.release_bench [--mb 200] [--runs 5] [--gguf FILE] [--workdir DIR]
+    python -m tests.support.release_bench [--mb 200] [--runs 5] [--gguf FILE] [--workdir DIR]
 
 The server (the artifacts router under uvicorn) runs in its own process, so the client
 measured here and curl compete with it alike. The device's figure is `transfer.download`
@@ -25,7 +25,7 @@ from pathlib import Path
 from edge_agent.bench.rollout import download_vs_curl
 from edge_agent.fleet.device.release.source import ReleaseSource
 from tests.conftest import free_port
-from tests.releasekit import device_settings, make_repo, sized_gguf
+from tests.support.releasekit import device_settings, make_repo, sized_gguf
 
 _SERVER = """
 import sys
@@ -57,7 +57,7 @@ def throughput(work: Path, mb: float, runs: int) -> dict[str, object]:
     repo.add(gguf, "bench:1", "1")
     gguf.unlink()
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     server = subprocess.Popen([sys.executable, "-c", _SERVER, str(repo.repo.root), str(port)],
                               env=env)
     try:
@@ -89,7 +89,7 @@ def release_add(work: Path, gguf: Path, runs: int) -> dict[str, object]:
                         "--state-dir", str(state), "--keys", str(repo.keys.path), "--json"],
                        check=True, capture_output=True,
                        env={**os.environ,
-                            "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                            "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
         times.append(time.perf_counter() - t0)
     return {"file": str(gguf), "bytes": gguf.stat().st_size,
             "cli_seconds": [round(t, 2) for t in times]}

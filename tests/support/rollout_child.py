@@ -1,5 +1,5 @@
 """A box that runs one rollout and kills itself (SIGKILL, no cleanup) at a chosen point:
-`python -m tests.rollout_child STATE_DIR SPEC_JSON`. SPEC: {"name", "version", "file",
+`python -m tests.support.rollout_child STATE_DIR SPEC_JSON`. SPEC: {"name", "version", "file",
 "manifest", "rollout_id", "kill_at"}; kill_at is a state the rollout enters, "switched"
 (right after the pointer moved), or "DOWNLOADING" (then halfway through the transfer)."""
 
@@ -17,7 +17,7 @@ from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.device.rollout.store import Rollout
-from tests.rollout_support import DirReleases, PaperLoader, ScriptedProbe
+from tests.support.rollout_support import DirReleases, PaperLoader, ScriptedProbe
 
 
 def die() -> None:

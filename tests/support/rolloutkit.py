@@ -26,11 +26,11 @@ from typing import Any
 
 import httpx
 
-from tests.brokers import FLEET, Mosquitto
 from tests.conftest import free_port
-from tests.fleetkit import wait_until
+from tests.support.brokers import FLEET, Mosquitto
+from tests.support.fleetkit import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "EDGE_AGENT_RUNTIME__CONTEXT_LENGTH": "512",
        "EDGE_AGENT_TELEMETRY__HARDWARE": "false", "EDGE_AGENT_RUNTIME__THREADS": "1"}
 # A gate any model passes: one short answer, no speed floor (two versions measured on a

@@ -31,7 +31,7 @@ from edge_agent.fleet.protocol.refusals import CommandRefused
 from edge_agent.fleet.protocol.signing import load_public, verify
 from edge_agent.fleet.sim.rollout import BoxRollouts
 from edge_agent.fleet.sim.rollout import LinkFleet as _LinkFleet
-from tests.brokers import FLEET, Mosquitto
+from tests.support.brokers import FLEET, Mosquitto
 
 
 class Scheduler:

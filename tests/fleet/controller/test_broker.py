@@ -31,7 +31,7 @@ from edge_agent.fleet.controller.broker import (
     write_broker_config,
 )
 from edge_agent.fleet.sim.testbed import find_mosquitto, free_port, wait_port
-from tests.brokers import FLEET, Mosquitto, MQTTClient
+from tests.support.brokers import FLEET, Mosquitto, MQTTClient
 
 A, B = "store-a", "store-b"
 
@@ -245,7 +245,7 @@ def test_the_tls_listener_works_with_the_generated_ca(
 @pytest.mark.broker
 def test_the_tls_listener_refuses_a_client_that_does_not_trust_its_ca(
         mosquitto: Mosquitto, tmp_path: Path) -> None:
-    from tests.brokers import make_tls
+    from tests.support.brokers import make_tls
 
     other = make_tls(tmp_path / "other")
     client = MQTTClient(mosquitto, A, tls=True, ca=other.ca_cert)

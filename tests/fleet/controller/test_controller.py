@@ -31,7 +31,7 @@ from edge_agent.fleet.controller.settings import ControllerSettings, load_contro
 from edge_agent.fleet.controller.store import SQLiteStore
 from edge_agent.fleet.protocol.envelope import merge_ranges
 from edge_agent.fleet.protocol.topics import Topic
-from tests.brokers import FLEET, Mosquitto, MQTTClient, free_port
+from tests.support.brokers import FLEET, Mosquitto, MQTTClient, free_port
 
 A, B = "store-a", "store-b"
 BOOT = "0123456789abcdef0123456789abcdef"
@@ -428,7 +428,7 @@ def _serve(broker: Mosquitto, state: Path, port: int, **env: str) -> subprocess.
              "--password-file", str(broker.password_file("controller")), "--port", str(port),
              "--log-level", "warning"],
             stdout=subprocess.DEVNULL, stderr=log,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), **env})
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[3]), **env})
 
 
 def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:

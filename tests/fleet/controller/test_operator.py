@@ -19,12 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.brokers import FLEET, Mosquitto, MQTTClient
 from tests.conftest import DEFAULT_MODEL, clone_state, free_port
-from tests.fleetkit import Controller, Signer, wait_until
+from tests.support.brokers import FLEET, Mosquitto, MQTTClient
+from tests.support.fleetkit import Controller, Signer, wait_until
 
 DEV = "store-op"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "EDGE_AGENT_RUNTIME__CONTEXT_LENGTH": "512",
        "EDGE_AGENT_TELEMETRY__HARDWARE": "false", "EDGE_AGENT_RUNTIME__THREADS": "1",
        "EDGE_AGENT_RETENTION__CONTENT_HOURS": "1"}

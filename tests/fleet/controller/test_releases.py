@@ -36,7 +36,7 @@ from edge_agent.fleet.protocol.manifest import (
     target_path,
 )
 from tests.ggufgen import write_tiny_gguf
-from tests.releasekit import ArtifactServer, Repo, device_settings, make_repo, mirror
+from tests.support.releasekit import ArtifactServer, Repo, device_settings, make_repo, mirror
 
 # -- manifest ---------------------------------------------------------------------------
 

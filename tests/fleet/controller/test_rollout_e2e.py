@@ -16,10 +16,10 @@ import pytest
 
 from edge_agent.bench.rollout import variant
 from edge_agent.engine.catalog import ModelStore
-from tests.brokers import Mosquitto
 from tests.conftest import DEFAULT_MODEL, clone_state
-from tests.fleetkit import wait_until
-from tests.rolloutkit import PASSING, Controller, Repository, Streams, cli, start_box
+from tests.support.brokers import Mosquitto
+from tests.support.fleetkit import wait_until
+from tests.support.rolloutkit import PASSING, Controller, Repository, Streams, cli, start_box
 
 pytestmark = [pytest.mark.integration, pytest.mark.broker]
 

@@ -25,7 +25,7 @@ from edge_agent.fleet.controller.store import PostgresStore, SQLiteStore
 from edge_agent.fleet.controller.waves import Policy, parse_waves
 from edge_agent.fleet.protocol.signing import load_private, load_public, verify
 from tests.ggufgen import write_tiny_gguf
-from tests.releasekit import Repo, make_repo
+from tests.support.releasekit import Repo, make_repo
 
 NAME = "simmodel:1b"
 BOOT = "c" * 32

@@ -1,6 +1,6 @@
 """Rollouts in waves, driven by the real controller: `fleet serve` as a subprocess with its
 rollout engine, a real Mosquitto, a signed release repository, `fleet rollout …` through
-the CLI, and scripted boxes (`tests.rolloutsim`): the fleet simulator's (the agent's own
+the CLI, and scripted boxes (`tests.support.rolloutsim`): the fleet simulator's (the agent's own
 link code per box, on one selector loop) for the 100-box rollouts, a paho client each
 where a box must go offline with its broker session kept.
 
@@ -33,16 +33,16 @@ from click.testing import CliRunner
 from edge_agent.cli import main
 from edge_agent.fleet.controller.store import SQLiteStore
 from edge_agent.fleet.controller.waves import assign_waves, parse_waves
-from tests.brokers import Mosquitto
 from tests.conftest import free_port
-from tests.fleetkit import wait_until
 from tests.ggufgen import write_tiny_gguf
-from tests.releasekit import make_repo
-from tests.rolloutsim import LinkFleet, SimFleet
+from tests.support.brokers import Mosquitto
+from tests.support.fleetkit import wait_until
+from tests.support.releasekit import make_repo
+from tests.support.rolloutsim import LinkFleet, SimFleet
 
 pytestmark = [pytest.mark.broker]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 NAME = "simmodel:1b"
 WAVES = "1,10%,50%,100%"
 

@@ -9,7 +9,7 @@ switch.
 gemma3:270m is a base model: its GGUF has no chat template, the catalog supplies one. The
 release (the catalog's file with one letter of its name changed: another digest) carries
 the catalog's template and parameters, as the central team publishes a base model (one
-without would roll back before its switch: `test_fleet_activation`); its golden prompt
+without would roll back before its switch: `device/test_activation`); its golden prompt
 fits a base model: a chat through that template, held to its length.
 """
 
@@ -28,10 +28,10 @@ from edge_agent.bench.rollout import variant
 from edge_agent.cli import main
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.fleet.controller.store import SQLiteStore
-from tests.brokers import Mosquitto
 from tests.conftest import clone_state
-from tests.fleetkit import wait_until
-from tests.rolloutkit import Box, Controller, Repository, Streams, cli, start_box
+from tests.support.brokers import Mosquitto
+from tests.support.fleetkit import wait_until
+from tests.support.rolloutkit import Box, Controller, Repository, Streams, cli, start_box
 
 pytestmark = [pytest.mark.integration, pytest.mark.broker]
 

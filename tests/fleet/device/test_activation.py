@@ -2,7 +2,7 @@
 template away (a base model published without `--template`, replacing a version that
 serves chats with the catalog's) rolls back before the switch, so no chat is refused; one
 that brings its template goes on. A real ModelOps on tiny GGUFs; a paper loader and probe
-(`tests/rollout_support.py`)."""
+(`tests/support/rollout_support.py`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.device.rollout.store import Rollout
 from edge_agent.fleet.protocol.rollout_states import ACTIVE, ROLLED_BACK
 from edge_agent.ledger.evidence import evidence_for
-from tests.rollout_support import DirReleases, PaperLoader, ScriptedProbe, write_gguf
+from tests.support.rollout_support import DirReleases, PaperLoader, ScriptedProbe, write_gguf
 
 NAME = "base:1"
 TEMPLATE = "{% for m in messages %}<turn>{{ m['content'] }}</turn>{% endfor %}"

@@ -22,8 +22,8 @@ from edge_agent.fleet.device.link.state import FleetState
 from edge_agent.fleet.protocol.command import CLOCK_SKEW_S, MAX_COMMAND_BYTES, MAX_SEQ, Command
 from edge_agent.fleet.protocol.refusals import CommandRefused
 from edge_agent.fleet.protocol.signing import sign
-from tests.brokers import Mosquitto
-from tests.commandbox import CommandBox
+from tests.support.brokers import Mosquitto
+from tests.support.commandbox import CommandBox
 
 FLEET, DEVICE = "f1", "store-042"
 OWN = f"edge/v1/{FLEET}/{DEVICE}/cmd"

@@ -37,7 +37,7 @@ from edge_agent.gateway.probe import ServiceProbe
 from edge_agent.ledger.evidence import evidence_for
 from edge_agent.server import uvicorn_config
 from tests.conftest import DEFAULT_MODEL, NO_EOS, clone_state, free_port
-from tests.rollout_support import DirReleases
+from tests.support.rollout_support import DirReleases
 
 SPEC = {"prompts": [
     {"id": "capital", "messages": [{"role": "user",
@@ -81,7 +81,7 @@ def test_the_manuals_gate_parses() -> None:
     import json
     import re
 
-    page = (Path(__file__).resolve().parents[1] / "docs" / "fleet" / "box-rollouts.md")
+    page = (Path(__file__).resolve().parents[3] / "docs" / "fleet" / "box-rollouts.md")
     section = page.read_text().split("## The health gate", 1)[1]
     block = re.search(r"```json\n(.*?)```", section, re.S)
     assert block is not None

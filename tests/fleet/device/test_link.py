@@ -23,8 +23,8 @@ from edge_agent.fleet.device.link.session import probe
 from edge_agent.fleet.device.link.state import FleetState
 from edge_agent.fleet.protocol.command import Command
 from edge_agent.fleet.protocol.signing import sign
-from tests.brokers import FLEET, Mosquitto, MQTTClient, free_port
-from tests.fleetkit import (
+from tests.support.brokers import FLEET, Mosquitto, MQTTClient, free_port
+from tests.support.fleetkit import (
     Controller,
     Signer,
     fast_options,

@@ -19,12 +19,12 @@ import pytest
 
 from edge_agent.config import load_settings
 from edge_agent.doctor import run_checks
-from tests.brokers import FLEET, Mosquitto, MQTTClient
 from tests.conftest import DEFAULT_MODEL, clone_state, free_port, start_server
-from tests.fleetkit import Controller, statuses, wait_until
+from tests.support.brokers import FLEET, Mosquitto, MQTTClient
+from tests.support.fleetkit import Controller, statuses, wait_until
 
 DEV = "store-x"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "EDGE_AGENT_RUNTIME__CONTEXT_LENGTH": "256",
        "EDGE_AGENT_TELEMETRY__HARDWARE": "false", "EDGE_AGENT_RUNTIME__THREADS": "1"}
 
@@ -113,7 +113,7 @@ def test_a_serving_agent_killed_with_sigkill_gets_its_will_with_the_births_bdseq
 
 def producer(broker: Mosquitto, state: Path, count: int, rate: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.fleet_producer", broker.url, DEV,
+        [sys.executable, "-m", "tests.support.fleet_producer", broker.url, DEV,
          str(broker.password_file(DEV)), str(state), str(count), str(rate)],
         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 

@@ -309,7 +309,7 @@ while True:
 
 def test_kill_9_mid_append_loop_leaves_a_gap_free_prefix(path: Path) -> None:
     b = boot()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), b],
                              stdout=subprocess.PIPE, text=True, env=env)
     assert child.stdout is not None

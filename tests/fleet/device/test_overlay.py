@@ -31,8 +31,8 @@ from edge_agent.fleet.device.link.overlay import (
 from edge_agent.fleet.protocol.command import Command
 from edge_agent.fleet.protocol.refusals import CommandRefused
 from edge_agent.telemetry.hardware import HardwareSampler
-from tests.brokers import Mosquitto
-from tests.commandbox import CommandBox
+from tests.support.brokers import Mosquitto
+from tests.support.commandbox import CommandBox
 
 
 @pytest.fixture
@@ -272,7 +272,7 @@ def test_the_documented_bounds_are_the_settings_own() -> None:
     doc = overlay.__doc__ or ""
     rows = re.findall(r"^ {4}((?:telemetry|fleet|retention|tenants)\.\S+) +(.+)$", doc, re.M)
     assert _documented(rows) == settings
-    page = (Path(__file__).resolve().parents[1] / "docs" / "fleet" / "commands.md").read_text()
+    page = (Path(__file__).resolve().parents[3] / "docs" / "fleet" / "commands.md").read_text()
     section = page.split("## `config.patch`: settings the controller may change", 1)[1]
     section = section.split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([a-z_<>.]+)` \| ([^|]+) \|", section, re.M)

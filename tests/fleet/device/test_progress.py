@@ -14,7 +14,7 @@ from edge_agent.fleet.device.rollout.outcomes import ReleaseFailed
 from edge_agent.fleet.device.rollout.progress import ProgressThrottle
 from edge_agent.fleet.protocol.envelope import AUDIT
 from edge_agent.fleet.protocol.rollout_states import ACTIVE, FAILED
-from tests.test_fleet_rollout import Box, _roll, make_box, run
+from tests.fleet.device.test_rollout import Box, _roll, make_box, run
 
 CHUNK = 64 * 1024
 

@@ -38,7 +38,7 @@ from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.device.rollout.store import RolloutStore
 from edge_agent.fleet.protocol.rollout_states import DOWNLOADING
 from tests.ggufgen import write_tiny_gguf
-from tests.releasekit import (
+from tests.support.releasekit import (
     ArtifactServer,
     Repo,
     device_settings,
@@ -48,7 +48,7 @@ from tests.releasekit import (
     small_filesystem,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 NAME = "tiny:1"
 MB = 1_000_000
 

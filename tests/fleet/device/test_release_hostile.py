@@ -38,7 +38,7 @@ from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.protocol.manifest import parse
 from edge_agent.fleet.protocol.rollout_states import CANCELLED, RECEIVED, STAGED
 from tests.ggufgen import write_tiny_gguf
-from tests.releasekit import ArtifactServer, Repo, device_settings, make_repo, mirror
+from tests.support.releasekit import ArtifactServer, Repo, device_settings, make_repo, mirror
 
 FAST = transfer.Retry(attempts=3, base_s=0.05, max_s=0.2)
 

@@ -6,7 +6,7 @@ in GATING and after a ROLLED_BACK commit, converging on restart.
 
 A real ModelOps on tiny GGUFs, a real local release source (files on disk, resumable
 copies with the transfer's checks); the loader and the probe are paper ones (no model is
-loaded here: `test_fleet_gate.py` runs the real engine)."""
+loaded here: `test_health_gate.py` runs the real engine)."""
 
 from __future__ import annotations
 
@@ -47,10 +47,10 @@ from edge_agent.fleet.protocol.rollout_states import (
     VERIFYING,
 )
 from edge_agent.ledger.evidence import evidence_for
-from tests.rollout_support import DirReleases, PaperLoader, ScriptedProbe, write_gguf
+from tests.support.rollout_support import DirReleases, PaperLoader, ScriptedProbe, write_gguf
 
 NAME = "m:1"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 HAPPY = [RECEIVED, DOWNLOADING, VERIFYING, STAGED, ACTIVATING, GATING, ACTIVE]
 GATE = {"prompts": [{"id": "hello", "prompt": "Say hello", "max_tokens": 8,
                      "expect": {"contains": ["hello"]}}],
@@ -529,7 +529,7 @@ def _kill_child(box: Box, kill_at: str, manifest: dict[str, Any]) -> None:
     box.store.close()
     spec = {"name": NAME, "version": "2", "file": str(release.path), "rollout_id": "r1",
             "manifest": manifest, "kill_at": kill_at}
-    child = subprocess.run([sys.executable, "-m", "tests.rollout_child",
+    child = subprocess.run([sys.executable, "-m", "tests.support.rollout_child",
                             str(box.settings.state_dir), json.dumps(spec)],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert child.returncode == -9, child.stderr[-2000:]

@@ -37,7 +37,7 @@ from edge_agent.fleet.device.release.source import (
     ReleaseSource,
 )
 from edge_agent.fleet.protocol.manifest import parse
-from tests.releasekit import (
+from tests.support.releasekit import (
     ArtifactServer,
     device_settings,
     make_repo,
@@ -247,7 +247,7 @@ def test_a_killed_download_resumes_from_its_part(served: tuple[ArtifactServer, R
     server.counter.throttle_bps = 4 * MB  # time to kill it mid-way
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, json.dumps(release.to_json()), str(dest)],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])})
     part = transfer.paths(release, dest)[1]
     deadline = time.monotonic() + 60
     while not (part.exists() and part.stat().st_size >= release.length // 2):

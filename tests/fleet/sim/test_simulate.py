@@ -26,9 +26,9 @@ from edge_agent.fleet.protocol.refusals import CommandRefused
 from edge_agent.fleet.protocol.signing import generate_keypair, load_private, load_public
 from edge_agent.fleet.sim.device import SimDevice
 from edge_agent.fleet.sim.fleet import SimOptions, Simulator
-from tests.brokers import FLEET, Mosquitto
 from tests.conftest import clone_state
-from tests.fleetkit import Controller, fast_options, wait_until
+from tests.support.brokers import FLEET, Mosquitto
+from tests.support.fleetkit import Controller, fast_options, wait_until
 
 pytestmark = pytest.mark.broker
 FAST = SimOptions(reconnect_min_s=0.2, reconnect_max_s=1.0, sweep_s=2.0, stop_wait_s=3.0,

@@ -1,0 +1,1 @@
+"""Kits the tests share: brokers, boxes, releases, rollouts and their child processes."""
