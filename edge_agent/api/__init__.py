@@ -1,1 +1,9 @@
-"""HTTP adapters, one module per dialect; both thin over `gateway/`."""
+"""The HTTP side: one module per dialect (`ollama`, `ollama_models`, `openai`), the
+operator's endpoints (`ops`: health, ready, metrics), authentication (`auth`), bodies and
+their limits (`body`), the one error tree's two wire shapes (`errors`), catalog pulls
+(`pull`) and the OpenAPI document (`openapi`).
+
+Never: policy, a model lookup of its own or a call into the engine's scheduler — each
+handler parses what the client sent (a model name once, `names.ModelName`) and hands it
+to `gateway` (requests) or `engine.modelops` (model management). Next: `gateway.service`.
+"""
