@@ -15,7 +15,7 @@ from edge_agent.config import Settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.records import ManifestExtras
-from edge_agent.fleet.device.rollout import health_gate as gate
+from edge_agent.fleet.device.rollout import health_gate
 from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.device.rollout.store import Rollout
 from edge_agent.fleet.protocol.rollout_states import ACTIVE, ROLLED_BACK
@@ -86,8 +86,9 @@ def test_a_release_that_keeps_chats_answered_goes_active(
 
 
 def test_check_template_names_what_went_missing() -> None:
-    assert gate.check_template("t", "t").passed and gate.check_template(None, None).passed
-    assert gate.check_template(None, "t").passed
-    lost = gate.check_template("t", None)
+    assert health_gate.check_template("t", "t").passed \
+        and health_gate.check_template(None, None).passed
+    assert health_gate.check_template(None, "t").passed
+    lost = health_gate.check_template("t", None)
     assert (lost.name, lost.passed, lost.figure, lost.limit) == (
         "chat_template", False, "none", "present")

@@ -28,7 +28,7 @@ from edge_agent.bench.rollout import variant
 from edge_agent.config import Settings, load_settings
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.request import GenerationRequest
-from edge_agent.fleet.device.rollout import health_gate as gate
+from edge_agent.fleet.device.rollout import health_gate
 from edge_agent.fleet.device.rollout.health_gate import Check, GateReport, parse_spec
 from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.device.rollout.store import Rollout
@@ -103,11 +103,11 @@ def test_a_raw_prompt_is_sent_as_it_is() -> None:
 
 
 def test_spec_defaults() -> None:
-    assert parse_spec(None) == gate.GateSpec() and not parse_spec({}).needs_baseline
+    assert parse_spec(None) == health_gate.GateSpec() and not parse_spec({}).needs_baseline
     one = parse_spec({"prompts": [{"prompt": "x"}], "soak": {"requests": 3}})
-    assert one.tokens_per_s_floor == gate.DEFAULT_FLOOR == 0.8  # prompts: a floor
+    assert one.tokens_per_s_floor == health_gate.DEFAULT_FLOOR == 0.8  # prompts: a floor
     assert one.prompts[0].id == "p0" and one.prompts[0].max_tokens == 32
-    assert (one.soak_requests, one.soak_within_s) == (3, gate.DEFAULT_SOAK_S)
+    assert (one.soak_requests, one.soak_within_s) == (3, health_gate.DEFAULT_SOAK_S)
     assert parse_spec({"prompts": [{"prompt": "x"}], "tokens_per_s_floor": None}
                       ).tokens_per_s_floor is None  # switched off explicitly
 
@@ -140,66 +140,69 @@ def test_bad_specs_are_refused_with_what_is_wrong(raw: Any, message: str) -> Non
 
 # -- the pure checks -------------------------------------------------------------------------
 
-def _prompt(**expect: Any) -> gate.GoldenPrompt:
+def _prompt(**expect: Any) -> health_gate.GoldenPrompt:
     return parse_spec({"prompts": [{"id": "p", "prompt": "x", "expect": expect}]}).prompts[0]
 
 
 def test_contains_and_not_contains() -> None:
-    checks = gate.check_answer(_prompt(contains=["Paris", "France"], not_contains="Berlin"),
+    checks = health_gate.check_answer(_prompt(contains=["Paris", "France"], not_contains="Berlin"),
                                "Paris is in France", 5)
     assert [(c.name, c.passed, c.figure) for c in checks] == [
         ("prompt:p:contains", True, "found"), ("prompt:p:contains", True, "found"),
         ("prompt:p:not_contains", True, "absent")]
-    bad = gate.check_answer(_prompt(contains="paris", not_contains="Berlin"),
+    bad = health_gate.check_answer(_prompt(contains="paris", not_contains="Berlin"),
                             "Berlin, not Paris", 5)
     assert [(c.passed, c.figure, c.limit) for c in bad] == [
         (False, "missing", "paris"), (False, "found", "Berlin")]
     assert '"Berlin, not Paris"' in bad[0].detail
-    assert gate.check_answer(_prompt(contains="paris", ignore_case=True), "PARIS", 1
+    assert health_gate.check_answer(_prompt(contains="paris", ignore_case=True), "PARIS", 1
                              )[0].passed
 
 
 def test_exact_and_max_output_tokens() -> None:
-    ok, long = gate.check_answer(_prompt(exact=" 4, 5,", max_output_tokens=4), " 4, 5,", 5)
+    ok, long = health_gate.check_answer(_prompt(exact=" 4, 5,", max_output_tokens=4), " 4, 5,", 5)
     assert ok.passed and (long.passed, long.figure, long.limit) == (False, 5, 4)
-    (diff,) = gate.check_answer(_prompt(exact=" 4, 5,"), " 4, 5, 6", 3)
+    (diff,) = health_gate.check_answer(_prompt(exact=" 4, 5,"), " 4, 5, 6", 3)
     assert not diff.passed and diff.detail == 'expected " 4, 5,", got " 4, 5, 6"'
 
 
 def test_json_schema() -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    assert gate.check_schema("p", schema, '{"n": 3}').passed
-    wrong = gate.check_schema("p", schema, '{"n": "three"}')
+    assert health_gate.check_schema("p", schema, '{"n": 3}').passed
+    wrong = health_gate.check_schema("p", schema, '{"n": "three"}')
     assert (wrong.passed, wrong.figure) == (False, "1 error(s)") and wrong.detail.startswith(
         "n: 'three' is not of type 'integer'")
-    cut = gate.check_schema("p", schema, '{"n": 3')
+    cut = health_gate.check_schema("p", schema, '{"n": 3')
     assert (cut.passed, cut.figure) == (False, "not JSON")
-    assert gate.check_schema("p", schema, "{}").detail.startswith("(root): 'n' is a required")
+    assert health_gate.check_schema("p", schema, "{}").detail.startswith(
+        "(root): 'n' is a required")
 
 
 def test_speed_floor_relative_to_the_previous_version() -> None:
     fast = [Said("a", completion_tokens=11, eval_ms=1000)]  # 10 tokens/s
     slow = [Said("a", completion_tokens=8, eval_ms=1000)]  # 7 tokens/s
-    assert gate.tokens_per_s(fast) == 10.0 and gate.tokens_per_s([Said("a", 1)]) is None
-    assert gate.check_speed(8.0, 10.0, 0.8).passed  # exactly the floor passes
-    low = gate.check_speed(gate.tokens_per_s(slow), gate.tokens_per_s(fast), 0.8)
+    assert health_gate.tokens_per_s(fast) == 10.0 \
+        and health_gate.tokens_per_s([Said("a", 1)]) is None
+    assert health_gate.check_speed(8.0, 10.0, 0.8).passed  # exactly the floor passes
+    low = health_gate.check_speed(health_gate.tokens_per_s(slow),
+                                  health_gate.tokens_per_s(fast), 0.8)
     assert (low.passed, low.figure, low.limit) == (False, 0.7, 0.8)
     assert "7.0 tokens/s vs 10.0 before" in low.detail
-    unknown = gate.check_speed(None, 10.0, 0.8)
+    unknown = health_gate.check_speed(None, 10.0, 0.8)
     assert unknown.passed and "not measured" in unknown.detail
 
 
 def test_ttft_memory_served_and_soak() -> None:
     answers = [Said("a", ttft_ms=120.0), Said("b", ttft_ms=480.4)]
-    assert gate.check_ttft(answers, 500).passed
-    over = gate.check_ttft(answers, 400)
+    assert health_gate.check_ttft(answers, 500).passed
+    over = health_gate.check_ttft(answers, 400)
     assert (over.passed, over.figure, over.limit) == (False, 480.4, 400)
-    assert gate.check_memory(2 << 30, 1 << 30).passed
-    assert not gate.check_memory(1 << 20, 1 << 30).passed
-    served = gate.check_served([Said("a", digest="b" * 64)], "a" * 64)
+    assert health_gate.check_memory(2 << 30, 1 << 30).passed
+    assert not health_gate.check_memory(1 << 20, 1 << 30).passed
+    served = health_gate.check_served([Said("a", digest="b" * 64)], "a" * 64)
     assert (served.passed, served.figure) == (False, "bbbbbbbbbbbb")
-    assert gate.check_soak(0, 3, 20, 600).passed
-    soak = gate.check_soak(1, 20, 20, 600)
+    assert health_gate.check_soak(0, 3, 20, 600).passed
+    soak = health_gate.check_soak(1, 20, 20, 600)
     assert not soak.passed and "had 1 server error" in soak.detail
 
 
@@ -221,7 +224,7 @@ def test_a_prompt_the_engine_refuses_is_a_failed_check() -> None:
 
     spec = parse_spec({"prompts": [{"id": "a", "prompt": "boom"},
                                    {"id": "b", "prompt": "x", "expect": {"contains": "fine"}}]})
-    answers, checks = asyncio.run(gate.run_prompts(spec, "m:1", probe))
+    answers, checks = asyncio.run(health_gate.run_prompts(spec, "m:1", probe))
     assert [a.text for a in answers] == ["fine"]
     assert [(c.name, c.passed, c.detail) for c in checks] == [
         ("prompt:a:answered", False, "queue full"), ("prompt:b:contains", True, "")]

@@ -45,7 +45,7 @@ import psutil
 from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError
-from edge_agent.fleet.device.rollout import health_gate as gate
+from edge_agent.fleet.device.rollout import health_gate
 from edge_agent.fleet.device.rollout.health_gate import Check, GateReport, GateSpec, Probe
 from edge_agent.fleet.device.rollout.store import Rollout, RolloutStore
 from edge_agent.fleet.protocol.rollout_states import (
@@ -123,7 +123,7 @@ class Activator:
 
     async def run(self, r: Rollout, abort: Callable[[], bool]) -> Rollout:
         """STAGED → ACTIVATING → GATING → ACTIVE | ROLLED_BACK (or FAILED: RetryLater)."""
-        spec = gate.parse_spec(((r.release or {}).get("manifest") or {}).get("gate"))
+        spec = health_gate.parse_spec(((r.release or {}).get("manifest") or {}).get("gate"))
         target = r.target_digest
         assert target is not None
         previous = self.ops.active_digest(r.name)
@@ -141,8 +141,8 @@ class Activator:
         drained = held = False
         try:
             if spec.needs_baseline and previous is not None:
-                answers, _ = await gate.run_prompts(spec, r.name, self.probe)
-                baseline = gate.tokens_per_s(answers)
+                answers, _ = await health_gate.run_prompts(spec, r.name, self.probe)
+                baseline = health_gate.tokens_per_s(answers)
             if loader and await self.ops.fits(r.name, target):
                 held = True
                 if previous is not None:
@@ -189,7 +189,7 @@ class Activator:
     def _template_check(self, name: ModelName, previous: str | None, target: str) -> Check:
         templates = {v.digest: v.model.chat_template
                      for v in self.ops.versions(name, missing_ok=True)}
-        return gate.check_template(templates.get(previous) if previous else None,
+        return health_gate.check_template(templates.get(previous) if previous else None,
                                    templates.get(target))
 
     async def _gate(self, r: Rollout, spec: GateSpec, baseline: float | None,
@@ -198,25 +198,26 @@ class Activator:
         report = GateReport()
         if spec.memory_headroom_bytes is not None:
             available = psutil.virtual_memory().available
-            report.checks.append(gate.check_memory(available, spec.memory_headroom_bytes))
+            report.checks.append(health_gate.check_memory(available, spec.memory_headroom_bytes))
         if spec.needs_baseline and r.previous_digest is not None:
             await self._settle(r.name, r.previous_digest)
-        answers, checks = await gate.run_prompts(spec, r.name, self.probe)
+        answers, checks = await health_gate.run_prompts(spec, r.name, self.probe)
         report.checks.extend(checks)
         if answers:
-            report.checks.append(gate.check_served(answers, r.target_digest))
+            report.checks.append(health_gate.check_served(answers, r.target_digest))
         if spec.tokens_per_s_floor is not None and answers:
-            speed = gate.check_speed(gate.tokens_per_s(answers), baseline,
+            speed = health_gate.check_speed(health_gate.tokens_per_s(answers), baseline,
                                      spec.tokens_per_s_floor)
             if not speed.passed and not abort():
                 # One more pass before a verdict on speed: a burst of the store's own
                 # traffic must not roll a sound release back (the better pass counts).
-                again, _ = await gate.run_prompts(spec, r.name, self.probe)
-                best = max(gate.tokens_per_s(answers) or 0.0, gate.tokens_per_s(again) or 0.0)
-                speed = gate.check_speed(best or None, baseline, spec.tokens_per_s_floor)
+                again, _ = await health_gate.run_prompts(spec, r.name, self.probe)
+                best = max(health_gate.tokens_per_s(answers) or 0.0,
+                           health_gate.tokens_per_s(again) or 0.0)
+                speed = health_gate.check_speed(best or None, baseline, spec.tokens_per_s_floor)
             report.checks.append(speed)
         if spec.ttft_ms_max is not None and answers:
-            report.checks.append(gate.check_ttft(answers, spec.ttft_ms_max))
+            report.checks.append(health_gate.check_ttft(answers, spec.ttft_ms_max))
         if report.passed and spec.soak_requests and not abort():
             report.checks.append(await self._soak(r, spec, switched_at, abort))
         if abort():
@@ -237,7 +238,7 @@ class Activator:
             errors = sum(1 for row in rows if _server_error(row.get("status")))
             if errors or len(rows) >= spec.soak_requests or self.clock() >= deadline \
                     or abort():
-                return gate.check_soak(errors, len(rows), spec.soak_requests,
+                return health_gate.check_soak(errors, len(rows), spec.soak_requests,
                                        spec.soak_within_s)
             await asyncio.sleep(self.poll_s)
 

@@ -54,7 +54,7 @@ from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError, InvalidRequest
 from edge_agent.fleet.device.link.command_gate import Handler
-from edge_agent.fleet.device.rollout import health_gate as gate
+from edge_agent.fleet.device.rollout import health_gate
 from edge_agent.fleet.device.rollout.activation import (
     SETTLE_S,
     Activator,
@@ -233,7 +233,7 @@ class RolloutManager:
             release = await asyncio.to_thread(self.releases.lookup, r.name, r.version)
             digest = release.sha256.lower().removeprefix("sha256:")
             try:
-                gate.parse_spec((release.manifest or {}).get("gate"))
+                health_gate.parse_spec((release.manifest or {}).get("gate"))
                 if release.name != r.name:
                     raise ReleaseRejected("release_mismatch", release=release.name)
             except ValueError as exc:
