@@ -27,7 +27,7 @@ from edge_agent.governance.tenants import Governor
 from edge_agent.ledger.retention import purge_before, purge_expired
 from edge_agent.telemetry.hardware import HardwareSampler
 
-log = logging.getLogger("edge_agent.app")  # its lines read as the server's start and stop
+log = logging.getLogger(__name__)
 
 
 class FleetDevice:
