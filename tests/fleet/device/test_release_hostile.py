@@ -178,14 +178,20 @@ def test_a_link_planted_where_a_download_writes_is_refused(tmp_path: Path) -> No
 
 class Trickle:
     """A loopback HTTP server over a repository tree at /releases/: paths that `slow`
-    picks are sent 1 byte a second (whole, with their length), the rest at once; every
-    trickle ends when the server stops or after `limit_s`."""
+    picks are sent `rate` bytes a second, the rest at once; every trickle ends when the
+    server stops or after `limit_s`. `how` is what trickles: the body after headers sent
+    at once ("body", with its length), the whole response from its status line on
+    ("whole": no read of the box's returns before the headers end), or a chunked body
+    whose framing trickles too ("chunked": each byte a chunk of its own)."""
 
-    def __init__(self, root: Path, slow: Callable[[str], bool], limit_s: float = 60) -> None:
+    def __init__(self, root: Path, slow: Callable[[str], bool], limit_s: float = 60,
+                 *, how: str = "body", rate: int = 1) -> None:
         self.root, self.slow, self.limit_s = root.resolve(), slow, limit_s
+        self.how, self.rate = how, rate
         self.stopping = threading.Event()
         self.trickling = threading.Event()  # set once a trickle began
         self.active = 0  # trickles under way
+        self.finished = 0  # trickles sent to their end
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -220,23 +226,40 @@ class Trickle:
             h.send_error(404)
             return
         body = file.read_bytes()
-        h.send_response(200)
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
+        h.close_connection = True
         if not self.slow(path):
+            h.send_response(200)
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
             h.wfile.write(body)
             return
+        if self.how == "whole":
+            slow = (f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n"
+                    "Connection: close\r\n\r\n").encode() + body
+        elif self.how == "chunked":
+            h.wfile.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+                          b"Connection: close\r\n\r\n")
+            slow = b"".join(b"1\r\n" + body[i:i + 1] + b"\r\n" for i in range(len(body)))
+            slow += b"0\r\n\r\n"
+        else:
+            h.send_response(200)
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            slow = body
+        h.wfile.flush()
         self.trickling.set()
         self.active += 1
         ends = time.monotonic() + self.limit_s
+        step = max(1, self.rate // 10)  # about 10 writes a second
         try:
-            for i in range(len(body)):
+            for i in range(0, len(slow), step):
                 if time.monotonic() > ends:
                     return
-                h.wfile.write(body[i:i + 1])
+                h.wfile.write(slow[i:i + step])
                 h.wfile.flush()
-                if self.stopping.wait(1.0):
+                if self.stopping.wait(step / self.rate):
                     return
+            self.finished += 1
         except OSError:  # the box gave up and closed the connection
             return
         finally:
@@ -288,6 +311,80 @@ def test_a_trickled_model_file_fails_too_slow_within_its_deadline(
         assert "fleet.min_transfer_bytes_per_s" in err.message
         assert pace.grace_s <= took < deadline, (took, deadline)
         assert trickle.trickling.is_set()
+    finally:
+        trickle.stop()
+
+
+CUT_WITHIN_S = 1.5  # the clock cuts at the floor's instant; the rest is the test's threads
+
+
+@pytest.mark.parametrize("how", ["whole", "chunked"])
+def test_a_model_file_trickled_in_any_shape_is_cut_at_its_floor(
+        tmp_path: Path, ops: ModelOps, how: str) -> None:
+    """Its headers, or a chunked body's framing, sent a byte a second: no read returns
+    a block to check, and the clock cuts the connection when the floor is crossed
+    (grace + bytes / rate after the start), `too_slow`, never a hang."""
+    repo = make_repo(tmp_path / "ctl")
+    repo.add(write_tiny_gguf(tmp_path / "t.gguf", floats=1024), "tiny:1", "2")
+    trickle = Trickle(mirror(repo.repo.root, tmp_path / "served"),
+                      slow=lambda p: p.startswith("targets/"), how=how).start()
+    settings = device_settings(tmp_path / "box", repo.root_file, trickle.url,
+                               **_pace(grace_s=2))
+    try:
+        started = time.monotonic()
+        worker, out = _in_thread(lambda: pull(settings, ops, "tiny:1", "2", by="test",
+                                              retry=FAST))
+        worker.join(20)
+        assert not worker.is_alive(), "the pull was still running: nothing cut it"
+        took = float(out["at"]) - started  # type: ignore[arg-type]
+        err = out.get("error")
+        assert isinstance(err, ReleaseFailed), out
+        assert err.reason == rel.TOO_SLOW and err.retry, err.message
+        assert "fleet.min_transfer_bytes_per_s" in err.message
+        assert 2 <= took < 2 + CUT_WITHIN_S, took
+        assert trickle.trickling.is_set() and trickle.finished == 0
+    finally:
+        trickle.stop()
+
+
+def test_a_model_file_just_above_the_floor_completes(tmp_path: Path, ops: ModelOps) -> None:
+    """The whole response at 1.25 times the floor: slow, never behind, so it is
+    downloaded, verified and installed."""
+    repo = make_repo(tmp_path / "ctl")
+    entry = repo.add(write_tiny_gguf(tmp_path / "t.gguf", floats=1024), "tiny:1", "2")
+    trickle = Trickle(mirror(repo.repo.root, tmp_path / "served"),
+                      slow=lambda p: p.startswith("targets/"), how="whole",
+                      rate=1280).start()
+    settings = device_settings(tmp_path / "box", repo.root_file, trickle.url,
+                               **_pace(grace_s=1, min_bps=1024))
+    try:
+        started = time.monotonic()
+        pulled = pull(settings, ops, "tiny:1", "2", by="test", retry=FAST)
+        took = time.monotonic() - started
+        assert pulled.downloaded and pulled.model.digest.endswith(entry.sha256)
+        assert trickle.finished == 1
+        assert took >= entry.length / 1280 * 0.9, "the file did not trickle"
+    finally:
+        trickle.stop()
+
+
+def test_metadata_whose_headers_trickle_is_cut_at_its_floor(tmp_path: Path) -> None:
+    """The timestamp's status line and headers a byte a second: cut at the grace."""
+    repo = make_repo(tmp_path / "ctl")
+    repo.add(write_tiny_gguf(tmp_path / "a.gguf"), "tiny:1", "2")
+    trickle = Trickle(mirror(repo.repo.root, tmp_path / "served"),
+                      slow=lambda p: p == "metadata/timestamp.json", how="whole").start()
+    state = tmp_path / "box"
+    fleet = device_settings(state, repo.root_file, trickle.url, **_pace(grace_s=2)).fleet
+    try:
+        started = time.monotonic()
+        worker, out = _in_thread(lambda: ReleaseSource(fleet, state).lookup("tiny:1", "2"))
+        worker.join(20)
+        assert not worker.is_alive(), "the lookup was still running: nothing cut it"
+        err = out.get("error")
+        assert isinstance(err, ReleaseFailed) and err.reason == rel.TOO_SLOW, out
+        assert "timestamp.json" in err.message
+        assert 2 <= float(out["at"]) - started < 2 + CUT_WITHIN_S  # type: ignore[arg-type]
     finally:
         trickle.stop()
 

@@ -71,6 +71,7 @@ from edge_agent import __version__
 from edge_agent.config import FleetSettings
 from edge_agent.errors import ModelFileError
 from edge_agent.files import atomic_write, locked
+from edge_agent.fleet.device.release.cutoff import Cutoff
 from edge_agent.fleet.device.rollout.outcomes import ReleaseError, ReleaseFailed, ReleaseRejected
 from edge_agent.fleet.protocol.manifest import (
     ManifestError,
@@ -207,75 +208,100 @@ class TooSlow(tuf_errors.SlowRetrievalError):
 class _PacedFetcher(FetcherInterface):
     """python-tuf's fetcher with the slow-retrieval defence its own lacks (its reads wait
     for a whole chunk, with a timeout per socket read only): reads take what has arrived
-    (`read1`), so each one checks the floor; no read waits longer than the grace; and
-    every fetch of one lookup ends by `metadata_deadline_s` after the fetcher was made.
-    Falling behind raises TooSlow (`classify`: `too_slow`)."""
+    (`read1`), so each one checks the floor; no read waits longer than the grace; a clock
+    (`cutoff`) cuts the connection the instant a fetch falls behind, even where no read
+    returns (headers sent a byte a second); and every fetch of one lookup ends by
+    `metadata_deadline_s` after the fetcher was made. Falling behind raises TooSlow
+    (`classify`: `too_slow`)."""
 
     def __init__(self, pace: Pace, user_agent: str, timeout_s: float = 30.0) -> None:
         self.pace = pace
         self.timeout_s = min(timeout_s, pace.grace_s)
         self.deadline = time.monotonic() + pace.metadata_deadline_s
+        self.started, self.got = time.monotonic(), 0  # the fetch under way
+        self.cutoff = Cutoff(self._due_s, name="release metadata")
         # One connect retry (a pooled connection the server closed); redirects followed,
         # as object stores use them: the bytes are checked against the signatures.
-        self.http = urllib3.PoolManager(
+        self.http = self.cutoff.pool_manager(
             retries=urllib3.Retry(total=None, connect=1, read=0, status=0, other=0,
                                   redirect=5),
             headers={"User-Agent": user_agent})
 
+    def _due_s(self) -> float:
+        """Seconds until the fetch under way falls behind (the floor or the lookup's
+        deadline), negative once it has."""
+        pace = self.pace
+        return min(self.deadline, self.started + pace.grace_s + self.got / pace.min_bytes_per_s
+                   ) - time.monotonic()
+
     def _fetch(self, url: str) -> Iterator[bytes]:
-        started = time.monotonic()
-        timeout = max(0.05, min(self.timeout_s, self.deadline - started))
+        self.started, self.got = time.monotonic(), 0
+        timeout = max(0.05, min(self.timeout_s, self.deadline - self.started))
+        self.cutoff.arm()  # disarmed when the body ends (`_body`) or here on failure
         try:
             resp = self.http.request("GET", url, preload_content=False,
                                      timeout=urllib3.Timeout(connect=timeout, read=timeout))
         except urllib3.exceptions.MaxRetryError as exc:
+            self.cutoff.disarm()
+            self._check(url, cut=self.cutoff.tripped)
             # connected, then no answer: slow; refused or no route (urllib3 counts a
             # failed connect as a timeout too): unreachable, as python-tuf's own says
             if isinstance(exc.reason, urllib3.exceptions.ReadTimeoutError):
                 raise TooSlow(f"{_file(url)}: no answer within {timeout:.1f} s") from exc
             raise
+        except BaseException:
+            self.cutoff.disarm()
+            self._check(url, cut=self.cutoff.tripped)
+            raise
         if resp.status >= 400:
+            self.cutoff.disarm()
             resp.close()
             raise tuf_errors.DownloadHTTPError(
                 f"{_file(url)}: HTTP error occurred with status {resp.status}", resp.status)
-        return self._body(url, resp, started)
+        return self._body(url, resp)
 
-    def _body(self, url: str, resp: urllib3.BaseHTTPResponse, started: float
-              ) -> Iterator[bytes]:
-        got, ended = 0, False
+    def _body(self, url: str, resp: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
+        ended = False
         try:
             while True:
                 try:
                     block = resp.read1(_READ)
                 except urllib3.exceptions.TimeoutError as exc:
                     raise TooSlow(
-                        f"{_file(url)}: no byte for {self.timeout_s:.1f} s after {got} "
+                        f"{_file(url)}: no byte for {self.timeout_s:.1f} s after {self.got} "
                         "bytes") from exc
                 except urllib3.exceptions.HTTPError as exc:  # cut short, reset
+                    self._check(url, cut=self.cutoff.tripped)
                     raise tuf_errors.DownloadError(f"{_file(url)}: {exc}") from exc
                 if not block:
+                    self._check(url, cut=self.cutoff.tripped)
                     ended = True
                     return
-                got += len(block)
-                self._check(url, got, started)
+                self.got += len(block)
+                self._check(url)
                 yield block
         finally:
+            self.cutoff.disarm()
             if ended:
                 resp.release_conn()
             else:  # given up on (too slow, too long): never reuse the connection
                 resp.close()
 
-    def _check(self, url: str, got: int, started: float) -> None:
+    def _check(self, url: str, *, cut: bool = False) -> None:
+        """TooSlow where the fetch under way is behind, or was `cut` for it."""
         now = time.monotonic()
         if now > self.deadline:
             raise TooSlow(
                 f"{_file(url)}: the release metadata took more than "
                 f"{self.pace.metadata_deadline_s:g} s in all (fleet.metadata_deadline_s)")
-        why = self.pace.behind(got, now - started)
+        why = self.pace.behind(self.got, now - self.started)
+        if why is None and cut:  # the clock cuts only once strictly behind: not reached
+            why = f"{self.got} bytes in {now - self.started:.1f} s, cut at the floor"
         if why is not None:
             raise TooSlow(f"{_file(url)}: {why}")
 
     def close(self) -> None:
+        self.cutoff.close()
         self.http.clear()
 
 

@@ -21,8 +21,11 @@ In order:
 4. optional rate cap (`max_bytes_per_s`, a token bucket), and a floor (`pace`, TUF's
    slow-retrieval defence): from the first request, after `pace.grace_s`, the bytes of
    this call must keep up with `pace.min_bytes_per_s` on average (at most half the cap
-   under one), checked at each read and before each retry, so what is left of the file
-   has grace + left / rate seconds in all; no read waits longer than the grace. Falling
+   under one), checked at each read and before each retry, and by a clock (`cutoff`)
+   that cuts the connection the moment the bytes so far fall below it, whatever the
+   server sends (headers or a chunk's size line a byte a second: reads that never
+   return), so what is left of the file has grace + left / rate seconds in all; no read
+   waits longer than the grace. Falling
    behind is ReleaseFailed (`too_slow`, the figures named) at once, never retried here:
    a trickle that sends a byte now and then would otherwise reset the count of failures
    for ever. The part is kept. Until a first byte came, the count of failures alone
@@ -63,6 +66,7 @@ from edge_agent import __version__
 from edge_agent.engine.gguf_probe import probe
 from edge_agent.errors import ModelFileError
 from edge_agent.files import EscapesDirectory, inside, locked
+from edge_agent.fleet.device.release.cutoff import Cutoff
 from edge_agent.fleet.device.release.source import (
     BAD_MANIFEST,
     BAD_TARGET,
@@ -214,7 +218,8 @@ class _Fetch:
         # Under a cap, smaller reads keep the pace even (about 8 reads a second).
         self.chunk = min(CHUNK, max(16384, max_bytes_per_s // 8)) if max_bytes_per_s \
             else CHUNK
-        self.http = urllib3.PoolManager(
+        self.cutoff = Cutoff(self._due_s, name=release.ref)
+        self.http = self.cutoff.pool_manager(
             retries=urllib3.Retry(total=None, connect=0, read=0, status=0, other=0,
                                   redirect=5, raise_on_status=False),
             timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s),
@@ -228,12 +233,15 @@ class _Fetch:
             while self.have < self.release.length:
                 before = self.have
                 try:
-                    self._attempt()
+                    with self.cutoff.armed():
+                        self._attempt()
                     continue
                 except _Transient as exc:
                     last_error = str(exc)
                 except (urllib3.exceptions.HTTPError, OSError) as exc:  # the link's
                     last_error = f"{type(exc).__name__}: {exc}"
+                if self.cutoff.tripped:  # connected, and fell behind: cut by the clock
+                    self._check_pace(last_error, cut=True)
                 if self.got:  # nothing at all yet: the count of failures decides
                     self._check_pace(last_error)
                 failures = 1 if self.have > before else failures + 1
@@ -250,6 +258,7 @@ class _Fetch:
                 else:
                     time.sleep(delay)
         finally:
+            self.cutoff.close()
             self.meter.done(self.have)
             self.http.clear()
 
@@ -319,13 +328,20 @@ class _Fetch:
 
     def _left_s(self) -> float:
         """Seconds until the floor, at the bytes received so far, is crossed."""
-        pace = self.pace
-        return max(0.0, self.started + pace.grace_s + self.got / pace.min_bytes_per_s
-                   - time.monotonic())
+        return max(0.0, self._due_s())
 
-    def _check_pace(self, last_error: str = "") -> None:
+    def _due_s(self) -> float:
+        """`_left_s`, negative once behind (the cutoff's clock)."""
+        pace = self.pace
+        return self.started + pace.grace_s + self.got / pace.min_bytes_per_s - time.monotonic()
+
+    def _check_pace(self, last_error: str = "", *, cut: bool = False) -> None:
+        """ReleaseFailed (`too_slow`) where the call is behind its floor, or was `cut`
+        for it (by `cutoff`, at the instant it fell behind)."""
         elapsed = time.monotonic() - self.started
         why = self.pace.behind(self.got, elapsed)
+        if why is None and cut:  # the clock cuts only once strictly behind: not reached
+            why = f"{self.got} bytes in {elapsed:.1f} s, cut at the floor"
         if why is None:
             return
         raise ReleaseFailed(
