@@ -195,6 +195,15 @@ def _quote_messages() -> list[dict[str, str]]:
                                         "for word."}]
 
 
+# The answer held to the quote by its schema: whether a model of 135M parameters chooses to
+# quote at temperature 0 turns on the last bits of its logits, which move with how the
+# prompt was split into prefill steps (timed, so with the host's load) and with what the
+# cache already held. Unheld, it quoted on an idle host and answered "I'm ready to help
+# you with your return policy…" (no run of the prompt to guess from) on a busy one.
+QUOTED = {"type": "object", "properties": {"policy": {"const": POLICY}},
+          "required": ["policy"]}
+
+
 def test_the_setting_the_ollama_option_and_the_header_turn_it_on_and_off(
         lookup_server: LiveServer) -> None:
     url = lookup_server.base_url
@@ -206,16 +215,19 @@ def test_the_setting_the_ollama_option_and_the_header_turn_it_on_and_off(
     def ollama(**options: object) -> None:
         r = httpx.post(f"{url}/api/chat", timeout=120, json={
             "model": DEFAULT_MODEL, "messages": _quote_messages(), "stream": False,
-            "options": {"temperature": 0, "num_predict": 64, **options}})
+            "format": QUOTED, "options": {"temperature": 0, "num_predict": 64, **options}})
         assert r.status_code == 200, r.text
+        assert '"policy": "Returns policy:' in r.json()["message"]["content"], r.text
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
     def chat(header: str) -> None:
         answer = client.chat.completions.create(
             model=DEFAULT_MODEL, messages=_quote_messages(),  # type: ignore[arg-type]
-            temperature=0, max_tokens=64, extra_headers={"X-Edge-Prompt-Lookup": header})
-        assert answer.choices[0].message.content
+            temperature=0, max_tokens=64, extra_headers={"X-Edge-Prompt-Lookup": header},
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "quote", "schema": QUOTED}})
+        assert '"policy": "Returns policy:' in (answer.choices[0].message.content or "")
 
     start = counters()
     ollama(prompt_lookup=0)  # the request's 0 over the model's 8
@@ -223,9 +235,9 @@ def test_the_setting_the_ollama_option_and_the_header_turn_it_on_and_off(
     assert counters() == start
     ollama()  # the runtime setting
     drafted, confirmed = counters()
-    assert confirmed > start[1] and drafted >= confirmed
+    assert drafted > start[0] and confirmed > start[1] and drafted >= confirmed
     chat("4")
-    assert counters()[1] > confirmed
+    assert counters()[0] > drafted and counters()[1] > confirmed
     row = httpx.get(f"{url}/api/ps").json()["models"][0]
     assert row["speculation"] == {"draft_tokens": 8, "source": "prompt"}
 
