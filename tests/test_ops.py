@@ -34,8 +34,21 @@ def scrape(live: LiveServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
     return out
 
 
+@pytest.fixture(scope="module")
+def counted(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[LiveServer]:
+    """A server of its own for the test that counts: on the session's server another
+    test's request (a stream still ending, a probe) moves the same counters."""
+    state = clone_state(model_cache, tmp_path_factory.mktemp("counted") / "state")
+    live = start_server(load_settings(None, state_dir=state, **{
+        "server.port": free_port(), "runtime.context_length": 2048}))
+    yield live
+    live.stop()
+
+
 def test_counters_and_histograms_move_by_the_usage_of_known_requests(
-        live_server: LiveServer) -> None:
+        counted: LiveServer) -> None:
+    live_server = counted
     m = (("model", DEFAULT_MODEL),)
     md = (("dialect", "openai"), ("model", DEFAULT_MODEL))
     before = scrape(live_server)
