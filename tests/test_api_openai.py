@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,7 +13,15 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import DEFAULT_MODEL, NO_EOS, LiveServer
+from tests.conftest import (
+    DEFAULT_MODEL,
+    NO_EOS,
+    LiveServer,
+    clone_state,
+    free_port,
+    load_settings,
+    start_server,
+)
 
 pytestmark = pytest.mark.integration
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -254,7 +264,20 @@ def test_malformed_and_oversized_bodies_in_openai_shape(live_server: LiveServer)
     assert r.status_code == 404 and "error" in r.json() and "message" in r.json()["error"]
 
 
-def test_a_client_that_disconnects_stops_its_generation(live_server: LiveServer) -> None:
+@pytest.fixture(scope="module")
+def idle_server(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[LiveServer]:
+    """A server of its own for the test that counts the worker's running jobs: on the
+    session's server another test's stream may still be ending."""
+    state = clone_state(model_cache, tmp_path_factory.mktemp("idle") / "state")
+    live = start_server(load_settings(None, state_dir=state, **{
+        "server.port": free_port(), "runtime.context_length": 2048}))
+    yield live
+    live.stop()
+
+
+def test_a_client_that_disconnects_stops_its_generation(idle_server: LiveServer) -> None:
+    live_server = idle_server
     registry = live_server.app.state.parts.registry
     worker = next(m for m in registry.loaded() if m.info.name == DEFAULT_MODEL).worker
     # Greedy, and no end-of-generation token can be drawn: the answer runs to max_tokens
