@@ -23,6 +23,7 @@ from click.testing import CliRunner
 
 from edge_agent.cli import main
 from edge_agent.config import ConfigError, load_settings
+from edge_agent.doctor import _port
 from edge_agent.tls import ServerTLS, TLSFileError, TLSFiles, fingerprint, served_certificate
 from tests.conftest import (
     DEFAULT_MODEL,
@@ -215,8 +216,33 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_of_its_ca(
         for ctx in (ca.client_context(), ca.client_context(stranger)):
             with pytest.raises(httpx.TransportError):
                 httpx.get(f"{live.base_url}/health", verify=ctx, timeout=5)
+        port = _port(settings)  # doctor has no client certificate: the served one tells
+        assert port.status == "ok", port
+        assert "asks client certificates" in port.detail and "configured certificate" in \
+            port.detail
     finally:
         live.stop()
+
+
+@pytest.mark.integration
+def test_doctor_probes_the_https_port_and_sees_a_certificate_not_yet_reloaded(
+        https_box: LiveServer, live_server: LiveServer, ca: StoreCA) -> None:
+    box = https_box.settings
+    port = _port(box)
+    assert port.status == "ok", port
+    assert port.detail.startswith("edge-agent 0.") and "https://127.0.0.1:" in port.detail
+    other = ca.issue("installed-not-reloaded")
+    pending = load_settings(None, state_dir=box.state_dir, **{
+        "server.port": box.server.port, "server.tls_cert_file": str(other.cert),
+        "server.tls_key_file": str(other.key)})
+    port = _port(pending)
+    assert port.status == "warn" and "another certificate than" in port.detail
+    assert port.fix.startswith("systemctl reload edge-agent")
+    plain = load_settings(None, state_dir=box.state_dir, **{
+        "server.port": live_server.settings.server.port,
+        "server.tls_cert_file": str(other.cert), "server.tls_key_file": str(other.key)})
+    port = _port(plain)  # configured for TLS, still serving the old way
+    assert port.status == "warn" and "plain HTTP, not HTTPS" in port.detail
 
 
 # -- reload at SIGHUP, in a real `edge-agent serve` -----------------------------------------
