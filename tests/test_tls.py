@@ -7,6 +7,7 @@ The CA and the certificates are made in the test (`tests.support.certs.StoreCA`)
 from __future__ import annotations
 
 import os
+import re
 import signal
 import ssl
 import subprocess
@@ -185,6 +186,25 @@ def test_the_ollama_client_chats_and_streams_over_https(https_box: LiveServer,
     parts = list(client.chat(model=DEFAULT_MODEL, options={"num_predict": 8}, stream=True,
                              messages=[{"role": "user", "content": "Say hello."}]))
     assert parts[-1].done and "".join(p.message.content or "" for p in parts)
+
+
+MANUAL = Path(__file__).resolve().parents[1] / "docs" / "operate" / "tls.md"
+MANUAL_BOX = "https://box.store042.lan:11434"
+MANUAL_CA = "/etc/ssl/store042-ca.pem"
+
+
+@pytest.mark.integration
+def test_the_manuals_client_blocks_run_against_an_https_box(
+        https_box: LiveServer, ca: StoreCA, capsys: pytest.CaptureFixture[str]) -> None:
+    """The manual's openai and ollama blocks, as a store's developer copies them, on this
+    test's box and CA (those with a client certificate are for a mutual-TLS box)."""
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", MANUAL.read_text(), re.S)
+              if MANUAL_BOX in b and "load_cert_chain" not in b]
+    assert len(blocks) == 2
+    for block in blocks:
+        code = block.replace(MANUAL_BOX, https_box.base_url).replace(MANUAL_CA, str(ca.cert))
+        exec(compile(code, str(MANUAL), "exec"), {})
+        assert capsys.readouterr().out.strip(), block
 
 
 @pytest.mark.integration

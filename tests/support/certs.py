@@ -1,5 +1,8 @@
 """A throwaway certificate authority for the HTTPS tests: a store's CA made in the test, and
-server or client certificates it signs (valid, expired, soon to expire), as PEM files."""
+server or client certificates it signs (valid, expired, soon to expire), as PEM files.
+
+Clients verify strictly (`VERIFY_X509_STRICT`, Python 3.13's default), so the certificates
+carry what strict verification asks: key identifiers, and a key usage on the CA."""
 
 from __future__ import annotations
 
@@ -36,6 +39,12 @@ class StoreCA:
               .not_valid_before(now - datetime.timedelta(days=1))
               .not_valid_after(now + datetime.timedelta(days=365))
               .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+              .add_extension(x509.KeyUsage(
+                  digital_signature=False, content_commitment=False, key_encipherment=False,
+                  data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                  crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+              .add_extension(x509.SubjectKeyIdentifier.from_public_key(
+                  self._key.public_key()), critical=False)
               .sign(self._key, hashes.SHA256()))
         self.cert = folder / f"{name.replace(' ', '-')}.pem"
         self.cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
@@ -57,6 +66,8 @@ class StoreCA:
                     x509.DNSName("localhost"),
                     x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
                 .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                    self._key.public_key()), critical=False)
                 .sign(self._key, hashes.SHA256()))
         out = Issued(self.folder / f"{stem}.pem", self.folder / f"{stem}.key", serial)
         out.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -70,6 +81,7 @@ class StoreCA:
     def client_context(self, client: Issued | None = None) -> ssl.SSLContext:
         """What a store's app verifies the box with (and presents, for mutual TLS)."""
         ctx = ssl.create_default_context(cafile=str(self.cert))
+        ctx.verify_flags |= ssl.VERIFY_X509_STRICT
         if client is not None:
             ctx.load_cert_chain(client.cert, client.key)
         return ctx
