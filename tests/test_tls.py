@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -129,6 +130,28 @@ def test_serve_refuses_a_key_open_to_others_with_one_line(ca: StoreCA, tmp_path:
     assert result.exit_code == 2
     assert result.output.startswith("edge-agent: cannot serve HTTPS: ")
     assert "owner-only" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.integration
+def test_serve_on_the_lan_without_tls_warns_and_starts(model_cache: Path,
+                                                      tmp_path: Path) -> None:
+    """A warning, not a refusal: a box set up before TLS goes on serving. (It starts until
+    it meets the port, taken here, so that the test ends there.)"""
+    state = clone_state(model_cache, tmp_path / "s")
+    config = tmp_path / "edge-agent.toml"
+    config.write_text('[tenants.tills]\nmodels = ["*"]\n')
+    created = CliRunner().invoke(main, ["keys", "create", "--tenant", "tills", "--config",
+                                        str(config), "--state-dir", str(state)])
+    assert created.exit_code == 0, created.output
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        result = CliRunner().invoke(main, [
+            "serve", "--config", str(config), "--state-dir", str(state), "--host", "0.0.0.0",
+            "--port", str(taken.getsockname()[1])])
+    assert "serving on 0.0.0.0 without TLS: API keys and prompts cross the network in " \
+           "clear" in result.output
+    assert result.exit_code != 0  # uvicorn's own exit when the port is taken
 
 
 def _install(pair: Issued, cert: Path, key: Path) -> None:
