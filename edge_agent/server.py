@@ -189,7 +189,6 @@ class SupervisedServer(uvicorn.Server):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-
     def reload(self) -> bool:
         """SIGHUP: the certificate files read again (see the module's docstring); False,
         and the certificate served so far kept, when they cannot be."""
