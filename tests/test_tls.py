@@ -6,6 +6,7 @@ The CA and the certificates are made in the test (`tests.support.certs.StoreCA`)
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -286,6 +287,46 @@ def test_doctor_probes_the_https_port_and_sees_a_certificate_not_yet_reloaded(
         "server.tls_cert_file": str(other.cert), "server.tls_key_file": str(other.key)})
     port = _port(plain)  # configured for TLS, still serving the old way
     assert port.status == "warn" and "plain HTTP, not HTTPS" in port.detail
+
+
+@pytest.mark.integration
+def test_a_tls_client_that_stops_reading_its_stream_frees_its_slot(
+        model_cache: Path, tmp_path: Path, ca: StoreCA) -> None:
+    """The stall watchdog (tests/test_connections.py) sees through TLS: it reads the raw
+    socket's acknowledged bytes under the TLS transport."""
+    stall_s, slack_s = 3.0, 1.5
+    pair = ca.issue("stall-box")
+    settings = load_settings(None, state_dir=clone_state(model_cache, tmp_path / "s"), **{
+        "server.port": free_port(), "runtime.context_length": 2048,
+        "server.stall_timeout_s": stall_s,
+        "server.tls_cert_file": str(pair.cert), "server.tls_key_file": str(pair.key)})
+    live = start_server(settings, verify=ca.client_context())
+    try:
+        model = next(m for m in live.app.state.parts.registry.loaded()
+                     if m.info.name == DEFAULT_MODEL)
+        body = json.dumps({
+            "model": DEFAULT_MODEL, "stream": True, "max_tokens": 1900, "temperature": 1.0,
+            "logit_bias": NO_EOS,
+            "messages": [{"role": "user", "content": "Write a very long story."}]}).encode()
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.settimeout(10)
+        raw.connect(("127.0.0.1", settings.server.port))
+        sock = ca.client_context().wrap_socket(raw, server_hostname="localhost")
+        sent = time.monotonic()
+        sock.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * 4
+                     + b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        while model.worker.running == 0:  # the generation holds a slot
+            assert time.monotonic() - sent < stall_s, "the generation did not start in time"
+            time.sleep(0.01)
+        while model.in_use and time.monotonic() - sent < stall_s + slack_s:
+            time.sleep(0.02)
+        assert model.in_use == 0, "the stream held its model for a client that reads nothing"
+        sock.close()
+    finally:
+        live.stop()
 
 
 # -- reload at SIGHUP, in a real `edge-agent serve` -----------------------------------------
