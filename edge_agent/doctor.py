@@ -6,11 +6,14 @@ running server's memory, and finishes in seconds plus one digest pass over the b
 
 from __future__ import annotations
 
+import datetime
+import grp
 import json
 import os
 import pwd
 import shutil
 import socket
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,15 @@ from edge_agent.engine import native
 from edge_agent.engine.catalog import ModelStore
 from edge_agent.errors import EdgeAgentError
 from edge_agent.names import ModelName
+from edge_agent.netaddr import is_loopback
+from edge_agent.tls import (
+    TLSFileError,
+    certificates,
+    fingerprint,
+    key_matches,
+    key_mode_problem,
+    served_certificate,
+)
 
 Status = Literal["ok", "info", "warn", "fail"]
 
@@ -68,6 +80,7 @@ def run_checks(settings: Settings) -> list[Check]:
         checks += _llama_and_gpu(settings)
     else:
         checks += [Check("fail", native.NAME, p.detail, p.fix) for p in runtime.problems]
+    checks += _tls(settings)
     checks.append(_port(settings))
     checks += _fleet(settings)
     return checks
@@ -236,6 +249,110 @@ def _llama_and_gpu(settings: Settings) -> list[Check]:
     return out
 
 
+TLS_EXPIRY_WARN_DAYS = 14  # time to get a new certificate signed and installed
+
+
+def _tls(settings: Settings) -> list[Check]:
+    """HTTPS: off on a LAN address is a warning (keys and prompts in clear; a refusal
+    would stop boxes set up before TLS); on, its files as the service will load them: the
+    certificate in date, the key owner-only and the certificate's, each file readable by
+    the service user (the state dir's owner)."""
+    server = settings.server
+    files = server.tls
+    if files is None:
+        if is_loopback(server.host):
+            return [Check("info", "tls", f"off: {server.host} is a loopback address")]
+        return [Check("warn", "tls", f"off: {server.host} is served in clear, API keys and "
+                                     "prompts cross the network unencrypted",
+                      "set [server] tls_cert_file and tls_key_file (the store's or the "
+                      "fleet's CA signs the box's certificate)")]
+    user = settings.state_dir.stat().st_uid if settings.state_dir.is_dir() else os.geteuid()
+    out = [_tls_certificate("tls certificate", files.cert, user, leaf=True)]
+    out.append(_tls_key(files.key, files.cert, user))
+    if files.client_ca is not None:
+        out.append(_tls_certificate("tls client CA", files.client_ca, user, leaf=False))
+    return out
+
+
+def _tls_certificate(name: str, path: Path, user: int, *, leaf: bool) -> Check:
+    fix = f"install a valid certificate at {path}, then systemctl reload edge-agent"
+    unreadable = _unreadable_by(path, user)
+    if unreadable:
+        return Check("fail", name, unreadable, f"chown {_user(user)} {path}")
+    try:
+        found = certificates(path)
+    except TLSFileError as exc:
+        return Check("fail", name, str(exc), fix)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    shown = found[:1] if leaf else found  # a chain's CAs outlive its leaf
+    for cert in shown:
+        subject = cert.subject.rfc4514_string()
+        if cert.not_valid_after_utc <= now:
+            return Check("fail", name, f"{subject} in {path} expired on "
+                                       f"{cert.not_valid_after_utc:%Y-%m-%d}", fix)
+        if cert.not_valid_before_utc > now:
+            return Check("fail", name, f"{subject} in {path} is not valid before "
+                                       f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC "
+                                       "(or this clock is wrong)", fix)
+    soonest = min(shown, key=lambda c: c.not_valid_after_utc)
+    days = (soonest.not_valid_after_utc - now).total_seconds() / 86400
+    detail = (f"{soonest.subject.rfc4514_string()} expires on "
+              f"{soonest.not_valid_after_utc:%Y-%m-%d} ({days:.0f} days)")
+    if leaf:
+        detail += f", sha256 {fingerprint(path)[:16]}"
+    else:
+        detail = f"{len(found)} CA certificate(s); the first to end: {detail}"
+    if days <= TLS_EXPIRY_WARN_DAYS:
+        return Check("warn", name, detail, fix)
+    return Check("ok", name, detail)
+
+
+def _tls_key(key: Path, cert: Path, user: int) -> Check:
+    name = "tls key"
+    problem = key_mode_problem(key) or _unreadable_by(key, user)
+    if problem:
+        return Check("fail", name, problem,
+                     f"chown {_user(user)} {key} && chmod 600 {key}")
+    try:
+        matches = key_matches(certificates(cert)[0], key)
+    except TLSFileError as exc:
+        return Check("fail", name, str(exc), "install the certificate's own key")
+    if not matches:
+        return Check("fail", name, f"{key} is not the key of {cert}",
+                     "install the certificate and its key together")
+    return Check("ok", name, f"owner-only, {_user(user)}'s, and the certificate's own")
+
+
+def _unreadable_by(path: Path, uid: int) -> str:
+    """Why `uid` (the service user) cannot read `path`, or "" (permission bits of the file
+    itself; root reads anything)."""
+    try:
+        st = path.stat()
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    if uid == 0:
+        return ""
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid == uid:
+        bit = mode & 0o400
+    elif st.st_gid in _groups(uid):
+        bit = mode & 0o040
+    else:
+        bit = mode & 0o004
+    return "" if bit else (f"{path} ({_user(st.st_uid)}, {mode:04o}) is not readable by "
+                           f"{_user(uid)}, the service user")
+
+
+def _groups(uid: int) -> set[int]:
+    try:
+        user = pwd.getpwuid(uid)
+    except KeyError:
+        return set()
+    return {user.pw_gid} | {g.gr_gid for g in grp.getgrall() if user.pw_name in g.gr_mem}
+
+
 def _port(settings: Settings) -> Check:
     host, port = settings.server.host, settings.server.port
     with socket.socket() as s:
@@ -243,15 +360,50 @@ def _port(settings: Settings) -> Check:
         busy = s.connect_ex((host, port)) == 0
     if not busy:
         return Check("ok", "port", f"{host}:{port} is free")
-    try:  # /health: no key needed, even on a box with tenants (every other route asks one)
-        r = httpx.get(f"http://{host}:{port}/health", timeout=2)
-        if "edge_agent" in r.json():
-            return Check("ok", "port", f"edge-agent {r.json()['edge_agent']} answers on "
-                                       f"{host}:{port}")
-    except (httpx.HTTPError, ValueError, TypeError):
-        pass
+    files = settings.server.tls
+    served = served_certificate(host, port) if files is not None else None
+    if files is not None and served is not None:
+        return _tls_port(host, port, files.cert, served)
+    version = _health(f"http://{host}:{port}")
+    if version is not None and files is not None:
+        return Check("warn", "port", f"edge-agent {version} answers on {host}:{port} in "
+                                     "plain HTTP, not HTTPS as configured",
+                     "restart it to take the TLS settings (systemctl restart edge-agent)")
+    if version is not None:
+        return Check("ok", "port", f"edge-agent {version} answers on {host}:{port}")
     return Check("fail", "port", f"{host}:{port} is taken by another program",
                  "stop it, or set server.port")
+
+
+def _tls_port(host: str, port: int, cert: Path, served: bytes) -> Check:
+    """The box's HTTPS port: the certificate it serves is the file's (else a reload is
+    due), and /health over it (a box asking client certificates answers only those)."""
+    try:
+        mine = fingerprint(served) == fingerprint(cert)
+    except TLSFileError:
+        mine = False
+    version = _health(f"https://{host}:{port}")
+    if version is None and not mine:
+        return Check("fail", "port", f"{host}:{port} is taken by another program (it "
+                                     f"serves another certificate than {cert})",
+                     "stop it, or set server.port")
+    who = f"edge-agent {version}" if version else "edge-agent (asks client certificates)"
+    if not mine:
+        return Check("warn", "port", f"{who} answers on https://{host}:{port} with another "
+                                     f"certificate than {cert}",
+                     "systemctl reload edge-agent (it reads the files again)")
+    return Check("ok", "port", f"{who} answers on https://{host}:{port} with the "
+                               "configured certificate")
+
+
+def _health(base: str) -> str | None:
+    """The version /health reports (no key needed, even on a box with tenants), or None.
+    Unverified over HTTPS: this asks who answers; the certificate is checked apart."""
+    try:
+        r = httpx.get(f"{base}/health", timeout=2, verify=False)
+        return str(r.json()["edge_agent"])
+    except (httpx.HTTPError, ValueError, TypeError, KeyError):
+        return None
 
 
 def _fleet(settings: Settings, timeout_s: float = 5.0) -> list[Check]:

@@ -29,6 +29,14 @@ Under systemd (`Type=notify`), `SupervisedServer` reports to it through `edge_ag
 STATUS= lines while the default model loads, READY=1 once the port is bound and `/ready`'s
 check passes, WATCHDOG=1 from the event loop for the server's whole life, STOPPING=1 when
 the drain begins. Without $NOTIFY_SOCKET it is plain uvicorn.
+
+HTTPS: with `[server] tls_cert_file` and `tls_key_file` the same port speaks TLS through
+`edge_agent.tls.ServerTLS`, whose context is handed to uvicorn as it is (not rebuilt from
+paths), so that SIGHUP (`systemctl reload edge-agent`) loads the files again into that very
+context: new connections get the new certificate, open ones and their streams go on. SIGHUP
+is taken in the main thread only (a server run in a thread, as the tests' is, leaves the
+process's signals alone); without TLS it reloads nothing and says so, rather than ending
+the process as SIGHUP's default would.
 """
 
 from __future__ import annotations
@@ -37,9 +45,11 @@ import asyncio
 import fcntl
 import logging
 import math
+import signal
 import socket
 import struct
 import termios
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -55,6 +65,7 @@ from edge_agent.api.ops import readiness_problems
 from edge_agent.config import ServerSettings, Settings
 from edge_agent.errors import BodyTimeout, ServiceUnavailable
 from edge_agent.sdnotify import Notifier, announce_ready, keep_alive
+from edge_agent.tls import ServerTLS, TLSFileError
 
 log = logging.getLogger(__name__)
 
@@ -78,36 +89,53 @@ _HEAD_TIMEOUT_RESPONSE = (
     % (len(_HEAD_TIMEOUT_BODY), _HEAD_TIMEOUT_BODY))
 
 
-def uvicorn_config(app: Any, settings: Settings, *, log_level: str | None = None) -> Config:
+def server_tls(settings: Settings) -> ServerTLS | None:
+    """The HTTPS context `[server]` asks for, or None (plain HTTP); TLSFileError (one line)
+    when its files cannot be served with."""
+    files = settings.server.tls
+    return ServerTLS(files) if files is not None else None
+
+
+def uvicorn_config(app: Any, settings: Settings, *, log_level: str | None = None,
+                   tls: ServerTLS | None = None) -> Config:
     """The one uvicorn Config of the server, built from `[server]`: `serve` and the tests'
-    live server both use it, so tests exercise the real limits."""
+    live server both use it, so tests exercise the real limits. `tls`: the context to serve
+    with (built from `[server]` when not given), kept by the caller that reloads it."""
     server = settings.server
+    if tls is None:
+        tls = server_tls(settings)
+    context = tls.context if tls is not None else None
     return Config(
         app, host=server.host, port=server.port, http=guarded_protocol(server), ws="none",
         lifespan="on", log_level=log_level or settings.log_level, log_config=None,
         access_log=False, timeout_keep_alive=max(1, math.ceil(server.keep_alive_timeout_s)),
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-        timeout_graceful_shutdown=math.ceil(server.stop_grace_s) + CUT_WAIT_S)
+        timeout_graceful_shutdown=math.ceil(server.stop_grace_s) + CUT_WAIT_S,
+        ssl_context_factory=(lambda _config, _default: context) if context else None)
 
 
-def serve(app: Any, settings: Settings) -> bool:
+def serve(app: Any, settings: Settings, *, tls: ServerTLS | None = None) -> bool:
     """Runs until SIGINT/SIGTERM; False when the server could not start (port taken …)."""
-    server = build_server(app, settings)
+    server = build_server(app, settings, tls=tls)
     server.run()
     return server.started
 
 
 def build_server(app: Any, settings: Settings, *, environ: Mapping[str, str] | None = None,
-                 log_level: str | None = None) -> SupervisedServer:
+                 log_level: str | None = None, tls: ServerTLS | None = None
+                 ) -> SupervisedServer:
     """The server `serve` runs: `app` (from `create_app`) under `uvicorn_config`, reporting
     to systemd when `environ` (default: this process's) names a NOTIFY_SOCKET."""
     parts = app.state.parts
     server = settings.server
+    if tls is None:
+        tls = server_tls(settings)
     return SupervisedServer(
-        uvicorn_config(app, settings, log_level=log_level), Notifier.from_environ(environ),
+        uvicorn_config(app, settings, log_level=log_level, tls=tls),
+        Notifier.from_environ(environ),
         grace_s=server.stop_grace_s, cut=parts.service.cut_all,
-        problems=lambda: readiness_problems(parts),
-        serving=f"serving on {server.host}:{server.port}, default model "
+        problems=lambda: readiness_problems(parts), tls=tls,
+        serving=f"serving on {server.scheme}://{server.host}:{server.port}, default model "
                 f"{settings.default_model} loaded")
 
 
@@ -117,9 +145,12 @@ class SupervisedServer(uvicorn.Server):
     def __init__(self, config: Config, notifier: Notifier, *,
                  problems: Callable[[], list[str]], serving: str,
                  grace_s: float = GRACEFUL_SHUTDOWN_S,
-                 cut: Callable[[], int] | None = None) -> None:
+                 cut: Callable[[], int] | None = None,
+                 tls: ServerTLS | None = None) -> None:
         super().__init__(config)
         self.notifier = notifier
+        self.tls = tls
+        self._hangup = False
         self._grace_s = grace_s
         self._cut = cut
         self._problems = problems
@@ -131,12 +162,18 @@ class SupervisedServer(uvicorn.Server):
         self.notifier.status(f"starting: opening the ledger, binding {self.config.host}:"
                              f"{self.config.port}")
         await super().startup(sockets)
+        if self.started and threading.current_thread() is threading.main_thread():
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
+            self._hangup = True
         if self.started:  # bound: from here on readiness is the app's to report
             self._announcer = asyncio.create_task(
                 announce_ready(self.notifier, self._problems, serving=self._serving))
             self._pinger = asyncio.create_task(keep_alive(self.notifier))
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._hangup:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._hangup = False
         if self._announcer is not None:  # a stop during start-up must not end in READY=1
             self._announcer.cancel()
         self.notifier.stopping(f"stopping: draining {len(self.server_state.connections)} "
@@ -152,6 +189,21 @@ class SupervisedServer(uvicorn.Server):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def reload(self) -> bool:
+        """SIGHUP: the certificate files read again (see the module's docstring); False,
+        and the certificate served so far kept, when they cannot be."""
+        if self.tls is None:
+            log.info("SIGHUP: no TLS configured, nothing to reload")
+            return False
+        try:
+            fingerprint = self.tls.reload()
+        except TLSFileError as exc:
+            log.error("TLS reload refused, the previous certificate is still served: %s",
+                      exc)
+            return False
+        log.info("TLS certificate reloaded from %s (sha256 %s); open connections keep "
+                 "theirs", self.tls.files.cert, fingerprint[:16])
+        return True
 
     async def _cut_after_grace(self) -> None:
         """The drain's end: what still streams is told it was cut (see the constants)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -95,7 +96,9 @@ class LiveServer:
 
 
 def start_server(settings: Settings, *, wait_for_model: str | None = DEFAULT_MODEL,
-                 preload: bool = True) -> LiveServer:
+                 preload: bool = True, verify: ssl.SSLContext | None = None) -> LiveServer:
+    """`verify`: how the wait for /ready trusts an HTTPS box (its CA, and the client's
+    certificate where it asks one)."""
     app = create_app(settings, preload=preload)
     server = uvicorn.Server(uvicorn_config(app, settings, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -105,10 +108,10 @@ def start_server(settings: Settings, *, wait_for_model: str | None = DEFAULT_MOD
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("server did not start")
         time.sleep(0.05)
-    live = LiveServer(app, settings, f"http://{settings.server.host}:{settings.server.port}",
-                      server, thread)
+    live = LiveServer(app, settings, f"{settings.server.scheme}://{settings.server.host}:"
+                                     f"{settings.server.port}", server, thread)
     if wait_for_model:  # the default model: /ready says when it is loaded (no key needed)
-        while httpx.get(f"{live.base_url}/ready").status_code != 200:
+        while httpx.get(f"{live.base_url}/ready", verify=verify or True).status_code != 200:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{wait_for_model} did not load")
             time.sleep(0.1)

@@ -36,6 +36,7 @@ import yaml
 
 from tests.conftest import DEFAULT_MODEL, free_port
 from tests.ggufgen import write_tiny_gguf
+from tests.support.certs import StoreCA
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE = ROOT / "ansible"
@@ -274,6 +275,8 @@ def provisioned(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     scratch = tmp_path_factory.mktemp("box")
     (scratch / "cache").mkdir()
     tiny = write_tiny_gguf(scratch / "cache" / "tiny.gguf", context_length=128)
+    ca = StoreCA(scratch / "pki")
+    pair = ca.issue("box")
     # The base interpreter, as a box's /usr/bin/python3: the wheels were built for it.
     python = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
     systemd_is_pid1 = Path("/run/systemd/system").is_dir()
@@ -303,6 +306,9 @@ def provisioned(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> P
             "-----BEGIN PUBLIC KEY-----\nMCow\n-----END PUBLIC KEY-----",
         "edge_agent_fleet_tuf_root": TUF_ROOT,
         "edge_agent_fleet_artifacts_url": "http://controller.example:9464/releases/",
+        "edge_agent_tls_cert": pair.cert.read_text(),
+        "edge_agent_tls_key": pair.key.read_text(),
+        "edge_agent_tls_client_ca": ca.cert.read_text(),
         # Where systemd runs, the test still must not start a service on the machine: that
         # takes a disposable VM. Where it does not, the role itself skips and says why.
         **({"edge_agent_service_enabled": False} if systemd_is_pid1 else {}),
@@ -393,6 +399,29 @@ def test_the_secrets_are_readable_by_the_service_group_only(provisioned: Provisi
     assert f'tuf_root_file = "{etc}/fleet/tuf-root.json"' in config
     assert 'artifacts_url = "http://controller.example:9464/releases/"' in config
     assert BROKER_PASSWORD not in config
+
+
+@pytest.mark.provision
+def test_the_tls_files_are_the_service_users_only(provisioned: Provisioned) -> None:
+    """Certificate, key and client CA written 0600 in a 0700 folder of the service user's,
+    [server] pointed at them; the key in no log. doctor (in the first run's test) passed
+    on them: in date, the key the certificate's own and owner-only."""
+    tls = provisioned.scratch / "etc" / "tls"
+    assert stat.S_IMODE(tls.stat().st_mode) == 0o700 and tls.stat().st_uid == os.getuid()
+    for name, var in [("server.pem", "edge_agent_tls_cert"), ("server.key", "edge_agent_tls_key"),
+                      ("client-ca.pem", "edge_agent_tls_client_ca")]:
+        path = tls / name
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.stat().st_uid == os.getuid()
+        assert path.read_text() == str(provisioned.vars[var]).strip() + "\n"
+    config = (provisioned.scratch / "etc" / "config.toml").read_text()
+    for setting, name in [("tls_cert_file", "server.pem"), ("tls_key_file", "server.key"),
+                          ("tls_client_ca_file", "client-ca.pem")]:
+        assert f'{setting} = "{tls}/{name}"' in config
+    key_body = str(provisioned.vars["edge_agent_tls_key"]).splitlines()[1]
+    for run in provisioned.runs.values():
+        assert key_body not in run.output
+    checks = {c["name"]: c for c in json.loads(provisioned.cli("doctor", "--json").stdout)}
+    assert checks["tls key"]["status"] == "ok" and checks["tls client CA"]["status"] == "ok"
 
 
 @pytest.mark.provision

@@ -15,8 +15,9 @@ from edge_agent.cli.output import json_option
 @json_option("Print the checks as JSON.")
 @click.pass_context
 def doctor(ctx: click.Context, host: str | None, port: int | None, as_json: bool) -> None:
-    """Check this box: config, state dir, disk, model blobs, llama.cpp, GPU, port, fleet
-    link (its files and the broker, reached with its credentials). Give it the same
+    """Check this box: config, state dir, disk, model blobs, llama.cpp, GPU, TLS files
+    (dates, key), port (over HTTPS with TLS), fleet link (its files and the broker,
+    reached with its credentials). Give it the same
     --config, --state-dir, --host and --port as serve: it checks the box it is told of,
     not the one the config file alone describes (a second box on one machine)."""
     from edge_agent.doctor import render, run_checks

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import click
 
 from edge_agent.cli.common import BadUsage, CheckFailed, common_options, load
 from edge_agent.logs import configure_logging
 from edge_agent.netaddr import is_loopback
+
+log = logging.getLogger(__name__)
 
 
 @click.command()
@@ -21,15 +25,27 @@ def serve(host: str | None, port: int | None, log_level: str | None) -> None:
     from edge_agent.fleet.device.link.overlay import apply_overlay
     from edge_agent.governance.keys import KeyStore
     from edge_agent.server import serve as run_server
+    from edge_agent.server import server_tls
+    from edge_agent.tls import TLSFileError
 
     settings = load(log_level=log_level, **{"server.host": host, "server.port": port})
-    if not is_loopback(settings.server.host) and not KeyStore(settings.state_dir).any_active():
+    loopback = is_loopback(settings.server.host)
+    if not loopback and not KeyStore(settings.state_dir).any_active():
         raise BadUsage(f"refusing to listen on {settings.server.host}: no API key exists, so "
                        "only a loopback address is allowed (edge-agent keys create --tenant "
                        "NAME)")
+    try:
+        tls = server_tls(settings)
+    except TLSFileError as exc:
+        raise BadUsage(f"cannot serve HTTPS: {exc}") from None
     configure_logging(settings.log_level, settings.log_format)
+    if not loopback and tls is None:
+        # A warning, not a refusal: boxes set up before TLS existed go on serving.
+        log.warning("serving on %s without TLS: API keys and prompts cross the network in "
+                    "clear; set [server] tls_cert_file and tls_key_file",
+                    settings.server.host)
     # What the fleet controller patched (config.patch) beats the file: the later decision.
     settings = apply_overlay(settings, settings.state_dir)
-    if not run_server(create_app(settings), settings):
-        raise CheckFailed(f"the server did not start on {settings.server.host}:"
-                          f"{settings.server.port} (see the log above)")
+    if not run_server(create_app(settings), settings, tls=tls):
+        raise CheckFailed(f"the server did not start on {settings.server.scheme}://"
+                          f"{settings.server.host}:{settings.server.port} (see the log above)")

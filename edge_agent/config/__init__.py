@@ -36,6 +36,7 @@ from edge_agent.config.base import (
     _Section,
 )
 from edge_agent.config.fleet import BrokerAddress, FleetSettings, parse_broker, parse_window
+from edge_agent.tls import TLSFiles
 
 __all__ = ["DEFAULT_CONFIG_FILE", "DRAFT_MODEL_TOKENS", "MAX_DRAFT", "MAX_INTERVAL_S",
            "MIN_INTERVAL_S", "BrokerAddress",
@@ -86,6 +87,46 @@ class ServerSettings(_Section):
         "every stream still open ends with a 'shutting down' error in its dialect. The "
         "systemd unit's TimeoutStopSec covers it plus the ledger's flush.",
     )
+    tls_cert_file: Path | None = Field(
+        None,
+        description="PEM certificate (chain, leaf first) to serve HTTPS with, on the same "
+        "port; with tls_key_file. Read again at SIGHUP (systemctl reload edge-agent).",
+    )
+    tls_key_file: Path | None = Field(
+        None, description="PEM private key of tls_cert_file, unencrypted; must be owner-only "
+        "(0600) or the box does not start.",
+    )
+    tls_client_ca_file: Path | None = Field(
+        None,
+        description="PEM CA(s) for mutual TLS: a client must present a certificate one of "
+        "them signed, or gets no connection. Needs tls_cert_file.",
+    )
+
+    @field_validator("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+    @classmethod
+    def _absolute_file(cls, path: Path | None) -> Path | None:
+        """Pinned to where the command ran: the service works from its state dir."""
+        return None if path is None else path.expanduser().absolute()
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and "
+                             "tls_key_file")
+        return self
+
+    @property
+    def tls(self) -> TLSFiles | None:
+        """The HTTPS files, or None: plain HTTP."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return TLSFiles(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
 
 class TenantPolicy(_Section):
