@@ -510,8 +510,11 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
 
     def _excludes(self, a: Any, b: Any, depth: int) -> bool:
         """Whether no text a's grammar writes is valid for b (False when unsure)."""
-        if depth > 8 or not isinstance(a, dict) or not isinstance(b, dict):
+        if depth > 8:
             return False
+        a, b = self._flat(a, "", 0), self._flat(b, "", 0)
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            return a is False or b is False
         if any(k in a for k in _COMBINERS):
             alts = a.get("anyOf") or a.get("oneOf")
             return isinstance(alts, list) and all(
@@ -792,7 +795,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                     lead = literals[j] if first else f'"," space {literals[j]}'
                     alts.append(f"{lead} space {follow(j + 1, n + 1)}".rstrip())
             body = " | ".join(a for a in alts if a)
-            return f"({body})?" if "" in alts and body else body
+            return f"({body})?" if "" in alts and body else f"({body})" if body else ""
 
         def follow(i: int, n: int) -> str:
             if n >= top or i >= len(distinct):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import math
+import random
 from typing import Any
 
 import llama_cpp as ll
+import numpy as np
 
 from edge_agent.engine.grammar_cache import ParsedGrammars
 from edge_agent.engine.grammar_check import CheckedGrammar
@@ -36,3 +38,28 @@ def takes(model: LlamaModel, sampler: Any, text: str) -> bool:
             return False
         ll.llama_sampler_accept(sampler, token)
     return allowed(model.eos)
+
+
+def walk(model: LlamaModel, sampler: Any, rng: random.Random, max_tokens: int = 64,
+         stop: float = 0.3) -> str | None:
+    """A random text the grammar writes: at each step a token drawn among all those the
+    grammar allows, the end taken with probability `stop` once allowed; None when the text
+    grows past `max_tokens`. The grammar's own output, as the sampler would let it be."""
+    n = model.n_vocab
+    pristine = (ll.llama_token_data * n)(*[ll.llama_token_data(i, 0.0, 0.0) for i in range(n)])
+    data = (ll.llama_token_data * n)()
+    out: list[int] = []
+    while len(out) < max_tokens:
+        ctypes.memmove(data, pristine, ctypes.sizeof(data))
+        arr = ll.llama_token_data_array(data=data, size=n, selected=-1, sorted=False)
+        ll.llama_sampler_apply(sampler, ctypes.pointer(arr))
+        logits = np.ctypeslib.as_array(data).view(np.float32).reshape(n, 3)[:, 1]
+        allowed = np.flatnonzero(logits != -np.inf).tolist()
+        if not allowed:
+            raise AssertionError(f"the grammar allows no token after {out!r}")
+        if model.eos in allowed and (len(allowed) == 1 or rng.random() < stop):
+            return b"".join(model.piece(t) for t in out).decode("utf-8")
+        choice = rng.choice([t for t in allowed if t != model.eos])
+        ll.llama_sampler_accept(sampler, choice)
+        out.append(choice)
+    return None
