@@ -237,6 +237,20 @@ def test_unions_that_part_before_nesting_cost_nothing() -> None:
                        "properties": {"e": {"$ref": "#/$defs/e"}}}, param="format")
 
 
+def test_objects_that_share_only_scalar_keys_part_before_nesting() -> None:
+    # Both shapes may open with "name", but only one may nest: the parses part at the key
+    # that opens a container, so the recursion costs one parse, not two per level.
+    node = {"anyOf": [
+        {"type": "object", "properties": {"name": {"type": "string"},
+                                          "kids": {"type": "array",
+                                                   "items": {"$ref": "#/$defs/n"}}}},
+        {"type": "object", "properties": {"name": {"type": "string"},
+                                          "size": {"type": "integer"}}}]}
+    schema_to_grammar({"$defs": {"n": node}, "$ref": "#/$defs/n"}, param="format")
+    node["anyOf"][1]["properties"]["kids"] = {"type": "array"}  # now both may nest there
+    assert "recursive $ref" in _refused({"$defs": {"n": node}, "$ref": "#/$defs/n"}).message
+
+
 def test_an_additional_key_is_never_a_named_one_so_they_part_at_the_key() -> None:
     # Additional keys are written by an automaton that excludes the named ones: "c" can no
     # longer be read both ways, so a recursion through both costs one parse, not two.

@@ -44,7 +44,8 @@ def test_bounded_integer_schema_compiles_to_a_grammar() -> None:
 
 
 @pytest.mark.parametrize(("schema", "param"), [
-    ({"type": "integer", "multipleOf": 5}, "format.multipleOf"),
+    ({"type": "number", "multipleOf": 0.01}, "format.multipleOf"),
+    ({"type": "integer", "multipleOf": 3, "maximum": 10}, "format.multipleOf"),
     ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "format.uniqueItems"),
     ({"type": "object", "properties": {"c": {"type": "string", "format": "color"}}},
      "format.properties.c.format"),
@@ -261,6 +262,16 @@ def test_a_one_of_whose_alternatives_may_both_match_is_refused_by_name() -> None
      ['["r"]', '["r","b"]', '["r","g","b"]'], ['[]', '["r","r"]', '["g","g","b"]']),
     ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}],
       "items": False}, ['[1,"a"]'], ['[1,"a",2]', '["a",1]']),
+    ({"type": "integer", "multipleOf": 15}, ["0", "15", "-30", "1500"], ["5", "16", "015"]),
+    ({"type": "object", "propertyNames": {"pattern": "^[a-z_]+$"},
+      "additionalProperties": {"type": "integer"}}, ['{"a_b":1}', "{}"], ['{"A":1}']),
+    ({"type": "string", "not": {"enum": ["admin", "root"]}}, ['"ada"', '"admins"'],
+     ['"admin"', '"root"']),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "additionalProperties": {"type": "integer"}, "not": {"required": ["secret"]}},
+     ['{"a":1}', '{"b":2}'], ['{"secret":1}', '{"a":1,"secret":2}']),
+    ({"not": {"type": ["string", "object", "array", "null", "boolean"]}}, ["1", "2.5"],
+     ['"x"', "{}", "null"]),
 ])
 def test_everyday_keywords_are_enforced(vocab_model: LlamaModel, schema: dict[str, Any],
                                         good: list[str], bad: list[str]) -> None:

@@ -77,8 +77,14 @@ MAX_DEPENDENCIES = 6  # dependentRequired: optional properties that require othe
 _MAX_INLINE = 16  # $refs inlined into one merge (allOf through a $ref)
 
 # Keywords that constrain and that no grammar here enforces: refused wherever they apply.
-_UNENFORCEABLE = ("multipleOf", "not", "contains", "minContains", "maxContains",
-                  "dependentSchemas", "propertyNames", "$dynamicRef", "$recursiveRef")
+_UNENFORCEABLE = ("contains", "minContains", "maxContains", "dependentSchemas",
+                  "$dynamicRef", "$recursiveRef")
+MAX_MULTIPLE = 64  # multipleOf: a grammar state per remainder
+# What a `not` folds into (see _Converter._negated): strings it excludes, keys it forbids.
+_NOT_TEXTS = "\x00not-texts"
+_NOT_PATTERN = "\x00not-pattern"
+_NOT_KEY = "\x00not-key"
+_FRACTIONAL = "\x00fractional"
 _UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")  # merged as additional*/items
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _COUNTS = (("minLength", "maxLength"), ("minItems", "maxItems"),
@@ -90,11 +96,12 @@ _COMBINERS = ("allOf", "anyOf", "oneOf", "$ref")
 # turned `["string", "null"]` into a bare union, silently dropping maxLength and the rest).
 _TYPE_KEYWORDS = {
     "string": {"minLength", "maxLength", "pattern", "format"},
-    "integer": {*_BOUNDS, "format"},
-    "number": {*_BOUNDS, "format"},
+    "integer": {*_BOUNDS, "format", "multipleOf"},
+    "number": {*_BOUNDS, "format", "multipleOf"},
     "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"},
     "object": {"properties", "required", "additionalProperties", "patternProperties",
-               "dependentRequired", "dependencies", "minProperties", "maxProperties"},
+               "dependentRequired", "dependencies", "minProperties", "maxProperties",
+               "propertyNames"},
 }
 _KIND_ORDER = ("object", "array", "string", "number", "integer", "boolean", "null")
 _INT_FORMATS = {"int32": (-(2**31), 2**31 - 1), "int64": (-INT_CAP, INT_CAP),
@@ -582,6 +589,58 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
 
     # -- one schema, no combinators -----------------------------------------------------------
 
+    def _negated(self, node: dict[str, Any], path: str) -> dict[str, Any]:
+        """`node` with its `not` folded in, where the negated schema says one thing a
+        grammar can leave out: types, values, a pattern, one required key."""
+        if "not" not in node:
+            return node
+        negated = self._flat(node["not"], path, 0)
+        out = {k: v for k, v in node.items() if k != "not"}
+        where = f"{path}.not"
+        if negated is False:
+            return out
+        keys = [k for k in negated if k not in ANNOTATIONS] if isinstance(negated, dict) \
+            else []
+        if not keys:
+            raise UnsupportedParameter("'not' of a schema that allows everything allows "
+                                       "nothing", param=where)
+        allowed = types_of(out) or {"null", "boolean", "integer", "number", "string", "array",
+                                    "object"}
+        if keys == ["type"]:
+            gone = types_of(negated) or set()
+            if "integer" in gone and "number" in allowed and "number" not in gone:
+                out[_FRACTIONAL] = True  # numbers that are not integers: a fraction not 0
+                gone = gone - {"integer"}
+            out["type"] = [t for t in _KIND_ORDER if t in allowed - gone and
+                           not (t == "integer" and "number" in allowed - gone)]
+        elif keys in (["enum"], ["const"]):
+            values = _literal_values(negated) or []
+            texts = [v for v in values if isinstance(v, str)]
+            if None in values:
+                allowed.discard("null")
+            if any(v is True for v in values) and any(v is False for v in values):
+                allowed.discard("boolean")
+            rest = [v for v in values if not isinstance(v, str) and v is not None and
+                    not (isinstance(v, bool) and "boolean" not in allowed)]
+            if any(_is_kind(v, t) for v in rest for t in allowed):
+                raise UnsupportedParameter("'not' of numbers, booleans, arrays or objects "
+                                           "cannot be enforced here", param=where)
+            out["type"] = [t for t in _KIND_ORDER if t in allowed and
+                           not (t == "integer" and "number" in allowed)]
+            out[_NOT_TEXTS] = [*out.get(_NOT_TEXTS, []), *texts]
+        elif keys == ["pattern"] and _NOT_PATTERN not in out:
+            out["type"] = "string" if "string" in allowed else []
+            out[_NOT_PATTERN] = negated["pattern"]
+        elif keys == ["required"] and len(negated["required"]) == 1 and _NOT_KEY not in out:
+            out["type"] = "object" if "object" in allowed else []
+            out[_NOT_KEY] = negated["required"][0]
+        else:
+            raise UnsupportedParameter("'not' is enforced only of a type, values, a pattern "
+                                       "or one required property", param=where)
+        if not out["type"]:
+            raise UnsupportedParameter("'not' leaves no type", param=where)
+        return out
+
     def _plain(self, node: dict[str, Any], name: str, path: str) -> str:
         rule_name = name or "root"
         values = _literal_values(node)
@@ -596,6 +655,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                     "nothing could be written", param=f"{path}.{key}")
             return self._add_rule(rule_name, " | ".join(
                 self._generate_constant_rule(v) for v in kept))
+        node = self._negated(node, path)
         kinds = self._kinds(node)
         if not kinds:
             raise UnsupportedParameter("'type' allows no value here", param=f"{path}.type")
@@ -651,6 +711,16 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         elif fmt is not None and fmt not in _NUMBER_FORMATS:
             raise UnsupportedParameter(f"format '{fmt}' cannot be enforced on numbers",
                                        param=f"{path}.format")
+        if node.get(_FRACTIONAL):
+            if any(k in limits for k in (*_BOUNDS, "multipleOf")) or fmt is not None:
+                raise UnsupportedParameter("'not' integer beside other number keywords "
+                                           "cannot be enforced here", param=f"{path}.not")
+            nonzero = self._add_rule("fraction-nonzero", NONZERO_FRACTION_RULE)
+            integral = self._add_primitive("integral-part", PRIMITIVE_RULES["integral-part"])
+            return self._add_rule(f"{name or 'root'}-fractional",
+                                  f'"-"? {integral} "." {nonzero} space')
+        if "multipleOf" in node:
+            return self._multiple_rule(node, limits, name, path)
         if not any(k in limits for k in _BOUNDS) and (kind == "integer" or fmt is None):
             return str(self._add_primitive(kind, PRIMITIVE_RULES[kind]))
         bounds = Bounds.of(limits)
@@ -670,6 +740,36 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                 "units inside them are written)", param=path)
         return self._add_rule(f"{name or 'root'}-num", f"({body}) space")
 
+    def _multiple_rule(self, node: dict[str, Any], limits: dict[str, Any], name: str,
+                       path: str) -> str:
+        """Integer multiples of a whole `multipleOf`: digits read as a remainder machine."""
+        k = node["multipleOf"]
+        where = f"{path}.multipleOf"
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not k > 0:
+            raise InvalidRequest("'multipleOf' must be a number above 0", param=where)
+        if not float(k).is_integer() or k > MAX_MULTIPLE:
+            raise UnsupportedParameter(f"'multipleOf' is enforced for whole numbers up to "
+                                       f"{MAX_MULTIPLE}", param=where)
+        if any(b in limits for b in _BOUNDS):
+            raise UnsupportedParameter("'multipleOf' beside bounds cannot be enforced here",
+                                       param=where)
+        k = int(k)
+        base = f"{name or 'root'}-x{k}"
+        if k == 1:
+            return str(self._add_primitive("integer", PRIMITIVE_RULES["integer"]))
+        keys = [self._reserve(f"{base}-r{r}") for r in range(k)]
+        for r, key in enumerate(keys):
+            by: dict[int, list[int]] = {}
+            for d in range(10):
+                by.setdefault((10 * r + d) % k, []).append(d)
+            alts = " | ".join(f"{_digits(ds)} {keys[t]}" for t, ds in sorted(by.items()))
+            self._set(key, f"({alts})?" if r == 0 else f"({alts})")
+        first: dict[int, list[int]] = {}
+        for d in range(1, 10):
+            first.setdefault(d % k, []).append(d)
+        start = " | ".join(f"{_digits(ds)} {keys[t]}" for t, ds in sorted(first.items()))
+        return self._add_rule(base, f'("0" | "-"? ({start})) space')
+
     # -- strings ------------------------------------------------------------------------
 
     def _string_rule(self, node: dict[str, Any], name: str, path: str) -> str:
@@ -677,7 +777,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         if fmt is not None and fmt not in _FORMATS and fmt not in _INT_FORMATS:
             raise UnsupportedParameter(f"string format '{fmt}' cannot be enforced here",
                                        param=f"{path}.format")
-        if "pattern" not in node and fmt not in _FORMATS:
+        if "pattern" not in node and fmt not in _FORMATS and _NOT_TEXTS not in node and \
+                _NOT_PATTERN not in node:
             if "minLength" in node or "maxLength" in node:
                 char = self._add_primitive("char", PRIMITIVE_RULES["char"])
                 return self._add_rule(name or "root", r'"\"" ' + _build_repetition(
@@ -825,11 +926,20 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             except ValueError as exc:
                 raise UnsupportedParameter(str(exc), param=f"{path}.patternProperties") \
                     from exc
+        names = self._key_language(node, path)
         # Every name that may be written by name: listed, required, or depended on.
         named = list(props)
         for key in [*required, *(k for ks in deps.values() for k in ks)]:
             if key not in named:
                 named.append(key)
+        for key in list(named):
+            if (names is not None and not names.matches(key)) or key == node.get(_NOT_KEY):
+                if key in required:
+                    raise UnsupportedParameter(f"required property '{key}' is not allowed by "
+                                               "'propertyNames' or 'not'",
+                                               param=f"{path}.required")
+                named.remove(key)
+                props.pop(key, None)
         values: dict[str, Any] = {}
         for key in named:
             rules = [props[key]] if key in props else []
@@ -850,8 +960,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                 raise UnsupportedParameter(f"required property '{key}' cannot be written",
                                            param=f"{path}.required")
         # Extra keys: by pattern (matching no other pattern), then additional ones, never a
-        # named key (it would carry a value its own schema refuses).
-        others = sl.literals(named)
+        # named key (it would carry a value its own schema refuses), nor a forbidden one.
+        others = sl.literals([*named, *([node[_NOT_KEY]] if _NOT_KEY in node else [])])
         extras: list[tuple[sl.Dfa, Any, str]] = []
         for i, (pattern, sub) in enumerate(patterns.items()):
             if sub is False:
@@ -860,12 +970,16 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             for other, lang in languages.items():
                 if other != pattern:
                     keys = sl.without(keys, lang)
+            if names is not None:
+                keys = sl.both(keys, names)
             if not keys.empty:
                 extras.append((keys, sub, f"patternProperties.{i}"))
         if extra not in (None, False):
             keys = sl.without(sl.anything(), others)
             for lang in languages.values():
                 keys = sl.without(keys, lang)
+            if names is not None:
+                keys = sl.both(keys, names)
             if not keys.empty:
                 extras.append((keys, {} if extra is True else extra, "additionalProperties"))
         self._check_property_counts(node, required, values, extras, path)
@@ -883,6 +997,29 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                                             f'{key_rule} ":" space {value}'))
         return self._add_rule(base, self._object_body(node, values, kv, required, deps,
                                                       extra_kvs, base, path))
+
+    def _key_language(self, node: dict[str, Any], path: str) -> sl.Dfa | None:
+        """The keys `propertyNames` allows (None: any)."""
+        if "propertyNames" not in node:
+            return None
+        where = f"{path}.propertyNames"
+        names = self._flat(node["propertyNames"], where, 0)
+        if names is False:
+            return sl.literals([])
+        if not isinstance(names, dict) or any(k not in ANNOTATIONS and k not in _KEY_KEYWORDS
+                                              for k in names):
+            raise UnsupportedParameter("'propertyNames' is enforced only with string keywords "
+                                       "(pattern, format, lengths, enum, const)", param=where)
+        if "string" not in (types_of(names) or {"string"}):
+            return sl.literals([])
+        try:
+            language = _string_language(names)
+        except ValueError as exc:
+            raise UnsupportedParameter(str(exc), param=where) from exc
+        values = _literal_values(names)
+        if values is not None:
+            language = sl.both(language, sl.literals([v for v in values if isinstance(v, str)]))
+        return language
 
     def _value(self, schema: Any, name: str) -> str:
         """A property's value: any JSON value where its schema says nothing."""
@@ -1000,6 +1137,31 @@ def _fold_unevaluated(node: Any, unevaluated: dict[str, Any]) -> Any:
     return out
 
 
+_KEY_KEYWORDS = {"type", "pattern", "format", "minLength", "maxLength", "enum", "const"}
+
+
+def _digits(ds: list[int]) -> str:
+    return "[" + "".join(str(d) for d in ds) + "]"
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    """Whether `value` is of JSON Schema type `kind`."""
+    if kind == "null":
+        return value is None
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool) or (
+            isinstance(value, float) and value.is_integer())
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "array":
+        return isinstance(value, list)
+    return kind == "object" and isinstance(value, dict)
+
+
 # Keywords whose values are schemas: one, a list, or a map of names to schemas.
 _SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "not", "if", "then",
                "else", "contains", "propertyNames", "unevaluatedItems",
@@ -1031,8 +1193,12 @@ def _pointer(document: Any, fragment: str, path: str) -> Any:
 def _string_language(node: dict[str, Any]) -> sl.Dfa:
     """The texts a string schema allows (ValueError: a pattern outside the subset)."""
     language = sl.anything()
+    if isinstance(node.get(_NOT_PATTERN), str):
+        language = sl.without(language, sl.pattern(node[_NOT_PATTERN]))
+    if node.get(_NOT_TEXTS):
+        language = sl.without(language, sl.literals(node[_NOT_TEXTS]))
     if isinstance(node.get("pattern"), str):
-        language = sl.pattern(node["pattern"])
+        language = sl.both(language, sl.pattern(node["pattern"]))
     fmt = node.get("format")
     if fmt in _FORMATS:
         language = sl.both(language, sl.pattern(_FORMATS[fmt]))
@@ -1080,8 +1246,7 @@ def _check_node(node: Any, path: str) -> None:
     if not isinstance(node, dict):
         raise UnsupportedParameter("a JSON schema must be an object", param=path)
     for key in _UNENFORCEABLE:
-        if key in node and not (key == "multipleOf" and node[key] in (1, 1.0)
-                                and types_of(node) in ({"integer"},)):
+        if key in node:
             raise UnsupportedParameter(
                 f"JSON schema keyword '{key}' cannot be enforced here", param=f"{path}.{key}")
     if "if" in node and ("then" in node or "else" in node):

@@ -130,6 +130,26 @@ class WidthOracle:
         nests = extra is True or (isinstance(extra, dict) and bool(self.kinds(extra)))
         return keys, props, open_extra, nests
 
+    def _nest_together(self, a: dict[str, Any], sa: _Shape, b: dict[str, Any], sb: _Shape
+                       ) -> bool:
+        """Whether both may enter a nested value at once: only under a key both may write,
+        whose values may both open a container (else the parses part before nesting)."""
+        extra_a, extra_b = _extra_value(a), _extra_value(b)
+        for key in set(sa[1]) | set(sa[0]) | set(sb[1]) | set(sb[0]):
+            self._step()
+            va = sa[1].get(key, extra_a if key not in sa[0] or key not in sa[1] else None)
+            vb = sb[1].get(key, extra_b if key not in sb[0] or key not in sb[1] else None)
+            if key in sa[0] and key not in sa[1]:
+                va = extra_a if extra_a is not None else _ANY
+            if key in sb[0] and key not in sb[1]:
+                vb = extra_b if extra_b is not None else _ANY
+            if va is not None and vb is not None and self.kinds(va) & self.kinds(vb):
+                return True
+        if extra_a is not None and extra_b is not None and \
+                self.kinds(extra_a) & self.kinds(extra_b):
+            return True
+        return False
+
     def _objects_conflict(self, a: Any, b: Any) -> bool:
         """Whether two object alternatives may both be alive when one enters a nested value:
         walk their keys while they are the same and their values may be the same text."""
@@ -137,6 +157,8 @@ class WidthOracle:
         sa, sb = self._object_shape(a), self._object_shape(b)
         if sa is None or sb is None:
             return True
+        if not self._nest_together(a, sa, b, sb):
+            return False
         (ka, pa, xa, _), (kb, pb, xb, _) = sa, sb
         if not ka or not kb:  # the first key is any optional one (or an additional one)
             first_a = {ka[0]} if ka else set(pa)
@@ -152,6 +174,14 @@ class WidthOracle:
             if _literals_differ(self._resolve(va), self._resolve(vb)):
                 return False
         return True  # the same keys all the way: assume the worst
+
+
+_ANY = {"type": ["object", "array"]}  # a required name no property lists: any value
+
+
+def _extra_value(schema: dict[str, Any]) -> Any:
+    extra = schema.get("additionalProperties")
+    return {} if extra is True else extra if isinstance(extra, dict) else None
 
 
 def _type_kinds(kind: Any) -> frozenset[str]:
