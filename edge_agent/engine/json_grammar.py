@@ -247,6 +247,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         self._registry: Registry[Any] = Registry()
         self._validator: Any = jsonschema.Draft202012Validator
         self._placeholders = 0
+        self._choices: dict[str, str] = {}
 
     def set_root(self, root: Any) -> None:
         """The document `$ref`s point into, for checking values against a schema."""
@@ -801,10 +802,17 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         keys: list[str | None] = [self._reserve(f"{name}-s{q}") if row else None
                                   for q, row in enumerate(language.moves)]
         names = [k or "" for k in keys]
-        for key, body in zip(keys, sl.rules(language, names), strict=True):
+        for key, body in zip(keys, sl.rules(language, names, self._choice), strict=True):
             if key is not None:
                 self._set(key, body)
         return self._add_rule(name, rf'"\"" {keys[0]} "\"" space')
+
+    def _choice(self, body: str) -> str:
+        """A rule for one character choice, shared by every automaton that writes it."""
+        key = self._choices.get(body)
+        if key is None:
+            key = self._choices[body] = self._add_rule(f"char-{len(self._choices)}", body)
+        return key
 
     # -- arrays -------------------------------------------------------------------------
 

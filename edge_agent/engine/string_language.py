@@ -24,7 +24,7 @@ automaton would exceed them is refused, never truncated.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 MAX_NFA_STATES = 20_000
@@ -634,6 +634,7 @@ _SHORT = {0x22: '"\\\\\\""', 0x5C: '"\\\\\\\\"', 8: '"\\\\b"', 12: '"\\\\f"', 10
 # the converter's string rule also escapes).
 _ESCAPED = chars((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F))
 _CONTROLS = chars((0, 0x1F))
+_SHARED_CHOICE = 40  # a character choice longer than this is a rule of its own
 _ANY_CONTROL = '"\\\\" ([bfnrt] | "u00" [01] [0-9a-fA-F])'  # exactly U+0000-U+001F
 
 
@@ -668,16 +669,19 @@ def _class_char(c: int) -> str:
     return f"\\u{c:04X}" if c <= 0xFFFF else f"\\U{c:08X}"
 
 
-def rules(dfa: Dfa, names: list[str]) -> list[str]:
+def rules(dfa: Dfa, names: list[str], shared: Callable[[str], str]) -> list[str]:
     """The body of each state's rule, `names[q]` naming state q's rule: a state writes one
     character and goes on, or (accepting) may stop. A move into a state that accepts and
-    goes nowhere is written without its rule."""
+    goes nowhere is written without its rule. `shared` names a rule for a long character
+    choice, written once however many states use it."""
     out = []
     for q, row in enumerate(dfa.moves):
         alts = []
         for cs, t in row:
             pieces = json_pieces(cs)
             head = pieces[0] if len(pieces) == 1 else "(" + " | ".join(pieces) + ")"
+            if len(head) > _SHARED_CHOICE:
+                head = shared(head)
             alts.append(head if not dfa.moves[t] else f"{head} {names[t]}")
         body = " | ".join(alts)
         if dfa.accepting[q]:
