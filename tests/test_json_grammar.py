@@ -272,6 +272,11 @@ def test_a_one_of_whose_alternatives_may_both_match_is_refused_by_name() -> None
      ['{"a":1}', '{"b":2}'], ['{"secret":1}', '{"a":1,"secret":2}']),
     ({"not": {"type": ["string", "object", "array", "null", "boolean"]}}, ["1", "2.5"],
      ['"x"', "{}", "null"]),
+    ({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+      "minProperties": 1, "maxProperties": 1}, ['{"a":"x"}', '{"b":"y"}'],
+     ["{}", '{"a":"x","b":"y"}']),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 2},
+     ["{}", '{"a":1,"b":2}'], ['{"a":1,"b":2,"c":3}']),
 ])
 def test_everyday_keywords_are_enforced(vocab_model: LlamaModel, schema: dict[str, Any],
                                         good: list[str], bad: list[str]) -> None:

@@ -80,6 +80,7 @@ _MAX_INLINE = 16  # $refs inlined into one merge (allOf through a $ref)
 _UNENFORCEABLE = ("contains", "minContains", "maxContains", "dependentSchemas",
                   "$dynamicRef", "$recursiveRef")
 MAX_MULTIPLE = 64  # multipleOf: a grammar state per remainder
+MAX_COUNTED_PROPERTIES = 32  # min/maxProperties: a grammar state per count
 # What a `not` folds into (see _Converter._negated): strings it excludes, keys it forbids.
 _NOT_TEXTS = "\x00not-texts"
 _NOT_PATTERN = "\x00not-pattern"
@@ -967,6 +968,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             if key not in values:
                 raise UnsupportedParameter(f"required property '{key}' cannot be written",
                                            param=f"{path}.required")
+        if extra is None and (node.get("minProperties") or 0) > len(values):
+            extra = True  # absent means any: the count needs keys beyond the named ones
         # Extra keys: by pattern (matching no other pattern), then additional ones, never a
         # named key (it would carry a value its own schema refuses), nor a forbidden one.
         others = sl.literals([*named, *([node[_NOT_KEY]] if _NOT_KEY in node else [])])
@@ -990,7 +993,6 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                 keys = sl.both(keys, names)
             if not keys.empty:
                 extras.append((keys, {} if extra is True else extra, "additionalProperties"))
-        self._check_property_counts(node, required, values, extras, path)
         kv: dict[str, str] = {}
         for key, sub in values.items():
             value = self._value(sub, f"{base}-{key}")
@@ -1036,23 +1038,6 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             return str(self._add_primitive("value", PRIMITIVE_RULES["value"]))
         return self.visit(schema, name)
 
-    def _check_property_counts(self, node: dict[str, Any], required: list[str],
-                               values: dict[str, Any], extras: list[Any], path: str) -> None:
-        """min/maxProperties only where the other keywords already keep them."""
-        low, high = node.get("minProperties"), node.get("maxProperties")
-        if low is not None and low > len(required):
-            raise UnsupportedParameter("'minProperties' above the number of required "
-                                       "properties cannot be enforced here",
-                                       param=f"{path}.minProperties")
-        if high is not None and (extras or high < len(values)):
-            if high < len(required):
-                raise UnsupportedParameter("'maxProperties' below the number of required "
-                                           "properties allows no object",
-                                           param=f"{path}.maxProperties")
-            raise UnsupportedParameter("'maxProperties' below the number of properties an "
-                                       "object may have cannot be enforced here",
-                                       param=f"{path}.maxProperties")
-
     def _object_body(self, node: dict[str, Any], values: dict[str, Any], kv: dict[str, str],
                      required: list[str], deps: dict[str, list[str]], extra_kvs: list[str],
                      name: str, path: str) -> str:
@@ -1094,34 +1079,60 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         if extra_kvs:
             extras = extra_kvs[0] if len(extra_kvs) == 1 else \
                 self._add_rule(f"{name}-additional-kv", " | ".join(extra_kvs))
-        memo: dict[tuple[int, frozenset[str], bool], str] = {}
+        # min/maxProperties: the count written so far is part of each position's state
+        # (capped: past `low` with no `high` the count no longer matters).
+        low, high = node.get("minProperties") or 0, node.get("maxProperties")
+        if low <= len(need):
+            low = 0
+        if high is not None and not extras and high >= len(values):
+            high = None
+        cap = high if high is not None else max(low, 1)
+        if cap > MAX_COUNTED_PROPERTIES:
+            key = "maxProperties" if high is not None else "minProperties"
+            raise UnsupportedParameter(f"'{key}' above {MAX_COUNTED_PROPERTIES} cannot be "
+                                       "enforced here", param=f"{path}.{key}")
+        memo: dict[tuple[int, frozenset[str], int], str | None] = {}
 
-        def seq(i: int, must: frozenset[str], first: bool) -> str:
-            """Grammar for the properties from position i on ("" when none may follow)."""
+        def seq(i: int, must: frozenset[str], n: int) -> str | None:
+            """Grammar for the properties from position i on, n written ("" when none may
+            follow, None when no way on keeps the counts)."""
+            lead_comma = n > 0
             if i == len(order):
-                if not extras:
+                more = max(0, low - n)
+                room = None if high is None else high - n
+                if room is not None and room < more or (more and not extras):
+                    return None
+                if not extras or room == 0:
                     return ""
-                return f'({extras} ("," space {extras})*)?' if first else \
-                    f'("," space {extras})*'
+                if not lead_comma:
+                    return str(_build_repetition(extras, more, room, separator_rule='"," space'))
+                return str(_build_repetition(f'("," space {extras})', more, room))
             key = order[i]
-            lead = kv[key] if first else f'"," space {kv[key]}'
+            lead = f'"," space {kv[key]}' if lead_comma else kv[key]
             after = must | set(deps.get(key, []))
-            present = f"{lead} {ref(i + 1, frozenset(after), False)}".rstrip()
+            rest = ref(i + 1, frozenset(after), n + 1) if high is None or n < high else None
+            present = None if rest is None else f"{lead} {rest}".rstrip()
             if key in must:
                 return present
-            absent = ref(i + 1, must, first)
+            absent = ref(i + 1, must, n)
+            if present is None or absent is None:
+                return present if absent is None else absent
             return f"({present} | {absent})" if absent else f"({present})?"
 
-        def ref(i: int, must: frozenset[str], first: bool) -> str:
+        def ref(i: int, must: frozenset[str], n: int) -> str | None:
             """seq(i, …) as a rule of its own (each suffix written once)."""
-            body_key = (i, must & frozenset(order[i:]), first)
+            body_key = (i, must & frozenset(order[i:]), min(n, cap))
             if body_key not in memo:
-                body = seq(i, body_key[1], first)
-                memo[body_key] = self._add_rule(f"{name}-{'f' if first else 'r'}{i}", body) \
-                    if body else ""
+                body = seq(*body_key)
+                memo[body_key] = self._add_rule(f"{name}-r{i}-{body_key[2]}", body) \
+                    if body else body
             return memo[body_key]
 
-        inner = seq(0, frozenset(need), True)
+        inner = seq(0, frozenset(need), 0)
+        if inner is None:
+            raise UnsupportedParameter("no object satisfies these properties and counts",
+                                       param=f"{path}.minProperties" if low else
+                                       f"{path}.maxProperties")
         return f'"{{" space {inner} "}}" space' if inner else '"{" space "}" space'
 
 
