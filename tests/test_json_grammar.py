@@ -53,7 +53,8 @@ def test_bounded_integer_schema_compiles_to_a_grammar() -> None:
     ({"type": "string", "pattern": "^(?=a)b"}, "format.pattern"),
     ({"type": "string", "pattern": "a\\1"}, "format.pattern"),
     ({"type": "string", "not": {"maxLength": 3}}, "format.not"),
-    ({"type": "array", "contains": {"type": "integer"}}, "format.contains"),
+    ({"type": "array", "contains": {"type": "integer"}, "maxContains": 1},
+     "format.maxContains"),
     ({"if": {"type": "string"}, "then": {"maxLength": 3}}, "format.if"),
     ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "format.oneOf"),
     ({"type": "object", "enum": ["AAA"]}, "format.enum"),
@@ -277,6 +278,8 @@ def test_a_one_of_whose_alternatives_may_both_match_is_refused_by_name() -> None
      ["{}", '{"a":"x","b":"y"}']),
     ({"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 2},
      ["{}", '{"a":1,"b":2}'], ['{"a":1,"b":2,"c":3}']),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"minimum": 10}},
+     ["[10]", "[12,1,2]"], ["[]", "[1]", "[1,2,3]"]),
 ])
 def test_everyday_keywords_are_enforced(vocab_model: LlamaModel, schema: dict[str, Any],
                                         good: list[str], bad: list[str]) -> None:

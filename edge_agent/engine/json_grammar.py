@@ -77,8 +77,7 @@ MAX_DEPENDENCIES = 6  # dependentRequired: optional properties that require othe
 _MAX_INLINE = 16  # $refs inlined into one merge (allOf through a $ref)
 
 # Keywords that constrain and that no grammar here enforces: refused wherever they apply.
-_UNENFORCEABLE = ("contains", "minContains", "maxContains", "dependentSchemas",
-                  "$dynamicRef", "$recursiveRef")
+_UNENFORCEABLE = ("dependentSchemas", "$dynamicRef", "$recursiveRef")
 MAX_MULTIPLE = 64  # multipleOf: a grammar state per remainder
 MAX_COUNTED_PROPERTIES = 32  # min/maxProperties: a grammar state per count
 # What a `not` folds into (see _Converter._negated): strings it excludes, keys it forbids.
@@ -89,7 +88,7 @@ _FRACTIONAL = "\x00fractional"
 _UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")  # merged as additional*/items
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _COUNTS = (("minLength", "maxLength"), ("minItems", "maxItems"),
-           ("minProperties", "maxProperties"))
+           ("minProperties", "maxProperties"), ("minContains", "maxContains"))
 _UNIONS = ("anyOf", "oneOf")
 _COMBINERS = ("allOf", "anyOf", "oneOf", "$ref")
 # The keywords that constrain one JSON type only: a schema whose `type` is a list is split
@@ -99,7 +98,8 @@ _TYPE_KEYWORDS = {
     "string": {"minLength", "maxLength", "pattern", "format"},
     "integer": {*_BOUNDS, "format", "multipleOf"},
     "number": {*_BOUNDS, "format", "multipleOf"},
-    "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"},
+    "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems",
+              "contains", "minContains", "maxContains"},
     "object": {"properties", "required", "additionalProperties", "patternProperties",
                "dependentRequired", "dependencies", "minProperties", "maxProperties",
                "propertyNames"},
@@ -826,6 +826,9 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         else:
             tuple_, extra = [], items
         lo, hi = node.get("minItems", 0), node.get("maxItems")
+        if "contains" in node:
+            tuple_, extra = self._containing(node, tuple_, extra, lo, hi, path)
+            lo = max(lo, len(tuple_))
         written = tuple_ if hi is None else tuple_[:hi]
         if written and any(s is False for s in written):
             first_false = next(i for i, s in enumerate(written) if s is False)
@@ -865,6 +868,30 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             else:
                 body = _build_repetition(item, more_lo, more_hi, separator_rule='"," space')
         return self._add_rule(base, f'"[" space {body} "]" space'.replace("space  ", "space "))
+
+    def _containing(self, node: dict[str, Any], tuple_: list[Any], extra: Any, lo: int,
+                    hi: int | None, path: str) -> tuple[list[Any], Any]:
+        """`contains`: the first minContains items are written to match it (the rest may or
+        may not); maxContains only where the array cannot hold more items than it allows."""
+        where = f"{path}.contains"
+        low = node.get("minContains", 1)
+        high = node.get("maxContains")
+        if high is not None and (hi is None or hi > high):
+            raise UnsupportedParameter("'maxContains' below the array's longest length "
+                                       "cannot be enforced here", param=f"{path}.maxContains")
+        if low == 0:
+            return tuple_, extra
+        if tuple_:
+            raise UnsupportedParameter("'contains' beside a tuple cannot be enforced here",
+                                       param=where)
+        if (hi is not None and hi < low) or (high is not None and high < low):
+            raise UnsupportedParameter("no array holds that many items matching 'contains'",
+                                       param=where)
+        each = extra if isinstance(extra, dict) else {}
+        if extra is False:
+            raise UnsupportedParameter("'contains' where 'items' allows none", param=where)
+        lead = self._remember({"allOf": [each, node["contains"]]}, node, "contains")
+        return [lead] * low, each
 
     def _unique_array(self, item: Any, lo: int, hi: int | None, name: str, path: str) -> str:
         """Distinct items from a finite set, written in the set's order: never a repeat."""
