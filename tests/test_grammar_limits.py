@@ -251,6 +251,21 @@ def test_objects_that_share_only_scalar_keys_part_before_nesting() -> None:
     assert "recursive $ref" in _refused({"$defs": {"n": node}, "$ref": "#/$defs/n"}).message
 
 
+def test_alternatives_built_with_all_of_are_judged_merged() -> None:
+    # OpenAPI's shape: each alternative extends a base with allOf; merged, they part at
+    # their constant "kind" before any nested value, so the recursion costs nothing.
+    def shape(kind: str, key: str) -> dict[str, Any]:
+        return {"allOf": [{"$ref": "#/$defs/base"}, {
+            "properties": {"kind": {"const": kind},
+                           key: {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            "required": ["kind"]}]}
+    schema = {"$defs": {
+        "base": {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]},
+        "node": {"anyOf": [shape("a", "kids"), shape("b", "more")]}},
+        "$ref": "#/$defs/node"}
+    schema_to_grammar(schema, param="format")
+
+
 def test_an_additional_key_is_never_a_named_one_so_they_part_at_the_key() -> None:
     # Additional keys are written by an automaton that excludes the named ones: "c" can no
     # longer be read both ways, so a recursion through both costs one parse, not two.

@@ -243,7 +243,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         self._peak = 1
         self._ref_factor: dict[str, int] = {}
         self._resolving: dict[str, int] = {}
-        self._widths = WidthOracle(self._refs)
+        self._widths = WidthOracle(self._refs, lambda s: self._flat(s, self._param, 0))
         self._split: list[Any] = []  # parts made here, kept alive for _path (ids name nodes)
         self._registry: Registry[Any] = Registry()
         self._validator: Any = jsonschema.Draft202012Validator

@@ -20,6 +20,7 @@ everywhere (tool calls differ in a constant name; `Optional[...]` pairs with nul
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 MAX_PARSE_STATES = 16
@@ -35,10 +36,15 @@ _Shape = tuple[list[str], dict[str, Any], bool, bool]
 class WidthOracle:
     """Widths of the schemas of one conversion (`refs`: the converter's resolved $refs)."""
 
-    def __init__(self, refs: dict[str, Any]) -> None:
+    def __init__(self, refs: dict[str, Any],
+                 merged: Callable[[dict[str, Any]], Any] | None = None) -> None:
         self._refs = refs
         self._kinds: dict[int, frozenset[str]] = {}
         self._steps = 0
+        # An alternative with an allOf is judged as the converter merges it (`merged`),
+        # each kept here, so that ids stay unique.
+        self._merge = merged
+        self._merged: dict[int, tuple[Any, Any]] = {}
 
     def node_width(self, schema: dict[str, Any]) -> int:
         """How many alternatives of this node may carry on together into nested values."""
@@ -81,6 +87,11 @@ class WidthOracle:
                 return None
             seen.add(ref)
             schema = self._refs[ref]
+        if self._merge is not None and isinstance(schema, dict) and "allOf" in schema:
+            known = self._merged.get(id(schema))
+            if known is None:
+                known = self._merged[id(schema)] = (schema, self._merge(schema))
+            return known[1] if isinstance(known[1], dict) else None
         return schema
 
     def kinds(self, schema: Any, depth: int = 0) -> frozenset[str]:
