@@ -85,7 +85,9 @@ _NOT_TEXTS = "\x00not-texts"
 _NOT_PATTERN = "\x00not-pattern"
 _NOT_KEY = "\x00not-key"
 _FRACTIONAL = "\x00fractional"
+_NOT_PROPS = "\x00not-properties"  # name -> a schema its value must fail
 _UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")  # merged as additional*/items
+_CONDITIONS = ("not", "if", "then", "else")  # folded into unions of what they allow
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _COUNTS = (("minLength", "maxLength"), ("minItems", "maxItems"),
            ("minProperties", "maxProperties"), ("minContains", "maxContains"))
@@ -416,6 +418,13 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                 raise UnsupportedParameter("the schemas combined here allow no value",
                                            param=path)
             _check_node(node, path)
+            if not any(k in schema for k in _UNIONS) and any(k in node for k in _UNIONS):
+                # a union made here (allOf, not, if): its alternatives count as any union's
+                try:
+                    self._states *= self._widths.node_width(node)
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc), param=path) from exc
+                self._enter(self._states, path)
         ref = node.get("$ref")
         if isinstance(ref, str):
             return self._add_rule(rule_name, self._resolve_ref(ref))
@@ -440,9 +449,19 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         union or merged with its `$ref`'s target; `schema` itself when there is nothing to
         combine. `False` when nothing can satisfy it."""
         unevaluated = {k: schema[k] for k in _UNEVALUATED if k in schema}
-        rest = {k: v for k, v in schema.items() if k not in _COMBINERS and k not in unevaluated}
+        rest = {k: v for k, v in schema.items() if k not in _COMBINERS and k not in unevaluated
+                and k not in _CONDITIONS}
         constraining = any(k not in ANNOTATIONS for k in rest) or bool(unevaluated)
         parts: list[Any] = []
+        if "not" in schema:
+            alts = self._negation(schema["not"], f"{path}.not")
+            parts.append({"anyOf": alts} if alts else False)
+        if "if" in schema:  # (if and then) or (not if and else): never both
+            branches = [{"allOf": [schema["if"], schema.get("then", True)]}]
+            alts = self._negation(schema["if"], f"{path}.if")
+            if alts:
+                branches.append({"allOf": [{"anyOf": alts}, schema.get("else", True)]})
+            parts.append({"anyOf": branches})
         if "allOf" in schema:
             parts += schema["allOf"]
         if isinstance(schema.get("$ref"), str) and (constraining or parts):
@@ -476,9 +495,17 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         for x, y in ((a, b), (b, a)):
             for key in _UNIONS:
                 if isinstance(x, dict) and key in x:
-                    alts = [self._conjoin(alt, y, path, depth + 1) for alt in x[key]]
-                    kept = [alt for alt in alts if alt is not False]  # they match nothing
+                    kept, why = [], None
+                    for alt in x[key]:
+                        try:  # an alternative that cannot hold beside the rest: left out
+                            merged = self._conjoin(alt, y, path, depth + 1)
+                        except Unmergeable as exc:
+                            merged, why = False, exc
+                        if merged is not False and self._may_hold(merged):
+                            kept.append(merged)
                     if not kept:
+                        if why is not None:
+                            raise why
                         return False
                     if len(kept) > MAX_ALTERNATIVES:
                         raise InvalidRequest(f"combining these schemas gives over "
@@ -504,6 +531,14 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                 self._flat(target, path, depth + 1)
         node = self._combined(schema, path, depth + 1)
         return node
+
+    def _may_hold(self, node: Any) -> bool:
+        """False for a merged alternative whose enum/const keeps no value."""
+        values = _literal_values(node) if isinstance(node, dict) else None
+        if values is None or any(k in node for k in (*_UNIONS, "$ref")):
+            return True
+        rest = {k: v for k, v in node.items() if k not in ("const", "enum")}
+        return any(self._valid(v, rest) and self._internal_ok(v, rest) for v in values)
 
     def _check_exclusive(self, alts: list[Any], path: str) -> None:
         """A oneOf holds only when exactly one alternative matches: taken when the grammar of
@@ -591,57 +626,82 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
 
     # -- one schema, no combinators -----------------------------------------------------------
 
-    def _negated(self, node: dict[str, Any], path: str) -> dict[str, Any]:
-        """`node` with its `not` folded in, where the negated schema says one thing a
-        grammar can leave out: types, values, a pattern, one required key."""
-        if "not" not in node:
-            return node
-        negated = self._flat(node["not"], path, 0)
-        out = {k: v for k, v in node.items() if k != "not"}
-        where = f"{path}.not"
-        if negated is False:
-            return out
-        keys = [k for k in negated if k not in ANNOTATIONS] if isinstance(negated, dict) \
-            else []
-        if not keys:
-            raise UnsupportedParameter("'not' of a schema that allows everything allows "
-                                       "nothing", param=where)
-        allowed = types_of(out) or {"null", "boolean", "integer", "number", "string", "array",
-                                    "object"}
-        if keys == ["type"]:
-            gone = types_of(negated) or set()
-            if "integer" in gone and "number" in allowed and "number" not in gone:
-                out[_FRACTIONAL] = True  # numbers that are not integers: a fraction not 0
-                gone = gone - {"integer"}
-            out["type"] = [t for t in _KIND_ORDER if t in allowed - gone and
-                           not (t == "integer" and "number" in allowed - gone)]
-        elif keys in (["enum"], ["const"]):
-            values = _literal_values(negated) or []
-            texts = [v for v in values if isinstance(v, str)]
-            if None in values:
-                allowed.discard("null")
-            if any(v is True for v in values) and any(v is False for v in values):
-                allowed.discard("boolean")
-            rest = [v for v in values if not isinstance(v, str) and v is not None and
-                    not (isinstance(v, bool) and "boolean" not in allowed)]
-            if any(_is_kind(v, t) for v in rest for t in allowed):
-                raise UnsupportedParameter("'not' of numbers, booleans, arrays or objects "
-                                           "cannot be enforced here", param=where)
-            out["type"] = [t for t in _KIND_ORDER if t in allowed and
-                           not (t == "integer" and "number" in allowed)]
-            out[_NOT_TEXTS] = [*out.get(_NOT_TEXTS, []), *texts]
-        elif keys == ["pattern"] and _NOT_PATTERN not in out:
-            out["type"] = "string" if "string" in allowed else []
-            out[_NOT_PATTERN] = negated["pattern"]
-        elif keys == ["required"] and len(negated["required"]) == 1 and _NOT_KEY not in out:
-            out["type"] = "object" if "object" in allowed else []
-            out[_NOT_KEY] = negated["required"][0]
-        else:
-            raise UnsupportedParameter("'not' is enforced only of a type, values, a pattern "
-                                       "or one required property", param=where)
-        if not out["type"]:
-            raise UnsupportedParameter("'not' leaves no type", param=where)
+    def _negation(self, schema: Any, where: str) -> list[Any]:
+        """Schemas whose union is what `schema` refuses: the negation of each of its
+        keywords (a schema is a conjunction of them), where a grammar can write it."""
+        flat = self._flat(schema, where, 0)
+        if flat is False:
+            return [{}]
+        if not isinstance(flat, dict):
+            raise InvalidRequest("'not' must be a schema", param=where)
+        if "anyOf" in flat:  # neither alternative
+            return [{"allOf": [{"not": alt} for alt in flat["anyOf"]]}]
+        if "oneOf" in flat:
+            raise UnsupportedParameter("'not' of a oneOf cannot be enforced here", param=where)
+        out: list[Any] = []
+        for key, value in flat.items():
+            if key in ANNOTATIONS:
+                continue
+            if key == "type":
+                gone = types_of(flat) or set()
+                left = [t for t in _KIND_ORDER if t not in gone and t != "integer"]
+                if "integer" in gone and "number" not in gone:
+                    out.append({"type": "number", _FRACTIONAL: True})
+                    left.remove("number")
+                if left:
+                    out.append({"type": left})
+            elif key in ("enum", "const"):
+                out += self._not_values(value if key == "enum" else [value], where)
+            elif key == "pattern":
+                out.append({"type": "string", _NOT_PATTERN: value})
+            elif key == "required":
+                out += [{"type": "object", _NOT_KEY: name} for name in value]
+            elif key == "properties":
+                # Not `properties`: a negation evaluates nothing (unevaluatedProperties).
+                out += [{"type": "object", "required": [name], _NOT_PROPS: {name: sub}}
+                        for name, sub in value.items()]
+            elif key == "items" and isinstance(value, (dict, bool)):
+                out.append({"type": "array", "contains": {"not": value}})
+            elif key in _OPPOSITE:
+                kind, other, shift = _OPPOSITE[key]
+                if shift == 0:
+                    out.append({"type": kind, other: value})
+                elif value + shift >= 0:
+                    out.append({"type": kind, other: value + shift})
+            else:
+                raise UnsupportedParameter(f"'not' of '{key}' cannot be enforced here",
+                                           param=where)
         return out
+
+    def _not_values(self, values: list[Any], where: str) -> list[Any]:
+        """Every value but these: by type, strings through the string automaton."""
+        texts = [v for v in values if isinstance(v, str)]
+        if any(isinstance(v, (dict, list)) or (isinstance(v, (int, float)) and
+                                               not isinstance(v, bool)) for v in values):
+            raise UnsupportedParameter("'not' of numbers, arrays or objects cannot be "
+                                       "enforced here", param=where)
+        out: list[Any] = [{"type": ["object", "array", "number"]},
+                          {"type": "string", _NOT_TEXTS: texts} if texts else {"type": "string"}]
+        if None not in values:
+            out.append({"type": "null"})
+        booleans = [b for b in (False, True) if not any(v is b for v in values)]
+        if booleans:
+            out.append({"enum": booleans})
+        return out
+
+    def _internal_ok(self, value: Any, node: dict[str, Any]) -> bool:
+        """Whether `value` keeps what a folded `not` says (jsonschema cannot see it)."""
+        if isinstance(value, str):
+            if value in node.get(_NOT_TEXTS, ()):
+                return False
+            if _NOT_PATTERN in node and sl.pattern(node[_NOT_PATTERN]).matches(value):
+                return False
+        if isinstance(value, dict) and node.get(_NOT_KEY) in value:
+            return False
+        if isinstance(value, dict) and any(k in value and self._valid(value[k], sub)
+                                           for k, sub in node.get(_NOT_PROPS, {}).items()):
+            return False
+        return not (node.get(_FRACTIONAL) and _is_kind(value, "integer"))
 
     def _plain(self, node: dict[str, Any], name: str, path: str) -> str:
         rule_name = name or "root"
@@ -649,7 +709,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         if values is not None:
             key = "const" if "const" in node else "enum"
             rest = {k: v for k, v in node.items() if k not in ("const", "enum")}
-            kept = [v for v in values if self._valid(v, rest)]
+            kept = [v for v in values if self._valid(v, rest) and self._internal_ok(v, rest)]
             if not kept:
                 others = sorted(k for k in rest if k not in ANNOTATIONS) or ["type"]
                 raise UnsupportedParameter(
@@ -657,7 +717,6 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                     "nothing could be written", param=f"{path}.{key}")
             return self._add_rule(rule_name, " | ".join(
                 self._generate_constant_rule(v) for v in kept))
-        node = self._negated(node, path)
         kinds = self._kinds(node)
         if not kinds:
             raise UnsupportedParameter("'type' allows no value here", param=f"{path}.type")
@@ -982,6 +1041,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             rules += [sub for p, sub in patterns.items() if languages[p].matches(key)]
             if key not in props and len(rules) == 0:
                 rules = [{} if extra in (None, True) else extra]
+            if key in node.get(_NOT_PROPS, {}):
+                rules.append({"not": node[_NOT_PROPS][key]})
             if any(r is False for r in rules):
                 if key in required:
                     raise UnsupportedParameter(f"required property '{key}' is not allowed by "
@@ -1183,6 +1244,15 @@ def _fold_unevaluated(node: Any, unevaluated: dict[str, Any]) -> Any:
     return out
 
 
+# A bound's negation: (the type it constrains, the opposite keyword, the shift of a count).
+_OPPOSITE = {"minimum": ("number", "exclusiveMaximum", 0),
+             "maximum": ("number", "exclusiveMinimum", 0),
+             "exclusiveMinimum": ("number", "maximum", 0),
+             "exclusiveMaximum": ("number", "minimum", 0),
+             "minLength": ("string", "maxLength", -1), "maxLength": ("string", "minLength", 1),
+             "minItems": ("array", "maxItems", -1), "maxItems": ("array", "minItems", 1),
+             "minProperties": ("object", "maxProperties", -1),
+             "maxProperties": ("object", "minProperties", 1)}
 _KEY_KEYWORDS = {"type", "pattern", "format", "minLength", "maxLength", "enum", "const"}
 
 
@@ -1295,9 +1365,6 @@ def _check_node(node: Any, path: str) -> None:
         if key in node:
             raise UnsupportedParameter(
                 f"JSON schema keyword '{key}' cannot be enforced here", param=f"{path}.{key}")
-    if "if" in node and ("then" in node or "else" in node):
-        raise UnsupportedParameter("JSON schema keyword 'if' cannot be enforced here",
-                                   param=f"{path}.if")
     ref = node.get("$ref")
     if ref is not None and not isinstance(ref, str):
         raise InvalidRequest("'$ref' must be a string", param=f"{path}.$ref")
