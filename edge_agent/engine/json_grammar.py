@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import urllib.parse
 from typing import Any
@@ -63,21 +62,24 @@ from edge_agent.engine.numeric_range import (
     int_range,
     number_range,
 )
+from edge_agent.engine.schema_limits import (
+    BOUNDS,
+    MAX_PATTERN_CHARS,
+    MAX_PROPERTIES,
+    MAX_REPETITION,
+    check_node,
+    check_pattern,
+)
 from edge_agent.engine.schema_merge import ANNOTATIONS, Unmergeable, merge, types_of
 from edge_agent.engine.schema_width import MAX_ALTERNATIVES, MAX_PARSE_STATES, WidthOracle
 from edge_agent.errors import EdgeAgentError, InvalidRequest, UnsupportedParameter
 
-MAX_REPETITION = 1_000  # minLength, maxLength, minItems, maxItems, a pattern's {m,n}
-MAX_PROPERTIES = 256  # per object, allOf parts together (optional ones convert in n² time)
 MAX_SCHEMA_NODES = 4_096  # schemas converted, counting each use of a $ref
 MAX_SCHEMA_DEPTH = 64  # JSON nesting inside the schema document
-MAX_PATTERN_CHARS = 1_000
 MAX_UNIQUE_VALUES = 32  # uniqueItems: the values an item may take
 MAX_DEPENDENCIES = 6  # dependentRequired: optional properties that require others
 _MAX_INLINE = 16  # $refs inlined into one merge (allOf through a $ref)
 
-# Keywords that constrain and that no grammar here enforces: refused wherever they apply.
-_UNENFORCEABLE = ("dependentSchemas", "$dynamicRef", "$recursiveRef")
 MAX_MULTIPLE = 64  # multipleOf: a grammar state per remainder
 MAX_COUNTED_PROPERTIES = 32  # min/maxProperties: a grammar state per count
 # What a `not` folds into (see _Converter._negated): strings it excludes, keys it forbids.
@@ -88,9 +90,6 @@ _FRACTIONAL = "\x00fractional"
 _NOT_PROPS = "\x00not-properties"  # name -> a schema its value must fail
 _UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")  # merged as additional*/items
 _CONDITIONS = ("not", "if", "then", "else")  # folded into unions of what they allow
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_COUNTS = (("minLength", "maxLength"), ("minItems", "maxItems"),
-           ("minProperties", "maxProperties"), ("minContains", "maxContains"))
 _UNIONS = ("anyOf", "oneOf")
 _COMBINERS = ("allOf", "anyOf", "oneOf", "$ref")
 # The keywords that constrain one JSON type only: a schema whose `type` is a list is split
@@ -98,8 +97,8 @@ _COMBINERS = ("allOf", "anyOf", "oneOf", "$ref")
 # turned `["string", "null"]` into a bare union, silently dropping maxLength and the rest).
 _TYPE_KEYWORDS = {
     "string": {"minLength", "maxLength", "pattern", "format"},
-    "integer": {*_BOUNDS, "format", "multipleOf"},
-    "number": {*_BOUNDS, "format", "multipleOf"},
+    "integer": {*BOUNDS, "format", "multipleOf"},
+    "number": {*BOUNDS, "format", "multipleOf"},
     "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems",
               "contains", "minContains", "maxContains"},
     "object": {"properties", "required", "additionalProperties", "patternProperties",
@@ -397,7 +396,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             raise UnsupportedParameter("the schema `false` allows no value", param=path)
         if not isinstance(schema, dict):
             raise UnsupportedParameter("a JSON schema must be an object", param=path)
-        _check_node(schema, path)
+        check_node(schema, path)
         saved = self._states
         try:
             self._states *= self._widths.node_width(schema)
@@ -417,7 +416,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             if node is False:
                 raise UnsupportedParameter("the schemas combined here allow no value",
                                            param=path)
-            _check_node(node, path)
+            check_node(node, path)
             if not any(k in schema for k in _UNIONS) and any(k in node for k in _UNIONS):
                 # a union made here (allOf, not, if): its alternatives count as any union's
                 try:
@@ -519,7 +518,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             return {}
         if not isinstance(schema, dict):
             return schema
-        _check_node(schema, path)
+        check_node(schema, path)
         ref = schema.get("$ref")
         if isinstance(ref, str):
             if depth > _MAX_INLINE:
@@ -586,7 +585,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                 return sl.both(_string_language(a), _string_language(b)).empty
             except ValueError:
                 return False
-        if kinds <= {"integer", "number"} and any(k in b for k in _BOUNDS):
+        if kinds <= {"integer", "number"} and any(k in b for k in BOUNDS):
             x, y = Bounds.of(a), Bounds.of(b)
             return x.hi < y.lo or y.hi < x.lo or (x.hi == y.lo and (x.hi_open or y.lo_open)) \
                 or (y.hi == x.lo and (y.hi_open or x.lo_open))
@@ -773,7 +772,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             raise UnsupportedParameter(f"format '{fmt}' cannot be enforced on numbers",
                                        param=f"{path}.format")
         if node.get(_FRACTIONAL):
-            if any(k in limits for k in (*_BOUNDS, "multipleOf")) or fmt is not None:
+            if any(k in limits for k in (*BOUNDS, "multipleOf")) or fmt is not None:
                 raise UnsupportedParameter("'not' integer beside other number keywords "
                                            "cannot be enforced here", param=f"{path}.not")
             nonzero = self._add_rule("fraction-nonzero", NONZERO_FRACTION_RULE)
@@ -782,7 +781,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                                   f'"-"? {integral} "." {nonzero} space')
         if "multipleOf" in node:
             return self._multiple_rule(node, limits, name, path)
-        if not any(k in limits for k in _BOUNDS) and (kind == "integer" or fmt is None):
+        if not any(k in limits for k in BOUNDS) and (kind == "integer" or fmt is None):
             return str(self._add_primitive(kind, PRIMITIVE_RULES[kind]))
         bounds = Bounds.of(limits)
         if kind == "integer":
@@ -790,7 +789,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             if lo > hi:
                 raise UnsupportedParameter(f"integer range [{lo}, {hi}] is empty", param=path)
             return self._add_rule(f"{name or 'root'}-int", f"({int_range(lo, hi)}) space")
-        if not any(k in limits for k in _BOUNDS):  # a double: a number without exponent
+        if not any(k in limits for k in BOUNDS):  # a double: a number without exponent
             bounds = Bounds(-INT_CAP, False, INT_CAP, False)
         fraction = self._add_rule("fraction", FRACTION_RULE)
         nonzero = self._add_rule("fraction-nonzero", NONZERO_FRACTION_RULE)
@@ -811,7 +810,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         if not float(k).is_integer() or k > MAX_MULTIPLE:
             raise UnsupportedParameter(f"'multipleOf' is enforced for whole numbers up to "
                                        f"{MAX_MULTIPLE}", param=where)
-        if any(b in limits for b in _BOUNDS):
+        if any(b in limits for b in BOUNDS):
             raise UnsupportedParameter("'multipleOf' beside bounds cannot be enforced here",
                                        param=where)
         k = int(k)
@@ -1015,7 +1014,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         base = name or "root"
         languages = {}
         for pattern in patterns:
-            _check_pattern(pattern, f"{path}.patternProperties")
+            check_pattern(pattern, f"{path}.patternProperties")
             try:
                 languages[pattern] = sl.pattern(pattern)
             except ValueError as exc:
@@ -1355,133 +1354,6 @@ def _dependencies(node: dict[str, Any], path: str) -> dict[str, list[str]]:
     return deps
 
 
-def _check_node(node: Any, path: str) -> None:
-    """Refuses, by name, what a grammar cannot enforce and what exceeds a limit."""
-    if node is True or node is False:
-        return
-    if not isinstance(node, dict):
-        raise UnsupportedParameter("a JSON schema must be an object", param=path)
-    for key in _UNENFORCEABLE:
-        if key in node:
-            raise UnsupportedParameter(
-                f"JSON schema keyword '{key}' cannot be enforced here", param=f"{path}.{key}")
-    ref = node.get("$ref")
-    if ref is not None and not isinstance(ref, str):
-        raise InvalidRequest("'$ref' must be a string", param=f"{path}.$ref")
-    for key in _BOUNDS:
-        if key in node:
-            value = node[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    not math.isfinite(value):
-                raise InvalidRequest(f"'{key}' must be a finite number", param=f"{path}.{key}")
-    for low, high in _COUNTS:
-        lo = _count(node, low, path)
-        hi = _count(node, high, path)
-        if lo is not None and hi is not None and lo > hi:
-            raise InvalidRequest(f"'{low}' {lo} exceeds '{high}' {hi}", param=f"{path}.{low}")
-    if "pattern" in node:
-        _check_pattern(node["pattern"], f"{path}.pattern")
-    fmt = node.get("format")
-    if fmt is not None and not isinstance(fmt, str):
-        raise InvalidRequest("'format' must be a string", param=f"{path}.format")
-    _check_shapes(node, path)
-
-
-def _count(node: dict[str, Any], key: str, path: str) -> int | None:
-    """A repetition count as an int within MAX_REPETITION (written back for the converter)."""
-    if key not in node:
-        return None
-    value = node[key]
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidRequest(f"'{key}' must be a non-negative integer", param=f"{path}.{key}")
-    if value > MAX_REPETITION:
-        raise InvalidRequest(f"'{key}' {value} exceeds the limit of {MAX_REPETITION}",
-                             param=f"{path}.{key}")
-    node[key] = value
-    return value
-
-
-def _check_shapes(node: dict[str, Any], path: str) -> None:
-    """Keywords of the wrong JSON type, or empty where a value is needed, refused by name
-    (the port would fail on them with an internal error, or emit an empty rule)."""
-    for key in ("enum", "anyOf", "oneOf", "allOf"):
-        if key in node and (not isinstance(node[key], list) or not node[key]):
-            raise InvalidRequest(f"'{key}' must be a non-empty array", param=f"{path}.{key}")
-    for key in ("properties", "patternProperties"):
-        value = node.get(key)
-        if value is not None and not isinstance(value, dict):
-            raise InvalidRequest(f"'{key}' must be an object", param=f"{path}.{key}")
-    props = node.get("properties")
-    subschemas = [(f"properties.{k}", v) for k, v in (props or {}).items()]
-    subschemas += [(f"patternProperties.{k}", v)
-                   for k, v in (node.get("patternProperties") or {}).items()]
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems", "items"):
-        value = node.get(key)
-        if isinstance(value, list):
-            subschemas += [(f"{key}.{i}", v) for i, v in enumerate(value)]
-        elif key == "items" and value is not None:
-            subschemas.append((key, value))
-    for key in ("additionalProperties", "additionalItems"):
-        if key in node:
-            subschemas.append((key, node[key]))
-    for where, sub in subschemas:
-        if not isinstance(sub, (dict, bool)):
-            raise UnsupportedParameter("a JSON schema must be an object",
-                                       param=f"{path}.{where}")
-    count = len(props or {}) + sum(len(part.get("properties") or ())
-                                   for part in node.get("allOf") or () if isinstance(part, dict))
-    if count > MAX_PROPERTIES:
-        raise InvalidRequest(f"an object with {count} properties exceeds the limit of "
-                             f"{MAX_PROPERTIES}", param=path)
-    kind = node.get("type")
-    if kind is not None and not isinstance(kind, str) and (
-            not isinstance(kind, list) or not kind or not all(isinstance(t, str) for t in kind)):
-        raise InvalidRequest("'type' must be a string or a non-empty array of strings",
-                             param=f"{path}.type")
-    required = node.get("required")
-    if required is not None and (
-            not isinstance(required, list) or not all(isinstance(r, str) for r in required)):
-        raise InvalidRequest("'required' must be an array of strings", param=f"{path}.required")
-
-
-def _check_pattern(pattern: Any, path: str) -> None:
-    if not isinstance(pattern, str):
-        raise InvalidRequest("'pattern' must be a string", param=path)
-    if len(pattern) > MAX_PATTERN_CHARS:
-        raise InvalidRequest(f"a pattern of {len(pattern)} characters exceeds the limit of "
-                             f"{MAX_PATTERN_CHARS}", param=path)
-    for count in _quantifiers(pattern):
-        if not count.isdigit() or len(count) > 6 or int(count) > MAX_REPETITION:
-            raise InvalidRequest(f"pattern repetition {{{count}}} exceeds the limit of "
-                                 f"{MAX_REPETITION}", param=path)
-
-
-def _quantifiers(pattern: str) -> list[str]:
-    """The numbers in a pattern's {m}, {m,}, {m,n}."""
-    out: list[str] = []
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-        elif c == "[":
-            i += 1
-            while i < len(pattern) and pattern[i] != "]":
-                i += 2 if pattern[i] == "\\" else 1
-            i += 1
-        elif c == "{":
-            end = pattern.find("}", i)
-            if end < 0:
-                return out
-            inner = pattern[i + 1 : end]
-            if re.fullmatch(r"\s*\d+\s*(,\s*\d*\s*)?", inner):
-                out += [n.strip() for n in inner.split(",") if n.strip()]
-            i = end + 1
-        else:
-            i += 1
-    return out
-
-
 _int_range = int_range  # the name tests/test_json_grammar.py knows
+__all__ = ["MAX_PATTERN_CHARS", "MAX_PROPERTIES", "MAX_REPETITION", "MAX_SCHEMA_DEPTH",
+           "MAX_SCHEMA_NODES", "convert", "schema_to_grammar"]
