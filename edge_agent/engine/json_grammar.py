@@ -961,8 +961,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             raise UnsupportedParameter(
                 "'uniqueItems' is enforced only when items take a few fixed values "
                 "(an enum, a const or a boolean)", param=f"{path}.uniqueItems")
-        values = [v for v in values if self._valid(v, {k: v2 for k, v2 in flat.items()
-                                                      if k not in ("enum", "const")})]
+        rest = {k: v2 for k, v2 in flat.items() if k not in ("enum", "const")}
+        values = [v for v in values if self._valid(v, rest) and self._internal_ok(v, rest)]
         distinct: list[Any] = []
         for v in values:
             if not any(_json_equal(v, w) for w in distinct):
@@ -1022,8 +1022,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                     from exc
         names = self._key_language(node, path)
         # Every name that may be written by name: listed, required, or depended on.
-        named = list(props)
-        for key in [*required, *(k for ks in deps.values() for k in ks)]:
+        named = list(props)  # triggers too: an extra key could not require its dependencies
+        for key in [*required, *deps, *(k for ks in deps.values() for k in ks)]:
             if key not in named:
                 named.append(key)
         for key in list(named):
@@ -1140,6 +1140,17 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                     if dep not in need:
                         need.add(dep)
                         changed = True
+        def closure(key: str) -> set[str]:
+            out, todo = {key}, [key]
+            while todo:
+                for dep in deps.get(todo.pop(), []):
+                    if dep not in out:
+                        out.add(dep)
+                        todo.append(dep)
+            return out
+
+        for key in [k for k in values if k not in need and not closure(k) <= values.keys()]:
+            values = {k: v for k, v in values.items() if k != key}  # needs what cannot be
         order = [k for k in values if k in need]
         triggers = [k for k in values if k not in need and deps.get(k)]
         if len(triggers) > MAX_DEPENDENCIES:
