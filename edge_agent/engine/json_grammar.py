@@ -961,8 +961,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             raise UnsupportedParameter(
                 "'uniqueItems' is enforced only when items take a few fixed values "
                 "(an enum, a const or a boolean)", param=f"{path}.uniqueItems")
-        rest = {k: v2 for k, v2 in flat.items() if k not in ("enum", "const")}
-        values = [v for v in values if self._valid(v, rest) and self._internal_ok(v, rest)]
+        others = {k: v2 for k, v2 in flat.items() if k not in ("enum", "const")}
+        values = [v for v in values if self._valid(v, others) and self._internal_ok(v, others)]
         distinct: list[Any] = []
         for v in values:
             if not any(_json_equal(v, w) for w in distinct):
