@@ -13,7 +13,8 @@ book-keeping, literals, `$ref` resolution and repetition; it dispatches every sc
 
 - `allOf`, and keywords beside a union or a `$ref`, are merged into one schema
   (`schema_merge`); a `oneOf` is taken only when its alternatives' grammars exclude each
-  other (else two could match and the instance be invalid);
+  other (else two could match and the instance be invalid); `not` becomes the union of its
+  keywords' negations, `if`/`then`/`else` the union of "if and then" and "not if and else";
 - `enum`/`const` keep the values valid for the schema's other keywords (`type: object` with
   a string enum is refused as unsatisfiable);
 - strings with a `pattern`, a `format` or a key rule are automata (`string_language`):
@@ -22,7 +23,8 @@ book-keeping, literals, `$ref` resolution and repetition; it dispatches every sc
 - objects: `required` names outside `properties`, `patternProperties`,
   `additionalProperties` with keys other than the named ones, `dependentRequired`;
 - numbers and integers with bounds (`numeric_range`), `int32`/`int64`;
-- `uniqueItems` over a finite set of values (written in one order, so never repeated).
+- `uniqueItems` over a finite set of values (written in one order, so never repeated),
+  `contains` (the first items written to match), `min/maxProperties` (counted per position).
 
 The port trusts its schema, and a schema is client input: a repetition count became that
 many copies of a rule (`minLength: 10**9` took the host's memory), a `$ref` was converted
