@@ -281,6 +281,11 @@ def test_a_one_of_whose_alternatives_may_both_match_is_refused_by_name() -> None
     ({"type": "array", "items": {"type": "integer"}, "contains": {"minimum": 10}},
      ["[10]", "[12,1,2]"], ["[]", "[1]", "[1,2,3]"]),
     ({"type": "string", "not": {"maxLength": 3}}, ['"abcd"'], ['"abc"', '""']),
+    ({"type": "string", "format": "email", "maxLength": 255}, ['"ada@example.com"'],
+     ['"ada"', '"' + "a" * 250 + '@example.com"']),
+    # Under a short maxLength, the parts of an address are kept short enough to fit.
+    ({"type": "string", "format": "email", "maxLength": 20}, ['"ab@cd.ef"'],
+     ['"ada.lovelace@example.com"']),
     ({"type": "object", "additionalProperties": {"type": "string"},
       "dependentRequired": {"x": ["y"]}}, ['{"a":"b"}', '{"x":"1","y":"2"}'], ['{"x":"1"}']),
     ({"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False,

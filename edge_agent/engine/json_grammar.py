@@ -136,6 +136,28 @@ _FORMATS = {
 _FORMATS["uri-reference"] = _FORMATS["iri"] = _FORMATS["iri-reference"] = _FORMATS["uri"]
 _FORMATS["idn-email"] = _FORMATS["email"]
 _FORMATS["idn-hostname"] = _FORMATS["hostname"]
+
+
+_MAX_PART = 24  # a bounded format's longest part (a longer one costs states, not validity)
+
+
+def _label(k: int) -> str:
+    return f"[a-zA-Z0-9]([a-zA-Z0-9-]{{0,{k - 2}}}[a-zA-Z0-9])?"
+
+
+# Formats whose parts repeat, with every part at most k characters long.
+_BOUNDED_FORMATS = {
+    "email": lambda k: f"^[a-zA-Z0-9_+-]{{1,{k}}}(\\.[a-zA-Z0-9_+-]{{1,{k}}}){{0,2}}@"
+                       f"{_label(k)}(\\.{_label(k)}){{1,2}}$",
+    "hostname": lambda k: f"^{_label(k)}(\\.{_label(k)}){{0,3}}$",
+    "uri": lambda k: f"^[a-zA-Z][a-zA-Z0-9+.-]{{0,9}}://{_label(k)}(\\.{_label(k)}){{0,3}}"
+                     f"(:[0-9]{{1,5}})?(/{_PCHAR}{{0,{k}}}){{0,4}}(\\?({_PCHAR}|[/?]){{0,{k}}})?"
+                     f"(#({_PCHAR}|[/?]){{0,{k}}})?$",
+}
+_BOUNDED_FORMATS["idn-email"] = _BOUNDED_FORMATS["email"]
+_BOUNDED_FORMATS["idn-hostname"] = _BOUNDED_FORMATS["hostname"]
+for _name in ("uri-reference", "iri", "iri-reference"):
+    _BOUNDED_FORMATS[_name] = _BOUNDED_FORMATS["uri"]
 for _n in range(1, 6):
     _FORMATS[f"uuid{_n}"] = _FORMATS["uuid"]
 _MAX_NAME = 48  # rule names: property names can be any length
@@ -1328,11 +1350,35 @@ def _string_language(node: dict[str, Any]) -> sl.Dfa:
     if isinstance(node.get("pattern"), str):
         language = sl.both(language, sl.pattern(node["pattern"]))
     fmt = node.get("format")
+    high = node.get("maxLength")
     if fmt in _FORMATS:
-        language = sl.both(language, sl.pattern(_FORMATS[fmt]))
-    if "minLength" in node or "maxLength" in node:
-        language = sl.with_length(language, node.get("minLength", 0), node.get("maxLength"))
+        language = sl.both(language, _format_language(fmt, high))
+    low = node.get("minLength", 0)
+    longest = language.longest() if high is not None else None
+    if low > language.shortest() or (high is not None and (longest is None or longest > high)):
+        language = sl.with_length(language, low, high)
     return language
+
+
+def _format_language(fmt: str, high: int | None) -> sl.Dfa:
+    """A format's texts; under a maxLength, a format of unbounded parts is written with
+    parts short enough that its longest text fits (a length automaton over it would be
+    its size times the length)."""
+    bounded = _BOUNDED_FORMATS.get(fmt)
+    if high is None or bounded is None:
+        return sl.pattern(_FORMATS[fmt])
+    # The longest text grows linearly with k: measured at 2 and 4, the largest k that fits.
+    at2, at4 = (sl.pattern(bounded(k)).longest() or 0 for k in (2, 4))
+    slope = max(1, (at4 - at2) // 2)
+    k = min(_MAX_PART if "email" in fmt or "host" in fmt else _MAX_PART // 2,
+            (high - at2) // slope + 2)
+    while k >= 2:
+        language = sl.pattern(bounded(k))
+        longest = language.longest()
+        if longest is not None and longest <= high:
+            return language
+        k -= 1
+    return sl.pattern(_FORMATS[fmt])  # short lengths: cut by the length automaton
 
 
 def _literal_values(node: dict[str, Any]) -> list[Any] | None:

@@ -24,11 +24,13 @@ automaton would exceed them is refused, never truncated.
 from __future__ import annotations
 
 import bisect
+import collections
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 MAX_NFA_STATES = 20_000
 MAX_DFA_STATES = 2_000
+_MINIMIZED = 64  # automata up to this size are minimized
 _MAX_GROUP_DEPTH = 32
 _TOP = 0x10FFFF
 
@@ -406,6 +408,49 @@ class Dfa:
     def empty(self) -> bool:
         return not any(self.accepting)
 
+    def shortest(self) -> int:
+        """The length of the shortest text (0 for an empty language)."""
+        dist, frontier = {0: 0}, [0]
+        while frontier:
+            if any(self.accepting[q] for q in frontier):
+                return dist[frontier[0]]
+            nxt = []
+            for q in frontier:
+                for _, t in self.moves[q]:
+                    if t not in dist:
+                        dist[t] = dist[q] + 1
+                        nxt.append(t)
+            frontier = nxt
+        return 0
+
+    def longest(self) -> int | None:
+        """The length of the longest text, None when there is none (a loop)."""
+        order: list[int] = []
+        state = [0] * len(self.moves)  # 0 new, 1 on the path, 2 done
+        stack = [(0, 0)]
+        while stack:
+            q, i = stack.pop()
+            if i == 0:
+                if state[q] == 1:
+                    return None
+                if state[q] == 2:
+                    continue
+                state[q] = 1
+            if i < len(self.moves[q]):
+                stack.append((q, i + 1))
+                t = self.moves[q][i][1]
+                if state[t] == 1:
+                    return None
+                if state[t] == 0:
+                    stack.append((t, 0))
+            else:
+                state[q] = 2
+                order.append(q)
+        far = [0] * len(self.moves)
+        for q in order:  # children before parents
+            far[q] = max((far[t] + 1 for _, t in self.moves[q]), default=0)
+        return far[0]
+
     def step(self, q: int, c: int) -> int | None:
         for cs, t in self.moves[q]:
             if _contains(cs, c):
@@ -469,9 +514,11 @@ def _trim(dfa: Dfa) -> Dfa:
     if 0 not in live:
         return Dfa([[]], [False])
     moves = [[(cs, t) for cs, t in row if t in live] for row in dfa.moves]
-    # Moore's refinement: states with the same acceptance and the same targets' blocks.
-    block = [int(a) for a in dfa.accepting]
-    while True:
+    # Moore's refinement: states with the same acceptance and the same targets' blocks. It
+    # takes a round per distinguishable depth: past _MINIMIZED states (a length's product,
+    # already near minimal) the automaton is kept as built.
+    block = [int(a) for a in dfa.accepting] if n <= _MINIMIZED else list(range(n))
+    while n <= _MINIMIZED:
         signature: dict[tuple[object, ...], int] = {}
         new = []
         for q in range(n):
@@ -483,11 +530,11 @@ def _trim(dfa: Dfa) -> Dfa:
     # Renumber from the start, keeping reachable live blocks only.
     order = {block[0]: 0}
     members = {b: q for q, b in reversed(list(enumerate(block)))}
-    queue = [block[0]]
+    queue = collections.deque([block[0]])
     out_moves: list[list[tuple[Chars, int]]] = []
     accepting = []
     while queue:
-        b = queue.pop(0)
+        b = queue.popleft()
         q = members[b]
         row = []
         for cs, t in _merged(moves[q], block):
