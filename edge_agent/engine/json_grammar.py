@@ -618,8 +618,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
     def _object_excludes(self, a: dict[str, Any], b: dict[str, Any], depth: int) -> bool:
         props_a = a.get("properties") or {}
         written = set(props_a) | set(a.get("required") or [])
-        extra = "additionalProperties" in a and a["additionalProperties"] is not False or \
-            "patternProperties" in a
+        extra = _writes_extra_keys(a)
         for key in b.get("required") or []:
             if key not in written and not extra:
                 return True  # b needs a key a never writes
@@ -905,8 +904,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             tuple_, extra = node["prefixItems"], items
         elif isinstance(items, list):  # draft 7: items as a tuple, then additionalItems
             tuple_, extra = items, node.get("additionalItems")
-        else:
-            tuple_, extra = [], items
+        else:  # no tuple: items absent or true is any value
+            tuple_, extra = [], True if items is None else items
         lo, hi = node.get("minItems", 0), node.get("maxItems")
         if "contains" in node:
             tuple_, extra = self._containing(node, tuple_, extra, lo, hi, path)
@@ -938,12 +937,12 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         body = ' "," space '.join(parts)
         if more_hi != 0:
             item_schema = extra if isinstance(extra, dict) else {}
-            if item_schema == {} and "items" in node and node.get("items") == {}:
+            if item_schema == {} and node.get("items") == {}:
                 item_schema = {"type": "object"}  # what the port makes of {} anywhere else
             self._remember(item_schema, node, "items")
             if unique:
                 return self._unique_array(item_schema, more_lo, more_hi, base, path)
-            item = self.visit(item_schema, f"{base}-item")
+            item = self._value(extra if extra is True else item_schema, f"{base}-item")
             if parts:
                 more = _build_repetition(f'("," space {item})', more_lo, more_hi)
                 body = f"{body} {more}" if more else body
@@ -1036,6 +1035,12 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         patterns: dict[str, Any] = dict(node.get("patternProperties") or {})
         deps = _dependencies(node, path)
         base = name or "root"
+        if not props and not patterns and extra in (None, True) and not any(
+                k in node for k in ("propertyNames", "minProperties", "maxProperties",
+                                    _NOT_KEY, _NOT_PROPS)):
+            extra = True  # an object that names no key: any keys, as the port wrote it
+            if not required and not deps:
+                return str(self._add_primitive("object", PRIMITIVE_RULES["object"]))
         languages = {}
         for pattern in patterns:
             check_pattern(pattern, f"{path}.patternProperties")
@@ -1256,6 +1261,15 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                                        param=f"{path}.minProperties" if low else
                                        f"{path}.maxProperties")
         return f'"{{" space {inner} "}}" space' if inner else '"{" space "}" space'
+
+
+def _writes_extra_keys(node: dict[str, Any]) -> bool:
+    """Whether the object rule may write keys beyond the named ones (as `_object_rule`)."""
+    extra = node.get("additionalProperties")
+    if "patternProperties" in node or extra not in (None, False):
+        return True
+    props = node.get("properties") or {}
+    return extra is None and (not props or (node.get("minProperties") or 0) > len(props))
 
 
 def _fold_unevaluated(node: Any, unevaluated: dict[str, Any]) -> Any:
