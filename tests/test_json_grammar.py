@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from edge_agent.engine.json_grammar import _int_range, schema_to_grammar
 from edge_agent.engine.runtime import LlamaModel
 from edge_agent.errors import UnsupportedParameter
-from tests.support.grammar_engine import grammar_sampler, takes
+from tests.support.grammar_engine import grammar_sampler, takes, walk
 
 
 def _as_regex(gbnf_alternation: str) -> re.Pattern[str]:
@@ -304,3 +305,27 @@ def test_a_one_of_whose_alternatives_may_both_match_is_refused_by_name() -> None
 def test_everyday_keywords_are_enforced(vocab_model: LlamaModel, schema: dict[str, Any],
                                         good: list[str], bad: list[str]) -> None:
     _holds(vocab_model, schema, good, bad)
+
+
+@pytest.mark.parametrize("schema", [
+    ADDRESS,
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+    {"type": "object", "properties": {"q": {"type": "string", "pattern": '^[a-z"\\\\]{1,4}$'}},
+     "required": ["q"]},
+])
+def test_what_the_grammar_writes_is_valid(vocab_model: LlamaModel, schema: dict[str, Any]
+                                          ) -> None:
+    # Random walks through the grammar itself, token by token, as a sampler would be let.
+    sampler = grammar_sampler(vocab_model, schema_to_grammar(schema, param="format"))
+    rng = random.Random(7)
+    try:
+        texts = []
+        for _ in range(3):
+            ll.llama_sampler_reset(sampler)
+            text = walk(vocab_model, sampler, rng, max_tokens=64, stop=0.5)
+            if text is not None:
+                texts.append(text)
+                jsonschema.validate(json.loads(text), schema)
+        assert texts  # at least one walk finished
+    finally:
+        ll.llama_sampler_free(sampler)

@@ -40,6 +40,9 @@ def takes(model: LlamaModel, sampler: Any, text: str) -> bool:
     return allowed(model.eos)
 
 
+_CLOSING = set(b'"]},')
+
+
 def walk(model: LlamaModel, sampler: Any, rng: random.Random, max_tokens: int = 64,
          stop: float = 0.3) -> str | None:
     """A random text the grammar writes: at each step a token drawn among all those the
@@ -59,7 +62,10 @@ def walk(model: LlamaModel, sampler: Any, rng: random.Random, max_tokens: int = 
             raise AssertionError(f"the grammar allows no token after {out!r}")
         if model.eos in allowed and (len(allowed) == 1 or rng.random() < stop):
             return b"".join(model.piece(t) for t in out).decode("utf-8")
-        choice = rng.choice([t for t in allowed if t != model.eos])
+        choices = [t for t in allowed if t != model.eos]
+        closing = [t for t in choices if set(model.piece(t)) & _CLOSING]
+        # Half the time a token that closes something, or a string could run on for ever.
+        choice = rng.choice(closing if closing and rng.random() < 0.5 else choices)
         ll.llama_sampler_accept(sampler, choice)
         out.append(choice)
     return None
