@@ -95,7 +95,7 @@ def test_grammar_for_converts_a_repeated_schema_and_tool_set_once(
 
 def test_a_refusal_still_names_the_dialects_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prompt, "GRAMMARS", RequestGrammars())
-    bad = {"type": "integer", "multipleOf": 3}
+    bad = {"type": "integer", "multipleOf": 0.5}
     for param in ("format", "response_format.json_schema.schema"):
         with pytest.raises(UnsupportedParameter) as err:
             prompt.grammar_for(GenerationRequest(model="m", json_schema=bad, schema_param=param))

@@ -1,9 +1,30 @@
-"""JSON schema → llama.cpp grammar, refusing what a grammar cannot enforce or afford.
+"""JSON schema → llama.cpp grammar: every constraining keyword enforced, or refused by name.
 
-Builds on llama-cpp-python's port of llama.cpp's converter and adds integer ranges
-(`minimum`, `maximum`, `exclusive*`), which the port ignores. Every other keyword that
-would constrain the output but cannot be expressed as a grammar is refused by name: a
-client asking for a schema gets output valid for it, or a 400 — never a silent pass.
+The promise: a schema accepted here gives a grammar whose every text is valid for it. A
+keyword that constrains the output is either written into the grammar or refused with a 400
+naming it; only keywords that constrain nothing (`title`, `description`, `default`, unknown
+extensions…, see `schema_merge.ANNOTATIONS`) are ignored. The grammar may leave out valid
+texts (a bounded number never has an exponent, a tuple is written whole) but never admits
+an invalid one. `tests/test_json_schema_suite.py` holds this to the official JSON Schema
+Test Suite: every invalid instance of every schema accepted here must be refused.
+
+Built on llama-cpp-python's port of llama.cpp's converter, of which it keeps the rule
+book-keeping, literals, `$ref` resolution and repetition; it dispatches every schema itself:
+
+- `allOf`, and keywords beside a union or a `$ref`, are merged into one schema
+  (`schema_merge`); a `oneOf` is taken only when its alternatives' grammars exclude each
+  other (else two could match and the instance be invalid); `not` becomes the union of its
+  keywords' negations, `if`/`then`/`else` the union of "if and then" and "not if and else";
+- `enum`/`const` keep the values valid for the schema's other keywords (`type: object` with
+  a string enum is refused as unsatisfiable);
+- strings with a `pattern`, a `format` or a key rule are automata (`string_language`):
+  patterns searched as JSON Schema searches, lengths beside them intersected, and every
+  character written as JSON writes it, so a string cannot end before its quote;
+- objects: `required` names outside `properties`, `patternProperties`,
+  `additionalProperties` with keys other than the named ones, `dependentRequired`;
+- numbers and integers with bounds (`numeric_range`), `int32`/`int64`;
+- `uniqueItems` over a finite set of values (written in one order, so never repeated),
+  `contains` (the first items written to match), `min/maxProperties` (counted per position).
 
 The port trusts its schema, and a schema is client input: a repetition count became that
 many copies of a rule (`minLength: 10**9` took the host's memory), a `$ref` was converted
@@ -18,43 +39,132 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
+import urllib.parse
 from typing import Any
 
-from llama_cpp.llama_grammar import INVALID_RULE_CHARS_RE, BuiltinRule, SchemaConverter
+import jsonschema
+from llama_cpp.llama_grammar import (
+    INVALID_RULE_CHARS_RE,
+    PRIMITIVE_RULES,
+    BuiltinRule,
+    SchemaConverter,
+    _build_repetition,
+)
+from referencing import Registry
+from referencing.jsonschema import DRAFT202012
 
+from edge_agent.engine import string_language as sl
 from edge_agent.engine.grammar_check import MAX_GRAMMAR_BYTES, CheckedGrammar, check
-from edge_agent.engine.schema_width import MAX_PARSE_STATES, WidthOracle, pattern_states
+from edge_agent.engine.numeric_range import (
+    FRACTION_RULE,
+    INT_CAP,
+    NONZERO_FRACTION_RULE,
+    Bounds,
+    int_range,
+    number_range,
+)
+from edge_agent.engine.schema_limits import (
+    BOUNDS,
+    MAX_PATTERN_CHARS,
+    MAX_PROPERTIES,
+    MAX_REPETITION,
+    check_node,
+    check_pattern,
+)
+from edge_agent.engine.schema_merge import ANNOTATIONS, Unmergeable, merge, types_of
+from edge_agent.engine.schema_width import MAX_ALTERNATIVES, MAX_PARSE_STATES, WidthOracle
 from edge_agent.errors import EdgeAgentError, InvalidRequest, UnsupportedParameter
 
-MAX_REPETITION = 1_000  # minLength, maxLength, minItems, maxItems, a pattern's {m,n}
-MAX_PROPERTIES = 256  # per object, allOf parts together (optional ones convert in n² time)
 MAX_SCHEMA_NODES = 4_096  # schemas converted, counting each use of a $ref
 MAX_SCHEMA_DEPTH = 64  # JSON nesting inside the schema document
-MAX_PATTERN_CHARS = 1_000
+MAX_UNIQUE_VALUES = 32  # uniqueItems: the values an item may take
+MAX_DEPENDENCIES = 6  # dependentRequired: optional properties that require others
+_MAX_INLINE = 16  # $refs inlined into one merge (allOf through a $ref)
 
-_UNENFORCEABLE = ("multipleOf", "uniqueItems", "minProperties", "maxProperties",
-                  "patternProperties", "not", "if", "then", "else", "contains", "minContains",
-                  "maxContains", "dependentRequired", "dependentSchemas", "propertyNames",
-                  "unevaluatedProperties", "unevaluatedItems", "dependencies")
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_COUNTS = (("minLength", "maxLength"), ("minItems", "maxItems"))
+MAX_MULTIPLE = 64  # multipleOf: a grammar state per remainder
+MAX_COUNTED_PROPERTIES = 32  # min/maxProperties: a grammar state per count
+# What a `not` folds into (see _Converter._negated): strings it excludes, keys it forbids.
+_NOT_TEXTS = "\x00not-texts"
+_NOT_PATTERN = "\x00not-pattern"
+_NOT_KEY = "\x00not-key"
+_FRACTIONAL = "\x00fractional"
+_NOT_PROPS = "\x00not-properties"  # name -> a schema its value must fail
+_UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")  # merged as additional*/items
+_CONDITIONS = ("not", "if", "then", "else")  # folded into unions of what they allow
+_UNIONS = ("anyOf", "oneOf")
+_COMBINERS = ("allOf", "anyOf", "oneOf", "$ref")
 # The keywords that constrain one JSON type only: a schema whose `type` is a list is split
 # into one schema per type, each keeping its own keywords and those of no type (the port
 # turned `["string", "null"]` into a bare union, silently dropping maxLength and the rest).
 _TYPE_KEYWORDS = {
     "string": {"minLength", "maxLength", "pattern", "format"},
-    "integer": set(_BOUNDS),
-    "array": {"items", "prefixItems", "minItems", "maxItems"},
-    "object": {"properties", "required", "additionalProperties"},
+    "integer": {*BOUNDS, "format", "multipleOf"},
+    "number": {*BOUNDS, "format", "multipleOf"},
+    "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems",
+              "contains", "minContains", "maxContains"},
+    "object": {"properties", "required", "additionalProperties", "patternProperties",
+               "dependentRequired", "dependencies", "minProperties", "maxProperties",
+               "propertyNames"},
 }
-_FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
-_INT_CAP = 10**15 - 1  # the converter's own integers are at most 16 digits
+_KIND_ORDER = ("object", "array", "string", "number", "integer", "boolean", "null")
+_INT_FORMATS = {"int32": (-(2**31), 2**31 - 1), "int64": (-INT_CAP, INT_CAP),
+                "uint32": (0, 2**32 - 1), "uint64": (0, INT_CAP), "int8": (-128, 127),
+                "uint8": (0, 255), "int16": (-(2**15), 2**15 - 1), "uint16": (0, 2**16 - 1)}
+_NUMBER_FORMATS = ("double",)  # a bounded grammar number always fits a double
+# Sound subsets of each format: every text matched is valid for it (a date never names a
+# 30 February; an e-mail address is a dotted local part at a dotted host name).
+_DATE = ("[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|"
+         "30)|02-(0[1-9]|1[0-9]|2[0-8]))")
+_TIME = ("([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?"
+         "(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])")
+_HEX = "[0-9a-fA-F]"
+_LABEL = "[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
+_PCHAR = "([a-zA-Z0-9._~!$&'()*+,;=:@-]|%[0-9a-fA-F]{2})"
+_FORMATS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "uuid": f"^{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}$",
+    "email": f"^[a-zA-Z0-9_+-]+(\\.[a-zA-Z0-9_+-]+)*@{_LABEL}(\\.{_LABEL})+$",
+    "hostname": f"^{_LABEL}(\\.{_LABEL})*$",
+    "ipv4": "^((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}"
+            "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])$",
+    "uri": f"^[a-zA-Z][a-zA-Z0-9+.-]*://{_LABEL}(\\.{_LABEL})*(:[0-9]{{1,5}})?"
+           f"(/{_PCHAR}*)*(\\?({_PCHAR}|[/?])*)?(#({_PCHAR}|[/?])*)?$",
+}
+_FORMATS["uri-reference"] = _FORMATS["iri"] = _FORMATS["iri-reference"] = _FORMATS["uri"]
+_FORMATS["idn-email"] = _FORMATS["email"]
+_FORMATS["idn-hostname"] = _FORMATS["hostname"]
+
+
+_MAX_PART = 24  # a bounded format's longest part (a longer one costs states, not validity)
+
+
+def _label(k: int) -> str:
+    return f"[a-zA-Z0-9]([a-zA-Z0-9-]{{0,{k - 2}}}[a-zA-Z0-9])?"
+
+
+# Formats whose parts repeat, with every part at most k characters long.
+_BOUNDED_FORMATS = {
+    "email": lambda k: f"^[a-zA-Z0-9_+-]{{1,{k}}}(\\.[a-zA-Z0-9_+-]{{1,{k}}}){{0,2}}@"
+                       f"{_label(k)}(\\.{_label(k)}){{1,2}}$",
+    "hostname": lambda k: f"^{_label(k)}(\\.{_label(k)}){{0,3}}$",
+    "uri": lambda k: f"^[a-zA-Z][a-zA-Z0-9+.-]{{0,9}}://{_label(k)}(\\.{_label(k)}){{0,3}}"
+                     f"(:[0-9]{{1,5}})?(/{_PCHAR}{{0,{k}}}){{0,4}}(\\?({_PCHAR}|[/?]){{0,{k}}})?"
+                     f"(#({_PCHAR}|[/?]){{0,{k}}})?$",
+}
+_BOUNDED_FORMATS["idn-email"] = _BOUNDED_FORMATS["email"]
+_BOUNDED_FORMATS["idn-hostname"] = _BOUNDED_FORMATS["hostname"]
+for _name in ("uri-reference", "iri", "iri-reference"):
+    _BOUNDED_FORMATS[_name] = _BOUNDED_FORMATS["uri"]
+for _n in range(1, 6):
+    _FORMATS[f"uuid{_n}"] = _FORMATS["uuid"]
 _MAX_NAME = 48  # rule names: property names can be any length
 _SHARED_BODY = 200  # rule bodies longer than this are written once
 _PORT_ERRORS = (AssertionError, ValueError, KeyError, TypeError, AttributeError, IndexError,
                 RecursionError, OverflowError)
+_BASE = "urn:edge-agent:request"
 
 
 def schema_to_grammar(schema: Any, *, param: str) -> CheckedGrammar:
@@ -68,7 +178,9 @@ def convert(schema: Any, *, param: str) -> str:
     root, parents = _copy(schema, param)
     converter = _Converter(parents, param)
     try:
-        converter.visit(converter.resolve_refs(root, "request"), "")
+        resolved = converter.resolve_refs(root, _BASE)
+        converter.set_root(resolved)
+        converter.visit(resolved, "")
     except EdgeAgentError:
         raise
     except _PORT_ERRORS as exc:
@@ -88,6 +200,8 @@ def _copy(schema: Any, param: str) -> tuple[Any, _Parents]:
     stack = [(root, 0)]
     while stack:
         node, depth = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
         keys = list(node) if isinstance(node, dict) else range(len(node))
         for key in keys:
             child = node[key]
@@ -126,12 +240,17 @@ def _short(name: str) -> str:
 
 
 # JSON forbids raw control characters in strings; the port's rule lets them through
-# (llama.cpp's own converter excludes them, as here).
+# (llama.cpp's own converter excludes them, as here). A \u escape never names half of a
+# surrogate pair: a pair is two escapes but one character, which lengths would miscount.
 _JSON_CHAR = BuiltinRule(
-    r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] '
-    r'[0-9a-fA-F])', [])
+    r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" ([0-9a-cA-Ce-fE-F] [0-9a-fA-F] | '
+    r'[dD] [0-7]) [0-9a-fA-F] [0-9a-fA-F])', [])
 _LITERAL_ESCAPES = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
 _LITERAL_ESCAPE_RE = re.compile(r'[\r\n"\\]')
+
+
+def _schema_error(keyword: str, message: str, path: str) -> UnsupportedParameter:
+    return UnsupportedParameter(message, param=f"{path}.{keyword}" if keyword else path)
 
 
 class _Converter(SchemaConverter):  # type: ignore[misc]
@@ -149,8 +268,22 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         self._peak = 1
         self._ref_factor: dict[str, int] = {}
         self._resolving: dict[str, int] = {}
-        self._widths = WidthOracle(self._refs)
-        self._split: list[dict[str, Any]] = []  # per-type parts made here, kept for _path
+        self._widths = WidthOracle(self._refs, lambda s: self._flat(s, self._param, 0))
+        self._split: list[Any] = []  # parts made here, kept alive for _path (ids name nodes)
+        self._registry: Registry[Any] = Registry()
+        self._validator: Any = jsonschema.Draft202012Validator
+        self._placeholders = 0
+        self._choices: dict[str, str] = {}
+
+    def set_root(self, root: Any) -> None:
+        """The document `$ref`s point into, for checking values against a schema."""
+        resource = DRAFT202012.create_resource(root if isinstance(root, (dict, bool)) else {})
+        self._registry = Registry().with_resource(_BASE, resource)
+        try:
+            self._validator = jsonschema.validators.validator_for(
+                root, default=jsonschema.Draft202012Validator)
+        except Exception:  # an unknown $schema: read as 2020-12
+            self._validator = jsonschema.Draft202012Validator
 
     def _path(self, node: Any) -> str:
         return _path(self._parents, node, self._param)
@@ -167,6 +300,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         # A long body already written under another name (strings with the same bounds, say)
         # is referred to, not copied: a maxLength of 1,000 is some 8 KB of grammar.
         twin = self._bodies.get(rule) if len(rule) > _SHARED_BODY else None
+        if twin is not None and name != "root":
+            return twin
         known = len(self._rules)
         key = str(super()._add_rule(_short(name), twin or rule))
         if len(self._rules) > known:
@@ -175,11 +310,58 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
             self._bodies.setdefault(rule, key)
         return key
 
+    def _reserve(self, name: str) -> str:
+        """A rule name whose body is set later (rules that refer to each other)."""
+        self._placeholders += 1
+        return self._add_rule(name, f"\x00{self._placeholders}")
+
+    def _set(self, key: str, body: str) -> None:
+        self._grow(len(body))
+        self._rules[key] = body
+
     def _grow(self, n: int) -> None:
         self._size += n
         if self._size > MAX_GRAMMAR_BYTES:
             raise InvalidRequest(f"the JSON schema needs a grammar over the limit of "
                                  f"{MAX_GRAMMAR_BYTES} bytes", param=self._param)
+
+    def _remember(self, part: Any, schema: Any, key: str) -> Any:
+        """`part` is named after `schema` in errors (and kept alive: ids name nodes)."""
+        if isinstance(part, (dict, list)) and id(part) not in self._parents:
+            self._split.append(part)
+            self._parents[id(part)] = (id(schema), key)
+        return part
+
+    # -- $ref ---------------------------------------------------------------------------
+
+    def resolve_refs(self, schema: Any, url: str) -> Any:
+        """Every `$ref` in a schema position, rewritten to `url` + its fragment, its target
+        found by JSON pointer. Only references into the document itself are taken, and none
+        under a nested `$id` (which would move the base they are read against)."""
+        stack: list[tuple[Any, bool]] = [(schema, False)]
+        while stack:
+            node, scoped = stack.pop()
+            if not isinstance(node, dict):
+                continue
+            scoped = scoped or (node is not schema and isinstance(node.get("$id"), str))
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                path = self._path(node)
+                if not ref.startswith("#") or scoped:
+                    raise UnsupportedParameter(
+                        f"'$ref' {ref[:80]!r} cannot be resolved: only references into the "
+                        "schema itself (#/…) are, outside any nested $id", param=path)
+                if url + ref not in self._refs:
+                    self._refs[url + ref] = _pointer(schema, ref[1:], path)
+                node["$ref"] = url + ref
+            for key, value in node.items():
+                if key in _SCHEMA_ONE or key == "items":
+                    stack.append((value, scoped))
+                if key in _SCHEMA_LIST and isinstance(value, list):
+                    stack += [(v, scoped) for v in value]
+                if key in _SCHEMA_MAP and isinstance(value, dict):
+                    stack += [(v, scoped) for v in value.values()]
+        return schema
 
     def _resolve_ref(self, ref: str) -> str:
         """Each reference converted once, under a name reserved before its target is visited
@@ -196,18 +378,25 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                     "text: llama.cpp's work would double at every level", param=self._param)
             return known
         base = INVALID_RULE_CHARS_RE.sub("-", ref.split("/")[-1]) or "ref"
-        key = self._add_rule(f"ref-{base}", f"\x00{ref}")  # unique placeholder, replaced below
+        key = self._reserve(f"ref-{base}")
         self._ref_rules[ref] = key
         entry, outer_peak = self._states, self._peak
         self._resolving[ref], self._peak = entry, entry
         try:
-            target = self.visit(self._refs[ref], key)
+            target = self.visit(self._target(ref), key)
         finally:
             del self._resolving[ref]
         self._ref_factor[ref] = -(-self._peak // entry)
         self._peak = max(outer_peak, self._peak)
         self._rules[key] = target
         return key
+
+    def _target(self, ref: str) -> Any:
+        if ref not in self._refs:
+            raise UnsupportedParameter(f"'$ref' {ref[len(_BASE):][:80]!r} cannot be resolved "
+                                       "(only references into the schema itself are)",
+                                       param=self._param)
+        return self._refs[ref]
 
     def _enter(self, states: int, path: str) -> None:
         if states > MAX_PARSE_STATES:
@@ -217,86 +406,909 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                 param=path)
         self._peak = max(self._peak, states)
 
+    # -- dispatch -----------------------------------------------------------------------
+
     def visit(self, schema: Any, name: str) -> str:
         self._visits += 1
         if self._visits > MAX_SCHEMA_NODES:
             raise InvalidRequest(f"the JSON schema expands to over {MAX_SCHEMA_NODES} schemas "
                                  "($ref uses included)", param=self._param)
         path = self._path(schema)
+        if schema is True:
+            schema = {}
+        if schema is False:
+            raise UnsupportedParameter("the schema `false` allows no value", param=path)
         if not isinstance(schema, dict):
             raise UnsupportedParameter("a JSON schema must be an object", param=path)
-        _check_node(schema, path)
-        for part in _all_of_parts(schema):  # merged by the port, never visited: check here
-            _check_node(part, self._path(part))
-            ref = part.get("$ref")
-            if isinstance(ref, str) and ref in self._refs:
-                _check_node(self._refs[ref], self._path(self._refs[ref]))
+        check_node(schema, path)
         saved = self._states
         try:
             self._states *= self._widths.node_width(schema)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param=path) from exc
         self._enter(self._states, path)
-        if "pattern" in schema:
-            self._enter(self._states * _pattern_states(schema, path), f"{path}.pattern")
         try:
             return self._visit(schema, _short(name), path)
         finally:
             self._states = saved
 
     def _visit(self, schema: dict[str, Any], name: str, path: str) -> str:
-        kinds = schema.get("type")
-        if isinstance(kinds, list) and "$ref" not in schema and "anyOf" not in schema \
-                and "oneOf" not in schema:
-            return self._typed_union(schema, kinds, name, path)
-        if schema.get("type") == "integer" and any(k in schema for k in _BOUNDS):
-            lo, hi = _int_bounds(schema)
+        rule_name = name or "root"
+        node = self._combined(schema, path, 0)
+        if node is not schema:
+            self._remember(node, schema, "")
+            if node is False:
+                raise UnsupportedParameter("the schemas combined here allow no value",
+                                           param=path)
+            check_node(node, path)
+            if not any(k in schema for k in _UNIONS) and any(k in node for k in _UNIONS):
+                # a union made here (allOf, not, if): its alternatives count as any union's
+                try:
+                    self._states *= self._widths.node_width(node)
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc), param=path) from exc
+                self._enter(self._states, path)
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            return self._add_rule(rule_name, self._resolve_ref(ref))
+        for key in _UNIONS:
+            if key in node:
+                alts = node[key]
+                alts = [a for a in alts if a is not False]  # they match nothing
+                if not alts:
+                    raise UnsupportedParameter(f"every alternative of '{key}' is false",
+                                               param=f"{path}.{key}")
+                if key == "oneOf":
+                    self._check_exclusive(alts, path)
+                return self._add_rule(rule_name, " | ".join(
+                    self.visit(self._remember(alt, node, f"{key}.{i}"), f"{rule_name}-{i}")
+                    for i, alt in enumerate(alts)))
+        return self._plain(node, name, path)
+
+    # -- combining: allOf, and keywords beside a union or a $ref -----------------------------
+
+    def _combined(self, schema: dict[str, Any], path: str, depth: int) -> Any:
+        """`schema` with its `allOf` merged in, and its other keywords distributed into its
+        union or merged with its `$ref`'s target; `schema` itself when there is nothing to
+        combine. `False` when nothing can satisfy it."""
+        unevaluated = {k: schema[k] for k in _UNEVALUATED if k in schema}
+        rest = {k: v for k, v in schema.items() if k not in _COMBINERS and k not in unevaluated
+                and k not in _CONDITIONS}
+        constraining = any(k not in ANNOTATIONS for k in rest) or bool(unevaluated)
+        parts: list[Any] = []
+        if "not" in schema:
+            alts = self._negation(schema["not"], f"{path}.not")
+            parts.append({"anyOf": alts} if alts else False)
+        if "if" in schema:  # (if and then) or (not if and else): never both
+            branches = [{"allOf": [schema["if"], schema.get("then", True)]}]
+            alts = self._negation(schema["if"], f"{path}.if")
+            if alts:
+                branches.append({"allOf": [{"anyOf": alts}, schema.get("else", True)]})
+            parts.append({"anyOf": branches})
+        if "allOf" in schema:
+            parts += schema["allOf"]
+        if isinstance(schema.get("$ref"), str) and (constraining or parts):
+            parts.append({"$ref": schema["$ref"]})
+        unions = [k for k in _UNIONS if k in schema]
+        if len(unions) == 2:
+            parts.append({"anyOf": schema["anyOf"]})
+            unions = ["oneOf"]
+        if not parts and (not unions or not constraining):
+            return _fold_unevaluated(rest, unevaluated) if unevaluated else schema
+        if depth > _MAX_INLINE:
+            raise UnsupportedParameter("allOf or a $ref beside other keywords recurses "
+                                       "too deeply to be merged", param=path)
+        if unions:
+            parts.append({unions[0]: schema[unions[0]]})
+        result: Any = rest
+        try:
+            for part in parts:
+                result = self._conjoin(result, part, path, depth)
+        except Unmergeable as exc:
+            raise _schema_error(exc.keyword, f"allOf: {exc}", path) from exc
+        return _fold_unevaluated(result, unevaluated) if unevaluated else result
+
+    def _conjoin(self, a: Any, b: Any, path: str, depth: int) -> Any:
+        """The schema of what satisfies both (either may be a union: distributed)."""
+        if a is False or b is False:
+            return False
+        a, b = self._flat(a, path, depth), self._flat(b, path, depth)
+        if a is False or b is False:
+            return False
+        for x, y in ((a, b), (b, a)):
+            for key in _UNIONS:
+                if isinstance(x, dict) and key in x:
+                    kept, why = [], None
+                    for alt in x[key]:
+                        try:  # an alternative that cannot hold beside the rest: left out
+                            merged = self._conjoin(alt, y, path, depth + 1)
+                        except Unmergeable as exc:
+                            merged, why = False, exc
+                        if merged is not False and self._may_hold(merged):
+                            kept.append(merged)
+                    if not kept:
+                        if why is not None:
+                            raise why
+                        return False
+                    if len(kept) > MAX_ALTERNATIVES:
+                        raise InvalidRequest(f"combining these schemas gives over "
+                                             f"{MAX_ALTERNATIVES} alternatives", param=path)
+                    return {key: kept}
+        return merge(a, b)
+
+    def _flat(self, schema: Any, path: str, depth: int) -> Any:
+        """`schema` as a node without `allOf`, `$ref` or keywords beside a union."""
+        if schema is True:
+            return {}
+        if not isinstance(schema, dict):
+            return schema
+        check_node(schema, path)
+        ref = schema.get("$ref")
+        if isinstance(ref, str):
+            if depth > _MAX_INLINE:
+                raise UnsupportedParameter("allOf or a $ref beside other keywords recurses "
+                                           "too deeply to be merged", param=path)
+            target = self._target(ref)
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            return self._conjoin(target, rest, path, depth + 1) if rest else \
+                self._flat(target, path, depth + 1)
+        node = self._combined(schema, path, depth + 1)
+        return node
+
+    def _may_hold(self, node: Any) -> bool:
+        """False for a merged alternative whose enum/const keeps no value."""
+        values = _literal_values(node) if isinstance(node, dict) else None
+        if values is None or any(k in node for k in (*_UNIONS, "$ref")):
+            return True
+        rest = {k: v for k, v in node.items() if k not in ("const", "enum")}
+        return any(self._valid(v, rest) and self._internal_ok(v, rest) for v in values)
+
+    def _check_exclusive(self, alts: list[Any], path: str) -> None:
+        """A oneOf holds only when exactly one alternative matches: taken when the grammar of
+        each alternative writes nothing another accepts."""
+        flat = [self._flat(a, path, 0) for a in alts]
+        for i, a in enumerate(flat):
+            for j, b in enumerate(flat):
+                if i != j and a is not False and b is not False and not self._excludes(a, b, 0):
+                    raise UnsupportedParameter(
+                        f"oneOf: alternatives {min(i, j)} and {max(i, j)} may both match one "
+                        "value (say which with a property of different 'const' values, or "
+                        "use anyOf)", param=f"{path}.oneOf")
+
+    def _excludes(self, a: Any, b: Any, depth: int) -> bool:
+        """Whether no text a's grammar writes is valid for b (False when unsure)."""
+        if depth > 8:
+            return False
+        a, b = self._flat(a, "", 0), self._flat(b, "", 0)
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            return a is False or b is False
+        if any(k in a for k in _COMBINERS):
+            alts = a.get("anyOf") or a.get("oneOf")
+            return isinstance(alts, list) and all(
+                self._excludes(self._flat(x, "", 0), b, depth + 1) for x in alts)
+        if any(k in b for k in _COMBINERS):
+            alts = b.get("anyOf") or b.get("oneOf")
+            return isinstance(alts, list) and all(
+                self._excludes(a, self._flat(y, "", 0), depth + 1) for y in alts)
+        values = _literal_values(a)
+        if values is not None:
+            return not any(self._valid(v, b) for v in values)
+        values = _literal_values(b)
+        if values is not None and not any(self._valid(v, a) for v in values):
+            return True
+        kinds = set(self._kinds(a))
+        if "number" in kinds:
+            kinds.add("integer")  # a number grammar writes integers too
+        allowed = types_of(b)
+        if allowed is not None and not kinds & allowed:
+            return True
+        if kinds <= {"object"} and self._object_excludes(a, b, depth):
+            return True
+        if kinds <= {"string"} and ({"pattern", "format"} & (a.keys() | b.keys())):
+            try:
+                return sl.both(_string_language(a), _string_language(b)).empty
+            except ValueError:
+                return False
+        if kinds <= {"integer", "number"} and any(k in b for k in BOUNDS):
+            x, y = Bounds.of(a), Bounds.of(b)
+            return x.hi < y.lo or y.hi < x.lo or (x.hi == y.lo and (x.hi_open or y.lo_open)) \
+                or (y.hi == x.lo and (y.hi_open or x.lo_open))
+        return False
+
+    def _object_excludes(self, a: dict[str, Any], b: dict[str, Any], depth: int) -> bool:
+        props_a = a.get("properties") or {}
+        written = set(props_a) | set(a.get("required") or [])
+        extra = _writes_extra_keys(a)
+        for key in b.get("required") or []:
+            if key not in written and not extra:
+                return True  # b needs a key a never writes
+        for key in a.get("required") or []:
+            if key in (b.get("properties") or {}):
+                if self._excludes(props_a.get(key, {}), b["properties"][key], depth + 1):
+                    return True
+            elif b.get("additionalProperties") is False and "patternProperties" not in b:
+                return True  # a always writes a key b forbids
+        return False
+
+    def _valid(self, value: Any, schema: dict[str, Any]) -> bool:
+        """Whether `value` is valid for `schema` (its $refs resolved in the request), read
+        in the draft the request names (2020-12 unless it says), or draft 7 where the schema
+        uses draft 7's own keywords."""
+        cls: Any = self._validator
+        if cls in (jsonschema.Draft202012Validator, jsonschema.Draft201909Validator) and (
+                "dependencies" in schema or isinstance(schema.get("items"), list)):
+            cls = jsonschema.Draft7Validator
+        try:
+            validator = cls(schema, registry=self._registry,
+                            format_checker=cls.FORMAT_CHECKER)
+            return bool(validator.is_valid(value))
+        except Exception as exc:  # a schema jsonschema cannot read: it cannot vouch either
+            raise UnsupportedParameter(f"cannot check 'enum'/'const' values against this "
+                                       f"schema: {str(exc)[:120]}", param=self._param) from exc
+
+    # -- one schema, no combinators -----------------------------------------------------------
+
+    def _negation(self, schema: Any, where: str) -> list[Any]:
+        """Schemas whose union is what `schema` refuses: the negation of each of its
+        keywords (a schema is a conjunction of them), where a grammar can write it."""
+        flat = self._flat(schema, where, 0)
+        if flat is False:
+            return [{}]
+        if not isinstance(flat, dict):
+            raise InvalidRequest("'not' must be a schema", param=where)
+        if "anyOf" in flat:  # neither alternative
+            return [{"allOf": [{"not": alt} for alt in flat["anyOf"]]}]
+        if "oneOf" in flat:
+            raise UnsupportedParameter("'not' of a oneOf cannot be enforced here", param=where)
+        out: list[Any] = []
+        for key, value in flat.items():
+            if key in ANNOTATIONS:
+                continue
+            if key == "type":
+                gone = types_of(flat) or set()
+                left = [t for t in _KIND_ORDER if t not in gone and t != "integer"]
+                if "integer" in gone and "number" not in gone:
+                    out.append({"type": "number", _FRACTIONAL: True})
+                    left.remove("number")
+                if left:
+                    out.append({"type": left})
+            elif key in ("enum", "const"):
+                out += self._not_values(value if key == "enum" else [value], where)
+            elif key == "pattern":
+                out.append({"type": "string", _NOT_PATTERN: value})
+            elif key == "required":
+                out += [{"type": "object", _NOT_KEY: name} for name in value]
+            elif key == "properties":
+                # Not `properties`: a negation evaluates nothing (unevaluatedProperties).
+                out += [{"type": "object", "required": [name], _NOT_PROPS: {name: sub}}
+                        for name, sub in value.items()]
+            elif key == "items" and isinstance(value, (dict, bool)):
+                out.append({"type": "array", "contains": {"not": value}})
+            elif key in _OPPOSITE:
+                kind, other, shift = _OPPOSITE[key]
+                if shift == 0:
+                    out.append({"type": kind, other: value})
+                elif value + shift >= 0:
+                    out.append({"type": kind, other: value + shift})
+            else:
+                raise UnsupportedParameter(f"'not' of '{key}' cannot be enforced here",
+                                           param=where)
+        return out
+
+    def _not_values(self, values: list[Any], where: str) -> list[Any]:
+        """Every value but these: by type, strings through the string automaton."""
+        texts = [v for v in values if isinstance(v, str)]
+        if any(isinstance(v, (dict, list)) or (isinstance(v, (int, float)) and
+                                               not isinstance(v, bool)) for v in values):
+            raise UnsupportedParameter("'not' of numbers, arrays or objects cannot be "
+                                       "enforced here", param=where)
+        out: list[Any] = [{"type": ["object", "array", "number"]},
+                          {"type": "string", _NOT_TEXTS: texts} if texts else {"type": "string"}]
+        if None not in values:
+            out.append({"type": "null"})
+        booleans = [b for b in (False, True) if not any(v is b for v in values)]
+        if booleans:
+            out.append({"enum": booleans})
+        return out
+
+    def _internal_ok(self, value: Any, node: dict[str, Any]) -> bool:
+        """Whether `value` keeps what a folded `not` says (jsonschema cannot see it)."""
+        if isinstance(value, str):
+            if value in node.get(_NOT_TEXTS, ()):
+                return False
+            if _NOT_PATTERN in node and sl.pattern(node[_NOT_PATTERN]).matches(value):
+                return False
+        if isinstance(value, dict) and node.get(_NOT_KEY) in value:
+            return False
+        if isinstance(value, dict) and any(k in value and self._valid(value[k], sub)
+                                           for k, sub in node.get(_NOT_PROPS, {}).items()):
+            return False
+        return not (node.get(_FRACTIONAL) and _is_kind(value, "integer"))
+
+    def _plain(self, node: dict[str, Any], name: str, path: str) -> str:
+        rule_name = name or "root"
+        values = _literal_values(node)
+        if values is not None:
+            key = "const" if "const" in node else "enum"
+            rest = {k: v for k, v in node.items() if k not in ("const", "enum")}
+            kept = [v for v in values if self._valid(v, rest) and self._internal_ok(v, rest)]
+            if not kept:
+                others = sorted(k for k in rest if k not in ANNOTATIONS) or ["type"]
+                raise UnsupportedParameter(
+                    f"no value of '{key}' is valid for the schema's {', '.join(others)}: "
+                    "nothing could be written", param=f"{path}.{key}")
+            return self._add_rule(rule_name, " | ".join(
+                self._generate_constant_rule(v) for v in kept))
+        kinds = self._kinds(node)
+        if not kinds:
+            raise UnsupportedParameter("'type' allows no value here", param=f"{path}.type")
+        if len(kinds) == 1:
+            rule = self._kind_rule(kinds[0], node, name, path)
+            return rule if rule == rule_name or rule_name != "root" else \
+                self._add_rule(rule_name, rule)
+        rules = [self._kind_rule(kind, node, f"{rule_name}-{kind}", path) for kind in kinds]
+        return self._add_rule(rule_name, " | ".join(rules))
+
+    def _kinds(self, node: dict[str, Any]) -> list[str]:
+        """The JSON types the grammar writes for `node`, in a fixed order."""
+        declared = types_of(node)
+        if declared is not None:
+            if "number" in declared:
+                declared.discard("integer")
+            return [k for k in _KIND_ORDER if k in declared]
+        keys = node.keys() - {"format"}
+        inferred = [k for k in _KIND_ORDER if k != "integer" and _TYPE_KEYWORDS.get(k, set())
+                    & keys]
+        fmt = node.get("format")
+        if fmt is not None:
+            kind = "integer" if fmt in _INT_FORMATS else "number" if fmt in _NUMBER_FORMATS \
+                else "string"
+            if kind not in inferred and not (kind == "integer" and "number" in inferred):
+                inferred.append(kind)
+        inferred = [k for k in _KIND_ORDER if k in inferred]
+        return inferred or ["object"]  # what the port makes of a schema that says nothing
+
+    def _kind_rule(self, kind: str, node: dict[str, Any], name: str, path: str) -> str:
+        if kind == "null":
+            return str(self._add_primitive("null", PRIMITIVE_RULES["null"]))
+        if kind == "boolean":
+            return str(self._add_primitive("boolean", PRIMITIVE_RULES["boolean"]))
+        if kind in ("integer", "number"):
+            return self._number_rule(kind, node, name, path)
+        if kind == "string":
+            return self._string_rule(node, name, path)
+        if kind == "array":
+            return self._array_rule(node, name, path)
+        return self._object_rule(node, name, path)
+
+    # -- numbers ------------------------------------------------------------------------
+
+    def _number_rule(self, kind: str, node: dict[str, Any], name: str, path: str) -> str:
+        fmt = node.get("format")
+        limits = dict(node)
+        if fmt in _INT_FORMATS:
+            lo, hi = _INT_FORMATS[fmt]
+            kind = "integer"
+            limits["minimum"] = max(lo, node.get("minimum", lo))
+            limits["maximum"] = min(hi, node.get("maximum", hi))
+        elif fmt is not None and fmt not in _NUMBER_FORMATS:
+            raise UnsupportedParameter(f"format '{fmt}' cannot be enforced on numbers",
+                                       param=f"{path}.format")
+        if node.get(_FRACTIONAL):
+            if any(k in limits for k in (*BOUNDS, "multipleOf")) or fmt is not None:
+                raise UnsupportedParameter("'not' integer beside other number keywords "
+                                           "cannot be enforced here", param=f"{path}.not")
+            nonzero = self._add_rule("fraction-nonzero", NONZERO_FRACTION_RULE)
+            integral = self._add_primitive("integral-part", PRIMITIVE_RULES["integral-part"])
+            return self._add_rule(f"{name or 'root'}-fractional",
+                                  f'"-"? {integral} "." {nonzero} space')
+        if "multipleOf" in node:
+            return self._multiple_rule(node, limits, name, path)
+        if not any(k in limits for k in BOUNDS) and (kind == "integer" or fmt is None):
+            return str(self._add_primitive(kind, PRIMITIVE_RULES[kind]))
+        bounds = Bounds.of(limits)
+        if kind == "integer":
+            lo, hi = bounds.integers()
             if lo > hi:
                 raise UnsupportedParameter(f"integer range [{lo}, {hi}] is empty", param=path)
-            return str(self._add_rule(name or "root", f"({_int_range(lo, hi)}) space"))
-        if schema.get("items") == {} and "prefixItems" not in schema:
-            schema["items"] = {"type": "object"}  # what the port makes of {} anywhere else
-        return str(super().visit(schema, name))
+            return self._add_rule(f"{name or 'root'}-int", f"({int_range(lo, hi)}) space")
+        if not any(k in limits for k in BOUNDS):  # a double: a number without exponent
+            bounds = Bounds(-INT_CAP, False, INT_CAP, False)
+        fraction = self._add_rule("fraction", FRACTION_RULE)
+        nonzero = self._add_rule("fraction-nonzero", NONZERO_FRACTION_RULE)
+        body = number_range(bounds, fraction, nonzero)
+        if not body:
+            raise UnsupportedParameter(
+                "no number this grammar can write lies within these bounds (only whole "
+                "units inside them are written)", param=path)
+        return self._add_rule(f"{name or 'root'}-num", f"({body}) space")
 
-    def _typed_union(self, schema: dict[str, Any], kinds: list[str], name: str, path: str
-                     ) -> str:
-        """`type: [a, b, …]` as a union of one schema per type, each with the keywords
-        that constrain it; an `enum`/`const` keeps its values of those types."""
-        kinds = list(dict.fromkeys(kinds))
-        if "number" in kinds and "integer" in kinds:
-            kinds.remove("integer")  # a number already takes every integer
-        if "const" in schema or "enum" in schema:
-            values = [schema["const"]] if "const" in schema else list(schema["enum"])
-            kept = [v for v in values if any(_is_type(v, k) for k in kinds)]
-            if not kept:
-                raise UnsupportedParameter(
-                    f"no value of 'enum'/'const' is of the types {kinds}", param=path)
-            part = {k: v for k, v in schema.items() if k not in ("type", "const", "enum")}
-            part["enum"] = kept
-            return self._part(part, schema, "enum", name)
-        foreign = set().union(*_TYPE_KEYWORDS.values())
-        parts = []
-        for i, kind in enumerate(kinds):
-            own = _TYPE_KEYWORDS.get(kind, set())
-            parts.append({**{k: v for k, v in schema.items()
-                             if k != "type" and (k in own or k not in foreign)},
-                          "type": kind})
-            self._remember(parts[-1], schema, f"type.{i}")
-        if len(parts) == 1:
-            return self.visit(parts[0], name)
-        return str(self._add_rule(name or "root", self._generate_union_rule(name, parts)))
+    def _multiple_rule(self, node: dict[str, Any], limits: dict[str, Any], name: str,
+                       path: str) -> str:
+        """Integer multiples of a whole `multipleOf`: digits read as a remainder machine."""
+        k = node["multipleOf"]
+        where = f"{path}.multipleOf"
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not k > 0:
+            raise InvalidRequest("'multipleOf' must be a number above 0", param=where)
+        if not float(k).is_integer() or k > MAX_MULTIPLE:
+            raise UnsupportedParameter(f"'multipleOf' is enforced for whole numbers up to "
+                                       f"{MAX_MULTIPLE}", param=where)
+        if any(b in limits for b in BOUNDS):
+            raise UnsupportedParameter("'multipleOf' beside bounds cannot be enforced here",
+                                       param=where)
+        k = int(k)
+        base = f"{name or 'root'}-x{k}"
+        if k == 1:
+            return str(self._add_primitive("integer", PRIMITIVE_RULES["integer"]))
+        keys = [self._reserve(f"{base}-r{r}") for r in range(k)]
+        for r, key in enumerate(keys):
+            by: dict[int, list[int]] = {}
+            for d in range(10):
+                by.setdefault((10 * r + d) % k, []).append(d)
+            alts = " | ".join(f"{_digits(ds)} {keys[t]}" for t, ds in sorted(by.items()))
+            self._set(key, f"({alts})?" if r == 0 else f"({alts})")
+        first: dict[int, list[int]] = {}
+        for d in range(1, 10):
+            first.setdefault(d % k, []).append(d)
+        start = " | ".join(f"{_digits(ds)} {keys[t]}" for t, ds in sorted(first.items()))
+        return self._add_rule(base, f'("0" | "-"? ({start})) space')
 
-    def _part(self, part: dict[str, Any], schema: dict[str, Any], key: str, name: str) -> str:
-        self._remember(part, schema, key)
-        return self.visit(part, name)
+    # -- strings ------------------------------------------------------------------------
 
-    def _remember(self, part: dict[str, Any], schema: dict[str, Any], key: str) -> None:
-        """`part` is named after `schema` in errors (and kept alive: ids name nodes)."""
-        self._split.append(part)
-        self._parents[id(part)] = (id(schema), key)
+    def _string_rule(self, node: dict[str, Any], name: str, path: str) -> str:
+        fmt = node.get("format")
+        if fmt is not None and fmt not in _FORMATS and fmt not in _INT_FORMATS:
+            raise UnsupportedParameter(f"string format '{fmt}' cannot be enforced here",
+                                       param=f"{path}.format")
+        if "pattern" not in node and fmt not in _FORMATS and _NOT_TEXTS not in node and \
+                _NOT_PATTERN not in node:
+            if "minLength" in node or "maxLength" in node:
+                char = self._add_primitive("char", PRIMITIVE_RULES["char"])
+                return self._add_rule(name or "root", r'"\"" ' + _build_repetition(
+                    char, node.get("minLength", 0), node.get("maxLength")) + r' "\"" space')
+            return str(self._add_primitive("string", PRIMITIVE_RULES["string"]))
+        try:
+            language = _string_language(node)
+        except ValueError as exc:
+            where = "pattern" if "pattern" in node else "format"
+            raise UnsupportedParameter(str(exc), param=f"{path}.{where}") from exc
+        if language.empty:
+            raise UnsupportedParameter("no string satisfies the pattern, format and lengths "
+                                       "together", param=path)
+        return self._quoted(language, name or "root")
+
+    def _quoted(self, language: sl.Dfa, name: str) -> str:
+        """The rule writing a JSON string whose text is one of `language`'s."""
+        if not language.moves[0]:
+            return self._add_rule(name, r'"\"" "\"" space')
+        keys: list[str | None] = [self._reserve(f"{name}-s{q}") if row else None
+                                  for q, row in enumerate(language.moves)]
+        names = [k or "" for k in keys]
+        for key, body in zip(keys, sl.rules(language, names, self._choice), strict=True):
+            if key is not None:
+                self._set(key, body)
+        return self._add_rule(name, rf'"\"" {keys[0]} "\"" space')
+
+    def _choice(self, body: str) -> str:
+        """A rule for one character choice, shared by every automaton that writes it."""
+        key = self._choices.get(body)
+        if key is None:
+            key = self._choices[body] = self._add_rule(f"char-{len(self._choices)}", body)
+        return key
+
+    # -- arrays -------------------------------------------------------------------------
+
+    def _array_rule(self, node: dict[str, Any], name: str, path: str) -> str:
+        items = node.get("items")
+        if isinstance(node.get("prefixItems"), list):
+            tuple_, extra = node["prefixItems"], items
+        elif isinstance(items, list):  # draft 7: items as a tuple, then additionalItems
+            tuple_, extra = items, node.get("additionalItems")
+        else:  # no tuple: items absent or true is any value
+            tuple_, extra = [], True if items is None else items
+        lo, hi = node.get("minItems", 0), node.get("maxItems")
+        if "contains" in node:
+            tuple_, extra = self._containing(node, tuple_, extra, lo, hi, path)
+            lo = max(lo, len(tuple_))
+        written = tuple_ if hi is None else tuple_[:hi]
+        if written and any(s is False for s in written):
+            first_false = next(i for i, s in enumerate(written) if s is False)
+            written = written[:first_false]
+            extra = False
+        if extra is None and lo > len(written):
+            extra = {}  # more items are needed than the tuple has: any value
+        elif extra is None or len(written) < len(tuple_):
+            extra = False
+        more_lo = max(0, lo - len(written))
+        more_hi = None if hi is None else max(0, hi - len(written))
+        if extra is False:
+            more_hi = 0
+        if more_lo > (more_hi if more_hi is not None else more_lo):
+            raise UnsupportedParameter("no array satisfies these items and lengths",
+                                       param=path)
+        unique = node.get("uniqueItems") is True and (len(written) + (more_hi or 0) > 1
+                                                       or more_hi is None)
+        base = name or "root"
+        parts = [self.visit(self._remember(s, node, f"prefixItems.{i}"), f"{base}-tuple-{i}")
+                 for i, s in enumerate(written)]
+        if unique and written:
+            raise UnsupportedParameter("'uniqueItems' beside 'prefixItems' cannot be enforced "
+                                       "here", param=f"{path}.uniqueItems")
+        body = ' "," space '.join(parts)
+        if more_hi != 0:
+            item_schema = extra if isinstance(extra, dict) else {}
+            if item_schema == {} and node.get("items") == {}:
+                item_schema = {"type": "object"}  # what the port makes of {} anywhere else
+            self._remember(item_schema, node, "items")
+            if unique:
+                return self._unique_array(item_schema, more_lo, more_hi, base, path)
+            item = self._value(extra if extra is True else item_schema, f"{base}-item")
+            if parts:
+                more = _build_repetition(f'("," space {item})', more_lo, more_hi)
+                body = f"{body} {more}" if more else body
+            else:
+                body = _build_repetition(item, more_lo, more_hi, separator_rule='"," space')
+        return self._add_rule(base, f'"[" space {body} "]" space'.replace("space  ", "space "))
+
+    def _containing(self, node: dict[str, Any], tuple_: list[Any], extra: Any, lo: int,
+                    hi: int | None, path: str) -> tuple[list[Any], Any]:
+        """`contains`: the first minContains items are written to match it (the rest may or
+        may not); maxContains only where the array cannot hold more items than it allows."""
+        where = f"{path}.contains"
+        low = node.get("minContains", 1)
+        high = node.get("maxContains")
+        if high is not None and (hi is None or hi > high):
+            raise UnsupportedParameter("'maxContains' below the array's longest length "
+                                       "cannot be enforced here", param=f"{path}.maxContains")
+        if low == 0:
+            return tuple_, extra
+        if tuple_:
+            raise UnsupportedParameter("'contains' beside a tuple cannot be enforced here",
+                                       param=where)
+        if (hi is not None and hi < low) or (high is not None and high < low):
+            raise UnsupportedParameter("no array holds that many items matching 'contains'",
+                                       param=where)
+        each = extra if isinstance(extra, dict) else {}
+        if extra is False:
+            raise UnsupportedParameter("'contains' where 'items' allows none", param=where)
+        lead = self._remember({"allOf": [each, node["contains"]]}, node, "contains")
+        return [lead] * low, each
+
+    def _unique_array(self, item: Any, lo: int, hi: int | None, name: str, path: str) -> str:
+        """Distinct items from a finite set, written in the set's order: never a repeat."""
+        flat = self._flat(item, path, 0)
+        values = _literal_values(flat) if isinstance(flat, dict) else None
+        if values is None and isinstance(flat, dict) and self._kinds(flat) == ["boolean"]:
+            values = [False, True]
+        if values is None:
+            raise UnsupportedParameter(
+                "'uniqueItems' is enforced only when items take a few fixed values "
+                "(an enum, a const or a boolean)", param=f"{path}.uniqueItems")
+        others = {k: v2 for k, v2 in flat.items() if k not in ("enum", "const")}
+        values = [v for v in values if self._valid(v, others) and self._internal_ok(v, others)]
+        distinct: list[Any] = []
+        for v in values:
+            if not any(_json_equal(v, w) for w in distinct):
+                distinct.append(v)
+        if len(distinct) > MAX_UNIQUE_VALUES:
+            raise UnsupportedParameter(f"'uniqueItems' over more than {MAX_UNIQUE_VALUES} "
+                                       "values cannot be enforced here",
+                                       param=f"{path}.uniqueItems")
+        top = len(distinct) if hi is None else min(hi, len(distinct))
+        if lo > top:
+            raise UnsupportedParameter("fewer distinct values than 'minItems' asks for",
+                                       param=f"{path}.minItems")
+        literals = [self._generate_constant_rule(v) for v in distinct]
+        # rule (i, n): the rest of the array from value i on, n items written so far.
+        memo: dict[tuple[int, int], str] = {}
+
+        def rest(i: int, n: int, first: bool) -> str:
+            alts = []
+            if n >= lo:
+                alts.append("")
+            if n < top:
+                for j in range(i, len(distinct)):
+                    if len(distinct) - j < lo - n:
+                        break
+                    lead = literals[j] if first else f'"," space {literals[j]}'
+                    alts.append(f"{lead} space {follow(j + 1, n + 1)}".rstrip())
+            body = " | ".join(a for a in alts if a)
+            return f"({body})?" if "" in alts and body else f"({body})" if body else ""
+
+        def follow(i: int, n: int) -> str:
+            if n >= top or i >= len(distinct):
+                return ""
+            if (i, n) not in memo:
+                key = self._reserve(f"{name}-u{i}-{n}")
+                memo[(i, n)] = key
+                self._set(key, rest(i, n, False) or '""')
+            return memo[(i, n)]
+
+        return self._add_rule(name, f'"[" space {rest(0, 0, True)} "]" space')
+
+    # -- objects ------------------------------------------------------------------------
+
+    def _object_rule(self, node: dict[str, Any], name: str, path: str) -> str:
+        props: dict[str, Any] = dict(node.get("properties") or {})
+        required = list(dict.fromkeys(node.get("required") or []))
+        extra = node.get("additionalProperties")
+        patterns: dict[str, Any] = dict(node.get("patternProperties") or {})
+        deps = _dependencies(node, path)
+        base = name or "root"
+        if not props and not patterns and extra in (None, True) and not any(
+                k in node for k in ("propertyNames", "minProperties", "maxProperties",
+                                    _NOT_KEY, _NOT_PROPS)):
+            extra = True  # an object that names no key: any keys, as the port wrote it
+            if not required and not deps:
+                return str(self._add_primitive("object", PRIMITIVE_RULES["object"]))
+        languages = {}
+        for pattern in patterns:
+            check_pattern(pattern, f"{path}.patternProperties")
+            try:
+                languages[pattern] = sl.pattern(pattern)
+            except ValueError as exc:
+                raise UnsupportedParameter(str(exc), param=f"{path}.patternProperties") \
+                    from exc
+        names = self._key_language(node, path)
+        # Every name that may be written by name: listed, required, or depended on.
+        named = list(props)  # triggers too: an extra key could not require its dependencies
+        for key in [*required, *deps, *(k for ks in deps.values() for k in ks)]:
+            if key not in named:
+                named.append(key)
+        for key in list(named):
+            if (names is not None and not names.matches(key)) or key == node.get(_NOT_KEY):
+                if key in required:
+                    raise UnsupportedParameter(f"required property '{key}' is not allowed by "
+                                               "'propertyNames' or 'not'",
+                                               param=f"{path}.required")
+                named.remove(key)
+                props.pop(key, None)
+        values: dict[str, Any] = {}
+        for key in named:
+            rules = [props[key]] if key in props else []
+            rules += [sub for p, sub in patterns.items() if languages[p].matches(key)]
+            if key not in props and len(rules) == 0:
+                rules = [{} if extra in (None, True) else extra]
+            if key in node.get(_NOT_PROPS, {}):
+                rules.append({"not": node[_NOT_PROPS][key]})
+            if any(r is False for r in rules):
+                if key in required:
+                    raise UnsupportedParameter(f"required property '{key}' is not allowed by "
+                                               "the object's other keywords",
+                                               param=f"{path}.required")
+                continue
+            values[key] = rules[0] if len(rules) == 1 else {"allOf": rules}
+            self._remember(values[key], node, f"properties.{key}" if key in props else
+                           f"required.{key}")
+        for key in required:
+            if key not in values:
+                raise UnsupportedParameter(f"required property '{key}' cannot be written",
+                                           param=f"{path}.required")
+        if extra is None and (node.get("minProperties") or 0) > len(values):
+            extra = True  # absent means any: the count needs keys beyond the named ones
+        # Extra keys: by pattern (matching no other pattern), then additional ones, never a
+        # named key (it would carry a value its own schema refuses), nor a forbidden one.
+        others = sl.literals([*named, *([node[_NOT_KEY]] if _NOT_KEY in node else [])])
+        extras: list[tuple[sl.Dfa, Any, str]] = []
+        for i, (pattern, sub) in enumerate(patterns.items()):
+            if sub is False:
+                continue
+            keys = sl.without(languages[pattern], others)
+            for other, lang in languages.items():
+                if other != pattern:
+                    keys = sl.without(keys, lang)
+            if names is not None:
+                keys = sl.both(keys, names)
+            if not keys.empty:
+                extras.append((keys, sub, f"patternProperties.{i}"))
+        if extra not in (None, False):
+            keys = sl.without(sl.anything(), others)
+            for lang in languages.values():
+                keys = sl.without(keys, lang)
+            if names is not None:
+                keys = sl.both(keys, names)
+            if not keys.empty:
+                extras.append((keys, {} if extra is True else extra, "additionalProperties"))
+        kv: dict[str, str] = {}
+        for key, sub in values.items():
+            value = self._value(sub, f"{base}-{key}")
+            literal = self._format_literal(json.dumps(key))
+            kv[key] = self._add_rule(f"{base}-{key}-kv", f'{literal} space ":" space {value}')
+        extra_kvs = []
+        for i, (keys, sub, where) in enumerate(extras):
+            self._remember(sub, node, where)
+            value = self._value(sub, f"{base}-additional-{i}")
+            key_rule = self._quoted(keys, f"{base}-key-{i}")
+            extra_kvs.append(self._add_rule(f"{base}-additional-{i}-kv",
+                                            f'{key_rule} ":" space {value}'))
+        return self._add_rule(base, self._object_body(node, values, kv, required, deps,
+                                                      extra_kvs, base, path))
+
+    def _key_language(self, node: dict[str, Any], path: str) -> sl.Dfa | None:
+        """The keys `propertyNames` allows (None: any)."""
+        if "propertyNames" not in node:
+            return None
+        where = f"{path}.propertyNames"
+        names = self._flat(node["propertyNames"], where, 0)
+        if names is False:
+            return sl.literals([])
+        if not isinstance(names, dict) or any(k not in ANNOTATIONS and k not in _KEY_KEYWORDS
+                                              for k in names):
+            raise UnsupportedParameter("'propertyNames' is enforced only with string keywords "
+                                       "(pattern, format, lengths, enum, const)", param=where)
+        if "string" not in (types_of(names) or {"string"}):
+            return sl.literals([])
+        try:
+            language = _string_language(names)
+        except ValueError as exc:
+            raise UnsupportedParameter(str(exc), param=where) from exc
+        values = _literal_values(names)
+        if values is not None:
+            language = sl.both(language, sl.literals([v for v in values if isinstance(v, str)]))
+        return language
+
+    def _value(self, schema: Any, name: str) -> str:
+        """A property's value: any JSON value where its schema says nothing."""
+        if schema is True or (isinstance(schema, dict) and all(k in ANNOTATIONS
+                                                                for k in schema)):
+            return str(self._add_primitive("value", PRIMITIVE_RULES["value"]))
+        return self.visit(schema, name)
+
+    def _object_body(self, node: dict[str, Any], values: dict[str, Any], kv: dict[str, str],
+                     required: list[str], deps: dict[str, list[str]], extra_kvs: list[str],
+                     name: str, path: str) -> str:
+        """Required properties first, then optional ones (those that require others before
+        them), then extra keys; `dependentRequired` followed by tracking, per position, which
+        names an earlier choice made required."""
+        need = set(required)
+        changed = True
+        while changed:  # a required property's dependencies are required too
+            changed = False
+            for key in list(need):
+                for dep in deps.get(key, []):
+                    if dep not in need:
+                        need.add(dep)
+                        changed = True
+        def closure(key: str) -> set[str]:
+            out, todo = {key}, [key]
+            while todo:
+                for dep in deps.get(todo.pop(), []):
+                    if dep not in out:
+                        out.add(dep)
+                        todo.append(dep)
+            return out
+
+        for key in [k for k in values if k not in need and not closure(k) <= values.keys()]:
+            values = {k: v for k, v in values.items() if k != key}  # needs what cannot be
+        order = [k for k in values if k in need]
+        triggers = [k for k in values if k not in need and deps.get(k)]
+        if len(triggers) > MAX_DEPENDENCIES:
+            raise UnsupportedParameter(f"'dependentRequired' on more than {MAX_DEPENDENCIES} "
+                                       "optional properties cannot be enforced here",
+                                       param=f"{path}.dependentRequired")
+        placed = set(order)
+        for key in triggers:  # a trigger before what it requires
+            order.append(key)
+            placed.add(key)
+            for dep in deps[key]:
+                if dep in values and dep in placed and dep not in need and \
+                        order.index(dep) < order.index(key):
+                    raise UnsupportedParameter("'dependentRequired' whose properties require "
+                                               "each other cannot be enforced here",
+                                               param=f"{path}.dependentRequired")
+        order += [k for k in values if k not in placed]
+        for key in need:
+            if key not in values:
+                raise UnsupportedParameter(f"property '{key}' is required (by "
+                                           "dependentRequired) but cannot be written",
+                                           param=f"{path}.required")
+        extras = ""
+        if extra_kvs:
+            extras = extra_kvs[0] if len(extra_kvs) == 1 else \
+                self._add_rule(f"{name}-additional-kv", " | ".join(extra_kvs))
+        # min/maxProperties: the count written so far is part of each position's state
+        # (capped: past `low` with no `high` the count no longer matters).
+        low, high = node.get("minProperties") or 0, node.get("maxProperties")
+        if low <= len(need):
+            low = 0
+        if high is not None and not extras and high >= len(values):
+            high = None
+        cap = high if high is not None else max(low, 1)
+        if cap > MAX_COUNTED_PROPERTIES:
+            key = "maxProperties" if high is not None else "minProperties"
+            raise UnsupportedParameter(f"'{key}' above {MAX_COUNTED_PROPERTIES} cannot be "
+                                       "enforced here", param=f"{path}.{key}")
+        memo: dict[tuple[int, frozenset[str], int], str | None] = {}
+
+        def seq(i: int, must: frozenset[str], n: int) -> str | None:
+            """Grammar for the properties from position i on, n written ("" when none may
+            follow, None when no way on keeps the counts)."""
+            lead_comma = n > 0
+            if i == len(order):
+                more = max(0, low - n)
+                room = None if high is None else high - n
+                if room is not None and room < more or (more and not extras):
+                    return None
+                if not extras or room == 0:
+                    return ""
+                if not lead_comma:
+                    return str(_build_repetition(extras, more, room, separator_rule='"," space'))
+                return str(_build_repetition(f'("," space {extras})', more, room))
+            key = order[i]
+            lead = f'"," space {kv[key]}' if lead_comma else kv[key]
+            after = must | set(deps.get(key, []))
+            rest = ref(i + 1, frozenset(after), n + 1) if high is None or n < high else None
+            present = None if rest is None else f"{lead} {rest}".rstrip()
+            if key in must:
+                return present
+            absent = ref(i + 1, must, n)
+            if present is None or absent is None:
+                return present if absent is None else absent
+            return f"({present} | {absent})" if absent else f"({present})?"
+
+        def ref(i: int, must: frozenset[str], n: int) -> str | None:
+            """seq(i, …) as a rule of its own (each suffix written once)."""
+            body_key = (i, must & frozenset(order[i:]), min(n, cap))
+            if body_key not in memo:
+                body = seq(*body_key)
+                memo[body_key] = self._add_rule(f"{name}-r{i}-{body_key[2]}", body) \
+                    if body else body
+            return memo[body_key]
+
+        inner = seq(0, frozenset(need), 0)
+        if inner is None:
+            raise UnsupportedParameter("no object satisfies these properties and counts",
+                                       param=f"{path}.minProperties" if low else
+                                       f"{path}.maxProperties")
+        return f'"{{" space {inner} "}}" space' if inner else '"{" space "}" space'
 
 
-def _is_type(value: Any, kind: str) -> bool:
+def _writes_extra_keys(node: dict[str, Any]) -> bool:
+    """Whether the object rule may write keys beyond the named ones (as `_object_rule`)."""
+    extra = node.get("additionalProperties")
+    if "patternProperties" in node or extra not in (None, False):
+        return True
+    props = node.get("properties") or {}
+    return extra is None and (not props or (node.get("minProperties") or 0) > len(props))
+
+
+def _fold_unevaluated(node: Any, unevaluated: dict[str, Any]) -> Any:
+    """`unevaluatedProperties`/`Items` of a schema whose subschemas are merged in: what no
+    merged keyword evaluates is what its own additionalProperties/items would take (per
+    alternative of a union: the keys an alternative writes are those it evaluates)."""
+    if not isinstance(node, dict):
+        return node
+    for key in _UNIONS:
+        if key in node:
+            return {key: [_fold_unevaluated(alt, unevaluated) for alt in node[key]]}
+    out = dict(node)
+    if "unevaluatedProperties" in unevaluated and "additionalProperties" not in out:
+        out["additionalProperties"] = unevaluated["unevaluatedProperties"]
+    if "unevaluatedItems" in unevaluated:
+        if isinstance(out.get("items"), list):
+            out.setdefault("additionalItems", unevaluated["unevaluatedItems"])
+        else:
+            out.setdefault("items", unevaluated["unevaluatedItems"])
+    return out
+
+
+# A bound's negation: (the type it constrains, the opposite keyword, the shift of a count).
+_OPPOSITE = {"minimum": ("number", "exclusiveMaximum", 0),
+             "maximum": ("number", "exclusiveMinimum", 0),
+             "exclusiveMinimum": ("number", "maximum", 0),
+             "exclusiveMaximum": ("number", "minimum", 0),
+             "minLength": ("string", "maxLength", -1), "maxLength": ("string", "minLength", 1),
+             "minItems": ("array", "maxItems", -1), "maxItems": ("array", "minItems", 1),
+             "minProperties": ("object", "maxProperties", -1),
+             "maxProperties": ("object", "minProperties", 1)}
+_KEY_KEYWORDS = {"type", "pattern", "format", "minLength", "maxLength", "enum", "const"}
+
+
+def _digits(ds: list[int]) -> str:
+    return "[" + "".join(str(d) for d in ds) + "]"
+
+
+def _is_kind(value: Any, kind: str) -> bool:
     """Whether `value` is of JSON Schema type `kind`."""
     if kind == "null":
         return value is None
@@ -314,212 +1326,107 @@ def _is_type(value: Any, kind: str) -> bool:
     return kind == "object" and isinstance(value, dict)
 
 
-def _pattern_states(node: dict[str, Any], path: str) -> int:
-    pattern = node.get("pattern")
-    if not isinstance(pattern, str):
-        return 1
-    try:
-        return pattern_states(pattern)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), param=f"{path}.pattern") from exc
+# Keywords whose values are schemas: one, a list, or a map of names to schemas.
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "not", "if", "then",
+               "else", "contains", "propertyNames", "unevaluatedItems",
+               "unevaluatedProperties")
+_SCHEMA_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas",
+               "dependencies")
 
 
-def _check_node(node: Any, path: str) -> None:
-    """Refuses, by name, what a grammar cannot enforce and what exceeds a limit."""
-    if not isinstance(node, dict):
-        raise UnsupportedParameter("a JSON schema must be an object", param=path)
-    for key in _UNENFORCEABLE:
-        if key in node:
-            raise UnsupportedParameter(
-                f"JSON schema keyword '{key}' cannot be enforced here", param=f"{path}.{key}")
-    bounds = [k for k in _BOUNDS if k in node]
-    kinds = node.get("type")
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    if bounds and ("integer" not in kinds or "number" in kinds):
-        raise UnsupportedParameter(
-            "numeric bounds are enforced only on 'integer' schemas", param=path)
-    for key in bounds:
-        value = node[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value):
-            raise InvalidRequest(f"'{key}' must be a finite number", param=f"{path}.{key}")
+def _pointer(document: Any, fragment: str, path: str) -> Any:
+    """The node a URI fragment's JSON pointer names."""
+    target = document
+    if fragment:
+        if not fragment.startswith("/"):
+            raise UnsupportedParameter(f"'$ref' #{fragment[:80]} names an anchor: only JSON "
+                                       "pointers (#/…) are resolved", param=path)
+        for part in urllib.parse.unquote(fragment)[1:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            elif isinstance(target, dict) and part in target:
+                target = target[part]
+            else:
+                raise UnsupportedParameter(f"'$ref' #{fragment[:80]} points at nothing in "
+                                           "the schema", param=path)
+    return target
+
+
+def _string_language(node: dict[str, Any]) -> sl.Dfa:
+    """The texts a string schema allows (ValueError: a pattern outside the subset)."""
+    language = sl.anything()
+    if isinstance(node.get(_NOT_PATTERN), str):
+        language = sl.without(language, sl.pattern(node[_NOT_PATTERN]))
+    if node.get(_NOT_TEXTS):
+        language = sl.without(language, sl.literals(node[_NOT_TEXTS]))
+    if isinstance(node.get("pattern"), str):
+        language = sl.both(language, sl.pattern(node["pattern"]))
     fmt = node.get("format")
-    if fmt is not None and fmt not in _FORMATS:
-        raise UnsupportedParameter(f"string format '{fmt}' cannot be enforced here",
-                                   param=f"{path}.format")
-    for low, high in _COUNTS:
-        lo = _count(node, low, path)
-        hi = _count(node, high, path)
-        if lo is not None and hi is not None and lo > hi:
-            raise InvalidRequest(f"'{low}' {lo} exceeds '{high}' {hi}", param=f"{path}.{low}")
-    if "pattern" in node:
-        _check_pattern(node["pattern"], f"{path}.pattern")
-        for key in ("minLength", "maxLength"):
-            if key in node:
-                raise UnsupportedParameter(
-                    f"'{key}' beside 'pattern' cannot be enforced here (write the length "
-                    f"into the pattern, as {{2,8}})", param=f"{path}.{key}")
-    _check_shapes(node, path)
+    high = node.get("maxLength")
+    if fmt in _FORMATS:
+        language = sl.both(language, _format_language(fmt, high))
+    low = node.get("minLength", 0)
+    longest = language.longest() if high is not None else None
+    if low > language.shortest() or (high is not None and (longest is None or longest > high)):
+        language = sl.with_length(language, low, high)
+    return language
 
 
-def _count(node: dict[str, Any], key: str, path: str) -> int | None:
-    """A repetition count as an int within MAX_REPETITION (written back for the converter)."""
-    if key not in node:
-        return None
-    value = node[key]
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidRequest(f"'{key}' must be a non-negative integer", param=f"{path}.{key}")
-    if value > MAX_REPETITION:
-        raise InvalidRequest(f"'{key}' {value} exceeds the limit of {MAX_REPETITION}",
-                             param=f"{path}.{key}")
-    node[key] = value
-    return value
+def _format_language(fmt: str, high: int | None) -> sl.Dfa:
+    """A format's texts; under a maxLength, a format of unbounded parts is written with
+    parts short enough that its longest text fits (a length automaton over it would be
+    its size times the length)."""
+    bounded = _BOUNDED_FORMATS.get(fmt)
+    if high is None or bounded is None:
+        return sl.pattern(_FORMATS[fmt])
+    # The longest text grows linearly with k: measured at 2 and 4, the largest k that fits.
+    at2, at4 = (sl.pattern(bounded(k)).longest() or 0 for k in (2, 4))
+    slope = max(1, (at4 - at2) // 2)
+    k = min(_MAX_PART if "email" in fmt or "host" in fmt else _MAX_PART // 2,
+            (high - at2) // slope + 2)
+    while k >= 2:
+        language = sl.pattern(bounded(k))
+        longest = language.longest()
+        if longest is not None and longest <= high:
+            return language
+        k -= 1
+    return sl.pattern(_FORMATS[fmt])  # short lengths: cut by the length automaton
 
 
-def _check_shapes(node: dict[str, Any], path: str) -> None:
-    """Keywords of the wrong JSON type, or empty where a value is needed, refused by name
-    (the port would fail on them with an internal error, or emit an empty rule)."""
-    for key in ("enum", "anyOf", "oneOf", "allOf"):
-        if key in node and (not isinstance(node[key], list) or not node[key]):
-            raise InvalidRequest(f"'{key}' must be a non-empty array", param=f"{path}.{key}")
-    props = node.get("properties")
-    if props is not None and not isinstance(props, dict):
-        raise InvalidRequest("'properties' must be an object", param=f"{path}.properties")
-    subschemas = [(f"properties.{k}", v) for k, v in (props or {}).items()]
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems", "items"):
+def _literal_values(node: dict[str, Any]) -> list[Any] | None:
+    if "const" in node:
+        return [node["const"]]
+    enum = node.get("enum")
+    return list(enum) if isinstance(enum, list) else None
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    return bool(jsonschema._utils.equal(a, b))
+
+
+def _dependencies(node: dict[str, Any], path: str) -> dict[str, list[str]]:
+    """dependentRequired, and draft 7's dependencies in their array form."""
+    deps: dict[str, list[str]] = {}
+    for key in ("dependentRequired", "dependencies"):
         value = node.get(key)
-        if isinstance(value, list):
-            subschemas += [(f"{key}.{i}", v) for i, v in enumerate(value)]
-        elif key == "items" and value is not None:
-            subschemas.append((key, value))
-    extra = node.get("additionalProperties")
-    if extra is not None and not isinstance(extra, bool):
-        subschemas.append(("additionalProperties", extra))
-    for where, sub in subschemas:
-        if not isinstance(sub, dict):
-            raise UnsupportedParameter("a JSON schema must be an object",
-                                       param=f"{path}.{where}")
-    count = len(props or {}) + sum(len(part.get("properties") or ())
-                                   for part in _all_of_parts(node) if isinstance(part, dict))
-    if count > MAX_PROPERTIES:
-        raise InvalidRequest(f"an object with {count} properties exceeds the limit of "
-                             f"{MAX_PROPERTIES}", param=path)
-    kind = node.get("type")
-    if kind is not None and not isinstance(kind, str) and (
-            not isinstance(kind, list) or not kind or not all(isinstance(t, str) for t in kind)):
-        raise InvalidRequest("'type' must be a string or a non-empty array of strings",
-                             param=f"{path}.type")
-    required = node.get("required")
-    if required is not None and (
-            not isinstance(required, list) or not all(isinstance(r, str) for r in required)):
-        raise InvalidRequest("'required' must be an array of strings", param=f"{path}.required")
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise InvalidRequest(f"'{key}' must be an object", param=f"{path}.{key}")
+        for name, names in value.items():
+            if isinstance(names, list) and all(isinstance(n, str) for n in names):
+                deps.setdefault(name, [])
+                deps[name] += [n for n in names if n not in deps[name]]
+            elif names is True or names == {}:
+                continue
+            else:
+                raise UnsupportedParameter(f"'{key}' with a schema (dependentSchemas) cannot "
+                                           "be enforced here", param=f"{path}.{key}.{name}"[:200])
+    return deps
 
 
-def _all_of_parts(node: dict[str, Any]) -> list[Any]:
-    """The schemas an `allOf` merges: its parts, or the alternatives of a part's `anyOf`."""
-    parts = node.get("allOf")
-    out: list[Any] = []
-    for part in parts if isinstance(parts, list) else ():
-        alts = part.get("anyOf") if isinstance(part, dict) else None
-        out += alts if isinstance(alts, list) else [part]
-    return out
-
-
-def _check_pattern(pattern: Any, path: str) -> None:
-    if not isinstance(pattern, str):
-        raise InvalidRequest("'pattern' must be a string", param=path)
-    if len(pattern) > MAX_PATTERN_CHARS:
-        raise InvalidRequest(f"a pattern of {len(pattern)} characters exceeds the limit of "
-                             f"{MAX_PATTERN_CHARS}", param=path)
-    for count in _quantifiers(pattern):
-        if not count.isdigit() or len(count) > 6 or int(count) > MAX_REPETITION:
-            raise InvalidRequest(f"pattern repetition {{{count}}} exceeds the limit of "
-                                 f"{MAX_REPETITION}", param=path)
-
-
-def _quantifiers(pattern: str) -> list[str]:
-    """The numbers in a pattern's {m}, {m,}, {m,n}, read as the port reads them."""
-    out: list[str] = []
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-        elif c == "[":
-            i += 1
-            while i < len(pattern) and pattern[i] != "]":
-                i += 2 if pattern[i] == "\\" else 1
-            i += 1
-        elif c == "{":
-            end = pattern.find("}", i)
-            if end < 0:
-                return out  # the port refuses an unbalanced brace itself
-            out += [n.strip() for n in pattern[i + 1 : end].split(",") if n.strip()]
-            i = end + 1
-        else:
-            i += 1
-    return out
-
-
-def _int_bounds(schema: dict[str, Any]) -> tuple[int, int]:
-    lo, hi = -_INT_CAP, _INT_CAP
-    if "minimum" in schema:
-        lo = max(lo, math.ceil(schema["minimum"]))
-    if "exclusiveMinimum" in schema:
-        lo = max(lo, math.floor(schema["exclusiveMinimum"]) + 1)
-    if "maximum" in schema:
-        hi = min(hi, math.floor(schema["maximum"]))
-    if "exclusiveMaximum" in schema:
-        hi = min(hi, math.ceil(schema["exclusiveMaximum"]) - 1)
-    return lo, hi
-
-
-def _int_range(lo: int, hi: int) -> str:
-    """A GBNF alternation matching exactly the decimal integers in [lo, hi]."""
-    alts: list[str] = []
-    if lo < 0:
-        neg_hi = -lo
-        neg_lo = max(1, -hi)
-        if neg_lo <= neg_hi:
-            alts += [f'"-" {p}' for p in _natural_range(neg_lo, neg_hi)]
-    if hi >= 0:
-        alts += _natural_range(max(0, lo), hi)
-    return " | ".join(alts)
-
-
-def _natural_range(lo: int, hi: int) -> list[str]:
-    out = []
-    for width in range(len(str(lo)), len(str(hi)) + 1):
-        a = max(lo, 10 ** (width - 1) if width > 1 else 0)
-        b = min(hi, 10**width - 1)
-        if a <= b:
-            out += [" ".join(p) for p in _fixed(str(a), str(b))]
-    return out
-
-
-def _digit(a: int, b: int) -> str:
-    return json.dumps(str(a)) if a == b else f"[{a}-{b}]"
-
-
-def _fixed(a: str, b: str) -> list[list[str]]:
-    """Patterns for the same-width digit strings from a to b (leading zeros allowed)."""
-    if not a:
-        return [[]]
-    if a[0] == b[0]:
-        return [[json.dumps(a[0]), *p] for p in _fixed(a[1:], b[1:])]
-    n = len(a) - 1
-    lo_d, hi_d = int(a[0]), int(b[0])
-    out: list[list[str]] = []
-    tail: list[list[str]] = []
-    full_lo, full_hi = lo_d, hi_d
-    if a[1:] != "0" * n:
-        out += [[json.dumps(a[0]), *p] for p in _fixed(a[1:], "9" * n)]
-        full_lo = lo_d + 1
-    if b[1:] != "9" * n:
-        tail = [[json.dumps(b[0]), *p] for p in _fixed("0" * n, b[1:])]
-        full_hi = hi_d - 1
-    if full_lo <= full_hi:
-        out.append([_digit(full_lo, full_hi), *(["[0-9]"] * n)])
-    return out + tail
+_int_range = int_range  # the name tests/test_json_grammar.py knows
+__all__ = ["MAX_PATTERN_CHARS", "MAX_PROPERTIES", "MAX_REPETITION", "MAX_SCHEMA_DEPTH",
+           "MAX_SCHEMA_NODES", "convert", "schema_to_grammar"]

@@ -6,11 +6,11 @@ a union can both still match when nested values begin (two arrays; two objects t
 with the same key and values that may be the same text; a named property that is also an
 additional one), each nested level holds both, and the stacks multiply: under a recursive
 union of two array shapes, each `[` the model wrote doubled the time of the next token
-(20 s a token at depth 12, and it grows without end). A regex pattern does the same with a
-repeated group that matches texts of different lengths, `(a?){30}`.
+(20 s a token at depth 12, and it grows without end). Patterns and key rules cost nothing
+here: they are written as deterministic automata (`string_language`), one parse each.
 
-The converter asks `WidthOracle.node_width` for each schema it visits and `pattern_states` for each
-pattern, multiplies along the nesting, and refuses a schema whose product passes
+The converter asks `WidthOracle.node_width` for each schema it visits, multiplies along the
+nesting, and refuses a schema whose product passes
 MAX_PARSE_STATES anywhere, or whose multiplying union recurs through a `$ref`. The bounds
 are conservative (they may count parses that never coexist) and read only the schema
 around a node; schemas as people and tool libraries write them have width 1 almost
@@ -20,12 +20,12 @@ everywhere (tool calls differ in a constant name; `Optional[...]` pairs with nul
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 MAX_PARSE_STATES = 16
 MAX_ALTERNATIVES = 256  # per anyOf/oneOf: their conflicts are checked pairwise
 _CONTAINERS = frozenset({"object", "array"})
-_MAX_GROUP_DEPTH = 32
 _MAX_STEPS = 200_000  # comparisons one conversion may spend on widths
 
 # (required keys in the order the converter writes them, properties, any first key,
@@ -36,10 +36,15 @@ _Shape = tuple[list[str], dict[str, Any], bool, bool]
 class WidthOracle:
     """Widths of the schemas of one conversion (`refs`: the converter's resolved $refs)."""
 
-    def __init__(self, refs: dict[str, Any]) -> None:
+    def __init__(self, refs: dict[str, Any],
+                 merged: Callable[[dict[str, Any]], Any] | None = None) -> None:
         self._refs = refs
         self._kinds: dict[int, frozenset[str]] = {}
         self._steps = 0
+        # An alternative with an allOf is judged as the converter merges it (`merged`),
+        # each kept here, so that ids stay unique.
+        self._merge = merged
+        self._merged: dict[int, tuple[Any, Any]] = {}
 
     def node_width(self, schema: dict[str, Any]) -> int:
         """How many alternatives of this node may carry on together into nested values."""
@@ -51,10 +56,7 @@ class WidthOracle:
                 raise ValueError(f"{len(alts)} alternatives exceed the limit of "
                                  f"{MAX_ALTERNATIVES}")
             return self._union_width(alts)
-        shape = self._object_shape(schema)
-        if shape is not None and shape[1] and shape[3]:
-            return 2  # a named key may also be read as an additional one, with a nested value
-        return 1
+        return 1  # an additional key is never a named one: they part at the key
 
     def _union_width(self, alts: list[Any]) -> int:
         """An upper bound of the largest group of alternatives in conflict (all the arrays;
@@ -85,6 +87,11 @@ class WidthOracle:
                 return None
             seen.add(ref)
             schema = self._refs[ref]
+        if self._merge is not None and isinstance(schema, dict) and "allOf" in schema:
+            known = self._merged.get(id(schema))
+            if known is None:
+                known = self._merged[id(schema)] = (schema, self._merge(schema))
+            return known[1] if isinstance(known[1], dict) else None
         return schema
 
     def kinds(self, schema: Any, depth: int = 0) -> frozenset[str]:
@@ -134,6 +141,26 @@ class WidthOracle:
         nests = extra is True or (isinstance(extra, dict) and bool(self.kinds(extra)))
         return keys, props, open_extra, nests
 
+    def _nest_together(self, a: dict[str, Any], sa: _Shape, b: dict[str, Any], sb: _Shape
+                       ) -> bool:
+        """Whether both may enter a nested value at once: only under a key both may write,
+        whose values may both open a container (else the parses part before nesting)."""
+        extra_a, extra_b = _extra_value(a), _extra_value(b)
+        for key in set(sa[1]) | set(sa[0]) | set(sb[1]) | set(sb[0]):
+            self._step()
+            va = sa[1].get(key, extra_a if key not in sa[0] or key not in sa[1] else None)
+            vb = sb[1].get(key, extra_b if key not in sb[0] or key not in sb[1] else None)
+            if key in sa[0] and key not in sa[1]:
+                va = extra_a if extra_a is not None else _ANY
+            if key in sb[0] and key not in sb[1]:
+                vb = extra_b if extra_b is not None else _ANY
+            if va is not None and vb is not None and self.kinds(va) & self.kinds(vb):
+                return True
+        if extra_a is not None and extra_b is not None and \
+                self.kinds(extra_a) & self.kinds(extra_b):
+            return True
+        return False
+
     def _objects_conflict(self, a: Any, b: Any) -> bool:
         """Whether two object alternatives may both be alive when one enters a nested value:
         walk their keys while they are the same and their values may be the same text."""
@@ -141,6 +168,8 @@ class WidthOracle:
         sa, sb = self._object_shape(a), self._object_shape(b)
         if sa is None or sb is None:
             return True
+        if not self._nest_together(a, sa, b, sb):
+            return False
         (ka, pa, xa, _), (kb, pb, xb, _) = sa, sb
         if not ka or not kb:  # the first key is any optional one (or an additional one)
             first_a = {ka[0]} if ka else set(pa)
@@ -156,6 +185,14 @@ class WidthOracle:
             if _literals_differ(self._resolve(va), self._resolve(vb)):
                 return False
         return True  # the same keys all the way: assume the worst
+
+
+_ANY = {"type": ["object", "array"]}  # a required name no property lists: any value
+
+
+def _extra_value(schema: dict[str, Any]) -> Any:
+    extra = schema.get("additionalProperties")
+    return {} if extra is True else extra if isinstance(extra, dict) else None
 
 
 def _type_kinds(kind: Any) -> frozenset[str]:
@@ -177,77 +214,3 @@ def _literal_texts(schema: Any) -> set[str] | None:
     if isinstance(schema.get("enum"), list):
         return {json.dumps(v, sort_keys=True) for v in schema["enum"]}
     return None
-
-
-def pattern_states(pattern: str) -> int:
-    """An upper bound on the parses a pattern's grammar follows at once (ValueError when its
-    groups nest deeper than llama.cpp and the converter should be asked to recurse)."""
-    body = pattern[1:-1] if len(pattern) >= 2 and pattern[0] == "^" and \
-        pattern[-1] == "$" else pattern
-    states, _, _, _ = _alternation(body, 0, 0)
-    return states
-
-
-# A parsed piece: (states, shortest length, longest length or None for unbounded, next i)
-_Piece = tuple[int, int, "int | None", int]
-
-
-def _alternation(p: str, i: int, depth: int) -> _Piece:
-    if depth > _MAX_GROUP_DEPTH:
-        raise ValueError(f"pattern groups nest deeper than {_MAX_GROUP_DEPTH}")
-    total, lo, hi, i = _sequence(p, i, depth)
-    while i < len(p) and p[i] == "|":
-        s, a, b, i = _sequence(p, i + 1, depth)
-        total, lo = total + s, min(lo, a)
-        hi = None if hi is None or b is None else max(hi, b)
-    return total, lo, hi, i
-
-
-def _sequence(p: str, i: int, depth: int) -> _Piece:
-    items: list[tuple[int, int, int | None]] = []
-    while i < len(p) and p[i] not in "|)":
-        s, lo, hi, i = _atom(p, i, depth)
-        s, lo, hi, i = _quantified(p, i, s, lo, hi)
-        items.append((s, lo, hi))
-    fixed = all(lo == hi for _, lo, hi in items)
-    states = max((s for s, _, _ in items), default=1) if fixed else sum(s for s, _, _ in items)
-    lo_sum = sum(lo for _, lo, _ in items)
-    hi_sum = None if any(hi is None for _, _, hi in items) else \
-        sum(hi for _, _, hi in items if hi is not None)
-    return max(states, 1), lo_sum, hi_sum, i
-
-
-def _atom(p: str, i: int, depth: int) -> _Piece:
-    c = p[i]
-    if c == "(":
-        s, lo, hi, i = _alternation(p, i + 1, depth + 1)
-        return s, lo, hi, i + 1  # past ')' (the converter refuses a missing one)
-    if c == "[":
-        i += 1
-        while i < len(p) and p[i] != "]":
-            i += 2 if p[i] == "\\" else 1
-        return 1, 1, 1, i + 1
-    if c == "\\":
-        return 1, 1, 1, i + 2
-    return 1, 1, 1, i + 1
-
-
-def _quantified(p: str, i: int, s: int, lo: int, hi: int | None
-                ) -> tuple[int, int, int | None, int]:
-    if i >= len(p) or p[i] not in "*+?{":
-        return s, lo, hi, i
-    varies = lo != hi
-    if p[i] == "{":
-        end = p.find("}", i)
-        if end < 0:
-            return s, lo, hi, len(p)
-        parts = [x.strip() for x in p[i + 1 : end].split(",")]
-        low = int(parts[0]) if parts[0].isdigit() else 0
-        high: int | None = low if len(parts) == 1 else (
-            int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None)
-        copies = high if high is not None else low + 1
-        states = s * max(copies, 1) if varies else s
-        return states, lo * low, None if hi is None or high is None else hi * high, end + 1
-    if p[i] == "?":
-        return s + 1, 0, hi, i + 1
-    return s + 1, (lo if p[i] == "+" else 0), None, i + 1
