@@ -26,6 +26,7 @@ from edge_agent.bench.schema_coverage import (
     load_sample,
     messages,
     mismatch,
+    reasons,
     request_body,
     summarise,
 )
@@ -136,6 +137,16 @@ def test_the_figures_per_category_and_overall() -> None:
         "declared_coverage": 1.0, "empirical_coverage": 0.5}
     assert summary["overall"]["declared_coverage"] == 0.75
     assert summary["overall"]["empirical_coverage"] == 0.5
+
+
+def test_refusals_are_grouped_by_reason_whatever_the_numbers() -> None:
+    got = [Verdict("refused", "'maxLength' 4096 exceeds the limit of 1000"),
+           Verdict("refused", "'maxLength' 1024 exceeds the limit of 1000"),
+           Verdict("refused", "unsupported JSON schema: Unrecognized schema: {'a': 1}"),
+           Verdict("valid"), Verdict("invalid", "$.n: 0 is less than the minimum of 1")]
+    assert reasons(got) == [("'maxLength' N exceeds the limit of N", 2),
+                            ("unsupported JSON schema: Unrecognized schema: {…}", 1)]
+    assert reasons(got, "invalid") == [("$.n: N is less than the minimum of N", 1)]
 
 
 # -- against a real server ------------------------------------------------------------------

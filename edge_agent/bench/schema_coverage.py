@@ -249,6 +249,15 @@ def summarise(sample: Sample, verdicts: dict[str, list[Verdict]]) -> dict[str, A
     return out
 
 
+def reasons(verdicts: Sequence[Verdict], outcome: str = "refused", top: int = 8
+            ) -> list[tuple[str, int]]:
+    """The most frequent reasons for `outcome`, numbers and dicts folded (`'maxLength'
+    4096 exceeds…` and `'maxLength' 1024 exceeds…` are one reason): where coverage is lost."""
+    folded = Counter(re.sub(r"\d+", "N", re.sub(r"\{.*\}", "{…}", v.detail))
+                     for v in verdicts if v.outcome == outcome)
+    return folded.most_common(top)
+
+
 def _cell(figures: dict[str, Any]) -> str:
     return (f"{figures['declared_coverage']:>8.2f} {figures['empirical_coverage']:>9.2f} "
             f"{figures['invalid']:>7} {figures['cut']:>4} {figures['error']:>4}")
@@ -303,12 +312,19 @@ def bench_schema_coverage(state_dir: Path, model: str, *, threads: int, context:
     print_table(echo, sample, summary)
     echo("  " + "; ".join(f"{side}: {wall[side]:.0f} s ({parallel} at a time)"
                           for side in verdicts))
+    for side, got in verdicts.items():
+        for outcome in ("refused", "invalid", "error"):
+            common = reasons(got, outcome)
+            if common:
+                echo(f"  {side}, {outcome}: " + "; ".join(f"{n}x {why[:90]}"
+                                                         for why, n in common))
     edge = summary["edge-agent"]["overall"]
     out: dict[str, Any] = {
         "source": sample.source, "commit": sample.commit, "schemas": len(sample.cases),
         "max_tokens": MAX_TOKENS, "parallel": parallel, "wall_s": wall, **summary,
         "edge_invalid": edge["invalid"], "declared_coverage": edge["declared_coverage"],
         "empirical_coverage": edge["empirical_coverage"],
+        "refusal_reasons": {side: reasons(got) for side, got in verdicts.items()},
         "cases": [{"category": case.category, "file": case.file,
                    **{side: {"outcome": got[i].outcome, "detail": got[i].detail}
                       for side, got in verdicts.items()}}
