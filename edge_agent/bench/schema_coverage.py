@@ -32,7 +32,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -228,14 +228,21 @@ def tally(verdicts: Sequence[Verdict]) -> Tally:
     return Tally(counts)
 
 
-def run_side(peer: HttpPeer, cases: Sequence[Case], parallel: int,
-             timeout: float = TIMEOUT_S) -> tuple[list[Verdict], float]:
+def run_side(peer: HttpPeer, cases: Sequence[Case], parallel: int, echo: Echo,
+             timeout: float = TIMEOUT_S, every: int = 50) -> tuple[list[Verdict], float]:
     """Every case once against `peer`, `parallel` at a time: the verdicts in the cases'
-    order and the wall time."""
+    order and the wall time. A line every `every` answers says how far it got (the whole
+    sample takes many minutes on a small box)."""
     start = time.perf_counter()
+    verdicts: dict[int, Verdict] = {}
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        verdicts = list(pool.map(lambda case: ask(peer, case, timeout), cases))
-    return verdicts, time.perf_counter() - start
+        futures = {pool.submit(ask, peer, case, timeout): i for i, case in enumerate(cases)}
+        for future in as_completed(futures):
+            verdicts[futures[future]] = future.result()
+            if len(verdicts) % every == 0 and len(verdicts) != len(cases):
+                echo(f"  {peer.name}: {len(verdicts)} of {len(cases)} schemas, "
+                     f"{time.perf_counter() - start:.0f} s")
+    return [verdicts[i] for i in range(len(cases))], time.perf_counter() - start
 
 
 def summarise(sample: Sample, verdicts: dict[str, list[Verdict]]) -> dict[str, Any]:
@@ -302,7 +309,7 @@ def bench_schema_coverage(state_dir: Path, model: str, *, threads: int, context:
     wall: dict[str, float] = {}
     for side, make in makers.items():
         with _server(make) as peer:
-            verdicts[side], wall[side] = run_side(peer, sample.cases, parallel)
+            verdicts[side], wall[side] = run_side(peer, sample.cases, parallel, echo)
     summary = summarise(sample, verdicts)
     commit = sample.commit[:7]
     echo(f"structured coverage: {len(sample.cases)} JSONSchemaBench schemas "
