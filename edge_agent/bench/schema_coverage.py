@@ -295,7 +295,7 @@ def _cell(figures: dict[str, Any]) -> str:
 def print_table(echo: Echo, sample: Sample, summary: dict[str, Any]) -> None:
     sides = [s for s in SIDES if s in summary]
     head = f"{'declared':>8} {'empirical':>9} {'invalid':>7} {'cut':>4} {'err':>4}"
-    echo(f"  {'':16} {'':>4}  " + "  ".join(f"{s:<37}" for s in sides).rstrip())
+    echo(f"  {'':16} {'':>4}  " + "  ".join(f"{s:<36}" for s in sides).rstrip())
     echo(f"  {'category':<16} {'n':>4}  " + "  ".join(head for _ in sides))
     for c in [*sample.categories, "overall"]:
         cells = [summary[s]["overall"] if c == "overall" else summary[s]["categories"][c]
