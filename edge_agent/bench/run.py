@@ -27,6 +27,7 @@ from edge_agent.bench.peers import (
     LlamaCppServerPeer,
     Sample,
 )
+from edge_agent.bench.schema_coverage import bench_schema_coverage
 from edge_agent.bench.structured import bench_structured
 from edge_agent.bench.targets import report, target
 from edge_agent.engine.catalog import ModelStore
@@ -493,6 +494,25 @@ def run_llama_server_bench(state_dir: Path, model: ModelName, binary: Path, *, t
         extra=_no_eos(path), echo=echo, rounds=rounds)}
 
 
+def run_schema_coverage_bench(state_dir: Path, model: ModelName, *, threads: int,
+                              context: int, echo: Echo, llama_server: Path | None = None,
+                              per_category: int | None = None,
+                              categories: tuple[str, ...] = (), parallel: int = 4
+                              ) -> dict[str, Any]:
+    """The structured-coverage section alone (`edge-agent bench structured-coverage`)."""
+    store = ModelStore(state_dir)
+    if not store.is_installed(model):
+        store.pull(model)
+    info = store.get(model)
+    echo(f"edge-agent bench structured-coverage: {info.name} ({info.quantization}, "
+         f"sha256:{info.digest[:12]}), {threads} threads")
+    return {"model": info.name, "threads": threads,
+            "structured_coverage": bench_schema_coverage(
+                state_dir, info.name, threads=threads, context=context, echo=echo,
+                model_path=info.blob_path(state_dir), llama_server=llama_server,
+                per_category=per_category, categories=categories, parallel=parallel)}
+
+
 def run_bench(state_dir: Path, model: ModelName, *, levels: list[int], requests: int,
               max_tokens: int, threads: int, context: int, peers: bool, echo: Echo,
               llama_server: Path | None = None) -> dict[str, Any]:
@@ -517,6 +537,9 @@ def run_bench(state_dir: Path, model: ModelName, *, levels: list[int], requests:
                                             context=context, extra=extra, echo=echo)
     result["lookup"] = bench_lookup(state_dir, info.name, threads=threads, context=context,
                                    extra=extra, echo=echo)
+    result["structured_coverage"] = bench_schema_coverage(
+        state_dir, info.name, threads=threads, context=context, echo=echo, model_path=path,
+        llama_server=llama_server)
     if llama_server is not None:
         result["llama_server"] = bench_llama_server(state_dir, path, info.name, llama_server,
                                                     threads=threads, context=context,

@@ -163,6 +163,50 @@ def bench_llama_server(binary: Path, model: str | None, rounds: int, as_json: bo
         echo_json(result)
 
 
+@bench.command("structured-coverage")
+@common_options
+@click.option("--model", help="Model to measure (default: the configured default).")
+@click.option("--llama-server", "llama_server",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="llama.cpp's llama-server binary: also send every schema to it, on the "
+              "same file.")
+@click.option("--per-category", type=click.IntRange(1), default=None,
+              help="Only the first N schemas of each category (default: all 25).")
+@click.option("--category", "categories", multiple=True,
+              help="Only this category (repeatable), e.g. Github_hard.")
+@click.option("--parallel", type=click.IntRange(1, 16), default=4, show_default=True,
+              help="Requests at a time, and slots of each server.")
+@json_option("Print the figures as JSON on stdout (the report goes to stderr).")
+def bench_structured_coverage(model: str | None, llama_server: Path | None,
+                              per_category: int | None, categories: tuple[str, ...],
+                              parallel: int, as_json: bool) -> None:
+    """Send each schema of a JSONSchemaBench sample (250 real-world schemas, 25 from each
+    of 10 categories) once as `response_format`: schemas accepted, answers that fit them,
+    that do not, and that ran out of tokens, per category; with --llama-server, beside
+    llama.cpp's own server."""
+    from edge_agent.bench.run import run_schema_coverage_bench
+    from edge_agent.bench.schema_coverage import load_sample
+    from edge_agent.engine.runtime import default_threads
+
+    known = load_sample().categories
+    unknown = sorted(set(categories) - set(known))
+    if unknown:
+        raise BadUsage(f"no category {', '.join(unknown)} (known: {', '.join(known)})")
+    settings = load()
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+
+    def echo(line: str) -> None:
+        click.echo(line, err=as_json)
+
+    result = run_schema_coverage_bench(
+        settings.state_dir, ModelName.parse(model or settings.default_model),
+        threads=settings.runtime.threads or default_threads(),
+        context=settings.runtime.context_length, llama_server=llama_server,
+        per_category=per_category, categories=categories, parallel=parallel, echo=echo)
+    if as_json:
+        echo_json(result)
+
+
 @bench.command("rollout")
 @common_options
 @click.option("--model", help="Model to roll out (default: the configured default).")
