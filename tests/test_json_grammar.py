@@ -285,6 +285,16 @@ def test_a_one_of_whose_alternatives_may_both_match_is_refused_by_name() -> None
     ({"type": "array", "maxItems": 2}, ['[1,"x"]', "[]"], ['[1,2,3]']),
     ({"type": "object", "required": ["id"]}, ['{"id":1,"x":2}'], ["{}", '{"x":2}']),
     ({"type": "string", "not": {"maxLength": 3}}, ['"abcd"'], ['"abc"', '""']),
+    # Long bounds are written in binary: every length at a block's edge is checked.
+    ({"type": "string", "minLength": 33, "maxLength": 129},
+     ['"' + "a" * n + '"' for n in (33, 34, 63, 64, 65, 127, 128, 129)],
+     ['"' + "a" * n + '"' for n in (0, 31, 32, 130, 131, 256)]),
+    ({"type": "string", "minLength": 50, "maxLength": 32767},
+     ['"' + "ab" * 25 + '"', '"' + "x" * 600 + '"'], ['"' + "ab" * 24 + 'a"']),
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 4096},
+                                       "b": {"type": ["string", "null"], "maxLength": 1024}}},
+     ['{"a":"' + "é" * 300 + '","b":null}', '{"b":"' + "z" * 1024 + '"}'],
+     ['{"b":"' + "z" * 1025 + '"}']),
     ({"type": "string", "format": "email", "maxLength": 255}, ['"ada@example.com"'],
      ['"ada"', '"' + "a" * 250 + '@example.com"']),
     # Under a short maxLength, the parts of an address are kept short enough to fit.

@@ -28,7 +28,7 @@ from string import ascii_letters, digits, hexdigits
 
 from edge_agent.errors import EdgeAgentError, InvalidRequest, ServiceUnavailable
 
-MAX_GRAMMAR_BYTES = 64 * 1024
+MAX_GRAMMAR_BYTES = 512 * 1024
 _CACHE_SIZE = 512
 _CHILD_SLOTS = threading.BoundedSemaphore(2)  # concurrent checks: each is a process
 _CHILD_TIMEOUT_S = 10

@@ -49,7 +49,6 @@ from llama_cpp.llama_grammar import (
     PRIMITIVE_RULES,
     BuiltinRule,
     SchemaConverter,
-    _build_repetition,
 )
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
@@ -64,6 +63,7 @@ from edge_agent.engine.numeric_range import (
     int_range,
     number_range,
 )
+from edge_agent.engine.repetition import repeat
 from edge_agent.engine.schema_limits import (
     BOUNDS,
     MAX_PATTERN_CHARS,
@@ -87,6 +87,7 @@ MAX_COUNTED_PROPERTIES = 32  # min/maxProperties: a grammar state per count
 # What a `not` folds into (see _Converter._negated): strings it excludes, keys it forbids.
 _NOT_TEXTS = "\x00not-texts"
 _NOT_PATTERN = "\x00not-pattern"
+_STRING_KEYWORDS = ("pattern", "format", "minLength", "maxLength", _NOT_PATTERN, _NOT_TEXTS)
 _NOT_KEY = "\x00not-key"
 _FRACTIONAL = "\x00fractional"
 _NOT_PROPS = "\x00not-properties"  # name -> a schema its value must fail
@@ -111,7 +112,7 @@ _KIND_ORDER = ("object", "array", "string", "number", "integer", "boolean", "nul
 _INT_FORMATS = {"int32": (-(2**31), 2**31 - 1), "int64": (-INT_CAP, INT_CAP),
                 "uint32": (0, 2**32 - 1), "uint64": (0, INT_CAP), "int8": (-128, 127),
                 "uint8": (0, 255), "int16": (-(2**15), 2**15 - 1), "uint16": (0, 2**16 - 1)}
-_NUMBER_FORMATS = ("double",)  # a bounded grammar number always fits a double
+_NUMBER_FORMATS = ("double", "float")  # a bounded grammar number always fits either
 # Sound subsets of each format: every text matched is valid for it (a date never names a
 # 30 February; an e-mail address is a dotted local part at a dotted host name).
 _DATE = ("[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|"
@@ -133,9 +134,28 @@ _FORMATS = {
     "uri": f"^[a-zA-Z][a-zA-Z0-9+.-]*://{_LABEL}(\\.{_LABEL})*(:[0-9]{{1,5}})?"
            f"(/{_PCHAR}*)*(\\?({_PCHAR}|[/?])*)?(#({_PCHAR}|[/?])*)?$",
 }
+_FORMATS["byte"] = "^([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"  # base64
+_FORMATS["json-pointer"] = "^(/([^~/]|~[01])*)*$"
 _FORMATS["uri-reference"] = _FORMATS["iri"] = _FORMATS["iri-reference"] = _FORMATS["uri"]
 _FORMATS["idn-email"] = _FORMATS["email"]
 _FORMATS["idn-hostname"] = _FORMATS["hostname"]
+
+
+# Formats with a meaning: JSON Schema's, OpenAPI's, and those jsonschema's validators check.
+# One of them not enforced here is refused by name; any other name is an annotation, which
+# JSON Schema tells implementations to ignore (as every validator does): `format: "path"`.
+_DEFINED_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
+    "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid",
+    "uri-template", "json-pointer", "relative-json-pointer", "regex", "color", "byte",
+    "float", "double", "int32", "int64",
+}) | _INT_FORMATS.keys() | {f"uuid{n}" for n in range(1, 6)}
+
+
+def _format_of(node: dict[str, Any]) -> str | None:
+    """The node's format, None where it has none or its name is only an annotation."""
+    fmt = node.get("format")
+    return fmt if fmt in _DEFINED_FORMATS else None
 
 
 _MAX_PART = 24  # a bounded format's longest part (a longer one costs states, not validity)
@@ -274,6 +294,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         self._validator: Any = jsonschema.Draft202012Validator
         self._placeholders = 0
         self._choices: dict[str, str] = {}
+        self._strings: dict[str, str] = {}  # a string schema's keywords -> its rule
+        self._automata = 0
 
     def set_root(self, root: Any) -> None:
         """The document `$ref`s point into, for checking values against a schema."""
@@ -759,7 +781,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         keys = node.keys() - {"format"}
         inferred = [k for k in _KIND_ORDER if k != "integer" and _TYPE_KEYWORDS.get(k, set())
                     & keys]
-        fmt = node.get("format")
+        fmt = _format_of(node)
         if fmt is not None:
             kind = "integer" if fmt in _INT_FORMATS else "number" if fmt in _NUMBER_FORMATS \
                 else "string"
@@ -784,7 +806,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
     # -- numbers ------------------------------------------------------------------------
 
     def _number_rule(self, kind: str, node: dict[str, Any], name: str, path: str) -> str:
-        fmt = node.get("format")
+        fmt = _format_of(node)
         limits = dict(node)
         if fmt in _INT_FORMATS:
             lo, hi = _INT_FORMATS[fmt]
@@ -856,7 +878,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
     # -- strings ------------------------------------------------------------------------
 
     def _string_rule(self, node: dict[str, Any], name: str, path: str) -> str:
-        fmt = node.get("format")
+        fmt = _format_of(node)
         if fmt is not None and fmt not in _FORMATS and fmt not in _INT_FORMATS:
             raise UnsupportedParameter(f"string format '{fmt}' cannot be enforced here",
                                        param=f"{path}.format")
@@ -864,9 +886,15 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                 _NOT_PATTERN not in node:
             if "minLength" in node or "maxLength" in node:
                 char = self._add_primitive("char", PRIMITIVE_RULES["char"])
-                return self._add_rule(name or "root", r'"\"" ' + _build_repetition(
-                    char, node.get("minLength", 0), node.get("maxLength")) + r' "\"" space')
+                body = repeat(char, node.get("minLength", 0), node.get("maxLength"),
+                              add=self._add_rule, name=char)
+                return self._add_rule(name or "root", rf'"\"" {body} "\"" space')
             return str(self._add_primitive("string", PRIMITIVE_RULES["string"]))
+        # The same keywords are the same automaton: a schema with eight `format: uri` fields
+        # writes its ~250 states once, not eight times.
+        sig = json.dumps([node.get(k) for k in _STRING_KEYWORDS], default=str)
+        if sig in self._strings:
+            return self._strings[sig]
         try:
             language = _string_language(node)
         except ValueError as exc:
@@ -875,13 +903,18 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         if language.empty:
             raise UnsupportedParameter("no string satisfies the pattern, format and lengths "
                                        "together", param=path)
-        return self._quoted(language, name or "root")
+        key = self._quoted(language, name or "root")
+        if key != "root":
+            self._strings[sig] = key
+        return key
 
     def _quoted(self, language: sl.Dfa, name: str) -> str:
         """The rule writing a JSON string whose text is one of `language`'s."""
         if not language.moves[0]:
             return self._add_rule(name, r'"\"" "\"" space')
-        keys: list[str | None] = [self._reserve(f"{name}-s{q}") if row else None
+        # States are named by a short prefix of their own: every transition repeats a name.
+        self._automata += 1
+        keys: list[str | None] = [self._reserve(f"a{self._automata}-{q}") if row else None
                                   for q, row in enumerate(language.moves)]
         names = [k or "" for k in keys]
         for key, body in zip(keys, sl.rules(language, names, self._choice), strict=True):
@@ -897,6 +930,19 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         return key
 
     # -- arrays -------------------------------------------------------------------------
+
+    def _repeat(self, item: str, lo: int, hi: int | None, *, lead_comma: bool = False) -> str:
+        """lo to hi of `item` separated by commas (each after a comma, with `lead_comma`),
+        in rules that grow with the log of the count (engine/repetition.py)."""
+        if hi == 0:
+            return ""
+        after = self._add_rule(f"{item}-next", f'"," space {item}')
+        if lead_comma:
+            return repeat(after, lo, hi, add=self._add_rule, name=after)
+        rest = repeat(after, max(0, lo - 1), None if hi is None else hi - 1,
+                      add=self._add_rule, name=after)
+        first = f"{item} {rest}".rstrip()
+        return first if lo else f"({first})?"
 
     def _array_rule(self, node: dict[str, Any], name: str, path: str) -> str:
         items = node.get("items")
@@ -944,10 +990,10 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                 return self._unique_array(item_schema, more_lo, more_hi, base, path)
             item = self._value(extra if extra is True else item_schema, f"{base}-item")
             if parts:
-                more = _build_repetition(f'("," space {item})', more_lo, more_hi)
+                more = self._repeat(item, more_lo, more_hi, lead_comma=True)
                 body = f"{body} {more}" if more else body
             else:
-                body = _build_repetition(item, more_lo, more_hi, separator_rule='"," space')
+                body = self._repeat(item, more_lo, more_hi)
         return self._add_rule(base, f'"[" space {body} "]" space'.replace("space  ", "space "))
 
     def _containing(self, node: dict[str, Any], tuple_: list[Any], extra: Any, lo: int,
@@ -1232,8 +1278,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                 if not extras or room == 0:
                     return ""
                 if not lead_comma:
-                    return str(_build_repetition(extras, more, room, separator_rule='"," space'))
-                return str(_build_repetition(f'("," space {extras})', more, room))
+                    return self._repeat(extras, more, room)
+                return self._repeat(extras, more, room, lead_comma=True)
             key = order[i]
             lead = f'"," space {kv[key]}' if lead_comma else kv[key]
             after = must | set(deps.get(key, []))

@@ -15,7 +15,11 @@ from typing import Any
 
 from edge_agent.errors import InvalidRequest, UnsupportedParameter
 
-MAX_REPETITION = 1_000  # minLength, maxLength, minItems, maxItems, a pattern's {m,n}
+MAX_REPETITION = 1_000  # minItems, maxItems, min/maxProperties, a pattern's {m,n}
+# A string's bounds are written in binary (engine/repetition.py): rules grow with the log of
+# the count, so the limit only keeps the numbers sane. Beside a pattern or a format, the
+# automaton's own state limit applies.
+MAX_STRING_LENGTH = 2**32
 MAX_PROPERTIES = 256  # per object, allOf parts together (optional ones convert in n² time)
 MAX_PATTERN_CHARS = 1_000
 # Keywords that constrain and that no grammar here enforces: refused wherever they apply.
@@ -58,7 +62,7 @@ def check_node(node: Any, path: str) -> None:
 
 
 def _count(node: dict[str, Any], key: str, path: str) -> int | None:
-    """A repetition count as an int within MAX_REPETITION (written back for the converter)."""
+    """A repetition count as an int within its limit (written back for the converter)."""
     if key not in node:
         return None
     value = node[key]
@@ -66,8 +70,9 @@ def _count(node: dict[str, Any], key: str, path: str) -> int | None:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidRequest(f"'{key}' must be a non-negative integer", param=f"{path}.{key}")
-    if value > MAX_REPETITION:
-        raise InvalidRequest(f"'{key}' {value} exceeds the limit of {MAX_REPETITION}",
+    limit = MAX_STRING_LENGTH if key in ("minLength", "maxLength") else MAX_REPETITION
+    if value > limit:
+        raise InvalidRequest(f"'{key}' {value} exceeds the limit of {limit}",
                              param=f"{path}.{key}")
     node[key] = value
     return value

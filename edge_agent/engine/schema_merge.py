@@ -23,6 +23,13 @@ ANNOTATIONS = frozenset({
     "contentSchema", "$defs", "definitions", "$anchor", "$dynamicAnchor", "$vocabulary",
     "discriminator", "nullable", "xml", "externalDocs", "markdownDescription", "errorMessage",
 })
+
+
+def _annotation(key: str) -> bool:
+    """OpenAPI's and editors' `x-…` extensions describe too: no validator reads them."""
+    return key in ANNOTATIONS or key.startswith("x-")
+
+
 _TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 
 
@@ -48,9 +55,9 @@ def types_of(schema: dict[str, Any]) -> set[str] | None:
 def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """The schema of the values valid for both `a` and `b` (neither holding a `$ref` or a
     union at the top: the caller resolves and distributes those first)."""
-    out = {k: v for k, v in a.items() if k not in ANNOTATIONS}
+    out = {k: v for k, v in a.items() if not _annotation(k)}
     for key, value in b.items():
-        if key in ANNOTATIONS:
+        if _annotation(key):
             continue
         if key not in out:
             out[key] = value
