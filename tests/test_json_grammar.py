@@ -63,6 +63,9 @@ def test_bounded_integer_schema_compiles_to_a_grammar() -> None:
      "format.properties.a"),
     ({"type": "object", "required": ["a"], "additionalProperties": False}, "format.required"),
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "format.type"),
+    # A format the specifications define is refused when it is not enforced, on any type.
+    ({"type": "string", "format": "duration"}, "format.format"),
+    ({"type": "integer", "format": "uri"}, "format.format"),
 ])
 def test_what_a_grammar_cannot_enforce_is_refused_by_name(schema: dict[str, object],
                                                           param: str) -> None:
@@ -285,6 +288,18 @@ def test_a_one_of_whose_alternatives_may_both_match_is_refused_by_name() -> None
     ({"type": "array", "maxItems": 2}, ['[1,"x"]', "[]"], ['[1,2,3]']),
     ({"type": "object", "required": ["id"]}, ['{"id":1,"x":2}'], ["{}", '{"x":2}']),
     ({"type": "string", "not": {"maxLength": 3}}, ['"abcd"'], ['"abc"', '""']),
+    # A format no specification defines is an annotation; byte and json-pointer are held.
+    ({"type": "string", "format": "path"}, ['"a/b"', '"any text"'], ["1", "null"]),
+    ({"type": "object", "properties": {"u": {"type": "string", "format": "URI"}}},
+     ['{"u":"not a uri"}'], ['{"u":1}']),
+    ({"type": "string", "format": "byte"}, ['"aGk="', '"YWJj"', '""'],
+     ['"a"', '"aGk"', '"a=bc"']),
+    ({"type": "string", "format": "json-pointer"}, ['""', '"/a/b"', '"/a~1b"'],
+     ['"a"', '"/~2"']),
+    ({"type": "number", "format": "float", "maximum": 2}, ["1.5", "2"], ["3", '"x"']),
+    # `x-…` extensions differ between the parts of an allOf without stopping the merge.
+    ({"allOf": [{"type": "object", "x-doc": "a"}, {"x-doc": "b", "required": ["k"]}]},
+     ['{"k":1}'], ["{}", '{"j":1}']),
     # Long bounds are written in binary: every length at a block's edge is checked.
     ({"type": "string", "minLength": 33, "maxLength": 129},
      ['"' + "a" * n + '"' for n in (33, 34, 63, 64, 65, 127, 128, 129)],
