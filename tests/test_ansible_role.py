@@ -302,7 +302,7 @@ def provisioned(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         "edge_agent_fleet_username": "box1",
         "edge_agent_fleet_password": BROKER_PASSWORD,
         "edge_agent_fleet_ca_cert": "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----",
-        "edge_agent_fleet_command_key":
+        "edge_agent_fleet_command_key":  # the old name, still read
             "-----BEGIN PUBLIC KEY-----\nMCow\n-----END PUBLIC KEY-----",
         "edge_agent_fleet_tuf_root": TUF_ROOT,
         "edge_agent_fleet_artifacts_url": "http://controller.example:9464/releases/",
@@ -390,13 +390,14 @@ def test_the_secrets_are_readable_by_the_service_group_only(provisioned: Provisi
     assert stat.S_IMODE((etc / "config.toml").stat().st_mode) == 0o640
     assert stat.S_IMODE((etc / "fleet").stat().st_mode) == 0o750
     assert (etc / "fleet" / "password").read_text() == BROKER_PASSWORD + "\n"
-    for name in ("password", "ca.pem", "command-key.pem", "tuf-root.json"):
+    for name in ("password", "ca.pem", "command.pub.pem", "tuf-root.json"):
         assert stat.S_IMODE((etc / "fleet" / name).stat().st_mode) == 0o640
     assert (etc / "fleet" / "tuf-root.json").read_text().strip() == TUF_ROOT
     assert not (etc / "fleet" / "client.key").exists()
     config = (etc / "config.toml").read_text()
     assert f'password_file = "{etc}/fleet/password"' in config
     assert f'tuf_root_file = "{etc}/fleet/tuf-root.json"' in config
+    assert f'command_public_key_file = "{etc}/fleet/command.pub.pem"' in config
     assert 'artifacts_url = "http://controller.example:9464/releases/"' in config
     assert BROKER_PASSWORD not in config
 
