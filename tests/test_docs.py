@@ -441,3 +441,16 @@ RETIRED = {
 def test_no_page_repeats_a_claim_the_code_contradicts(page: Path) -> None:
     text = page.read_text()
     assert not [f"{claim!r}: {truth}" for claim, truth in RETIRED.items() if claim in text]
+
+
+def test_the_troubleshooting_messages_are_the_codes_own() -> None:
+    """Each error message troubleshooting.md quotes is one the code writes: every literal
+    piece between its placeholders (NAME, T, N, M, …) is in a source file."""
+    code = "\n".join(p.read_text() for p in (ROOT / "edge_agent").rglob("*.py"))
+    quoted = re.findall(r"^\| \d{3} \| `([^`]+)`", (DOCS / "troubleshooting.md").read_text(),
+                        re.M)
+    assert len(quoted) >= 10
+    missing = [(message, piece) for message in quoted
+               for piece in re.split(r"\b(?:NAME|T|N|M)\b|…|<key>", message)
+               if len(piece.strip(" '()")) >= 4 and piece not in code]
+    assert not missing, missing
