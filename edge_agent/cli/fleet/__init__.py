@@ -241,7 +241,7 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
     click.echo(f"\non each box ([fleet] in its config.toml):\n  enabled = true\n"
                f"  broker = \"{scheme}://<broker host>:{listen}\"\n  fleet_id = \"{fleet_id}\"\n"
                f"  device_id = \"<its id>\"\n  username = \"<its id>\"\n"
-               f"  password_file = \"/etc/edge-agent/fleet.password\"")
+               f"  password_file = \"/etc/edge-agent/fleet/password\"")
 
 
 @fleet.command("send")
