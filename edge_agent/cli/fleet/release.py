@@ -97,7 +97,7 @@ def keygen(out: Path | None, root_keys: int, root_threshold: int) -> None:
 def _given_keys(out: Path) -> str:
     """The words a follow-up command needs to find `out`: none where it is the default."""
     given = given_options()
-    if out != _state_dir() / "keys":
+    if out.absolute() != _state_dir() / "keys":
         given = f"{given} --keys {shlex.quote(str(out))}".strip()
     return f" {given}" if given else ""
 

@@ -6,6 +6,7 @@ from `broker.password_file` when connecting, and a database URL's password is ne
 
     state_dir = "/var/lib/edge-agent-fleet"
     db = "postgresql://fleet@db.example/fleet"   # unset: <state_dir>/controller.db
+    command_signing_key_file = "/var/lib/edge-agent-fleet/keys/command.pem"
     [broker]
     url = "mqtts://broker.example:8883"
     username = "controller"
@@ -117,7 +118,9 @@ class ControllerSettings(LayeredSettings):
     # No environment layer (no env_prefix); keys in the file are spelt as here.
     model_config = SettingsConfigDict(extra="forbid", case_sensitive=True)
 
-    state_dir: Path = Field(DEFAULT_STATE_DIR, description="controller.db lives here.")
+    state_dir: Path = Field(
+        DEFAULT_STATE_DIR, description="controller.db, the keys (keys/, from `fleet keygen`) "
+        "and the release repository (releases/) live here.")
     db: str | None = Field(None, description="postgresql://… (unset: SQLite in state_dir).")
     broker: BrokerSettings = Field(default_factory=BrokerSettings)  # type: ignore[arg-type]
     http: HTTPSettings = Field(default_factory=HTTPSettings)  # type: ignore[arg-type]
