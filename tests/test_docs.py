@@ -454,3 +454,29 @@ def test_the_troubleshooting_messages_are_the_codes_own() -> None:
                for piece in re.split(r"\b(?:NAME|T|N|M)\b|…|<key>", message)
                if len(piece.strip(" '()")) >= 4 and piece not in code]
     assert not missing, missing
+
+
+def test_the_boxs_fleet_files_are_named_as_the_role_writes_them() -> None:
+    """A box's fleet file a page names is one the role writes, at the role's path
+    (/etc/edge-agent/fleet/<file>), and a page that says how to install one by hand gives
+    the role's mode: the same box, provisioned or configured by hand, has one set of paths."""
+    role = ROOT / "ansible" / "roles" / "edge_agent"
+    files = {f["file"] for f in
+             yaml.safe_load((role / "vars" / "main.yml").read_text())["_edge_agent_fleet_files"]}
+    task = next(t for t in yaml.safe_load((role / "tasks" / "configure.yml").read_text())
+                if t["name"] == "Write the fleet credentials, CA and command key")
+    mode = task["ansible.builtin.copy"]["mode"]
+    wrong = []
+    for page in PAGES:
+        text = page.read_text()
+        for name in re.findall(r"/etc/edge-agent/fleet/([\w.-]+)", text):
+            if name not in files:
+                wrong.append(f"{_name(page)}: /etc/edge-agent/fleet/{name} is no file of the role")
+        for flat in re.findall(r"/etc/edge-agent/((?:fleet|[\w-]*command|release-root)[\w.-]*)",
+                               text):
+            if not flat.startswith("fleet/") and flat != "fleet":
+                wrong.append(f"{_name(page)}: /etc/edge-agent/{flat}: the role writes fleet/…")
+        for given in re.findall(r"install [^`\n]*-m (\d{4})[^`\n]*`", text):
+            if given != mode:
+                wrong.append(f"{_name(page)}: install -m {given}; the role writes {mode}")
+    assert not wrong, wrong
