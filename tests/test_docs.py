@@ -480,3 +480,13 @@ def test_the_boxs_fleet_files_are_named_as_the_role_writes_them() -> None:
             if given != mode:
                 wrong.append(f"{_name(page)}: install -m {given}; the role writes {mode}")
     assert not wrong, wrong
+
+
+def test_every_llama_cpp_build_a_page_shows_is_the_pinned_version() -> None:
+    pinned = re.search(r'"llama-cpp-python==([\d.]+)"',
+                       (ROOT / "pyproject.toml").read_text())
+    assert pinned
+    wrong = [f"{_name(page)}: llama-cpp-python=={v}" for page in PAGES
+             for v in re.findall(r"llama-cpp-python==([\d.]+)", page.read_text())
+             if v != pinned.group(1)]
+    assert not wrong, f"{wrong}: the project pins {pinned.group(1)}"
