@@ -490,3 +490,18 @@ def test_every_llama_cpp_build_a_page_shows_is_the_pinned_version() -> None:
              for v in re.findall(r"llama-cpp-python==([\d.]+)", page.read_text())
              if v != pinned.group(1)]
     assert not wrong, f"{wrong}: the project pins {pinned.group(1)}"
+
+
+def test_the_controller_host_page_names_what_the_unit_runs() -> None:
+    """docs/fleet/controller-host.md against systemd/edge-agent-fleet.service: its user, its
+    program and config, its state and config folders."""
+    unit = (ROOT / "systemd" / "edge-agent-fleet.service").read_text()
+    page = (DOCS / "fleet" / "controller-host.md").read_text()
+    said = dict(re.findall(r"^(\w+)=(.*)$", unit, re.M))
+    program, _, config = said["ExecStart"].partition(" fleet serve --config ")
+    assert f"`{said['User']}`" in page and said["Group"] == said["User"]
+    assert f"`{Path(program).parent.parent}`" in page
+    assert f"`{config}`" in page
+    assert f"`/var/lib/{said['StateDirectory']}/`" in page
+    assert f"`/etc/{said['ConfigurationDirectory']}/`" in page
+    assert f"{said['StateDirectoryMode'].lstrip('0').rjust(4, '0')}" in page
