@@ -273,7 +273,8 @@ def test_the_command_check_sees_a_wrong_option_and_a_wrong_command() -> None:
 # -- names the prose uses ----------------------------------------------------------------------
 
 # Dotted names in code spans that look like settings and are not: a command, files, an event.
-NOT_SETTINGS = {"ledger.purge", "fleet.db", "models.db", "models.state", "redaction.key"}
+NOT_SETTINGS = {"ledger.purge", "ledger.db", "fleet.db", "models.db", "models.state",
+                "redaction.key"}
 
 
 def test_every_setting_the_prose_names_exists() -> None:
@@ -505,3 +506,52 @@ def test_the_controller_host_page_names_what_the_unit_runs() -> None:
     assert f"`/var/lib/{said['StateDirectory']}/`" in page
     assert f"`/etc/{said['ConfigurationDirectory']}/`" in page
     assert f"{said['StateDirectoryMode'].lstrip('0').rjust(4, '0')}" in page
+
+
+# -- the files reference ------------------------------------------------------------------------
+
+FILES = DOCS / "files.md"
+# The central side and the tools keep their own folders; the box's state dir is the rest's.
+NOT_THE_BOX = ("bench", "fleet/sim", "fleet/controller", "cli/fleet")
+
+
+def _state_dir_entries() -> set[str]:
+    """The top-level names the box's code creates under its state dir (`state_dir / "x"`,
+    or a constant naming it)."""
+    modules = [p for p in (ROOT / "edge_agent").rglob("*.py")
+               if not any(str(p.relative_to(ROOT / "edge_agent")).startswith(n)
+                          for n in NOT_THE_BOX)]
+    code = "\n".join(p.read_text() for p in modules)
+    constants = dict(re.findall(r'^([A-Z_]+)\s*=\s*(?:Path\()?"([^"/]+)"', code, re.M))
+    names = set()
+    for literal, constant in re.findall(r'state_dir\s*/\s*(?:"([^"]+)"|([A-Z_]+)\b)', code):
+        names.add(literal or constants[constant])
+    return {n.split("/")[0] for n in names}
+
+
+def test_the_files_page_lists_every_entry_of_the_boxs_state_dir() -> None:
+    table = FILES.read_text().split("## The box's state dir", 1)[1]
+    listed = {n.rstrip("/") for n in re.findall(r"^\| `([^`]+)` \|", table, re.M)}
+    assert listed == _state_dir_entries()
+
+
+def test_the_files_page_gives_the_roles_paths_and_modes() -> None:
+    role = ROOT / "ansible" / "roles" / "edge_agent"
+    variables = yaml.safe_load((role / "vars" / "main.yml").read_text())
+    tasks = {t["name"]: t for t in yaml.safe_load((role / "tasks" / "configure.yml").read_text())}
+    rows = dict(re.findall(r"^\| `(/etc/edge-agent/[^`]+)` \| [^|]*?(\d{4}) \|",
+                           FILES.read_text(), re.M))
+    expected = {"/etc/edge-agent/config.toml":
+                tasks["Write config.toml (checked by the agent's own settings loader first)"]
+                ["ansible.builtin.template"]["mode"],
+                "/etc/edge-agent/fleet/": tasks["Create the fleet credentials directory"]
+                ["ansible.builtin.file"]["mode"],
+                "/etc/edge-agent/tls/": tasks["Create the TLS directory (the service user's only)"]
+                ["ansible.builtin.file"]["mode"]}
+    for where, listed, task in (
+            ("fleet", "_edge_agent_fleet_files", "Write the fleet credentials, CA and command key"),
+            ("tls", "_edge_agent_tls_files", "Write the box's certificate, key and client CA")):
+        for f in variables[listed]:
+            expected[f"/etc/edge-agent/{where}/{f['file']}"] = \
+                tasks[task]["ansible.builtin.copy"]["mode"]
+    assert rows == expected
