@@ -20,8 +20,30 @@ $(VENV)/.test-deps: pyproject.toml $(VENV)/.run-deps
 	$(BIN)/pip install --quiet -e '.[default-model,gemma,test]'
 	touch $@
 
-run: $(VENV)/.run-deps
-	$(BIN)/edge-agent serve --state-dir $(STATE)
+# `make run` serves the box whose settings are $(STATE)/config.toml (written once, then
+# yours to edit); `. $(STATE)/env` in another shell puts this checkout's `edge-agent` on the
+# PATH and points every command (keys, doctor, ledger, models) at that same file.
+run: $(VENV)/.run-deps $(STATE)/config.toml $(STATE)/env
+	$(BIN)/edge-agent serve --config $(STATE)/config.toml
+
+$(STATE)/config.toml:
+	mkdir -p $(STATE)
+	printf '%s\n' \
+		'# The box `make run` serves. Edit it, then restart `make run`; `. $(STATE)/env`' \
+		'# points every other `edge-agent` command at this file (EDGE_AGENT_CONFIG).' \
+		'state_dir = "$(abspath $(STATE))"' \
+		'' \
+		'# One app, so that `edge-agent keys create --tenant app` works at once. Until the' \
+		'# first key exists every request is served without one; after it, each needs one.' \
+		'[tenants.app]' \
+		'models = ["*"]' > $@
+
+$(STATE)/env:
+	mkdir -p $(STATE)
+	printf '%s\n' \
+		'# `. $(STATE)/env`: this checkout'"'"'s edge-agent, on the box `make run` serves.' \
+		'export PATH="$(abspath $(BIN)):$$PATH"' \
+		'export EDGE_AGENT_CONFIG="$(abspath $(STATE))/config.toml"' > $@
 
 check: $(VENV)/.test-deps
 	$(BIN)/ruff check edge_agent tests tools

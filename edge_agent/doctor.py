@@ -421,14 +421,14 @@ def _fleet(settings: Settings, timeout_s: float = 5.0) -> list[Check]:
                                        f"broker {fleet.broker}")]
     files = {"fleet.password_file": fleet.password_file, "fleet.ca_file": fleet.ca_file,
              "fleet.client_cert": fleet.client_cert, "fleet.client_key": fleet.client_key,
-             "fleet.command_key_file": fleet.command_key_file}
+             "fleet.command_public_key_file": fleet.command_public_key_file}
     broken = False
     for key, path in files.items():
         if path is None:
             continue
         try:
             data = path.read_bytes()
-            if key == "fleet.command_key_file":
+            if key == "fleet.command_public_key_file":
                 load_public(path)
             elif key == "fleet.password_file" and not data.strip():
                 raise ValueError("it is empty")
@@ -439,12 +439,12 @@ def _fleet(settings: Settings, timeout_s: float = 5.0) -> list[Check]:
                              "make it readable by the service user, or fix the path"))
     if not broken:
         out.append(Check("ok", "fleet files", "every configured file is readable"))
-    if fleet.command_key_file is None:
-        out.append(Check("warn", "fleet commands", "no fleet.command_key_file: every command "
-                         "will be refused and the controller's acks cannot be verified (the "
-                         "broker's ACL alone guards the outbox)",
+    if fleet.command_public_key_file is None:
+        out.append(Check("warn", "fleet commands", "no fleet.command_public_key_file: every "
+                         "command will be refused and the controller's acks cannot be "
+                         "verified (the broker's ACL alone guards the outbox)",
                          "install the controller's public key "
-                         "(edge-agent fleet keygen) and set fleet.command_key_file"))
+                         "(edge-agent fleet keygen) and set fleet.command_public_key_file"))
     found = probe(fleet, timeout_s)
     where = f"{address.host}:{address.port}"
     if found.ok:

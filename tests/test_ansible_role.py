@@ -26,6 +26,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -109,14 +110,19 @@ def test_the_role_ships_systemds_drop_ins(dropin: str) -> None:
 def render_unit(tmp_path: Path, *extra: str) -> str:
     """The role's unit template, rendered by Ansible's own template module with the
     defaults and `extra` (-e arguments)."""
-    out = tmp_path / "edge-agent.service"
+    return render(tmp_path, "edge-agent.service.j2", tmp_path / "edge-agent.service", *extra)
+
+
+def render(tmp_path: Path, template: str, out: Path, *extra: str) -> str:
+    """One of the role's templates, rendered by Ansible's own template module with the
+    defaults and `extra` (-e arguments), into `out`."""
     result = subprocess.run(
         [_tool("ansible"), "localhost", "-c", "local", "-i", "localhost,",
          "-e", f"ansible_python_interpreter={sys.executable}",
          "-e", f"@{ROLE / 'defaults' / 'main.yml'}", "-e", f"@{ROLE / 'vars' / 'main.yml'}",
          *(arg for value in extra for arg in ("-e", value)),
          "-m", "ansible.builtin.template",
-         "-a", f"src={ROLE / 'templates' / 'edge-agent.service.j2'} dest={out}"],
+         "-a", f"src={ROLE / 'templates' / template} dest={out}"],
         capture_output=True, text=True, timeout=120, env=ansible_env(tmp_path / "home"),
         check=False)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -127,6 +133,30 @@ def test_the_unit_template_renders_to_systemds_unit(tmp_path: Path) -> None:
     """With the defaults, the unit the role installs is systemd/edge-agent.service byte for
     byte."""
     assert render_unit(tmp_path) == (ROOT / "systemd" / "edge-agent.service").read_text()
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("runuser") is None,
+                    reason="runs the wrapper as root, which drops to another user")
+def test_the_cli_on_the_path_runs_as_the_service_user_under_root(tmp_path: Path) -> None:
+    """`sudo edge-agent …` on a provisioned box: the role's wrapper runs the command as the
+    service's user (here `nobody`), with its arguments as given, so that root leaves no
+    root-owned file in the state dir."""
+    prefix = Path(tempfile.mkdtemp(prefix="edge-agent-cli-"))
+    try:
+        prefix.chmod(0o755)
+        (prefix / "bin").mkdir(mode=0o755)
+        fake = prefix / "bin" / "edge-agent"
+        fake.write_text('#!/bin/sh\necho "$(id -un)" "$@"\n')
+        fake.chmod(0o755)
+        wrapper = prefix / "edge-agent"
+        render(tmp_path, "edge-agent-cli.sh.j2", wrapper, f"edge_agent_prefix={prefix}",
+               "edge_agent_user=nobody")
+        wrapper.chmod(0o755)
+        ran = subprocess.run([str(wrapper), "keys", "create", "--tenant", "a b"], cwd="/",
+                             capture_output=True, text=True, timeout=30, check=True)
+        assert ran.stdout == "nobody keys create --tenant a b\n"
+    finally:
+        shutil.rmtree(prefix)
 
 
 def test_a_longer_drain_grace_lengthens_the_stop_timeout(tmp_path: Path) -> None:
@@ -274,6 +304,7 @@ def test_the_manual_says_what_a_fresh_wheelhouse_holds(wheelhouse: Path) -> None
 def provisioned(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Provisioned:
     scratch = tmp_path_factory.mktemp("box")
     (scratch / "cache").mkdir()
+    (scratch / "bin").mkdir()  # as /usr/local/bin: there already
     tiny = write_tiny_gguf(scratch / "cache" / "tiny.gguf", context_length=128)
     ca = StoreCA(scratch / "pki")
     pair = ca.issue("box")
@@ -284,6 +315,7 @@ def provisioned(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         "edge_agent_wheelhouse": str(wheelhouse),
         "edge_agent_python": str(python),
         "edge_agent_prefix": str(scratch / "opt"),
+        "edge_agent_cli_path": str(scratch / "bin" / "edge-agent"),
         "edge_agent_config_dir": str(scratch / "etc"),
         "edge_agent_state_dir": str(scratch / "state"),
         "edge_agent_systemd_dir": str(scratch / "systemd"),
@@ -302,7 +334,7 @@ def provisioned(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         "edge_agent_fleet_username": "box1",
         "edge_agent_fleet_password": BROKER_PASSWORD,
         "edge_agent_fleet_ca_cert": "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----",
-        "edge_agent_fleet_command_key":
+        "edge_agent_fleet_command_key":  # the old name, still read
             "-----BEGIN PUBLIC KEY-----\nMCow\n-----END PUBLIC KEY-----",
         "edge_agent_fleet_tuf_root": TUF_ROOT,
         "edge_agent_fleet_artifacts_url": "http://controller.example:9464/releases/",
@@ -359,6 +391,13 @@ def test_the_first_run_converges_and_doctor_passes(provisioned: Provisioned) -> 
 
 
 @pytest.mark.provision
+def test_edge_agent_is_on_the_path(provisioned: Provisioned) -> None:
+    wrapper = provisioned.scratch / "bin" / "edge-agent"
+    assert stat.S_IMODE(wrapper.stat().st_mode) == 0o755
+    assert f"{provisioned.scratch / 'opt' / 'bin' / 'edge-agent'}" in wrapper.read_text()
+
+
+@pytest.mark.provision
 def test_the_second_run_changes_nothing(provisioned: Provisioned) -> None:
     second = provisioned.runs["second"]
     assert second.changed == 0, [line for line in second.output.splitlines()
@@ -390,13 +429,14 @@ def test_the_secrets_are_readable_by_the_service_group_only(provisioned: Provisi
     assert stat.S_IMODE((etc / "config.toml").stat().st_mode) == 0o640
     assert stat.S_IMODE((etc / "fleet").stat().st_mode) == 0o750
     assert (etc / "fleet" / "password").read_text() == BROKER_PASSWORD + "\n"
-    for name in ("password", "ca.pem", "command-key.pem", "tuf-root.json"):
+    for name in ("password", "ca.pem", "command.pub.pem", "tuf-root.json"):
         assert stat.S_IMODE((etc / "fleet" / name).stat().st_mode) == 0o640
     assert (etc / "fleet" / "tuf-root.json").read_text().strip() == TUF_ROOT
     assert not (etc / "fleet" / "client.key").exists()
     config = (etc / "config.toml").read_text()
     assert f'password_file = "{etc}/fleet/password"' in config
     assert f'tuf_root_file = "{etc}/fleet/tuf-root.json"' in config
+    assert f'command_public_key_file = "{etc}/fleet/command.pub.pem"' in config
     assert 'artifacts_url = "http://controller.example:9464/releases/"' in config
     assert BROKER_PASSWORD not in config
 

@@ -12,7 +12,6 @@ import tomllib
 from click.testing import CliRunner
 
 from edge_agent.cli import EdgeAgentGroup, common, main
-from edge_agent.cli.fleet import release as fleet_release
 from edge_agent.config import ConfigError
 from edge_agent.errors import EdgeAgentError, ModelFileError
 from edge_agent.fleet.controller import settings as controller_settings
@@ -74,7 +73,6 @@ def test_an_error_in_any_command_is_one_line_and_an_exit_code(
     monkeypatch.setattr(common, "load_settings", fail)
     # The fleet controller's commands have settings of their own (file and state dir).
     monkeypatch.setattr(controller_settings, "load_controller_settings", fail)
-    monkeypatch.setattr(fleet_release, "_state_dir", fail)
     cmd = dict(LEAVES)[path]
     result = CliRunner().invoke(main, [*path, *_required_args(cmd, tmp_path),
                                        "--state-dir", str(tmp_path / "s")])

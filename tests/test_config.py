@@ -86,3 +86,66 @@ def test_a_tenant_limit_out_of_its_bounds_stops_the_start(tmp_path: Path) -> Non
     cfg.write_text(f"[tenants.shop]\ntokens_per_day = {2**64}\n")
     with pytest.raises(ConfigError, match=r"tenants\.shop\.tokens_per_day .*1000000000000"):
         load_settings(cfg)
+
+
+# -- renamed keys: the old name read for one release, with one warning ------------------------
+
+@pytest.fixture
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from edge_agent.config import base
+
+    monkeypatch.setattr(base, "_warned", set())
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+
+
+def test_the_boxs_command_key_is_its_public_key_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[fleet]\ncommand_public_key_file = "/etc/edge-agent/fleet/command.pub.pem"\n')
+    assert load_settings(cfg).fleet.command_public_key_file == Path(
+        "/etc/edge-agent/fleet/command.pub.pem")
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_the_boxs_old_command_key_file_is_read_with_one_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[fleet]\ncommand_key_file = "/etc/edge-agent/command.pub.pem"\n')
+    for _ in range(3):  # the box loads its settings more than once (the overlay, doctor)
+        settings = load_settings(cfg)
+    assert settings.fleet.command_public_key_file == Path("/etc/edge-agent/command.pub.pem")
+    monkeypatch.setenv("EDGE_AGENT_FLEET__COMMAND_KEY_FILE", "/k.pem")
+    assert load_settings(None).fleet.command_public_key_file == Path("/k.pem")
+    assert _warnings(caplog) == [
+        "fleet.command_key_file is deprecated and will stop being read in the next release: "
+        "rename it to fleet.command_public_key_file"]
+
+
+def test_the_old_and_the_new_name_together_are_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[fleet]\ncommand_key_file = "/a.pem"\ncommand_public_key_file = "/b.pem"\n')
+    with pytest.raises(ConfigError, match="set only command_public_key_file"):
+        load_settings(cfg)
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_the_controllers_command_key_is_its_signing_key_file(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from edge_agent.fleet.controller.settings import load_controller_settings
+
+    cfg = tmp_path / "controller.toml"
+    cfg.write_text('command_signing_key_file = "/keys/command.pem"\n')
+    assert load_controller_settings(cfg).command_signing_key_file == Path("/keys/command.pem")
+    assert _warnings(caplog) == []
+    cfg.write_text('command_key_file = "/keys/command.pem"\n')
+    assert load_controller_settings(cfg).command_signing_key_file == Path("/keys/command.pem")
+    load_controller_settings(cfg)
+    assert _warnings(caplog) == [
+        "command_key_file is deprecated and will stop being read in the next release: "
+        "rename it to command_signing_key_file"]
+    cfg.write_text('command_key_file = "/a.pem"\ncommand_signing_key_file = "/b.pem"\n')
+    with pytest.raises(ConfigError, match="set only command_signing_key_file"):
+        load_controller_settings(cfg)

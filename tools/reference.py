@@ -84,7 +84,7 @@ REFUSAL_NOTES = {
     "wrong_device": "another fleet, another device, or a topic that is not this device's "
                     "(or the fleet's `all`) command topic",
     "bad_signature": "no signature, not base64, not the controller's key, any field "
-                     "changed, or no `command_key_file`",
+                     "changed, or no `command_public_key_file`",
     "expired": "the box's clock is past `expires_at` by more than 30 s (allowance for a box "
                "clock a little behind)",
     "unknown_type": "a type this box has no handler for",

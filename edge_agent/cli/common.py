@@ -24,6 +24,9 @@ EXIT_USAGE = 2
 F = TypeVar("F", bound=Callable[..., Any])
 _CONFIG = "edge_agent.config"
 _STATE_DIR = "edge_agent.state_dir"
+# The box's config file when --config is not given: `make run` writes ./var/config.toml and
+# ./var/env exports this, so that every command acts on the box the checkout serves.
+CONFIG_ENV = "EDGE_AGENT_CONFIG"
 
 
 class _ModelNameType(click.ParamType):
@@ -75,9 +78,9 @@ def common_options(fn: F) -> F:
                       expose_value=False, callback=_remember,
                       help="State directory: ledger, model blobs, outbox.")(fn)
     fn = click.option("--config", type=click.Path(path_type=Path, dir_okay=False),
-                      expose_value=False, callback=_remember,
-                      help="TOML config file (default /etc/edge-agent/config.toml if "
-                           "present).")(fn)
+                      envvar=CONFIG_ENV, expose_value=False, callback=_remember,
+                      help=f"TOML config file (default ${CONFIG_ENV}, else "
+                           "/etc/edge-agent/config.toml if present).")(fn)
     return fn
 
 

@@ -34,6 +34,7 @@ from edge_agent.config.base import (
     MIN_INTERVAL_S,
     ConfigError,
     _Section,
+    renamed_key,
 )
 from edge_agent.config.fleet import BrokerAddress, FleetSettings, parse_broker, parse_window
 from edge_agent.tls import TLSFiles
@@ -43,7 +44,8 @@ __all__ = ["DEFAULT_CONFIG_FILE", "DRAFT_MODEL_TOKENS", "MAX_DRAFT", "MAX_INTERV
            "ConfigError", "FleetSettings", "LayeredSettings", "LedgerSettings",
            "ModelOverride", "ModelsSettings", "RedactionSettings", "RetentionSettings",
            "RuntimeSettings", "ServerSettings", "Settings", "TelemetrySettings",
-           "TenantPolicy", "load_layered", "load_settings", "parse_broker", "parse_window"]
+           "TenantPolicy", "load_layered", "load_settings", "parse_broker", "parse_window",
+           "renamed_key"]
 
 DEFAULT_CONFIG_FILE = Path("/etc/edge-agent/config.toml")
 

@@ -3,6 +3,9 @@ that refuses keys it does not know (a typo in the TOML file is an error, not a d
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 # The bounds of the box's periodic work (a hardware sample, a metrics or ledger summary
@@ -26,3 +29,25 @@ class ConfigError(Exception):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# The renamed keys already warned of (`renamed_key`), once a process each.
+_warned: set[str] = set()
+
+
+def renamed_key(data: Any, old: str, new: str, where: str) -> Any:
+    """`data` (a section's raw input) with `old` moved to `new`, and one warning a process
+    that the old name is deprecated. Both given: ValueError, since which one is meant is
+    not known."""
+    if not isinstance(data, dict) or old not in data:
+        return data
+    if new in data:
+        raise ValueError(f"{where}{old} is the old name of {where}{new}: set only {new}")
+    if where + old not in _warned:
+        _warned.add(where + old)
+        logging.getLogger("edge_agent.config").warning(
+            "%s%s is deprecated and will stop being read in the next release: rename it to "
+            "%s%s", where, old, where, new)
+    data = dict(data)
+    data[new] = data.pop(old)
+    return data

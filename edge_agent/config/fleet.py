@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from edge_agent.config.base import MAX_INTERVAL_S, MIN_INTERVAL_S, _Section
+from edge_agent.config.base import MAX_INTERVAL_S, MIN_INTERVAL_S, _Section, renamed_key
 
 
 class BrokerAddress(NamedTuple):
@@ -79,9 +79,11 @@ class FleetSettings(_Section):
     ca_file: Path | None = Field(
         None, description="PEM CA bundle the broker's certificate is checked against "
         "(mqtts://); unset: the system's.")
-    command_key_file: Path | None = Field(
-        None, description="The controller's ed25519 public key (PEM). Commands are "
-        "verified against it; unset: every command is refused (bad_signature).")
+    command_public_key_file: Path | None = Field(
+        None, description="The controller's ed25519 public key (PEM, `command.pub.pem` "
+        "from `fleet keygen`; never the private `command.pem`). Commands are verified "
+        "against it; unset: every command is refused (bad_signature). Formerly "
+        "command_key_file, still read with a warning until the next release.")
     metrics_interval_s: float = Field(
         60.0, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S,
         description="Seconds between metrics messages (1 to 86400).")
@@ -147,6 +149,12 @@ class FleetSettings(_Section):
     rollout_max_failures: int = Field(
         3, ge=1, description="Attempts of a FAILED rollout (transfer, verification) before it "
         "stays FAILED.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        # One name had two meanings: the controller's private key and the box's public one.
+        return renamed_key(data, "command_key_file", "command_public_key_file", "fleet.")
 
     @field_validator("maintenance_window")
     @classmethod

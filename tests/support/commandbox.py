@@ -37,7 +37,7 @@ class CommandBox:
 
     def _link(self) -> Link:
         link = Link(fleet_settings(self.broker, self.device,
-                                   command_key_file=self.signer.public_path),
+                                   command_public_key_file=self.signer.public_path),
                     self.state, facts=lambda: {"agent_version": "test"},
                     handlers=self.handlers, options=fast_options())
         link.start()

@@ -64,7 +64,7 @@ class Controller:
     def __init__(self, broker: Mosquitto, root: Path, *,
                  key: Ed25519PrivateKey | None = None) -> None:
         root.mkdir(parents=True, exist_ok=True)
-        self.key = key  # signs the acks, as `fleet serve` with its command_key_file
+        self.key = key  # signs the acks, as `fleet serve` with its command_signing_key_file
         self.settings = ControllerSettings(
             state_dir=root,
             broker=BrokerSettings(url=broker.url, username="controller",

@@ -107,7 +107,7 @@ class Repository:
         port = free_port()
         config = tmp_path / "controller.toml"
         config.write_text(
-            f'state_dir = "{self.ctl}"\ncommand_key_file = "{self.keys / "command.pem"}"\n'
+            f'state_dir = "{self.ctl}"\ncommand_signing_key_file = "{self.keys / "command.pem"}"\n'
             f'{settings}[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
             f'password_file = "{broker.password_file("controller")}"\n'
             f'[http]\nport = {port}\n')
@@ -163,7 +163,7 @@ def start_box(name: str, broker: Mosquitto, central: Controller, state: Path,
         f'[fleet]\nenabled = true\nbroker = "{broker.url}"\nfleet_id = "{FLEET}"\n'
         f'device_id = "{name}"\nusername = "{name}"\n'
         f'password_file = "{broker.password_file(name)}"\n'
-        f'command_key_file = "{central.keys / "command.pub.pem"}"\n'
+        f'command_public_key_file = "{central.keys / "command.pub.pem"}"\n'
         f'tuf_root_file = "{root}"\nartifacts_url = "{central.releases}"\n'
         "download_headroom_bytes = 0\nreconnect_min_s = 0.2\nreconnect_max_s = 1.0\n")
     port = free_port()

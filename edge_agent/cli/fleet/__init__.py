@@ -241,7 +241,7 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
     click.echo(f"\non each box ([fleet] in its config.toml):\n  enabled = true\n"
                f"  broker = \"{scheme}://<broker host>:{listen}\"\n  fleet_id = \"{fleet_id}\"\n"
                f"  device_id = \"<its id>\"\n  username = \"<its id>\"\n"
-               f"  password_file = \"/etc/edge-agent/fleet.password\"")
+               f"  password_file = \"/etc/edge-agent/fleet/password\"")
 
 
 @fleet.command("send")
@@ -254,7 +254,7 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
               help="A command argument; VALUE is read as JSON when it parses, else text.")
 @click.option("--args-json", help="All arguments as one JSON object.")
 @click.option("--key", "key_file", type=click.Path(path_type=Path, dir_okay=False),
-              help="The signing key (default: command_key_file in the controller config).")
+              help="The signing key (default: command_signing_key_file in the controller config).")
 @click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=30.0,
               show_default=True, help="Seconds to wait for results (0: do not wait).")
 @click.option("--broker", help="mqtt://host[:port] or mqtts://host[:port].")
@@ -278,9 +278,9 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
     if len(words) != (1 if all_devices else 2):
         raise BadUsage("name one DEVICE (or --all), then the command's TYPE")
     device, type_ = (None, words[0]) if all_devices else (words[0], words[1])
-    key_path = key_file or settings.command_key_file
+    key_path = key_file or settings.command_signing_key_file
     if key_path is None:
-        raise BadUsage("no signing key: pass --key or set command_key_file "
+        raise BadUsage("no signing key: pass --key or set command_signing_key_file "
                        "(edge-agent fleet keygen makes one)")
     key = load_private(key_path)
     store = open_existing(settings)

@@ -1,5 +1,6 @@
 """The controller options every `edge-agent fleet …` command that reads the controller's
-settings or store shares (`--config`, `--state-dir`, `--db`), apart from the group
+settings or store shares (`--config`, `--state-dir`, and `--db` where it opens the store;
+`keygen` and `release …` take the first two), apart from the group
 (`cli.fleet`) so that the command modules it registers (`rollout`, `release`) use them too.
 """
 
@@ -25,22 +26,30 @@ def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     return value
 
 
+_CONFIG = click.option(
+    "--config", type=click.Path(path_type=Path, dir_okay=False), expose_value=False,
+    callback=_remember,
+    help="Controller TOML file (default /etc/edge-agent-fleet/controller.toml if present).")
+_STATE_DIR = click.option(
+    "--state-dir", type=click.Path(path_type=Path, file_okay=False), expose_value=False,
+    callback=_remember,
+    help="Controller state dir (default /var/lib/edge-agent-fleet); keys/ and releases/ "
+         "live in it.")
+_DB = click.option("--db", expose_value=False, callback=_remember,
+                   help="postgresql://… (default: SQLite in the state dir).")
+
+
 def controller_options(fn: F) -> F:
     """--config, --state-dir and --db on a controller command; `controller_settings()`
     reads them."""
-    for option in (
-        click.option("--db", expose_value=False, callback=_remember,
-                     help="postgresql://… (default: SQLite in the state dir)."),
-        click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False),
-                     expose_value=False, callback=_remember,
-                     help="Controller state dir (default /var/lib/edge-agent-fleet)."),
-        click.option("--config", type=click.Path(path_type=Path, dir_okay=False),
-                     expose_value=False, callback=_remember,
-                     help="Controller TOML file (default /etc/edge-agent-fleet/"
-                          "controller.toml if present)."),
-    ):
-        fn = option(fn)
-    return fn
+    return _CONFIG(_STATE_DIR(_DB(fn)))
+
+
+def files_options(fn: F) -> F:
+    """--config and --state-dir on a command that works on the controller's files (its
+    keys, the release repository) and never opens its store: the state dir comes from the
+    same file as `fleet serve`'s, so that every command finds the same keys."""
+    return _CONFIG(_STATE_DIR(fn))
 
 
 def controller_settings(**flags: Any) -> ControllerSettings:

@@ -10,8 +10,9 @@ its signed release repository (The Update Framework).
     fleet release timestamp              the cron job (every few hours)
     fleet release root-sign --root-keys DIR   yearly, with the offline root keys
 
-These run on the controller, on its state dir (`--state-dir`, default
-/var/lib/edge-agent-fleet); the repository is `<state>/releases/`, which `fleet serve`
+These run on the controller, on its state dir (`--state-dir`, else the `state_dir` of the
+controller's `--config`, default /var/lib/edge-agent-fleet); the keys are `<state>/keys/`
+unless `--out`/`--keys` says otherwise, the repository is `<state>/releases/`, which `fleet serve`
 (or any static server with Range) publishes. Thin: each command parses its arguments and
 calls `fleet.controller.releases.repository` / `release_keys`; their errors are mapped by the root
 group (a bad flag or missing key: exit 2; a missing release or a bad file: exit 1).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,41 +31,35 @@ import click
 import tomllib
 
 from edge_agent.cli.common import BadUsage, F
+from edge_agent.cli.fleet.options import controller_settings, files_options, given_options
 from edge_agent.cli.output import echo_json, json_option, progress, table
 
 if TYPE_CHECKING:
     from edge_agent.fleet.controller.releases.keys import KeyDir
     from edge_agent.fleet.controller.releases.repository import ReleaseEntry, ReleaseRepository
 
-DEFAULT_STATE_DIR = Path("/var/lib/edge-agent-fleet")
 _DURATION = re.compile(r"(\d+)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def _state_option(fn: F) -> F:
-    return click.option(
-        "--state-dir", type=click.Path(path_type=Path, file_okay=False),
-        default=DEFAULT_STATE_DIR, show_default=True,
-        help="Controller state dir; the repository is its releases/.")(fn)
 
 
 def _keys_option(fn: F) -> F:
     return click.option(
         "--keys", "keys_dir", type=click.Path(path_type=Path, file_okay=False),
         help="Key dir from `fleet keygen` (default: the one given at `release init`, "
-             "at init STATE_DIR/keys).")(fn)
+             "at init STATE_DIR/keys, where keygen writes them).")(fn)
 
 
-def _state_dir(value: Path) -> Path:
-    """The controller state dir a command works in: the first step of every command here
-    (and the one seam the CLI's error tests fail)."""
-    return value.expanduser()
+def _state_dir() -> Path:
+    """The controller state dir a command works in (--state-dir, else the controller
+    config's `state_dir`, else /var/lib/edge-agent-fleet): the first step of every command
+    here."""
+    return controller_settings().state_dir
 
 
-def _repo(state_dir: Path) -> ReleaseRepository:
+def _repo() -> ReleaseRepository:
     from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
 
-    return ReleaseRepository(releases_dir(_state_dir(state_dir)))
+    return ReleaseRepository(releases_dir(_state_dir()))
 
 
 def _keys(repo: ReleaseRepository, keys_dir: Path | None) -> KeyDir:
@@ -73,28 +69,37 @@ def _keys(repo: ReleaseRepository, keys_dir: Path | None) -> KeyDir:
 
 
 @click.command("keygen")
-@_state_option
+@files_options
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False),
-              help="Directory for the keys (default STATE_DIR/keys; created 0700; existing "
-                   "keys are never replaced).")
+              help="Directory for the keys (default STATE_DIR/keys, where `release init` "
+                   "looks; created 0700; existing keys are never replaced).")
 @click.option("--root-keys", type=click.IntRange(1, 16), default=1, show_default=True,
               help="Release root keys to make (one per key holder).")
 @click.option("--root-threshold", type=click.IntRange(1, 16), default=1, show_default=True,
               help="Root signatures a new root version needs.")
-def keygen(state_dir: Path, out: Path | None, root_keys: int, root_threshold: int) -> None:
+def keygen(out: Path | None, root_keys: int, root_threshold: int) -> None:
     """Make the controller's keys: command signing, and the release (TUF) role keys."""
     from edge_agent.fleet.controller.releases.keys import keygen as make
 
-    state = _state_dir(state_dir)
-    out = out if out is not None else state / "keys"
+    out = out if out is not None else _state_dir() / "keys"
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     made = make(out, root_keys=root_keys, root_threshold=root_threshold)
     for name, keyid in made.items():
         click.echo(f"{name:<12} {keyid}")
-    click.echo(f"devices: fleet.command_key_file = {out / 'command.pub.pem'} (copy to each "
-               "box); next: edge-agent fleet release init --keys " + str(out), err=True)
+    click.echo(f"controller: command_signing_key_file = {out / 'command.pem'} (it never "
+               "leaves the controller)", err=True)
+    click.echo(f"devices: fleet.command_public_key_file = a copy of {out / 'command.pub.pem'}"
+               "; next: edge-agent fleet release init" + _given_keys(out), err=True)
     click.echo(f"root keys ({root_threshold} of {root_keys} sign a root): {out / 'root'}; "
                "move them offline after `release init`", err=True)
+
+
+def _given_keys(out: Path) -> str:
+    """The words a follow-up command needs to find `out`: none where it is the default."""
+    given = given_options()
+    if out.absolute() != _state_dir() / "keys":
+        given = f"{given} --keys {shlex.quote(str(out))}".strip()
+    return f" {given}" if given else ""
 
 
 @click.group()
@@ -103,7 +108,7 @@ def release() -> None:
 
 
 @release.command("init")
-@_state_option
+@files_options
 @_keys_option
 @click.option("--root-keys", "root_key_dir", type=click.Path(path_type=Path,
               file_okay=False), help="Root key dir (default KEYS/root).")
@@ -112,13 +117,13 @@ def release() -> None:
 @click.option("--expires", multiple=True, metavar="ROLE=DURATION",
               help="Expiry of a role's metadata, e.g. timestamp=1d, snapshot=30d, "
                    "targets=365d, root=365d (s, m, h, d). Repeatable.")
-def release_init(state_dir: Path, keys_dir: Path | None, root_key_dir: Path | None,
+def release_init(keys_dir: Path | None, root_key_dir: Path | None,
                  root_threshold: int | None, expires: tuple[str, ...]) -> None:
     """Create the repository: root metadata signed by the root keys, empty targets."""
     from edge_agent.fleet.controller.releases.keys import KeyDir
     from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
 
-    state = _state_dir(state_dir)
+    state = _state_dir()
     keys = KeyDir(keys_dir if keys_dir is not None else state / "keys")
     repo = ReleaseRepository.create(releases_dir(state), keys,
                                     root_key_dir=root_key_dir, root_threshold=root_threshold,
@@ -133,7 +138,7 @@ def release_init(state_dir: Path, keys_dir: Path | None, root_key_dir: Path | No
 
 
 @release.command("add")
-@_state_option
+@files_options
 @_keys_option
 @click.argument("file", type=click.Path(path_type=Path, dir_okay=False, exists=True))
 @click.option("--name", required=True, help="Model name on the boxes, e.g. gemma3:270m.")
@@ -148,7 +153,7 @@ def release_init(state_dir: Path, keys_dir: Path | None, root_key_dir: Path | No
 @click.option("--tier", help="Tier recorded with the model (default experimental).")
 @click.option("--license", "license_", help="License recorded with the model.")
 @json_option()
-def release_add(state_dir: Path, keys_dir: Path | None, file: Path, name: str, version: str,
+def release_add(keys_dir: Path | None, file: Path, name: str, version: str,
                 template: Path | None, parameters: Path | None, gate: Path | None,
                 min_agent_version: str | None, tier: str | None, license_: str | None,
                 as_json: bool) -> None:
@@ -156,7 +161,7 @@ def release_add(state_dir: Path, keys_dir: Path | None, file: Path, name: str, v
     from edge_agent.fleet.controller.releases.repository import manifest_for
     from edge_agent.fleet.protocol.manifest import ManifestError
 
-    repo = _repo(state_dir)
+    repo = _repo()
     keys = _keys(repo, keys_dir)
     started = time.perf_counter()
     notes: list[str] = []
@@ -182,11 +187,11 @@ def release_add(state_dir: Path, keys_dir: Path | None, file: Path, name: str, v
 
 
 @release.command("list")
-@_state_option
+@files_options
 @json_option()
-def release_list(state_dir: Path, as_json: bool) -> None:
+def release_list(as_json: bool) -> None:
     """The releases the current signed targets list."""
-    entries = _repo(state_dir).releases()
+    entries = _repo().releases()
     if as_json:
         echo_json([e.to_json() for e in entries])
         return
@@ -200,14 +205,14 @@ def release_list(state_dir: Path, as_json: bool) -> None:
 
 
 @release.command("show")
-@_state_option
+@files_options
 @click.argument("ref", metavar="NAME@VERSION")
 @json_option()
-def release_show(state_dir: Path, ref: str, as_json: bool) -> None:
+def release_show(ref: str, as_json: bool) -> None:
     """One release: its file, length, sha256 and the signed manifest."""
     from edge_agent.fleet.protocol.manifest import ManifestError, parse_ref
 
-    repo = _repo(state_dir)
+    repo = _repo()
     try:
         name, version = parse_ref(ref)
     except ManifestError as exc:
@@ -220,11 +225,11 @@ def release_show(state_dir: Path, ref: str, as_json: bool) -> None:
 
 
 @release.command("status")
-@_state_option
+@files_options
 @json_option()
-def release_status(state_dir: Path, as_json: bool) -> None:
+def release_status(as_json: bool) -> None:
     """Each role's metadata version and expiry (a device refuses expired metadata)."""
-    status = _repo(state_dir).status()
+    status = _repo().status()
     if as_json:
         echo_json(status)
         return
@@ -234,13 +239,13 @@ def release_status(state_dir: Path, as_json: bool) -> None:
 
 
 @release.command("timestamp")
-@_state_option
+@files_options
 @_keys_option
 @click.option("--force", type=click.Choice(["snapshot", "targets"]), multiple=True,
               help="Re-sign this role too, whatever its expiry.")
-def release_timestamp(state_dir: Path, keys_dir: Path | None, force: tuple[str, ...]) -> None:
+def release_timestamp(keys_dir: Path | None, force: tuple[str, ...]) -> None:
     """Re-sign the timestamp (the cron job); snapshot and targets too when near expiry."""
-    repo = _repo(state_dir)
+    repo = _repo()
     signed = repo.refresh(_keys(repo, keys_dir), force=force)
     status = repo.status()
     click.echo(f"re-signed {', '.join(signed)}; timestamp v{status['timestamp']['version']} "
@@ -252,13 +257,13 @@ def release_timestamp(state_dir: Path, keys_dir: Path | None, force: tuple[str, 
 
 
 @release.command("root-sign")
-@_state_option
+@files_options
 @click.option("--root-keys", "root_key_dirs", multiple=True, required=True,
               type=click.Path(path_type=Path),
               help="A dir holding root private keys (repeat for each holder's copy).")
-def release_root_sign(state_dir: Path, root_key_dirs: tuple[Path, ...]) -> None:
+def release_root_sign(root_key_dirs: tuple[Path, ...]) -> None:
     """Re-sign the root metadata with the offline root keys (same keys, new expiry)."""
-    repo = _repo(state_dir)
+    repo = _repo()
     version = repo.resign_root(list(root_key_dirs))
     click.echo(f"root v{version} published, expires {repo.status()['root']['expires']}")
 

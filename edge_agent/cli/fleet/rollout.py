@@ -7,7 +7,7 @@
     fleet rollout pause|resume|abort|rollback ID
 
 These commands write the controller's store and nothing else: the running `fleet serve`
-signs and publishes the rollout.* commands (with `command_key_file`), starts each wave,
+signs and publishes the rollout.* commands (with `command_signing_key_file`), starts each wave,
 watches the boxes' reports, soaks, aborts. A rollout written while `fleet serve` is down
 starts when it comes back. Thin: the rules are `fleet.controller.waves` and
 `fleet.controller.rollout_ops`.
@@ -114,8 +114,8 @@ def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_exe
     click.echo(f"rollout {record.id}: {record.name}@{record.version} to "
                f"{record.devices_total} device(s) in {len(sizes)} wave(s) "
                f"({', '.join(str(n) for n in sizes)}); RUNNING")
-    if settings.command_key_file is None:
-        click.echo("warning: no command_key_file in the controller's settings: fleet serve "
+    if settings.command_signing_key_file is None:
+        click.echo("warning: no command_signing_key_file in the controller's settings: fleet serve "
                    "cannot sign the rollout's commands until it has one", err=True)
     click.echo(f"fleet serve drives it; follow it with: edge-agent fleet rollout status "
                f"{record.id} {given_options()}".rstrip())

@@ -94,7 +94,7 @@ class RolloutEngine:
             return done
         self._said.discard("store")
         if pending and self.key is None:
-            self._once("key", "fleet rollouts: %d rollout(s) wait: no command_key_file to "
+            self._once("key", "fleet rollouts: %d rollout(s) wait: no command_signing_key_file to "
                        "sign their commands with", len(pending))
             return done
         for record in reversed(pending):  # oldest first

@@ -3,7 +3,7 @@ retention and the HTTP API in one process, started in that order and stopped in 
 reverse one.
 
 The HTTP server runs in the calling thread (uvicorn handles SIGINT/SIGTERM); the ingest,
-the rollout engine (`rollouts`, which signs with `command_key_file`) and the retention
+the rollout engine (`rollouts`, which signs with `command_signing_key_file`) and the retention
 (`retention`: old messages out, hourly) have their own threads. Stopping commits and
 acknowledges what the ingest holds before the broker connection closes, then closes the
 store.
@@ -88,13 +88,13 @@ class Controller:
 def command_key(settings: ControllerSettings) -> Ed25519PrivateKey | None:
     """The key that signs the rollout engine's commands and the ingest's acks (None:
     rollouts wait, and say so; acks go unsigned, which only a box without the key takes)."""
-    path = settings.command_key_file
+    path = settings.command_signing_key_file
     if path is None:
         return None
     try:
         return load_private(path)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read command_key_file {path}: {exc}") from exc
+        raise ConfigError(f"cannot read command_signing_key_file {path}: {exc}") from exc
 
 
 def serve(settings: ControllerSettings, *, log_level: str = "warning") -> bool:

@@ -6,6 +6,7 @@ from `broker.password_file` when connecting, and a database URL's password is ne
 
     state_dir = "/var/lib/edge-agent-fleet"
     db = "postgresql://fleet@db.example/fleet"   # unset: <state_dir>/controller.db
+    command_signing_key_file = "/var/lib/edge-agent-fleet/keys/command.pem"
     [broker]
     url = "mqtts://broker.example:8883"
     username = "controller"
@@ -34,6 +35,7 @@ from edge_agent.config import (
     LayeredSettings,
     load_layered,
     parse_broker,
+    renamed_key,
 )
 from edge_agent.fleet.controller.waves import BUSY_RETRY_S
 
@@ -116,22 +118,32 @@ class ControllerSettings(LayeredSettings):
     # No environment layer (no env_prefix); keys in the file are spelt as here.
     model_config = SettingsConfigDict(extra="forbid", case_sensitive=True)
 
-    state_dir: Path = Field(DEFAULT_STATE_DIR, description="controller.db lives here.")
+    state_dir: Path = Field(
+        DEFAULT_STATE_DIR, description="controller.db, the keys (keys/, from `fleet keygen`) "
+        "and the release repository (releases/) live here.")
     db: str | None = Field(None, description="postgresql://… (unset: SQLite in state_dir).")
     broker: BrokerSettings = Field(default_factory=BrokerSettings)  # type: ignore[arg-type]
     http: HTTPSettings = Field(default_factory=HTTPSettings)  # type: ignore[arg-type]
     ingest: IngestSettings = Field(default_factory=IngestSettings)  # type: ignore[arg-type]
     retention: RetentionSettings = Field(
         default_factory=RetentionSettings)  # type: ignore[arg-type]
-    command_key_file: Path | None = Field(
-        None, description="The controller's ed25519 private key (PEM, from `fleet keygen`) "
-        "that signs commands; boxes hold its public half as fleet.command_key_file.")
+    command_signing_key_file: Path | None = Field(
+        None, description="The controller's ed25519 private key (PEM, `command.pem` from "
+        "`fleet keygen`) that signs commands, acks and rollouts; it never leaves the "
+        "controller: boxes hold its public half as fleet.command_public_key_file. Formerly "
+        "command_key_file, still read with a warning until the next release.")
     command_ttl_s: float = Field(300.0, gt=0, description="Seconds a sent command stays valid.")
     rollout_tick_s: float = Field(1.0, gt=0, le=60, description="Seconds between two passes "
                                   "of the rollout engine over the running rollouts.")
     rollout_busy_retry_s: float = Field(BUSY_RETRY_S, gt=0, description="Seconds before a box that "
                                         "refused rollout.start as busy (another change of "
                                         "the name under way there) is asked again.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        # One name had two meanings: the controller's private key and the box's public one.
+        return renamed_key(data, "command_key_file", "command_signing_key_file", "")
 
     @field_validator("state_dir")
     @classmethod

@@ -5,7 +5,7 @@ without its `sig` field.
                                 ensure_ascii=False).encode("utf-8")
 
 The controller holds the private key (PEM, PKCS8, unencrypted, file mode 0600); devices
-hold the public key (PEM, SubjectPublicKeyInfo), `fleet.command_key_file`. This module
+hold the public key (PEM, SubjectPublicKeyInfo), `fleet.command_public_key_file`. This module
 owns the key files' format and the signature check; it never decides whether a verified
 command may run (expiry, replay, device: `commands`), and never logs key material.
 """

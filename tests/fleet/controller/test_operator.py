@@ -61,7 +61,7 @@ def test_a_box_syncs_no_prompt_text_and_answers_a_signed_command(
         f'[fleet]\nenabled = true\nbroker = "{broker.url}"\nfleet_id = "{FLEET}"\n'
         f'device_id = "{DEV}"\nusername = "{DEV}"\n'
         f'password_file = "{broker.password_file(DEV)}"\n'
-        f'command_key_file = "{signer.public_path}"\n'
+        f'command_public_key_file = "{signer.public_path}"\n'
         "metrics_interval_s = 1\nledger_interval_s = 1\n"
         "reconnect_min_s = 0.2\nreconnect_max_s = 1.0\n")
     capture = MQTTClient(broker, "controller", client_id="capture")

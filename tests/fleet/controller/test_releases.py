@@ -11,6 +11,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 from tuf.api.metadata import Metadata, Targets
@@ -182,6 +183,57 @@ def test_keygen_init_add_list_show_timestamp(tmp_path: Path) -> None:
                                       "--root-keys", str(tmp_path / "usb2"))
     root2 = json.loads((state / "releases" / "metadata" / "2.root.json").read_text())
     assert len(root2["signatures"]) == 2 and root2["signed"]["version"] == 2
+
+
+def test_keygen_and_release_share_one_key_dir_found_through_the_config(tmp_path: Path) -> None:
+    """`--config` on keygen and every release command: the state dir comes from the
+    controller's file, and keygen writes the keys where init (and so add) finds them."""
+    config = tmp_path / "controller.toml"
+    state = tmp_path / "state"
+    config.write_text(f'state_dir = "{state}"\n'
+                      f'command_signing_key_file = "{state / "keys" / "command.pem"}"\n')
+    runner = CliRunner()
+
+    def run(*args: str) -> str:
+        result = runner.invoke(main, ["fleet", *args, "--config", str(config)])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    said = run("keygen")
+    assert f"command_signing_key_file = {state / 'keys' / 'command.pem'}" in said
+    assert "next: edge-agent fleet release init --config" in said
+    run("release", "init")
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", context_length=512, template="{{ x }}")
+    run("release", "add", str(tiny), "--name", "tiny:1b", "--version", "2")
+    assert "tiny:1b" in run("release", "list")
+    assert "re-signed timestamp" in run("release", "timestamp")
+    assert "targets" in run("release", "status")
+    assert "tiny:1b@2" in run("release", "show", "tiny:1b@2")
+    assert (state / "keys" / "command.pub.pem").exists()
+    assert (state / "releases" / "metadata" / "root.json").exists()
+
+
+def test_every_fleet_command_takes_the_controllers_config() -> None:
+    def leaves(group: click.Group, path: tuple[str, ...]) -> list[tuple[str, ...]]:
+        out: list[tuple[str, ...]] = []
+        for name, cmd in group.commands.items():
+            if isinstance(cmd, click.Group):
+                out += leaves(cmd, (*path, name))
+            else:
+                out.append((*path, name))
+        return out
+
+    fleet = main.commands["fleet"]
+    assert isinstance(fleet, click.Group)
+    missing = []
+    for path in leaves(fleet, ()):
+        cmd: click.Command = fleet
+        for part in path:
+            assert isinstance(cmd, click.Group)
+            cmd = cmd.commands[part]
+        if "--config" not in {o for p in cmd.params for o in p.opts}:
+            missing.append(" ".join(path))
+    assert missing == ["broker-config"]  # writes a broker's files; reads no controller
 
 
 def test_commands_say_what_is_missing(tmp_path: Path) -> None:

@@ -228,7 +228,7 @@ def test_without_a_key_rollouts_wait(store: SQLiteStore, repo: Repo,
                       Policy(parse_waves("100%")), now=1.0, rollout_id="r3")
     assert eng.tick() == {} and eng.tick() == {}
     assert recorder.sent == []
-    assert sum("no command_key_file" in m for m in caplog.messages) == 1  # said once
+    assert sum("no command_signing_key_file" in m for m in caplog.messages) == 1  # said once
 
 
 def test_selectors() -> None:
@@ -267,7 +267,7 @@ def test_the_cli_writes_the_store_and_refuses_what_it_cannot_start(
         store: SQLiteStore, repo: Repo, tmp_path: Path) -> None:
     config = tmp_path / "controller.toml"
     config.write_text(f'state_dir = "{store.state_dir}"\n'
-                      f'command_key_file = "{repo.keys.private("command")}"\n')
+                      f'command_signing_key_file = "{repo.keys.private("command")}"\n')
     out = cli(config, "start", f"{NAME}@2", "--devices", "fleet:f1", "--waves",
               "1,10%,50%,100%", "--soak", "10m", "--id", "c1")
     assert "rollout c1: simmodel:1b@2 to 10 device(s) in 3 wave(s) (1, 4, 5)" in out

@@ -134,7 +134,7 @@ def central_for(mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path
         state, port = tmp_path / "state", free_port()
         config = tmp_path / "controller.toml"
         config.write_text(
-            f'state_dir = "{state}"\ncommand_key_file = "{repo.keys.private("command")}"\n'
+            f'state_dir = "{state}"\ncommand_signing_key_file = "{repo.keys.private("command")}"\n'
             "rollout_tick_s = 0.5\nrollout_busy_retry_s = 1\n"
             f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
             f'password_file = "{broker.password_file("controller")}"\n'

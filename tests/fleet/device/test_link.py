@@ -225,7 +225,8 @@ def test_a_command_stored_but_never_run_runs_at_the_next_start(
     assert stored.accept(command["id"], DEV, command["seq"], "ping",
                          json.dumps(command).encode())
     stored.close()
-    links(broker, state, fleet=fleet_settings(broker, DEV, command_key_file=signer.public_path))
+    links(broker, state,
+          fleet=fleet_settings(broker, DEV, command_public_key_file=signer.public_path))
     assert wait_until(lambda: controller.store.command_results(command["id"]), 10)
     assert controller.store.command_results(command["id"])[0]["status"] == "ok"
 
@@ -252,7 +253,7 @@ def test_signed_commands_run_once_and_their_results_reach_the_controller(
                                revoke=lambda prefix: prefix == "abcd1234",
                                apply_live=apply_live), "count": count}
     link = links(broker, state, handlers=handlers, facts=facts_source(lambda: settings),
-                 fleet=fleet_settings(broker, DEV, command_key_file=signer.public_path))
+                 fleet=fleet_settings(broker, DEV, command_public_key_file=signer.public_path))
     assert link.wait_connected(10)
     boss = MQTTClient(broker, "controller")
     boss.connect()
@@ -389,7 +390,7 @@ def test_a_forged_ack_deletes_nothing_even_where_the_acl_lets_it_through(
     broker.start()
     signer, other = Signer(tmp_path / "keys"), Signer(tmp_path / "other")
     link = links(broker, tmp_path / "state", options=fast_options(ack_timeout_s=300),
-                 fleet=fleet_settings(broker, DEV, command_key_file=signer.public_path))
+                 fleet=fleet_settings(broker, DEV, command_public_key_file=signer.public_path))
     assert link.wait_connected(10)
     for i in range(20):
         link.emit("events", "audit", {"event": "test", "i": i})

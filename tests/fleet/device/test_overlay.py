@@ -81,7 +81,7 @@ def test_patches_merge(settings: Settings, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("key", [
-    "server.port", "fleet.broker", "fleet.command_key_file", "state_dir", "telemetry",
+    "server.port", "fleet.broker", "fleet.command_public_key_file", "state_dir", "telemetry",
     "telemetry.interval_s.x", "tenants.shop.models", "tenants.shop.manage_models",
     "tenants.shop", "runtime.parallel", "default_model", "tenants..requests_per_minute",
 ])

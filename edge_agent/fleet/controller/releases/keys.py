@@ -1,7 +1,7 @@
 """The controller's key directory: the command-signing pair and the release (TUF) role keys.
 
     KEYS/command.pem        ed25519, signs commands (`fleet send`); 0600
-    KEYS/command.pub.pem    -> every device's `fleet.command_key_file`
+    KEYS/command.pub.pem    -> every device's `fleet.command_public_key_file`
     KEYS/targets.pem        online release keys: adding a release needs these three
     KEYS/snapshot.pem
     KEYS/timestamp.pem      (the cron job's `fleet release timestamp` needs only this one,

@@ -177,16 +177,16 @@ class Link(LinkCore):
         else:
             return None
         key = None
-        if self.fleet.command_key_file is None:
-            log.warning("fleet: no fleet.command_key_file: every command will be refused and "
-                        "the controller's acks are taken unverified (the broker's ACL alone "
-                        "guards the outbox)")
+        if self.fleet.command_public_key_file is None:
+            log.warning("fleet: no fleet.command_public_key_file: every command will be "
+                        "refused and the controller's acks are taken unverified (the "
+                        "broker's ACL alone guards the outbox)")
         else:
             try:
-                key = load_public(self.fleet.command_key_file)
+                key = load_public(self.fleet.command_public_key_file)
             except Exception as exc:
                 log.error("fleet: command key %s unreadable (%s): every command will be "
-                          "refused (bad_signature)", self.fleet.command_key_file, exc)
+                          "refused (bad_signature)", self.fleet.command_public_key_file, exc)
         self._gate = CommandGate(self._state, fleet=self.fleet_id, device=self.device,
                                  public_key=key, handlers=self._handlers)
         with self._lock:

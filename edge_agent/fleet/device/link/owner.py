@@ -54,7 +54,8 @@ class Owner:
         self.options = link.options
         self.outbox = outbox
         self.gate = gate
-        self.signed_acks = link.fleet.command_key_file is not None or gate.public_key is not None
+        self.signed_acks = (link.fleet.command_public_key_file is not None
+                            or gate.public_key is not None)
         self.state = state
         # Its own selector, or one shared by many owners (the simulator's).
         self.sel = sel if sel is not None else selectors.DefaultSelector()
