@@ -235,7 +235,8 @@ def run_rollout_bench(state_dir: Path, model: ModelName, *, runs: int, threads: 
         broker = Broker(box_root, fleet=FLEET, devices=(DEV, *sims), passwd_tool=not sims,
                         log_types=("error", "warning")).start()
         config = box_root / "controller.toml"
-        config.write_text(f'state_dir = "{ctl}"\ncommand_key_file = "{keys / "command.pem"}"\n'
+        signing_key = keys / "command.pem"
+        config.write_text(f'state_dir = "{ctl}"\ncommand_signing_key_file = "{signing_key}"\n'
                           f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
                           f'password_file = "{broker.password_file("controller")}"\n')
         controller = ControllerProcess(broker, box_root)
