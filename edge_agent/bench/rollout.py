@@ -256,7 +256,7 @@ def run_rollout_bench(state_dir: Path, model: ModelName, *, runs: int, threads: 
                 "EDGE_AGENT_FLEET__FLEET_ID": FLEET, "EDGE_AGENT_FLEET__DEVICE_ID": DEV,
                 "EDGE_AGENT_FLEET__USERNAME": DEV,
                 "EDGE_AGENT_FLEET__PASSWORD_FILE": str(broker.password_file(DEV)),
-                "EDGE_AGENT_FLEET__COMMAND_KEY_FILE": str(keys / "command.pub.pem"),
+                "EDGE_AGENT_FLEET__COMMAND_PUBLIC_KEY_FILE": str(keys / "command.pub.pem"),
                 "EDGE_AGENT_FLEET__TUF_ROOT_FILE": str(root_file),
                 "EDGE_AGENT_FLEET__ARTIFACTS_URL": f"{controller.url}/releases/",
                 "EDGE_AGENT_FLEET__DOWNLOAD_HEADROOM_BYTES": "0",
