@@ -214,16 +214,26 @@ def test_a_top_level_all_of_one_of_is_enforced(vocab_model: LlamaModel) -> None:
     ])
 
 
-def test_a_one_of_whose_alternatives_may_both_match_is_refused_by_name() -> None:
+def test_a_one_of_whose_alternatives_overlap_is_written_each_without_the_others(
+        vocab_model: LlamaModel) -> None:
+    # Each alternative as itself and not the other: a value matching both is never written.
     schema = {"type": "object", "properties": {"state": {"type": "string"},
                                                "zip": {"type": "string"}},
               "allOf": [{"oneOf": [{"required": ["state"]}, {"required": ["zip"]}]}]}
+    _holds(vocab_model, schema, ['{"state":"NY"}', '{"zip":"10001"}'],
+           ['{"state":"NY","zip":"10001"}', "{}"])
+    strings = {"oneOf": [{"type": "string", "maxLength": 5}, {"type": "string", "pattern": "^a"}]}
+    _holds(vocab_model, strings, ['"bcd"', '"abcdefg"', '""'], ['"abc"', '"bcdefgh"', '"a"'])
+
+
+def test_a_one_of_whose_overlap_cannot_be_written_apart_is_refused_by_name() -> None:
+    # Telling these apart needs "an object with a key besides `a`": no `not` writes that.
+    schema = {"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}},
+                         "additionalProperties": False},
+                        {"type": "object", "properties": {"b": {"type": "integer"}}}]}
     with pytest.raises(UnsupportedParameter) as err:
         schema_to_grammar(schema, param="format")
-    assert err.value.param == "format.oneOf"
-    # anyOf says the same without the exclusivity, and is enforced.
-    schema["allOf"] = [{"anyOf": [{"required": ["state"]}, {"required": ["zip"]}]}]
-    schema_to_grammar(schema, param="format")
+    assert err.value.param == "format.oneOf" and "anyOf" in err.value.message
 
 
 # -- what users write every day, enforced -------------------------------------------------------

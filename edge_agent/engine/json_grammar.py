@@ -94,6 +94,8 @@ _NOT_PROPS = "\x00not-properties"  # name -> a schema its value must fail
 _UNEVALUATED = ("unevaluatedProperties", "unevaluatedItems")  # merged as additional*/items
 _CONDITIONS = ("not", "if", "then", "else")  # folded into unions of what they allow
 _UNIONS = ("anyOf", "oneOf")
+_CONFLICTS = ("type", "enum", "const")  # merged keywords that leave no value, not a limit
+_MAX_ONEOF_OVERLAPS = 8  # pairs of a oneOf's alternatives written apart with `not`
 _COMBINERS = ("allOf", "anyOf", "oneOf", "$ref")
 # The keywords that constrain one JSON type only: a schema whose `type` is a list is split
 # into one schema per type, each keeping its own keywords and those of no type (the port
@@ -481,7 +483,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                     raise UnsupportedParameter(f"every alternative of '{key}' is false",
                                                param=f"{path}.{key}")
                 if key == "oneOf":
-                    self._check_exclusive(alts, path)
+                    alts = self._exclusive(alts, node, path)
                 return self._add_rule(rule_name, " | ".join(
                     self.visit(self._remember(alt, node, f"{key}.{i}"), f"{rule_name}-{i}")
                     for i, alt in enumerate(alts)))
@@ -543,7 +545,8 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                     kept, why = [], None
                     for alt in x[key]:
                         try:  # an alternative that cannot hold beside the rest: left out
-                            merged = self._conjoin(alt, y, path, depth + 1)
+                            merged = self._without_empty_properties(
+                                self._conjoin(alt, y, path, depth + 1), path, depth)
                         except Unmergeable as exc:
                             merged, why = False, exc
                         if merged is not False and self._may_hold(merged):
@@ -557,6 +560,38 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
                                              f"{MAX_ALTERNATIVES} alternatives", param=path)
                     return {key: kept}
         return merge(a, b)
+
+    def _without_empty_properties(self, node: Any, path: str, depth: int) -> Any:
+        """`node` with each property whose merged schemas share no value (two types, enums
+        or constants apart) made absent, which is what JSON Schema makes of it; False when
+        such a property is required. Merging keeps properties as `allOf`s to be combined
+        where they are written, so an alternative a `not` made (`zip` that is not a string,
+        beside `zip: string`) would otherwise be refused there instead of left out here."""
+        if not isinstance(node, dict):
+            return node
+        given = node.get("properties")
+        props: dict[str, Any] = given if isinstance(given, dict) else {}
+        failing: dict[str, Any] = node.get(_NOT_PROPS) or {}  # present, failing these
+        kept = dict(props)
+        for key in {*props, *failing}:
+            parts = [props[key]] if key in props else []
+            if key in failing:
+                parts.append({"not": failing[key]})
+            sub = parts[0] if len(parts) == 1 else {"allOf": parts}
+            if not (isinstance(sub, dict) and ("allOf" in sub or "not" in sub)):
+                continue
+            try:
+                flat = self._combined(sub, path, depth + 1)
+            except UnsupportedParameter as exc:
+                cause = exc.__cause__
+                if not (isinstance(cause, Unmergeable) and cause.keyword in _CONFLICTS):
+                    continue  # refused where it is written, naming what it is
+                flat = False
+            if flat is False:
+                if key in failing or key in (node.get("required") or ()):
+                    return False
+                kept[key] = False
+        return node if kept == props else {**node, "properties": kept}
 
     def _flat(self, schema: Any, path: str, depth: int) -> Any:
         """`schema` as a node without `allOf`, `$ref` or keywords beside a union."""
@@ -585,17 +620,47 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
         rest = {k: v for k, v in node.items() if k not in ("const", "enum")}
         return any(self._valid(v, rest) and self._internal_ok(v, rest) for v in values)
 
-    def _check_exclusive(self, alts: list[Any], path: str) -> None:
-        """A oneOf holds only when exactly one alternative matches: taken when the grammar of
-        each alternative writes nothing another accepts."""
+    def _exclusive(self, alts: list[Any], node: dict[str, Any], path: str) -> list[Any]:
+        """A oneOf's alternatives, each written so that it matches where no other does.
+
+        Alternatives whose grammars write nothing another accepts are kept as they are.
+        Where two may overlap, each is written as itself and not the others it may overlap
+        (`allOf: [A, {not: B}]`), which `not` writes exactly or narrower: what comes out
+        matches exactly one. Where a `not` cannot be written, or the overlapping pairs are
+        too many to spell out, the oneOf is refused naming the first pair."""
         flat = [self._flat(a, path, 0) for a in alts]
-        for i, a in enumerate(flat):
-            for j, b in enumerate(flat):
-                if i != j and a is not False and b is not False and not self._excludes(a, b, 0):
-                    raise UnsupportedParameter(
-                        f"oneOf: alternatives {min(i, j)} and {max(i, j)} may both match one "
-                        "value (say which with a property of different 'const' values, or "
-                        "use anyOf)", param=f"{path}.oneOf")
+        overlaps = [(i, j) for i, a in enumerate(flat) for j, b in enumerate(flat)
+                    if i != j and a is not False and b is not False
+                    and not self._excludes(a, b, 0)]
+        if not overlaps:
+            return alts
+        i, j = overlaps[0]
+        refusal = UnsupportedParameter(
+            f"oneOf: alternatives {min(i, j)} and {max(i, j)} may both match one value, and "
+            "one cannot be written without the other (say which with a property of "
+            "different 'const' values, or use anyOf)", param=f"{path}.oneOf")
+        if len(overlaps) > 2 * _MAX_ONEOF_OVERLAPS:
+            raise refusal
+        others: dict[int, list[int]] = {}
+        for i, j in overlaps:
+            others.setdefault(i, []).append(j)
+        written: list[Any] = []
+        for i, alt in enumerate(alts):
+            if i not in others:
+                written.append(alt)
+                continue
+            alone = {"allOf": [alt, *({"not": alts[j]} for j in others[i])]}
+            try:
+                combined = self._combined(alone, f"{path}.oneOf.{i}", 0)
+            except (UnsupportedParameter, Unmergeable) as exc:
+                raise refusal from exc
+            if combined is not False:
+                self._remember(alone, node, f"oneOf.{i}")
+                written.append(alone)
+        if not written:
+            raise UnsupportedParameter("no value matches exactly one alternative of the oneOf",
+                                       param=f"{path}.oneOf")
+        return written
 
     def _excludes(self, a: Any, b: Any, depth: int) -> bool:
         """Whether no text a's grammar writes is valid for b (False when unsure)."""
