@@ -555,3 +555,140 @@ def test_the_files_page_gives_the_roles_paths_and_modes() -> None:
             expected[f"/etc/edge-agent/{where}/{f['file']}"] = \
                 tasks[task]["ansible.builtin.copy"]["mode"]
     assert rows == expected
+
+
+# -- the pages users look for first ------------------------------------------------------------
+
+FIRST = [DOCS / p for p in ("concepts.md", "faq.md", "prerequisites.md", "glossary.md",
+                            "operate/upgrade.md", "operate/backup.md",
+                            "operate/key-rotation.md")]
+# A code span that is a command: `edge-agent …`, or a `fleet`/`keys`/`models`/`ledger` one
+# with the program's name left out.
+SPAN_COMMAND = re.compile(r"`((?:edge-agent|fleet|keys|models|ledger) [^`]+)`")
+
+
+def _span_commands(page: Path) -> list[str]:
+    text = FENCE.sub("", page.read_text())
+    lines = []
+    for m in SPAN_COMMAND.finditer(text):
+        line = " ".join(m.group(1).split())
+        lines.append(line if line.startswith("edge-agent ") else f"edge-agent {line}")
+    return lines
+
+
+def _command_path(line: str) -> list[str]:
+    words, command, path = shlex.split(line.replace("…", " "), comments=True), cli_main, []
+    for word in words[1:]:
+        if isinstance(command, click.Group) and word in command.commands:
+            command = command.commands[word]
+            path.append(word)
+    return path
+
+
+@pytest.mark.parametrize("page", FIRST, ids=_name)
+def test_every_command_the_first_pages_name_exists(page: Path) -> None:
+    """Each command in a code span or a shell block of the new pages is a real command with
+    real options (`… ` after a group: any of its commands), and its `--help` exits 0."""
+    from click.testing import CliRunner
+
+    lines = _span_commands(page) + [line for lang, text in blocks(page)
+                                    if lang in ("sh", "bash", "")
+                                    for line in _command_lines(text)]
+    assert lines, _name(page)
+    problems = [p for line in lines for p in _check_command(line.replace("…", ""))
+                if not (line.endswith("…") and "names a group" in p)]
+    runner = CliRunner()
+    for path in {tuple(_command_path(line)) for line in lines}:
+        result = runner.invoke(cli_main, [*path, "--help"])
+        if result.exit_code != 0:
+            problems.append(f"edge-agent {' '.join(path)} --help exits {result.exit_code}")
+    assert not problems, f"{_name(page)}: {problems}"
+
+
+def _setting(key: str) -> Any:
+    """The field a page names by its key: the box's (`runtime.parallel`, `state_dir`), else
+    the controller's, at its top level or in any of its tables (`metrics_days`)."""
+    from edge_agent.fleet.controller.settings import ControllerSettings
+
+    field = reference.settings_field("", key) or reference.settings_field("controller", key)
+    for section in ControllerSettings.model_fields:
+        field = field or reference.settings_field(f"controller.{section}", key)
+    return field
+
+
+@pytest.mark.parametrize("page", FIRST, ids=_name)
+def test_every_default_the_first_pages_give_is_the_codes(page: Path) -> None:
+    """`KEY` (DEFAULT …): the key is a setting of the box or the controller, or a variable of
+    the role, and the figure in the brackets its default (`1 GiB` read as bytes, `"info"` as
+    the string)."""
+    units = {"GiB": 2 ** 30, "MiB": 2 ** 20, "s": 1}
+    role_defaults = yaml.safe_load(
+        (ROOT / "ansible" / "roles" / "edge_agent" / "defaults" / "main.yml").read_text())
+    wrong = []
+    for key, said, unit in re.findall(
+            r"`([a-z_][a-z_.]*)`\s+\(`?(\"[^\"]*\"|[\d.]+)(?: (GiB|MiB|s)\b)?[`)]?",
+            FENCE.sub("", page.read_text())):
+        field = _setting(key)
+        if key in role_defaults:
+            value = role_defaults[key]
+        elif field is None:
+            continue  # a file or a command in brackets, not a setting
+        else:
+            value = reference.default_of(field)
+        if said.startswith('"'):
+            ok = json.loads(said) == value
+        else:
+            ok = float(said) * units.get(unit, 1) == float(value)
+        if not ok:
+            wrong.append(f"{key}: the page says {said} {unit}, the default is {value!r}")
+    assert not wrong, f"{_name(page)}: {wrong}"
+
+
+def test_every_setting_key_the_first_pages_name_exists() -> None:
+    """The bare setting names of the new pages (`default_model`, `command_ttl_s`,
+    `metrics_days` …): each is a key of the box's or the controller's settings."""
+    bare = {"state_dir", "default_model", "log_level", "log_format", "command_ttl_s",
+            "command_signing_key_file", "metrics_days", "audit_days", "db"}
+    text = "\n".join(p.read_text() for p in FIRST)
+    named = bare & set(re.findall(r"`([a-z_]+)`", text))
+    assert named >= {"state_dir", "default_model", "log_level", "command_ttl_s"}
+    assert not [key for key in named if _setting(key) is None]
+
+
+def test_the_clock_figures_are_the_codes() -> None:
+    """prerequisites.md's skew and expiry figures against the command gate and the
+    release repository's defaults."""
+    from edge_agent.fleet.controller.releases.repository import DAY, DEFAULT_EXPIRY_S
+    from edge_agent.fleet.protocol.command import CLOCK_SKEW_S
+
+    page = (DOCS / "prerequisites.md").read_text()
+    skew = re.search(r"plus (\d+) seconds of allowed skew \(`CLOCK_SKEW_S`\)", page)
+    assert skew and float(skew.group(1)) == CLOCK_SKEW_S
+    expiry = re.search(r"the timestamp after a day, the snapshot after (\d+) days, targets and "
+                       r"root after a year", " ".join(page.split()))
+    assert expiry
+    assert DEFAULT_EXPIRY_S == {"timestamp": DAY, "snapshot": int(expiry.group(1)) * DAY,
+                                "targets": 365 * DAY, "root": 365 * DAY}
+    backup = " ".join((DOCS / "operate" / "backup.md").read_text().split())
+    assert "expires (a day by default)" in backup and DEFAULT_EXPIRY_S["timestamp"] == DAY
+
+
+def test_the_uninstall_steps_remove_what_the_role_installs() -> None:
+    """Every path the role writes on a box (at its defaults) is one upgrade.md removes."""
+    role = ROOT / "ansible" / "roles" / "edge_agent"
+    defaults = yaml.safe_load((role / "defaults" / "main.yml").read_text())
+    service = yaml.safe_load((role / "tasks" / "service.yml").read_text())
+    written = {defaults[k] for k in ("edge_agent_cli_path", "edge_agent_prefix",
+                                     "edge_agent_config_dir", "edge_agent_state_dir")}
+    for task in service:
+        for module in ("ansible.builtin.template", "ansible.builtin.copy"):
+            dest = task.get(module, {}).get("dest", "")
+            if dest:
+                written.add(dest.replace("{{ edge_agent_systemd_dir }}",
+                                         defaults["edge_agent_systemd_dir"])
+                            .split("/{{")[0])
+    block = next(text for lang, text in blocks(DOCS / "operate" / "upgrade.md")
+                 if lang == "sh" and "userdel" in text)
+    removed = set(re.findall(r"(/[\w./-]+)", block))
+    missing = [p for p in written if not any(p == r or p.startswith(r + "/") for r in removed)]
+    assert not missing, missing
