@@ -269,6 +269,12 @@ def test_the_walkthrough_rolls_version_2_out_to_both_boxes_with_no_failed_reques
         # What the rollout says to follow it with, until it has ended.
         watched = run.run(f"{follow.group(1)} --watch 0.5 --json", timeout=240)
         rolled = time.monotonic() - rolled
+        # The clients go on until each box has answered one of them with version 2: on a
+        # loaded box the rollout can end before the first such answer has.
+        switched = f"fp_{new[:12]}"
+        wait_until(lambda: all(any(r.box == b and r.fingerprint == switched
+                                   for r in list(streams.requests)) for b in BOXES)
+                   or streams.failures, 120, 0.1)
     finally:
         streams.stop()
     report: dict[str, Any] = json.loads(watched)

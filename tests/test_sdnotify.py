@@ -303,7 +303,10 @@ def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
         model_cache: Path, tmp_path: Path) -> None:
     state = clone_state(model_cache, tmp_path / "state")
     config = tmp_path / "config.toml"
-    config.write_text("")  # not the machine's /etc/edge-agent/config.toml
+    # Not the machine's /etc/edge-agent/config.toml. A drain of 60 s: the stream below is
+    # sized at the warm-up's speed, and a box whose load rises meanwhile may take 3-6 times
+    # as long (seen: 6 tokens in 10 s on a 2-core box running two test suites).
+    config.write_text("[server]\nstop_grace_s = 60\n")
     out: dict[str, Any] = {"tokens": 0}
     first = threading.Event()
     request = {"model": DEFAULT_MODEL, "prompt": "Count to one hundred:", "logit_bias": NO_EOS}
@@ -316,7 +319,11 @@ def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
                     if line == "data: [DONE]":
                         out["done"] = time.monotonic()
                     elif line.startswith("data: "):
-                        choice = json.loads(line[6:])["choices"][0]
+                        event = json.loads(line[6:])
+                        if "error" in event:  # the drain ran out: reported by the asserts
+                            out["error"] = event["error"]
+                            continue
+                        choice = event["choices"][0]
                         out["tokens"] += 1
                         out["finish"] = choice.get("finish_reason") or out.get("finish")
                         first.set()
@@ -329,7 +336,7 @@ def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
         url = f"http://127.0.0.1:{server.port}/v1/completions"
         rx.wait_for("READY=1", 180)
         # A stream of about 3 s at this machine's present speed: it outlasts the stop's first
-        # moments and ends well within the 10 s drain (GRACEFUL_SHUTDOWN_S), loaded or not.
+        # moments and ends well within the 60 s drain, however the load moves.
         began = time.monotonic()
         httpx.post(url, json={**request, "max_tokens": 16}, timeout=60).raise_for_status()
         rate = 16 / (time.monotonic() - began)
@@ -339,8 +346,8 @@ def test_sigterm_drains_a_running_stream_says_stopping_and_flushes_the_ledger(
         term_at = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         stopping_at = rx.wait_for("STOPPING=1", 10)
-        client.join(timeout=60)
-        code = proc.wait(timeout=60)
+        client.join(timeout=90)
+        code = proc.wait(timeout=90)
     log = server.log()
     assert code in (0, -signal.SIGTERM), log  # systemd counts a SIGTERM death as clean
     assert stopping_at >= term_at
