@@ -162,11 +162,23 @@ def _gpus() -> list[dict[str, Any]]:
             for i, name in enumerate(nvml.gpus)]
 
 
+async def _to_its_end(work: asyncio.Future[Any]) -> Any:
+    """`work` (a thread's) awaited; when the caller is cancelled (a stop), its thread is
+    still waited for before the cancellation goes on: a thread cannot be cancelled, and the
+    stop closes the stores it may be using (sqlite3 kills the process when a connection is
+    closed under another thread's query: seen when a start met a taken port)."""
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise
+
+
 async def _preload(modelops: ModelOps, registry: ModelRegistry, name: ModelName) -> None:
     install = asyncio.ensure_future(asyncio.to_thread(ensure_default_model, modelops, name))
     registry.installing(name, install)  # its requests wait for it meanwhile, not 404
     try:
-        await install
+        await _to_its_end(install)
         await modelops.load(name)
     except EdgeAgentError as exc:
         log.error("default model %s not loaded: %s", name, exc.message)
@@ -178,8 +190,8 @@ async def _purge_hourly(settings: Settings) -> None:
     """Retention: request rows older than `retention.ledger_days` go, every hour."""
     while True:
         try:
-            removed = await asyncio.to_thread(purge_expired, settings.state_dir / "ledger.db",
-                                              settings.retention)
+            removed = await _to_its_end(asyncio.ensure_future(asyncio.to_thread(
+                purge_expired, settings.state_dir / "ledger.db", settings.retention)))
             if removed:
                 log.info("ledger purge removed %d rows", removed)
         except Exception:
@@ -192,6 +204,7 @@ async def _reap(registry: ModelRegistry, governor: Governor) -> None:
         await asyncio.sleep(REAP_INTERVAL_S)
         try:
             await registry.reap_expired()
-            await asyncio.to_thread(governor.flush_last_used)
+            await _to_its_end(asyncio.ensure_future(asyncio.to_thread(
+                governor.flush_last_used)))
         except Exception:
             log.exception("unloading expired models failed")
