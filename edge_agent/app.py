@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -174,6 +174,11 @@ async def _to_its_end(work: asyncio.Future[Any]) -> Any:
         raise
 
 
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on a worker thread, waited for to its end even through a stop."""
+    return await _to_its_end(asyncio.ensure_future(asyncio.to_thread(fn, *args)))
+
+
 async def _preload(modelops: ModelOps, registry: ModelRegistry, name: ModelName) -> None:
     install = asyncio.ensure_future(asyncio.to_thread(ensure_default_model, modelops, name))
     registry.installing(name, install)  # its requests wait for it meanwhile, not 404
@@ -190,8 +195,8 @@ async def _purge_hourly(settings: Settings) -> None:
     """Retention: request rows older than `retention.ledger_days` go, every hour."""
     while True:
         try:
-            removed = await _to_its_end(asyncio.ensure_future(asyncio.to_thread(
-                purge_expired, settings.state_dir / "ledger.db", settings.retention)))
+            removed = await _in_thread(purge_expired, settings.state_dir / "ledger.db",
+                                       settings.retention)
             if removed:
                 log.info("ledger purge removed %d rows", removed)
         except Exception:
@@ -204,7 +209,6 @@ async def _reap(registry: ModelRegistry, governor: Governor) -> None:
         await asyncio.sleep(REAP_INTERVAL_S)
         try:
             await registry.reap_expired()
-            await _to_its_end(asyncio.ensure_future(asyncio.to_thread(
-                governor.flush_last_used)))
+            await _in_thread(governor.flush_last_used)
         except Exception:
             log.exception("unloading expired models failed")

@@ -150,7 +150,7 @@ _DEFINED_FORMATS = frozenset({
     "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
     "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid",
     "uri-template", "json-pointer", "relative-json-pointer", "regex", "color", "byte",
-    "float", "double", "int32", "int64",
+    "float", "double",
 }) | _INT_FORMATS.keys() | {f"uuid{n}" for n in range(1, 6)}
 
 
