@@ -496,8 +496,11 @@ def test_the_box_joins_the_fleet_and_goes_active_on_a_release(site: Site) -> Non
                                          "--json"))
         return next((d for d in devices if d["device"] == HOST), {})
 
-    joined = nspawnkit.wait_for(lambda: shown().get("online") and shown(), 60, 1.0,
-                                f"{HOST} online at the controller")
+    def online() -> dict[str, Any] | None:
+        found = shown()
+        return found if found.get("online") else None
+
+    joined = nspawnkit.wait_for(online, 60, 1.0, f"{HOST} online at the controller")
     assert joined["fleet"] == FLEET_ID, joined
     fleet_files = box.sh("ls /etc/edge-agent/fleet").stdout.split()
     assert sorted(fleet_files) == ["ca.pem", "command.pub.pem", "password", "tuf-root.json"]
@@ -509,7 +512,7 @@ def test_the_box_joins_the_fleet_and_goes_active_on_a_release(site: Site) -> Non
     renamed = subprocess.run(
         [str(Path(sys.executable).parent / "gguf-new-metadata"), "--general-name",
          "smollm2-135m trial 2", str(blob), str(release)],
-        input="y\n", capture_output=True, text=True, timeout=300, check=False)
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, check=False)
     assert renamed.returncode == 0 and release.exists(), renamed.stdout + renamed.stderr
     new = _sha256(release)
     assert new != digest
