@@ -1,5 +1,6 @@
 """The role and the unit under a real systemd: a minimal Debian 12 box booted with
-`systemd-nspawn -b` (tests/nspawnkit.py), provisioned as a technician at its console would.
+`systemd-nspawn -b` (tests/nspawnkit.py), provisioned from the example inventory as a
+technician at its console would, and joined to a fleet that rolls a release out to it.
 
 The box is what a fresh store box is: `debootstrap --variant=minbase bookworm` with systemd,
 dbus, python3, python3-venv and sudo, and nothing else: no libgomp1 (llama.cpp links it), no
@@ -7,29 +8,52 @@ setfacl, no network (`--private-network`: its own loopback only). The technician
 user with a password; the project's `ansible/` is in their home, the wheelhouse beside it as
 the manual builds it (this checkout's wheels, and `apt-get download libgomp1`: the box has no
 apt mirror to reach); Ansible is the project's own ansible-core, run by the box's Python; the
-connection is local. `ansible-playbook playbook.yml --become-password-file …` converges on the
-first run and changes nothing on the second.
+connection is local. The inventory is the example's, changed only as provisioning.md tells a
+site to change it: the box added to its region in `hosts.yml`, a `host_vars/` file with what
+a site must say itself (its broker's and release server's addresses, here on the box's own
+loopback; the free disk this machine has), `group_vars/stores/vault.yml` made with
+`ansible-vault` (the box's broker password), and `pki/` holding the fleet's CA, the command
+key and the release root under the names the example's `group_vars/stores/main.yml` reads
+(made on the host with the real CLI: `fleet keygen`, `fleet release init`,
+`fleet broker-config`). `ansible-playbook playbook.yml --limit store-test -c local
+--ask-vault-pass --ask-become-pass` (the passwords from files) converges on the first run
+and changes nothing on the second.
 
-Then, against the running unit, one box shared by the tests (in this order; the last ones
-stop what the earlier ones observe): active only once /ready answers 200; a stopped event
-loop (SIGSTOP) is killed by the watchdog and restarted; kill -9 restarts it with the ledger's
-rows intact; the sandbox, with the unit's own [Service] settings and with each GPU drop-in,
-writes only the state dir where the box can see it (no box-wide /dev/shm, /dev/mqueue or
-/run/lock); `systemd-analyze security` of the loaded unit, with each drop-in, is at most 2.0;
+The central side is the manual's walk-through's: Mosquitto as `fleet broker-config` writes
+it (with a TLS listener, as the example's `mqtts://` broker, its certificate signed by the
+CA the box is given) and `fleet serve`, each a process of this test started in the box's
+network namespace (`nsenter --net`), so that the box, which has no other network, reaches
+them on its 127.0.0.1 and nothing else does; the controller's `/releases/` there is the
+box's artifacts URL, as in the walk-through. One box serves every test (booting and
+provisioning another would cost minutes of `make test`), so the fleet is on throughout:
+what the example provisions is what the unit's tests run.
+
+Then, against the running unit (in this order; the last ones stop what the earlier ones
+observe): the box is online at the controller and takes a rollout started with the CLI (a
+version 2 of its default model, released with `fleet release add`, downloaded from the
+artifacts URL, verified through TUF, gated, ACTIVE in `fleet rollout status` and
+`fleet devices`); active only once /ready answers 200; a stopped event loop (SIGSTOP) is
+killed by the watchdog and restarted; kill -9 restarts it with the ledger's rows intact; the
+sandbox, with the unit's own [Service] settings and with each GPU drop-in, writes only the
+state dir where the box can see it (no box-wide /dev/shm, /dev/mqueue or /run/lock);
+`systemd-analyze security` of the loaded unit, with each drop-in, is at most 2.0;
 `systemctl stop` during a short stream lets the whole answer arrive; and, the library hidden,
 the role's preflight stops naming it and its package.
 
-Where a box cannot be booted (not root, no debootstrap or systemd-nspawn) the tests skip and
-say why; `make system-deps` installs both. Every wait is bounded; the box, its mounts, its
-cgroup folders and its processes go when the module ends, a failure included.
+Where a box cannot be booted (not root, no debootstrap or systemd-nspawn, no Mosquitto) the
+tests skip and say why; `make system-deps` installs all three. Every wait is bounded; the
+box, its mounts, its cgroup folders, the broker and the controller go when the module ends,
+a failure included.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -40,9 +64,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests import nspawnkit
 from tests.conftest import DEFAULT_MODEL, NO_EOS
+from tests.support.brokers import find_mosquitto
+from tests.support.certs import StoreCA
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE = ROOT / "ansible"
@@ -50,10 +77,12 @@ UNITS = ROOT / "systemd"
 MAX_EXPOSURE = 2.0
 TECHNICIAN = "technician"
 TECHNICIAN_PASSWORD = "till-roll-7c1d"
+VAULT_PASSWORD = "vault-4e2a-stores"
 HOME = f"/home/{TECHNICIAN}"
 WHEELHOUSE_IN_BOX = f"{HOME}/ansible/wheelhouse/x86_64-cpu"
 CONTROLLER_LIB = "/opt/ansible-site-packages"
 HOST = "store-test"
+REGION = "region_north"
 PORT = 11434
 BASE_URL = f"http://127.0.0.1:{PORT}"
 STATE_DIR = "/var/lib/edge-agent"
@@ -66,11 +95,31 @@ RECAP = re.compile(rf"^{HOST}\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s
 LIFECYCLE = {"Type", "NotifyAccess", "ExecStart", "ExecStartPre", "ExecStartPost",
              "WatchdogSec", "Restart", "RestartSec", "TimeoutStartSec", "TimeoutStopSec",
              "KillMode"}
+# The example's fleet, read from it: the broker is configured for the fleet id it names.
+EXAMPLE_STORES = yaml.safe_load((ANSIBLE / "inventory" / "group_vars" / "stores" / "main.yml")
+                                .read_text())
+FLEET_ID = str(EXAMPLE_STORES["edge_agent_fleet_id"])
+# The central side's ports, on the box's own loopback (its network namespace has nothing
+# else, so the manual's ports are free there).
+BROKER_PORT = 1883  # plain, bound to loopback: the controller's
+BROKER_TLS_PORT = 8883  # mqtts, the box's, as the example's broker
+CONTROLLER_PORT = 9464
+ARTIFACTS_URL = f"http://127.0.0.1:{CONTROLLER_PORT}/releases/"
+CENTRAL_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _unavailable() -> str | None:
+    why = nspawnkit.unavailable()
+    if why is None and find_mosquitto() is None:
+        why = ("mosquitto is not installed (the example inventory joins the box to a fleet; "
+               "`make system-deps` installs it)")
+    return why
+
 
 pytestmark = [
     pytest.mark.provision,
-    pytest.mark.skipif(nspawnkit.unavailable() is not None,
-                       reason=f"no systemd box here: {nspawnkit.unavailable()}"),
+    pytest.mark.skipif(_unavailable() is not None,
+                       reason=f"no systemd box here: {_unavailable()}"),
 ]
 
 
@@ -93,18 +142,147 @@ class Run:
         return run
 
 
+# --- the central side ------------------------------------------------------------------------
+
+@dataclass
+class Central:
+    """The central team's side of the walk-through in `folder`: made on the host with the
+    real CLI before the box exists (the technician carries its CA, command key and release
+    root), then the broker and `fleet serve` started in a booted box's network namespace,
+    and stopped, the last started first."""
+
+    folder: Path
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    @property
+    def state(self) -> Path:
+        return self.folder / "fleet"
+
+    @property
+    def config(self) -> Path:
+        return self.folder / "controller.toml"
+
+    def cli(self, *args: str, timeout: float = 180) -> str:
+        """`edge-agent ARGS` in the folder, as the central team runs it; its stdout."""
+        done = subprocess.run([sys.executable, "-m", "edge_agent", *args], cwd=self.folder,
+                              env=CENTRAL_ENV, capture_output=True, text=True,
+                              timeout=timeout, check=False)
+        assert done.returncode == 0, (f"edge-agent {' '.join(args)} exited {done.returncode}"
+                                      f"\n{done.stdout}{done.stderr}{self.logs()}")
+        return done.stdout
+
+    def make(self) -> dict[str, Path]:
+        """Steps 1 and 2 of the walk-through, with the example's TLS listener: the
+        broker's files for the example's fleet, the keys, the release repository. The
+        files a box is provisioned with, by the names `pki/` gives them."""
+        (self.folder / "devices.txt").write_text(f"{HOST}\n")
+        ca = StoreCA(self.folder / "ca", "fleet CA")
+        server = ca.issue("broker")
+        self.cli("fleet", "broker-config", "--devices", "devices.txt", "--out", "broker",
+                 "--fleet", FLEET_ID, "--data-dir", "broker/data",
+                 "--port", str(BROKER_PORT), "--tls-cert", str(server.cert),
+                 "--tls-key", str(server.key), "--tls-bind", "127.0.0.1",
+                 "--tls-port", str(BROKER_TLS_PORT))
+        (self.folder / "broker" / "data").mkdir()
+        # As root Mosquitto would drop to `mosquitto`, who cannot enter pytest's private
+        # folders: it stays root, and logs where a failure can show it.
+        (self.folder / "test-mosquitto.conf").write_text(
+            (self.folder / "broker" / "mosquitto.conf").read_text()
+            + f"\nuser root\nlog_dest file {self.folder / 'mosquitto.log'}\n")
+        self.cli("fleet", "keygen", "--state-dir", "fleet")
+        self.cli("fleet", "release", "init", "--state-dir", "fleet")
+        self.config.write_text(
+            f'state_dir = "{self.state}"\n'
+            f'command_signing_key_file = "{self.state / "keys" / "command.pem"}"\n'
+            f'[broker]\nurl = "mqtt://127.0.0.1:{BROKER_PORT}"\nusername = "controller"\n'
+            f'password_file = "{self.folder / "broker" / "credentials" / "controller.txt"}"\n'
+            f'[http]\nport = {CONTROLLER_PORT}\n')
+        return {"fleet-ca.pem": ca.cert,
+                "command.pub.pem": self.state / "keys" / "command.pub.pem",
+                "root.json": self.state / "releases" / "metadata" / "root.json"}
+
+    def password(self, device: str) -> str:
+        return (self.folder / "broker" / "credentials" / f"{device}.txt").read_text().strip()
+
+    def start(self, box: nspawnkit.Box) -> None:
+        """The broker, then `fleet serve`, each waited for where the box would reach it."""
+        mosquitto = find_mosquitto()
+        assert mosquitto is not None
+        broker = self._spawn(box, "mosquitto", [mosquitto, "-c",
+                                                str(self.folder / "test-mosquitto.conf")])
+        nspawnkit.wait_for(lambda: self._up(broker) and _listens(box, BROKER_PORT)
+                           and _listens(box, BROKER_TLS_PORT), 30, 0.1,
+                           "the broker to listen in the box's network")
+        serve = self._spawn(box, "fleet-serve", [sys.executable, "-m", "edge_agent", "fleet",
+                                                 "serve", "--config", str(self.config)])
+        nspawnkit.wait_for(
+            lambda: self._up(serve) and box.http(
+                "GET", f"http://127.0.0.1:{CONTROLLER_PORT}/healthz", timeout=5)[0] == 200,
+            90, 0.5, "fleet serve's /healthz in the box's network")
+
+    def _spawn(self, box: nspawnkit.Box, name: str, argv: list[str]
+               ) -> subprocess.Popen[bytes]:
+        # nsenter with only --net execs the program: the process is the server itself.
+        with (self.folder / f"{name}.log").open("wb") as log:
+            proc = subprocess.Popen(["nsenter", "-t", str(box.pid1), "-n", "--", *argv],
+                                    cwd=self.folder, env=CENTRAL_ENV, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def _up(self, proc: subprocess.Popen[bytes]) -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode}{self.logs()}")
+        return True
+
+    def logs(self) -> str:
+        """The tail of each log, for a failure's message."""
+        return "".join(f"\n--- {path.name} ---\n" + path.read_text(errors="replace")[-3000:]
+                       for path in sorted(self.folder.glob("*.log")))
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        self.procs.clear()
+
+
+def _listens(box: nspawnkit.Box, port: int) -> bool:
+    """Whether a TCP socket listens on `port` in the box's network namespace, read from
+    the kernel's table of that namespace (nothing is started to look)."""
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{box.pid1}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
 @dataclass
 class Site:
-    """The provisioned box, and what it took."""
+    """The provisioned box, what it took, and the fleet it joined."""
 
     box: nspawnkit.Box
+    central: Central
     runs: dict[str, Run] = field(default_factory=dict)
     libgomp_before: str = ""
 
     def playbook(self, *extra: str, as_root: bool = False, timeout: float = 900) -> Run:
         """The manual's command, run at the box's console by the technician (a sudo user:
-        the become password from a file, as --ask-become-pass would take it), or by root."""
-        command = (f"cd {HOME}/ansible && ansible-playbook playbook.yml -i {HOME}/site/hosts.yml "
+        the vault and become passwords from files, as --ask-vault-pass and
+        --ask-become-pass would take them), or by root."""
+        command = (f"cd {HOME}/ansible && ansible-playbook playbook.yml --limit {HOST} "
+                   f"-c local --vault-password-file {HOME}/site/vault-pass "
                    + ("" if as_root else f"--become-password-file {HOME}/site/become-pass ")
                    + " ".join(extra))
         started = time.monotonic()
@@ -191,20 +369,20 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return where
 
 
-def _inventory() -> str:
-    return json.dumps({"stores": {"hosts": {HOST: {
-        "ansible_connection": "local",
-        "ansible_python_interpreter": "/usr/bin/python3",
-        "edge_agent_wheelhouse": "{{ playbook_dir }}/wheelhouse/x86_64-cpu",
-        "edge_agent_catalog_models": [DEFAULT_MODEL],
-        "edge_agent_min_free_disk_mb": 256,
-        "edge_agent_port": PORT,
-    }}}}, indent=2)
+def _host_vars() -> str:
+    """What a site says itself, on top of the example's group_vars: where its broker and
+    its release server are (the test's, on the box's own loopback), and how much free disk
+    its boxes keep (this machine's overlay, not a store's disk)."""
+    return (f"# {HOST}: the test site's box.\n"
+            f'edge_agent_fleet_broker: "mqtts://127.0.0.1:{BROKER_TLS_PORT}"\n'
+            f'edge_agent_fleet_artifacts_url: "{ARTIFACTS_URL}"\n'
+            "edge_agent_min_free_disk_mb: 256\n")
 
 
-def _prepare(root: Path) -> None:
+def _prepare(root: Path, central: Central, pki: dict[str, Path]) -> None:
     """Before the boot, through the host's view of the box: the technician (a sudo user with
-    a password), the project's ansible/ in their home, their inventory, and a Python
+    a password), the project's ansible/ in their home with the site's changes to the example
+    inventory (the box in its region, its host_vars, the vault, pki/), and a Python
     environment for Ansible that uses the project's ansible-core (bound in read-only)."""
     def chroot(*argv: str, stdin: str | None = None) -> None:
         subprocess.run(["chroot", str(root), *argv], input=stdin, text=True,
@@ -220,28 +398,48 @@ def _prepare(root: Path) -> None:
                         "from ansible.cli.playbook import main\nsys.exit(main())\n")
     launcher.chmod(0o755)
     home = root / HOME.lstrip("/")
-    shutil.copytree(ANSIBLE, home / "ansible", ignore=shutil.ignore_patterns(
+    ansible = home / "ansible"
+    shutil.copytree(ANSIBLE, ansible, ignore=shutil.ignore_patterns(
         ".ansible", "keys", "wheelhouse", "models", "pki", "*.log"))
-    (home / "ansible" / "wheelhouse" / "x86_64-cpu").mkdir(parents=True)
+    (ansible / "wheelhouse" / "x86_64-cpu").mkdir(parents=True)
+    inventory = ansible / "inventory"
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    hosts["stores"]["children"][REGION]["hosts"][HOST] = None
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    (inventory / "host_vars" / f"{HOST}.yml").write_text("---\n" + _host_vars())
     (home / "site").mkdir()
-    (home / "site" / "hosts.yml").write_text(_inventory())
-    (home / "site" / "become-pass").write_text(TECHNICIAN_PASSWORD + "\n")
-    (home / "site" / "become-pass").chmod(0o600)
+    for name, secret in (("become-pass", TECHNICIAN_PASSWORD), ("vault-pass", VAULT_PASSWORD)):
+        (home / "site" / name).write_text(secret + "\n")
+        (home / "site" / name).chmod(0o600)
+    vault = inventory / "group_vars" / "stores" / "vault.yml"
+    vault.write_text(yaml.safe_dump({"vault_fleet_passwords": {HOST: central.password(HOST)}}))
+    encrypted = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-vault"), "encrypt", "--vault-password-file",
+         str(home / "site" / "vault-pass"), str(vault)],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert encrypted.returncode == 0, encrypted.stdout + encrypted.stderr
+    (ansible / "pki").mkdir()
+    for name, source in pki.items():
+        shutil.copyfile(source, ansible / "pki" / name)
     chroot("chown", "-R", f"{TECHNICIAN}:{TECHNICIAN}", HOME)
 
 
 @pytest.fixture(scope="module")
-def site(base_root: Path, wheelhouse: Path) -> Iterator[Site]:
+def site(base_root: Path, wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[Site]:
     site_packages = next(Path(sys.prefix).glob("lib/python3*/site-packages"))
+    central = Central(tmp_path_factory.mktemp("central"))
+    pki = central.make()
     started = time.monotonic()
-    with nspawnkit.booted("role", base_root, prepare=_prepare,
+    with nspawnkit.booted("role", base_root, prepare=lambda root: _prepare(root, central, pki),
                           ro_binds=[(wheelhouse, WHEELHOUSE_IN_BOX),
                                     (site_packages, CONTROLLER_LIB)]) as box:
         print(f"box booted in {time.monotonic() - started:.1f} s")
-        found = Site(box)
+        found = Site(box, central)
         found.libgomp_before = box.run("dpkg-query", "--show", "--showformat=${db:Status-Abbrev}",
                                        "libgomp1", check=False).stdout.strip()
         try:
+            central.start(box)
             for name in ("first", "second"):
                 found.runs[name] = found.playbook()
                 run = found.runs[name]
@@ -251,6 +449,7 @@ def site(base_root: Path, wheelhouse: Path) -> Iterator[Site]:
             yield found
         finally:
             print(box.journal("edge-agent.service", 40))
+            central.stop()
 
 
 # --- the role on a minimal box -----------------------------------------------------------------
@@ -278,6 +477,100 @@ def test_the_config_dir_stays_the_administrators(site: Site) -> None:
     """ConfigurationDirectory= must not hand /etc/edge-agent to the service user."""
     owner = site.box.run("stat", "--format=%U %a", "/etc/edge-agent").stdout.split()
     assert owner == ["root", "755"]
+
+
+# --- the fleet -------------------------------------------------------------------------------
+
+def test_the_box_joins_the_fleet_and_goes_active_on_a_release(site: Site) -> None:
+    """The walk-through's steps 5 and 6 against the provisioned box: a version 2 of its
+    default model (the same weights, another `general.name`, so new bytes) with the
+    catalog's template and parameters and a gate, published with `fleet release add` and
+    rolled out with `fleet rollout start`. The box fetches it from the artifacts URL the
+    role wrote, verified against the release root the technician carried; the rollout
+    ends COMPLETED with the box ACTIVE, the box serves version 2 as its release, and
+    `fleet devices` shows it active."""
+    central, box = site.central, site.box
+
+    def shown() -> dict[str, Any]:
+        devices = json.loads(central.cli("fleet", "devices", "--config", str(central.config),
+                                         "--json"))
+        return next((d for d in devices if d["device"] == HOST), {})
+
+    def online() -> dict[str, Any] | None:
+        found = shown()
+        return found if found.get("online") else None
+
+    joined = nspawnkit.wait_for(online, 60, 1.0, f"{HOST} online at the controller")
+    assert joined["fleet"] == FLEET_ID, joined
+    fleet_files = box.sh("ls /etc/edge-agent/fleet").stdout.split()
+    assert sorted(fleet_files) == ["ca.pem", "command.pub.pem", "password", "tuf-root.json"]
+
+    began = time.monotonic()
+    digest = json.loads(site.cli("models", "show", DEFAULT_MODEL, "--json").stdout)["digest"]
+    blob = box.root / STATE_DIR.lstrip("/") / "blobs" / f"sha256-{digest}"
+    release = central.folder / "smollm2-135m-v2.gguf"
+    renamed = subprocess.run(
+        [str(Path(sys.executable).parent / "gguf-new-metadata"), "--general-name",
+         "smollm2-135m trial 2", str(blob), str(release)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, check=False)
+    assert renamed.returncode == 0 and release.exists(), renamed.stdout + renamed.stderr
+    new = _sha256(release)
+    assert new != digest
+    (central.folder / "model.jinja").write_text(
+        site.cli("models", "show", DEFAULT_MODEL, "--template").stdout)
+    (central.folder / "model-params.json").write_text(
+        site.cli("models", "show", DEFAULT_MODEL, "--parameters").stdout)
+    (central.folder / "gate.json").write_text(json.dumps({
+        "prompts": [{"id": "continues", "prompt": "The capital of France is", "raw": True,
+                     "max_tokens": 8}],
+        "tokens_per_s_floor": None}))
+    central.cli("fleet", "release", "add", str(release), "--name", DEFAULT_MODEL,
+                "--version", "2", "--template", "model.jinja", "--parameters",
+                "model-params.json", "--gate", "gate.json", "--state-dir", "fleet")
+
+    out = central.cli("fleet", "rollout", "start", f"{DEFAULT_MODEL}@2", "--waves", "100%",
+                      "--config", str(central.config))
+    started = re.search(r"^rollout (\S+): ", out, re.M)
+    assert started and "follow it with: " in out, out
+    # What the rollout says to follow it with, until it has ended.
+    report: dict[str, Any] = json.loads(central.cli(
+        "fleet", "rollout", "status", started.group(1), "--config", str(central.config),
+        "--watch", "0.5", "--json", timeout=480))
+    took = time.monotonic() - began
+    rows = {d["device"]: d for d in report["devices"]}
+    print(f"rollout {report['id']} of {DEFAULT_MODEL}@2 to {HOST}: {report['state']}, "
+          f"{rows.get(HOST, {}).get('state')}; release made and rolled out in {took:.0f} s")
+    outcome = {name: (row["state"], row.get("reason")) for name, row in rows.items()}
+    assert report["state"] == "COMPLETED", (f"{report.get('reason')}: {outcome}\n"
+                                            f"{box.journal('edge-agent.service', 60)}"
+                                            f"{central.logs()}")
+    assert report["states"] == {"ACTIVE": 1} and set(rows) == {HOST}, outcome
+
+    # The box keeps only metadata that verified against the root it was given: its
+    # targets list names version 2's bytes.
+    trusted = json.loads((box.root / STATE_DIR.lstrip("/") / "tuf" / "targets.json")
+                         .read_text())["signed"]["targets"]
+    assert any(t["hashes"].get("sha256") == new for t in trusted.values()), trusted
+    status, body = box.http("GET", f"{BASE_URL}/api/tags")
+    assert status == 200, body
+    served = {m["name"]: m["digest"] for m in json.loads(body)["models"]}
+    assert served[DEFAULT_MODEL] == new, served
+    status, body = box.http("POST", f"{BASE_URL}/api/show", {"model": DEFAULT_MODEL})
+    assert status == 200 and json.loads(body)["modelfile"].startswith(
+        f"# source: release:{DEFAULT_MODEL}@2"), body
+    # The controller learns the active digest from the box's next status.
+    nspawnkit.wait_for(lambda: any(m["name"] == DEFAULT_MODEL and m["digest"] == new
+                                   and m.get("active") for m in shown().get("models", [])),
+                       30, 0.5, f"fleet devices to show {DEFAULT_MODEL}@{new[:12]} active")
+    site.generate()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 # --- the running unit ------------------------------------------------------------------------
