@@ -36,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ import pytest
 from tests.conftest import clone_state, free_port
 from tests.support.brokers import find_mosquitto, wait_port
 from tests.support.fleetkit import wait_until
+from tests.support.processes import stop_in_reverse
 from tests.support.rolloutkit import ENV, Box, Controller, Request, Streams, get_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.broker]
@@ -187,13 +187,7 @@ class Walkthrough:
             errors="replace")[-3000:] for name, _ in self.procs)
 
     def close(self) -> None:
-        for _, proc in reversed(self.procs):
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_in_reverse(proc for _, proc in self.procs)
 
 
 @pytest.fixture
@@ -333,11 +327,8 @@ def _shows(run: Walkthrough, command: str, digest: str, shown: list[str]) -> boo
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _figures(report: dict[str, Any], rows: dict[str, dict[str, Any]],

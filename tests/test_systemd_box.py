@@ -53,7 +53,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -70,6 +69,7 @@ from tests import nspawnkit
 from tests.conftest import DEFAULT_MODEL, NO_EOS
 from tests.support.brokers import find_mosquitto
 from tests.support.certs import StoreCA
+from tests.support.processes import stop_in_reverse
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE = ROOT / "ansible"
@@ -242,14 +242,7 @@ class Central:
                        for path in sorted(self.folder.glob("*.log")))
 
     def stop(self) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_in_reverse(proc for _, proc in self.procs)
         self.procs.clear()
 
 
@@ -566,11 +559,8 @@ def test_the_box_joins_the_fleet_and_goes_active_on_a_release(site: Site) -> Non
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # --- the running unit ------------------------------------------------------------------------
