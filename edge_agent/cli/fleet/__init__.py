@@ -1,7 +1,8 @@
 """`edge-agent fleet`: the central side of the fleet link — run the controller, see the
 devices and their metrics, provision the broker, send signed commands. Its rooms mirror
 `edge_agent.fleet.controller`: rollouts in waves (`rollout`), signed releases and their
-keys (`release`), and the options they share (`options`).
+keys (`release`), the API's operators and their tokens (`operators`), and the options they
+share (`options`).
 
 The controller has its own settings (`--config`, default
 /etc/edge-agent-fleet/controller.toml if present) and state dir, apart from the agent's.
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from edge_agent.cli.common import EXIT_CHECK_FAILED, BadUsage, CheckFailed
-from edge_agent.cli.fleet import release, rollout  # modules: their names stay theirs
+from edge_agent.cli.fleet import operators, release, rollout  # modules: their names stay theirs
 from edge_agent.cli.fleet.options import controller_options, controller_settings, open_existing
 from edge_agent.cli.output import echo_json, json_option, table
 
@@ -30,10 +31,12 @@ def fleet() -> None:
     """The fleet controller: ingest, devices, metrics, broker provisioning."""
 
 
-# Keys, signed model releases and rollouts in waves: their own modules.
+# Keys, signed model releases, rollouts in waves and operators: their own modules.
 fleet.add_command(release.keygen)
 fleet.add_command(release.release)
 fleet.add_command(rollout.rollout)
+fleet.add_command(operators.operators)
+fleet.add_command(operators.audit)
 
 
 @fleet.command("serve")

@@ -80,31 +80,29 @@ def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_exe
     """Start rolling NAME@VERSION out: written to the store, driven by `fleet serve`."""
     from edge_agent.errors import InvalidRequest
     from edge_agent.fleet.controller import rollout_ops
-    from edge_agent.fleet.controller.waves import (
-        Policy,
-        parse_duration,
-        parse_share,
-        parse_waves,
-        wave_sizes,
-    )
+    from edge_agent.fleet.controller.audit import audited_from_cli
+    from edge_agent.fleet.controller.waves import wave_sizes
 
     settings = controller_settings()
+    request = {"release": ref, "devices": selector, "waves": waves, "abort_above": abort_above,
+               "min_executed": min_executed, "soak": soak, "device_timeout": device_timeout,
+               "rollback_on_abort": rollback_on_abort, "id": rollout_id}
     try:
-        policy = Policy(parse_waves(waves), parse_share(abort_above), min_executed,
-                        parse_duration(soak), parse_duration(device_timeout,
-                                                             param="device_timeout"),
-                        rollback_on_abort)
+        policy = rollout_ops.policy(waves, abort_above=abort_above, min_executed=min_executed,
+                                    soak=soak, device_timeout=device_timeout,
+                                    rollback_on_abort=rollback_on_abort)
     except InvalidRequest as exc:
         raise BadUsage(exc.message) from None
-    if policy.device_timeout_s <= 0:
-        raise BadUsage("--device-timeout must be longer than 0s")
     store = open_existing(settings)
     try:
-        try:
-            record = rollout_ops.start(store, settings.state_dir, ref, selector, policy,
-                                       now=time.time(), rollout_id=rollout_id)
-        except InvalidRequest as exc:
-            raise BadUsage(exc.message) from None
+        with audited_from_cli(store, "rollout.start", rollout_id, request) as action:
+            try:
+                record = rollout_ops.start(store, settings.state_dir, ref, selector, policy,
+                                           now=time.time(), rollout_id=rollout_id)
+            except InvalidRequest as exc:
+                action.refused(exc)
+                raise BadUsage(exc.message) from None
+            action.target = record.id
     finally:
         store.close()
     if as_json:
@@ -191,7 +189,8 @@ def _report(store: ControllerStore, rollout_id: str) -> dict[str, Any]:
     record = store.rollout(rollout_id)
     if record is None:
         raise CheckFailed(f"no rollout {rollout_id}")
-    return rollout_ops.report(record, store.rollout_devices(rollout_id), time.time())
+    return rollout_ops.report(record, store.rollout_devices(rollout_id), time.time(),
+                              store.actions(target=rollout_id))
 
 
 def _watch(store: ControllerStore, rollout_id: str, every_s: float, *, redraw: bool
@@ -226,6 +225,10 @@ def _show(r: dict[str, Any]) -> None:
     for w in r["waves_detail"]:
         click.echo(f"  wave {w['wave']}: {w['devices']} device(s): " + ", ".join(
             f"{k} {v}" for k, v in w["phases"].items()))
+    for a in r.get("actions", ()):
+        click.echo(f"  {_when(a['at'])} {a['action'].removeprefix('rollout.')} by "
+                   f"{a['operator']} ({a['role']}, {a['source']}): "
+                   + ("done" if a["status"] < 300 else f"refused {a['status']}: {a['outcome']}"))
     click.echo("")
     table([("DEVICE", "<24"), ("WAVE", ">4"), ("STATE", "<12"), ("PHASE", "<10"),
            ("SENT", "<9"), ("ACTIVE", "<9"), ("PROGRESS", "<25"), ("REASON", "")],
@@ -244,10 +247,13 @@ def _progress(p: dict[str, Any] | None) -> str:
 
 def _act(action: str, rollout_id: str, as_json: bool) -> None:
     from edge_agent.fleet.controller import rollout_ops
+    from edge_agent.fleet.controller.audit import audited_from_cli, local_operator
 
     store = open_existing(controller_settings())
     try:
-        record = rollout_ops.act(store, rollout_id, action, now=time.time())
+        with audited_from_cli(store, f"rollout.{action}", rollout_id, {}):
+            record = rollout_ops.act(store, rollout_id, action, now=time.time(),
+                                     by=local_operator())
     finally:
         store.close()
     if as_json:

@@ -5,31 +5,38 @@
     GET /devices                  {"devices": [device, ...]}
     GET /devices/{id}             one device (404 if unknown), with its loss accounting
     GET /devices/{id}/metrics     {"device": id, "metrics": [newest first]} (?limit=1..1000)
-    GET /rollouts                 {"rollouts": [rollout, ...]} newest first (no devices)
-    GET /rollouts/{id}            one rollout as `fleet rollout status ID --json` shows it
+    GET /audit                    {"actions": [...]} who did what (?since=&operator=&target=)
+    …/rollouts                    read, start, pause, resume, abort, roll back: `rollout_api`
 
 An app factory only (no module-level app): `fleet serve` builds it with the store and the
-ingest it runs. It never writes: commands go through `fleet send`, which signs them, and
-rollouts through `fleet rollout`. It listens on 127.0.0.1 unless told otherwise
-(`http.host`); it has no authentication of its own, so put it behind one before exposing
-it.
+ingest it runs. Rollouts are written here as by `fleet rollout` (`rollout_api`); commands
+still go through `fleet send`, which signs them. Errors are `{"error": "..."}` with the
+status of the exception tree (`edge_agent.errors`); a body that does not parse is a 400 of
+the same shape. It listens on 127.0.0.1 unless told otherwise
+(`http.host`). Who may call each route is `access.RULES`, checked before any handler runs:
+operators' bearer tokens (`fleet operators create`), read-only access without one on a
+loopback controller that has no operator yet.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edge_agent import __version__
+from edge_agent.errors import EdgeAgentError
+from edge_agent.fleet.controller.access import AccessControl
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.releases.artifacts import artifacts_router
-from edge_agent.fleet.controller.rollout_ops import report
+from edge_agent.fleet.controller.releases.repository import releases_dir
+from edge_agent.fleet.controller.rollout_api import rollout_router
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol.ids import check_id
 
@@ -40,13 +47,37 @@ def _problem(status: int, message: str) -> JSONResponse:
 
 def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
                broker_connected: Callable[[], bool] = lambda: False,
-               releases: Path | None = None) -> FastAPI:
-    """`releases`: the signed release repository to serve under /releases/ (metadata and
-    model files, with Range), for the boxes' `fleet.artifacts_url`."""
+               state_dir: Path | None = None, loopback: bool = True,
+               metrics_open: bool | None = None) -> FastAPI:
+    """`state_dir`: the controller's; its signed release repository is served under
+    /releases/ (metadata and model files, with Range, for the boxes' `fleet.artifacts_url`)
+    and rollouts are started from it. `loopback`: whether
+    the server is bound to a loopback address only (`access` opens reads to the host's
+    users while no operator exists, and `/metrics` unless `metrics_open` says)."""
     app = FastAPI(title="edge-agent fleet controller", version=__version__,
                   docs_url=None, redoc_url=None)
-    if releases is not None:
-        app.include_router(artifacts_router(releases), prefix="/releases")
+    app.add_middleware(AccessControl, store=store, loopback=loopback,
+                       metrics_open=metrics_open)
+    if state_dir is not None:
+        app.include_router(artifacts_router(releases_dir(state_dir)), prefix="/releases")
+
+    @app.exception_handler(EdgeAgentError)
+    def edge_agent_error(request: Request, exc: EdgeAgentError) -> JSONResponse:
+        return _problem(exc.status_code, exc.message)
+
+    @app.exception_handler(StarletteHTTPException)
+    def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code in (204, 304):
+            return Response(status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    def unreadable(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return _problem(400, f"{where}: {first.get('msg', 'invalid')}" if where
+                        else str(first.get("msg", "the request body is not valid JSON")))
 
     @app.get("/metrics")
     def prometheus() -> Response:
@@ -90,21 +121,13 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
                 "metrics": store.messages(device_id, kind="metrics", limit=limit,
                                           newest_first=True)}
 
-    @app.get("/rollouts")
-    def rollouts(limit: int = Query(50, ge=1, le=1000)) -> dict[str, Any]:
-        now = time.time()
-        out = []
-        for r in store.rollouts(limit=limit):
-            full = report(r, store.rollout_devices(r.id), now)
-            full.pop("devices")
-            out.append(full)
-        return {"rollouts": out}
+    app.include_router(rollout_router(store, state_dir))
 
-    @app.get("/rollouts/{rollout_id}", response_model=None)
-    def rollout(rollout_id: str) -> dict[str, Any] | JSONResponse:
-        found = store.rollout(rollout_id)
-        if found is None:
-            return _problem(404, f"no rollout {rollout_id!r}")
-        return report(found, store.rollout_devices(rollout_id), time.time())
+    @app.get("/audit")
+    def audit(since: float | None = None, operator: str | None = Query(None, max_length=64),
+              target: str | None = Query(None, max_length=64),
+              limit: int = Query(1000, ge=1, le=10_000)) -> dict[str, Any]:
+        return {"actions": [a.to_json() for a in store.actions(
+            since=since, operator=operator, target=target, limit=limit)]}
 
     return app

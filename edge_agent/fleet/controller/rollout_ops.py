@@ -18,11 +18,12 @@ from __future__ import annotations
 import fnmatch
 import re
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from edge_agent.errors import InvalidRequest
+from edge_agent.fleet.controller.audit import AuditEntry
 from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
 from edge_agent.fleet.controller.rollout_records import DeviceRecord, NewRollout, RolloutRecord
 from edge_agent.fleet.controller.store import ControllerStore
@@ -38,6 +39,9 @@ from edge_agent.fleet.controller.waves import (
     device_counts,
     format_duration,
     needed_to_judge,
+    parse_duration,
+    parse_share,
+    parse_waves,
     phase,
     tally,
 )
@@ -101,6 +105,15 @@ def select_devices(known: Iterable[Mapping[str, Any]], selector: str) -> dict[st
     return {d: fleets[d] for d in sorted(chosen)}
 
 
+def policy(waves: str, *, abort_above: str = "10%", min_executed: int = 3, soak: str = "0s",
+           device_timeout: str = "2h", rollback_on_abort: bool = False) -> Policy:
+    """A rollout's policy from the words an operator gives (`fleet rollout start`'s options,
+    the API's fields), checked by one set of rules: InvalidRequest naming the option."""
+    return Policy(parse_waves(waves), parse_share(abort_above), min_executed,
+                  parse_duration(soak), parse_duration(device_timeout, param="device_timeout"),
+                  rollback_on_abort)
+
+
 def start(store: ControllerStore, state_dir: Path, ref: str, selector: str, policy: Policy, *,
           now: float, rollout_id: str | None = None) -> RolloutRecord:
     """A new RUNNING rollout of a published release (ModelNotFound if the controller's
@@ -117,17 +130,20 @@ def start(store: ControllerStore, state_dir: Path, ref: str, selector: str, poli
         policy, {d: (fleet, waves[d]) for d, fleet in devices.items()}), now)
 
 
-def act(store: ControllerStore, rollout_id: str, action: str, *, now: float) -> RolloutRecord:
+def act(store: ControllerStore, rollout_id: str, action: str, *, now: float,
+        by: str = "the operator") -> RolloutRecord:
     """pause, resume, abort or rollback (RolloutConflict where the state does not allow it;
-    ModelNotFound for an unknown id)."""
+    ModelNotFound for an unknown id); the rollout's reason names who (`by`)."""
     to, allowed = ACTIONS[action]
-    return store.set_rollout_state(rollout_id, to, allowed, reason=f"{action} by the operator",
+    return store.set_rollout_state(rollout_id, to, allowed, reason=f"{action} by {by}",
                                    now=now)
 
 
-def report(r: RolloutRecord, devices: list[DeviceRecord], now: float) -> dict[str, Any]:
+def report(r: RolloutRecord, devices: list[DeviceRecord], now: float,
+           actions: Sequence[AuditEntry] | None = None) -> dict[str, Any]:
     """What `fleet rollout status ID --json` prints: the rollout, its policy, counts by
-    recorded state and by phase, per wave, and every device."""
+    recorded state and by phase, per wave, every device and, given them, the operators'
+    actions on it (`audit`)."""
     views = [d.view() for d in devices]
     t = tally(views)
     # What the engine waits for (its own decision, read only): "wave 2 soaking, 540s left".
@@ -153,5 +169,7 @@ def report(r: RolloutRecord, devices: list[DeviceRecord], now: float) -> dict[st
         "failed_share": round(t.failed_share, 4),
         "waves_detail": waves,
         "devices": [{**d.to_json(), "phase": phase(d.view())} for d in devices],
+        **({} if actions is None else {"actions": [
+            a.to_json() for a in actions if a.action.startswith("rollout.")]}),
         "as_of": now,
     }

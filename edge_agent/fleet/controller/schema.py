@@ -17,6 +17,8 @@ messages, commands), `rollout_sql.RolloutQueries` (rollouts) and
 | `rollout_devices` | rollout and device: wave, state, progress | the rollout engine, ingest |
 | `rollout_commands` | command a rollout sent | the rollout engine |
 | `retired` | box and boot: the last seq retention removed | retention |
+| `operators` | operator token: name, role, its hash, revoked or not | `fleet operators` |
+| `operator_actions` | operator action: who, role, from where, what, outcome | API, CLI |
 
 Types are the ones both databases understand (SQLite maps BIGINT to INTEGER, DOUBLE
 PRECISION to REAL); bodies are JSON text, so the two stores read back the same thing. A
@@ -103,5 +105,24 @@ SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
         """CREATE TABLE duplicates (
             device TEXT NOT NULL, boot_id TEXT NOT NULL, count BIGINT NOT NULL,
             PRIMARY KEY (device, boot_id))""",
+    )),
+    # The people who run the fleet from their desks: one row per token (`operators`).
+    ("m008_operators", (
+        """CREATE TABLE operators (
+            prefix TEXT PRIMARY KEY, name TEXT NOT NULL, role TEXT NOT NULL,
+            hash TEXT NOT NULL, created DOUBLE PRECISION NOT NULL,
+            revoked DOUBLE PRECISION)""",
+        "CREATE UNIQUE INDEX operators_one_live_per_name ON operators (name) "
+        "WHERE revoked IS NULL",
+    )),
+    # Who did what (`audit`): appended to, never updated, not purged by retention (which
+    # removes the boxes' audit *messages*, a different thing).
+    ("m009_audit", (
+        """CREATE TABLE operator_actions (
+            id TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL, operator TEXT NOT NULL,
+            role TEXT NOT NULL, source TEXT NOT NULL, action TEXT NOT NULL, target TEXT,
+            request TEXT NOT NULL, status INTEGER NOT NULL, outcome TEXT NOT NULL)""",
+        "CREATE INDEX operator_actions_by_time ON operator_actions (at)",
+        "CREATE INDEX operator_actions_by_operator ON operator_actions (operator, at)",
     )),
 )

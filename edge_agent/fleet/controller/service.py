@@ -28,12 +28,12 @@ from edge_agent.config import ConfigError
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.ingest import Ingest
 from edge_agent.fleet.controller.metrics import ControllerMetrics
-from edge_agent.fleet.controller.releases.repository import releases_dir
 from edge_agent.fleet.controller.retention import Retention
 from edge_agent.fleet.controller.rollouts import RolloutEngine
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import ControllerStore, open_store
 from edge_agent.fleet.protocol.signing import load_private
+from edge_agent.netaddr import is_loopback
 from edge_agent.sdnotify import Notifier, announce_ready, keep_alive
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,9 @@ class Controller:
     def http_server(self, *, log_level: str = "warning") -> uvicorn.Server:
         app = create_app(self.store, self.metrics,
                          broker_connected=lambda: self.ingest.connected,
-                         releases=releases_dir(self.settings.state_dir))
+                         state_dir=self.settings.state_dir,
+                         loopback=is_loopback(self.settings.http.host),
+                         metrics_open=self.settings.http.metrics_open)
         config = uvicorn.Config(app, host=self.settings.http.host, port=self.settings.http.port,
                                 log_level=log_level, lifespan="off", access_log=False)
         broker = self.settings.broker.url

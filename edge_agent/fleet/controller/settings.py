@@ -96,6 +96,9 @@ class BrokerSettings(_Section):
 class HTTPSettings(_Section):
     host: str = Field("127.0.0.1", description="Address of /metrics and the read API.")
     port: int = Field(9464, ge=0, le=65535)
+    metrics_open: bool | None = Field(
+        None, description="Whether /metrics and /healthz answer without an operator token "
+        "(null: yes on a loopback host, no elsewhere).")
 
 
 class RetentionSettings(_Section):

@@ -18,6 +18,8 @@ from contextlib import AbstractContextManager
 from functools import cached_property
 from typing import Any, Protocol
 
+from edge_agent.fleet.controller.audit import AuditEntry, AuditQueries
+from edge_agent.fleet.controller.operators import Operator, OperatorQueries, OperatorRecord
 from edge_agent.fleet.controller.records import Acks, Inbound
 from edge_agent.fleet.controller.retention import RetentionQueries
 from edge_agent.fleet.controller.rollout_records import DeviceRecord, NewRollout, RolloutRecord
@@ -80,7 +82,9 @@ def _text(value: Any, limit: int = 1000) -> str | None:
 class SQLStore:
     """The store's behaviour over `_tx()` (a write transaction) and `_read()`, which a
     subclass gives (its connection); the rollouts' queries are the `RolloutQueries` it
-    holds (`rollout_rows`), the purge its `RetentionQueries` (`retention_rows`)."""
+    holds (`rollout_rows`), the purge its `RetentionQueries` (`retention_rows`), the
+    operators' tokens its `OperatorQueries` (`operator_rows`), the audit trail its
+    `AuditQueries` (`audit_rows`)."""
 
     @cached_property
     def rollout_rows(self) -> RolloutQueries:
@@ -89,6 +93,14 @@ class SQLStore:
     @cached_property
     def retention_rows(self) -> RetentionQueries:
         return RetentionQueries(self._tx, self._read)
+
+    @cached_property
+    def operator_rows(self) -> OperatorQueries:
+        return OperatorQueries(self._tx, self._read)
+
+    @cached_property
+    def audit_rows(self) -> AuditQueries:
+        return AuditQueries(self._tx, self._read)
 
     def _tx(self) -> AbstractContextManager[Exec]:
         raise NotImplementedError
@@ -99,7 +111,7 @@ class SQLStore:
     def close(self) -> None:
         raise NotImplementedError
 
-    # -- rollouts and retention: the rows the objects it holds keep -----------------------
+    # -- rollouts, retention, operators, audit: the rows the objects it holds keep -------
 
     def create_rollout(self, new: NewRollout, now: float) -> RolloutRecord:
         return self.rollout_rows.create_rollout(new, now)
@@ -145,6 +157,34 @@ class SQLStore:
 
     def retired(self, device: str, boot_id: str) -> int:
         return self.retention_rows.retired(device, boot_id)
+
+    def create_operator(self, name: str, role: str, now: float
+                        ) -> tuple[str, OperatorRecord]:
+        return self.operator_rows.create_operator(name, role, now)
+
+    def operators(self, *, revoked: bool = True) -> list[OperatorRecord]:
+        return self.operator_rows.operators(revoked=revoked)
+
+    def revoke_operator(self, name: str, now: float) -> OperatorRecord | None:
+        return self.operator_rows.revoke_operator(name, now)
+
+    def any_operator(self) -> bool:
+        return self.operator_rows.any_operator()
+
+    def operator_for_token(self, token: str) -> Operator | None:
+        return self.operator_rows.operator_for_token(token)
+
+    def record_action(self, *, at: float, operator: str, role: str, source: str, action: str,
+                      target: str | None, request: Mapping[str, Any], status: int,
+                      outcome: str) -> AuditEntry:
+        return self.audit_rows.record_action(at=at, operator=operator, role=role,
+                                             source=source, action=action, target=target,
+                                             request=request, status=status, outcome=outcome)
+
+    def actions(self, *, since: float | None = None, operator: str | None = None,
+                target: str | None = None, limit: int = 1000) -> list[AuditEntry]:
+        return self.audit_rows.actions(since=since, operator=operator, target=target,
+                                       limit=limit)
 
     # -- ingest -------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from edge_agent.errors import EdgeAgentError
+from edge_agent.fleet.controller.audit import AuditStore
+from edge_agent.fleet.controller.operators import OperatorStore
 from edge_agent.fleet.controller.records import Acks, Inbound
 from edge_agent.fleet.controller.rollout_records import RolloutRecordStore
 from edge_agent.fleet.controller.schema import SCHEMA
@@ -36,7 +38,7 @@ class FleetStoreError(EdgeAgentError):
     """The store cannot be opened or written (the database is down, unreadable or newer)."""
 
 
-class ControllerStore(RolloutRecordStore, Protocol):
+class ControllerStore(RolloutRecordStore, OperatorStore, AuditStore, Protocol):
     def ingest(self, batch: Sequence[Inbound]) -> Acks: ...
 
     def birth(self, fleet: str, device: str, message: Mapping[str, Any],

@@ -478,7 +478,7 @@ def test_the_controllers_http_serves_the_repository_under_releases(tmp_path: Pat
     (root / "metadata" / "timestamp.json").write_bytes(b'{"signed": {}}')
     store = SQLiteStore(tmp_path / "controller.db")
     try:
-        client = TestClient(create_app(store, ControllerMetrics(store), releases=root))
+        client = TestClient(create_app(store, ControllerMetrics(store), state_dir=tmp_path))
         whole = client.get("/releases/metadata/timestamp.json")
         assert whole.status_code == 200 and whole.content == b'{"signed": {}}'
         part = client.get("/releases/metadata/timestamp.json", headers={"Range": "bytes=2-7"})

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from edge_agent.cli import main
 from edge_agent.errors import InvalidRequest, ServiceUnavailable
 from edge_agent.fleet.controller import rollout_ops
+from edge_agent.fleet.controller.audit import local_operator
 from edge_agent.fleet.controller.records import Inbound
 from edge_agent.fleet.controller.rollouts import RolloutEngine
 from edge_agent.fleet.controller.settings import ControllerSettings
@@ -295,7 +296,11 @@ def test_the_cli_writes_the_store_and_refuses_what_it_cannot_start(
     assert "no rollout nope" in cli(config, "abort", "nope", code=1)
     assert json.loads(cli(config, "abort", "c1", "--json"))["state"] == "ABORTED"
     text = cli(config, "status", "c1")
-    assert "ABORTED" in text and "abort by the operator" in text
+    assert "ABORTED" in text and f"abort by {local_operator()}" in text
+    # Each action from the controller host's CLI is on the trail, refused ones too.
+    assert [(a.action, a.status) for a in store.actions(target="c1")][-3:] == \
+        [("rollout.pause", 200), ("rollout.pause", 409), ("rollout.abort", 200)]
+    assert {a.operator for a in store.actions()} == {local_operator()}
 
 
 def test_the_cli_needs_a_store(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +26,6 @@ def msg(seq: int, *, device: str = "d1", boot: str = BOOT, kind: str = "metrics"
         received: float = 1000.0) -> Inbound:
     return Inbound("f1", device, kind, boot, seq, "metrics" if kind == "metrics" else "audit",
                    float(seq) if ts is None else ts, body or {"n": seq}, received)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ControllerStore]:
-    if request.param == "sqlite":
-        made: ControllerStore = SQLiteStore(tmp_path / "controller.db")
-    else:
-        made = PostgresStore(request.getfixturevalue("postgres_url"))
-    yield made
-    made.close()
 
 
 def test_ranges() -> None:
@@ -369,4 +358,4 @@ def test_every_table_the_controller_stores_is_listed_in_one_place() -> None:
                for m in re.findall(r"CREATE TABLE (\w+)", s)}
     listed = set(re.findall(r"^\| `(\w+)` \|", schema.__doc__ or "", re.M))
     assert created == listed
-    assert len(created) == 11
+    assert len(created) == 13

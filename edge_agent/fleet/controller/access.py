@@ -1,0 +1,160 @@
+"""Who may call which route of the controller's HTTP side: one rule per route, one check
+before anything else runs, one refusal shape.
+
+Every route is named in `RULES` (method and path template → the role it needs, or
+`SCRAPE` for `/metrics` and `/healthz`, or `PUBLIC` for the boxes' `/releases/`), and the
+check answers 404 or 405 itself for what no rule names: a route added without a rule is
+unreachable, and the test that compares the app's routes with the rules fails until it
+is written. The check is an ASGI middleware matching the rules' own path templates (not
+the framework's route objects, whose shape changes between FastAPI releases): it runs
+before a body is read or parsed, so a caller without a token costs one store lookup at
+most and never reaches a handler.
+
+A token is `Authorization: Bearer eop_…` (`operators`); it is looked up in the store on
+each request, so a revocation holds from the next request on. Refusals are the
+controller's `{"error": "..."}`: 401 (no token, a malformed or unknown or revoked one,
+with `WWW-Authenticate: Bearer`) or 403 (a role below the route's).
+
+Without any operator, a controller bound to loopback answers reads as before (its host's
+users are the only callers) and refuses every write; bound elsewhere it answers nothing but
+what `SCRAPE` and `PUBLIC` allow. `/metrics` and `/healthz` are open on a loopback bind and
+need a viewer's token elsewhere, unless `http.metrics_open` says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from starlette.concurrency import run_in_threadpool
+from starlette.routing import compile_path
+
+from edge_agent.fleet.controller.operators import Operator, may
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Receive, Scope, Send
+
+    from edge_agent.fleet.controller.store import ControllerStore
+
+PUBLIC = "public"  # the boxes' release downloads: integrity is the signatures' (TUF)
+SCRAPE = "scrape"  # Prometheus and health checks: see `metrics_open`
+
+RULES: Mapping[tuple[str, str], str] = {
+    ("GET", "/metrics"): SCRAPE,
+    ("GET", "/healthz"): SCRAPE,
+    ("GET", "/openapi.json"): "viewer",
+    ("HEAD", "/openapi.json"): "viewer",
+    ("GET", "/devices"): "viewer",
+    ("GET", "/devices/{device_id}"): "viewer",
+    ("GET", "/devices/{device_id}/metrics"): "viewer",
+    ("GET", "/audit"): "viewer",
+    ("GET", "/rollouts"): "viewer",
+    ("GET", "/rollouts/{rollout_id}"): "viewer",
+    ("POST", "/rollouts"): "operator",
+    ("POST", "/rollouts/{rollout_id}/pause"): "operator",
+    ("POST", "/rollouts/{rollout_id}/resume"): "operator",
+    ("POST", "/rollouts/{rollout_id}/abort"): "operator",
+    ("POST", "/rollouts/{rollout_id}/rollback"): "operator",
+    ("GET", "/releases/{path:path}"): PUBLIC,
+    ("HEAD", "/releases/{path:path}"): PUBLIC,
+}
+
+# Who calls without a token on a loopback controller that has no operator yet.
+HOST_USER = Operator("host", "viewer", "")
+
+
+class AccessRefused(Exception):
+    def __init__(self, status: int, message: str,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or []
+
+
+def bearer(headers: Mapping[str, str]) -> str | None:
+    """The token of `Authorization: Bearer …`, None without the header; AccessRefused (401)
+    for any other scheme or an empty one."""
+    value = headers.get("authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise AccessRefused(401, "the Authorization header must be 'Bearer <operator token>'")
+    return token.strip()
+
+
+class AccessControl:
+    """The middleware: finds the route the request would reach, its rule, and the operator
+    the token names; refuses or passes on, with `request.state.operator` set."""
+
+    def __init__(self, app: ASGIApp, *, store: ControllerStore, loopback: bool,
+                 metrics_open: bool | None = None) -> None:
+        self.app = app
+        self.store = store
+        self.loopback = loopback
+        self.metrics_open = loopback if metrics_open is None else metrics_open
+        self._compiled = [(compile_path(path)[0], method, rule)
+                          for (method, path), rule in RULES.items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            operator = await self._check(scope)
+        except AccessRefused as refused:
+            await _refuse(send, refused)
+            return
+        scope.setdefault("state", {})["operator"] = operator
+        await self.app(scope, receive, send)
+
+    def _rule(self, scope: Scope) -> str:
+        """The rule of the method and path; AccessRefused 404 (no rule's path) or 405
+        (another method's): the app never sees a request no rule names."""
+        allowed = []
+        for regex, method, rule in self._compiled:
+            if regex.match(scope["path"]):
+                if method == scope["method"]:
+                    return rule
+                allowed.append(method)
+        if allowed:
+            raise AccessRefused(405, f"{scope['method']} is not allowed here (only "
+                                     f"{', '.join(sorted(allowed))})",
+                                headers=[(b"allow", ", ".join(sorted(allowed)).encode())])
+        raise AccessRefused(404, f"no route {scope['path']}")
+
+    async def _check(self, scope: Scope) -> Operator | None:
+        rule = self._rule(scope)
+        if rule == PUBLIC or (rule == SCRAPE and self.metrics_open):
+            return None
+        needed = "viewer" if rule == SCRAPE else rule
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", [])}
+        token = bearer(headers)
+        if token is None:
+            if (self.loopback and needed == "viewer"
+                    and not await run_in_threadpool(self.store.any_operator)):
+                return HOST_USER
+            raise AccessRefused(401, "an operator token is needed (Authorization: Bearer …); "
+                                     "one is made on the controller host with `edge-agent "
+                                     "fleet operators create NAME --role "
+                                     "viewer|operator|admin`")
+        operator = await run_in_threadpool(self.store.operator_for_token, token)
+        if operator is None:
+            raise AccessRefused(401, "the operator token is unknown or revoked")
+        if not may(operator.role, needed):
+            raise AccessRefused(403, f"operator {operator.name!r} is a {operator.role}: "
+                                     f"{scope['method']} {scope['path']} needs {needed}")
+        return operator
+
+
+async def _refuse(send: Send, refused: AccessRefused) -> None:
+    body = json.dumps({"error": str(refused)}).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if refused.status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="edge-agent fleet"'))
+    headers += refused.headers
+    await send({"type": "http.response.start", "status": refused.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

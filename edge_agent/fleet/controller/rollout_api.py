@@ -1,0 +1,109 @@
+"""The controller's rollout routes: read them (viewer), start one and pause, resume, abort or
+roll one back (operator).
+
+    GET  /rollouts                    {"rollouts": [rollout, ...]} newest first (no devices)
+    GET  /rollouts/{id}               one rollout as `fleet rollout status ID --json` prints it
+    POST /rollouts                    start: `fleet rollout start`'s options as JSON fields
+    POST /rollouts/{id}/pause|resume|abort|rollback
+
+A write is checked by the same rules as the CLI's (`rollout_ops`, the same error text),
+answers the JSON `fleet rollout start|pause|… --json` prints, and is on the audit trail
+with its operator, done or refused. Like the CLI, it only writes the store: the rollout
+engine (on the leader) signs and publishes the commands.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from edge_agent.errors import ModelNotFound
+from edge_agent.fleet.controller import rollout_ops
+from edge_agent.fleet.controller.audit import audited
+from edge_agent.fleet.controller.operators import Operator
+from edge_agent.fleet.controller.store import ControllerStore
+
+
+class RolloutStart(BaseModel):
+    """`fleet rollout start NAME@VERSION …`'s options, by the same names."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    release: str = Field(max_length=200, description="NAME@VERSION, published already.")
+    devices: str = Field("all", max_length=10_000, description="The selector.")
+    waves: str = Field(max_length=1000, description="Cumulative targets: 1,10%,50%,100%.")
+    abort_above: str = Field("10%", max_length=20)
+    min_executed: int = Field(3, ge=1, le=1_000_000)
+    soak: str = Field("0s", max_length=40)
+    device_timeout: str = Field("2h", max_length=40)
+    rollback_on_abort: bool = False
+    id: str | None = Field(None, max_length=64)
+
+
+def _operator(request: Request) -> Operator:
+    return request.state.operator  # type: ignore[no-any-return]
+
+
+def _source(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
+def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
+    """`state_dir`: the controller's, where the release repository a rollout must name is
+    (None: every release is unknown)."""
+    router = APIRouter()
+
+    @router.get("/rollouts")
+    def rollouts(limit: int = Query(50, ge=1, le=1000)) -> dict[str, Any]:
+        now = time.time()
+        out = []
+        for r in store.rollouts(limit=limit):
+            full = rollout_ops.report(r, store.rollout_devices(r.id), now)
+            full.pop("devices")
+            out.append(full)
+        return {"rollouts": out}
+
+    @router.get("/rollouts/{rollout_id}")
+    def rollout(rollout_id: str) -> dict[str, Any]:
+        found = store.rollout(rollout_id)
+        if found is None:
+            raise ModelNotFound(f"no rollout {rollout_id!r}")
+        return rollout_ops.report(found, store.rollout_devices(rollout_id), time.time(),
+                                  store.actions(target=rollout_id))
+
+    @router.post("/rollouts", status_code=201)
+    def start(body: RolloutStart, request: Request) -> dict[str, Any]:
+        who = _operator(request)
+        with audited(store, operator=who.name, role=who.role, source=_source(request),
+                     action="rollout.start", target=body.id,
+                     request=body.model_dump()) as action:
+            if state_dir is None:
+                raise ModelNotFound("this controller has no release repository")
+            policy = rollout_ops.policy(
+                body.waves, abort_above=body.abort_above, min_executed=body.min_executed,
+                soak=body.soak, device_timeout=body.device_timeout,
+                rollback_on_abort=body.rollback_on_abort)
+            record = rollout_ops.start(store, state_dir, body.release, body.devices, policy,
+                                       now=time.time(), rollout_id=body.id)
+            action.target = record.id
+        return record.to_json()
+
+    def act(verb: str) -> None:
+        def acted(rollout_id: str, request: Request) -> dict[str, Any]:
+            who = _operator(request)
+            with audited(store, operator=who.name, role=who.role, source=_source(request),
+                         action=f"rollout.{verb}", target=rollout_id, request={}):
+                record = rollout_ops.act(store, rollout_id, verb, now=time.time(),
+                                         by=who.name)
+            return record.to_json()
+
+        router.add_api_route(f"/rollouts/{{rollout_id}}/{verb}", acted, methods=["POST"],
+                             name=f"rollout_{verb}")
+
+    for verb in rollout_ops.ACTIONS:
+        act(verb)
+    return router
