@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
@@ -21,9 +21,6 @@ from edge_agent.cli.common import EXIT_CHECK_FAILED, BadUsage, CheckFailed
 from edge_agent.cli.fleet import operators, release, rollout  # modules: their names stay theirs
 from edge_agent.cli.fleet.options import controller_options, controller_settings, open_existing
 from edge_agent.cli.output import echo_json, json_option, table
-
-if TYPE_CHECKING:
-    from edge_agent.fleet.controller.store import ControllerStore
 
 
 @click.group()
@@ -273,7 +270,9 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
     """Sign a command (ping, rebirth, config.patch, ledger.purge, keys.revoke …), publish it
     to DEVICE (or --all) and print the results the boxes send back (exit 1 unless every
     awaited box answered ok). Results are stored by the running `fleet serve`."""
+    from edge_agent.errors import InvalidRequest
     from edge_agent.fleet.controller import commands
+    from edge_agent.fleet.controller.audit import audited_from_cli
     from edge_agent.fleet.protocol.signing import load_private
 
     settings = controller_settings(**{"broker.url": broker, "broker.username": username,
@@ -286,13 +285,21 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
         raise BadUsage("no signing key: pass --key or set command_signing_key_file "
                        "(edge-agent fleet keygen makes one)")
     key = load_private(key_path)
+    command_args = _command_args(args, args_json)
     store = open_existing(settings)
     try:
         target = commands.ALL if all_devices else str(device)
-        fleet_name = fleet_id or _fleet_of(store, device)
-        sent = commands.send(settings, store, key, fleet=fleet_name, device=target,
-                             type_=type_, args=_command_args(args, args_json),
-                             ttl_s=settings.command_ttl_s)
+        with audited_from_cli(store, "command.send", target,
+                              {"type": type_, "args": command_args, "fleet": fleet_id}
+                              ) as action:
+            try:
+                fleet_name = fleet_id or commands.fleet_of(store, device)
+            except InvalidRequest as exc:
+                action.refused(exc)
+                raise BadUsage(exc.message) from None
+            sent = commands.send(settings, store, key, fleet=fleet_name, device=target,
+                                 type_=type_, args=command_args,
+                                 ttl_s=settings.command_ttl_s)
         results = commands.wait(store, sent, wait_s) if wait_s else []
     finally:
         store.close()
@@ -309,19 +316,6 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
             click.echo(f"{name:<24} {'no answer' if wait_s else 'not awaited'}")
     if wait_s and (missing or any(r["status"] != "ok" for r in results)):
         ctx.exit(EXIT_CHECK_FAILED)
-
-
-def _fleet_of(store: ControllerStore, device: str | None) -> str:
-    """The fleet a device reported in; for --all, the one fleet the store knows."""
-    if device is not None:
-        row = store.device(device)
-        if row is None:
-            raise CheckFailed(f"device {device!r} has never reported to this controller")
-        return str(row["fleet"])
-    fleets = {str(d["fleet"]) for d in store.devices()}
-    if len(fleets) != 1:
-        raise BadUsage(f"--all needs --fleet (this controller knows {len(fleets)} fleets)")
-    return fleets.pop()
 
 
 def _command_args(pairs: tuple[str, ...], raw: str | None) -> dict[str, Any]:

@@ -49,6 +49,7 @@ RULES: Mapping[tuple[str, str], str] = {
     ("GET", "/devices/{device_id}"): "viewer",
     ("GET", "/devices/{device_id}/metrics"): "viewer",
     ("GET", "/audit"): "viewer",
+    ("POST", "/commands"): "operator",
     ("GET", "/rollouts"): "viewer",
     ("GET", "/rollouts/{rollout_id}"): "viewer",
     ("POST", "/rollouts"): "operator",

@@ -7,10 +7,11 @@
     GET /devices/{id}/metrics     {"device": id, "metrics": [newest first]} (?limit=1..1000)
     GET /audit                    {"actions": [...]} who did what (?since=&operator=&target=)
     …/rollouts                    read, start, pause, resume, abort, roll back: `rollout_api`
+    POST /commands                `fleet send` for an operator: `command_api`
 
 An app factory only (no module-level app): `fleet serve` builds it with the store and the
-ingest it runs. Rollouts are written here as by `fleet rollout` (`rollout_api`); commands
-still go through `fleet send`, which signs them. Errors are `{"error": "..."}` with the
+ingest it runs. Rollouts are written here as by `fleet rollout` (`rollout_api`), commands
+signed and sent as by `fleet send` (`command_api`). Errors are `{"error": "..."}` with the
 status of the exception tree (`edge_agent.errors`); a body that does not parse is a 400 of
 the same shape. It listens on 127.0.0.1 unless told otherwise
 (`http.host`). Who may call each route is `access.RULES`, checked before any handler runs:
@@ -33,6 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from edge_agent import __version__
 from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.controller.access import AccessControl
+from edge_agent.fleet.controller.command_api import command_router
+from edge_agent.fleet.controller.commands import CommandSender
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.releases.artifacts import artifacts_router
 from edge_agent.fleet.controller.releases.repository import releases_dir
@@ -48,12 +51,14 @@ def _problem(status: int, message: str) -> JSONResponse:
 def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
                broker_connected: Callable[[], bool] = lambda: False,
                state_dir: Path | None = None, loopback: bool = True,
-               metrics_open: bool | None = None) -> FastAPI:
+               metrics_open: bool | None = None,
+               commands: CommandSender | None = None) -> FastAPI:
     """`state_dir`: the controller's; its signed release repository is served under
     /releases/ (metadata and model files, with Range, for the boxes' `fleet.artifacts_url`)
     and rollouts are started from it. `loopback`: whether
     the server is bound to a loopback address only (`access` opens reads to the host's
-    users while no operator exists, and `/metrics` unless `metrics_open` says)."""
+    users while no operator exists, and `/metrics` unless `metrics_open` says). `commands`:
+    the controller's key and broker, for `POST /commands` (None: it answers 503)."""
     app = FastAPI(title="edge-agent fleet controller", version=__version__,
                   docs_url=None, redoc_url=None)
     app.add_middleware(AccessControl, store=store, loopback=loopback,
@@ -122,6 +127,7 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
                                           newest_first=True)}
 
     app.include_router(rollout_router(store, state_dir))
+    app.include_router(command_router(store, commands))
 
     @app.get("/audit")
     def audit(since: float | None = None, operator: str | None = Query(None, max_length=64),

@@ -20,7 +20,7 @@ import paho.mqtt.client as mqtt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from paho.mqtt.enums import CallbackAPIVersion
 
-from edge_agent.errors import EdgeAgentError, InvalidRequest, ServiceUnavailable
+from edge_agent.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
 from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
 from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import ControllerStore
@@ -171,12 +171,27 @@ def publish(settings: ControllerSettings, command: Mapping[str, Any], *,
         publisher.close()
 
 
+def fleet_of(store: ControllerStore, device: str | None) -> str:
+    """The fleet a device reported in (ModelNotFound if it never did); for the whole fleet
+    (None), the one fleet the store knows (InvalidRequest unless there is exactly one)."""
+    if device is not None:
+        row = store.device(device)
+        if row is None:
+            raise ModelNotFound(f"device {device!r} has never reported to this controller")
+        return str(row["fleet"])
+    fleets = {str(d["fleet"]) for d in store.devices()}
+    if len(fleets) != 1:
+        raise InvalidRequest(f"--all needs --fleet (this controller knows {len(fleets)} "
+                             "fleets)", param="fleet")
+    return fleets.pop()
+
+
 def send(settings: ControllerSettings, store: ControllerStore, key: Ed25519PrivateKey, *,
          fleet: str, device: str, type_: str, args: Mapping[str, Any] | None = None,
          ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time) -> Sent:
     """Sign, record, publish. The results arrive later (see `wait`)."""
     if device != ALL and store.device(device) is None:
-        raise EdgeAgentError(f"device {device!r} has never reported to this controller")
+        raise ModelNotFound(f"device {device!r} has never reported to this controller")
     command = build(store, key, fleet=fleet, device=device, type_=type_, args=args,
                     ttl_s=ttl_s, clock=clock)
     store.record_command(command, clock())
@@ -193,3 +208,17 @@ def wait(store: ControllerStore, sent: Sent, timeout_s: float, *, poll_s: float 
         if {r["device"] for r in results} >= set(sent.expected) or clock() >= deadline:
             return results
         time.sleep(poll_s)
+
+
+@dataclass(frozen=True)
+class CommandSender:
+    """What `fleet send` needs of the controller, held by `fleet serve` for its API: the
+    settings (broker, time to live) and the command key."""
+
+    settings: ControllerSettings
+    key: Ed25519PrivateKey
+
+    def send(self, store: ControllerStore, *, fleet: str, device: str, type_: str,
+             args: Mapping[str, Any] | None = None) -> Sent:
+        return send(self.settings, store, self.key, fleet=fleet, device=device, type_=type_,
+                    args=args, ttl_s=self.settings.command_ttl_s)

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edge_agent.config import ConfigError
 from edge_agent.fleet.controller.api import create_app
+from edge_agent.fleet.controller.commands import CommandSender
 from edge_agent.fleet.controller.ingest import Ingest
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.retention import Retention
@@ -48,6 +49,8 @@ class Controller:
     rollouts: RolloutEngine | None = None
     retention: Retention | None = None
 
+    commands: CommandSender | None = None
+
     @classmethod
     def open(cls, settings: ControllerSettings) -> Controller:
         key = command_key(settings)  # a bad key file stops the start, not a rollout later
@@ -55,7 +58,8 @@ class Controller:
         metrics = ControllerMetrics(store)
         return cls(settings, store, metrics, Ingest(settings, store, metrics, key=key),
                    RolloutEngine(settings, store, key, metrics=metrics),
-                   Retention(settings.retention, store))
+                   Retention(settings.retention, store),
+                   None if key is None else CommandSender(settings, key))
 
     def start(self) -> None:
         self.ingest.start()
@@ -69,7 +73,8 @@ class Controller:
                          broker_connected=lambda: self.ingest.connected,
                          state_dir=self.settings.state_dir,
                          loopback=is_loopback(self.settings.http.host),
-                         metrics_open=self.settings.http.metrics_open)
+                         metrics_open=self.settings.http.metrics_open,
+                         commands=self.commands)
         config = uvicorn.Config(app, host=self.settings.http.host, port=self.settings.http.port,
                                 log_level=log_level, lifespan="off", access_log=False)
         broker = self.settings.broker.url

@@ -1,0 +1,71 @@
+"""The controller's command route: `fleet send` for an operator at a desk.
+
+    POST /commands   {"device": ID | null, "all": false, "type": "ping", "args": {},
+                      "fleet": null, "wait_s": 30}
+                     → {"command": signed, "results": [...], "missing": [...]}
+
+The controller signs with its own command key (`command_signing_key_file`, which never
+leaves its host), records the command and publishes it, then waits up to `wait_s` (at most
+60) for the boxes' results, as `fleet send --json` does and prints. Without a key it
+answers 503. Each send is on the audit trail with its operator, done or refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from edge_agent.errors import InvalidRequest, ServiceUnavailable
+from edge_agent.fleet.controller import commands
+from edge_agent.fleet.controller.audit import audited
+from edge_agent.fleet.controller.store import ControllerStore
+from edge_agent.fleet.protocol.ids import check_id
+
+MAX_WAIT_S = 60.0
+
+
+class CommandSend(BaseModel):
+    """`fleet send DEVICE|--all TYPE`'s words and options, by the same names."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str | None = Field(None, max_length=64)
+    all: bool = False
+    type: str = Field(min_length=1, max_length=64)
+    args: dict[str, Any] = Field(default_factory=dict)
+    fleet: str | None = Field(None, max_length=64)
+    wait_s: float = Field(30.0, ge=0, le=MAX_WAIT_S)
+
+
+def command_router(store: ControllerStore, sender: commands.CommandSender | None) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/commands")
+    def send(body: CommandSend, request: Request) -> dict[str, Any]:
+        who = request.state.operator
+        target = commands.ALL if body.all else body.device
+        with audited(store, operator=who.name, role=who.role,
+                     source=request.client.host if request.client else "unknown",
+                     action="command.send", target=target,
+                     request=body.model_dump()):
+            if (body.device is None) != body.all:
+                raise InvalidRequest("name one device, or all", param="device")
+            for kind, value in (("device", body.device), ("fleet", body.fleet)):
+                if value is not None:
+                    try:
+                        check_id(kind, value)
+                    except ValueError as exc:
+                        raise InvalidRequest(str(exc), param=kind) from None
+            if sender is None:
+                raise ServiceUnavailable("this controller has no command_signing_key_file: "
+                                         "it cannot sign commands")
+            fleet = body.fleet or commands.fleet_of(store, body.device)
+            sent = sender.send(store, fleet=fleet, device=str(target), type_=body.type,
+                               args=body.args)
+        results = commands.wait(store, sent, body.wait_s) if body.wait_s else []
+        missing = sorted(set(sent.expected) - {r["device"] for r in results})
+        return {"command": sent.command, "results": results, "missing": missing}
+
+    return router
