@@ -65,7 +65,7 @@ from edge_agent.api.ops import readiness_problems
 from edge_agent.config import ServerSettings, Settings
 from edge_agent.errors import BodyTimeout, ServiceUnavailable
 from edge_agent.sdnotify import Notifier, announce_ready, keep_alive
-from edge_agent.tls import ServerTLS, TLSFileError
+from edge_agent.tls import ServerTLS, reload_logged
 
 log = logging.getLogger(__name__)
 
@@ -192,18 +192,7 @@ class SupervisedServer(uvicorn.Server):
     def reload(self) -> bool:
         """SIGHUP: the certificate files read again (see the module's docstring); False,
         and the certificate served so far kept, when they cannot be."""
-        if self.tls is None:
-            log.info("SIGHUP: no TLS configured, nothing to reload")
-            return False
-        try:
-            fingerprint = self.tls.reload()
-        except TLSFileError as exc:
-            log.error("TLS reload refused, the previous certificate is still served: %s",
-                      exc)
-            return False
-        log.info("TLS certificate reloaded from %s (sha256 %s); open connections keep "
-                 "theirs", self.tls.files.cert, fingerprint[:16])
-        return True
+        return reload_logged(self.tls)
 
     async def _cut_after_grace(self) -> None:
         """The drain's end: what still streams is told it was cut (see the constants)."""

@@ -89,6 +89,22 @@ class ServerTLS:
                 raise TLSFileError(_why(exc, str(files.client_ca))) from None
 
 
+def reload_logged(tls: ServerTLS | None) -> bool:
+    """A server's SIGHUP: the files read again, said in the log; False, and the certificate
+    served so far kept, when there is no TLS or the files cannot be served with."""
+    if tls is None:
+        log.info("SIGHUP: no TLS configured, nothing to reload")
+        return False
+    try:
+        fingerprint = tls.reload()
+    except TLSFileError as exc:
+        log.error("TLS reload refused, the previous certificate is still served: %s", exc)
+        return False
+    log.info("TLS certificate reloaded from %s (sha256 %s); open connections keep theirs",
+             tls.files.cert, fingerprint[:16])
+    return True
+
+
 def _new_context(files: TLSFiles) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = MIN_VERSION

@@ -33,15 +33,15 @@ from edge_agent.config.base import (
     MAX_INTERVAL_S,
     MIN_INTERVAL_S,
     ConfigError,
+    HTTPSFiles,
     _Section,
     renamed_key,
 )
 from edge_agent.config.fleet import BrokerAddress, FleetSettings, parse_broker, parse_window
-from edge_agent.tls import TLSFiles
 
 __all__ = ["DEFAULT_CONFIG_FILE", "DRAFT_MODEL_TOKENS", "MAX_DRAFT", "MAX_INTERVAL_S",
            "MIN_INTERVAL_S", "BrokerAddress",
-           "ConfigError", "FleetSettings", "LayeredSettings", "LedgerSettings",
+           "ConfigError", "FleetSettings", "HTTPSFiles", "LayeredSettings", "LedgerSettings",
            "ModelOverride", "ModelsSettings", "RedactionSettings", "RetentionSettings",
            "RuntimeSettings", "ServerSettings", "Settings", "TelemetrySettings",
            "TenantPolicy", "load_layered", "load_settings", "parse_broker", "parse_window",
@@ -50,7 +50,7 @@ __all__ = ["DEFAULT_CONFIG_FILE", "DRAFT_MODEL_TOKENS", "MAX_DRAFT", "MAX_INTERV
 DEFAULT_CONFIG_FILE = Path("/etc/edge-agent/config.toml")
 
 
-class ServerSettings(_Section):
+class ServerSettings(HTTPSFiles):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(11434, ge=0, le=65535, description="TCP port (Ollama's by default).")
     max_body_bytes: int = Field(
@@ -89,46 +89,6 @@ class ServerSettings(_Section):
         "every stream still open ends with a 'shutting down' error in its dialect. The "
         "systemd unit's TimeoutStopSec covers it plus the ledger's flush.",
     )
-    tls_cert_file: Path | None = Field(
-        None,
-        description="PEM certificate (chain, leaf first) to serve HTTPS with, on the same "
-        "port; with tls_key_file. Read again at SIGHUP (systemctl reload edge-agent).",
-    )
-    tls_key_file: Path | None = Field(
-        None, description="PEM private key of tls_cert_file, unencrypted; must be owner-only "
-        "(0600) or the box does not start.",
-    )
-    tls_client_ca_file: Path | None = Field(
-        None,
-        description="PEM CA(s) for mutual TLS: a client must present a certificate one of "
-        "them signed, or gets no connection. Needs tls_cert_file.",
-    )
-
-    @field_validator("tls_cert_file", "tls_key_file", "tls_client_ca_file")
-    @classmethod
-    def _absolute_file(cls, path: Path | None) -> Path | None:
-        """Pinned to where the command ran: the service works from its state dir."""
-        return None if path is None else path.expanduser().absolute()
-
-    @model_validator(mode="after")
-    def _tls_pair(self) -> ServerSettings:
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
-        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
-            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and "
-                             "tls_key_file")
-        return self
-
-    @property
-    def tls(self) -> TLSFiles | None:
-        """The HTTPS files, or None: plain HTTP."""
-        if self.tls_cert_file is None or self.tls_key_file is None:
-            return None
-        return TLSFiles(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
-
-    @property
-    def scheme(self) -> str:
-        return "https" if self.tls is not None else "http"
 
 
 class TenantPolicy(_Section):

@@ -1,12 +1,16 @@
 """What every settings section shares: the one-line error an operator sees, and a section
-that refuses keys it does not know (a typo in the TOML file is an error, not a default)."""
+that refuses keys it does not know (a typo in the TOML file is an error, not a default);
+and the HTTPS files that the box's `[server]` and the controller's `[http]` both take."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from edge_agent.tls import TLSFiles
 
 # The bounds of the box's periodic work (a hardware sample, a metrics or ledger summary
 # over the fleet link): more often than once a second floods the link (a metrics interval
@@ -51,3 +55,48 @@ def renamed_key(data: Any, old: str, new: str, where: str) -> Any:
     data = dict(data)
     data[new] = data.pop(old)
     return data
+
+
+class HTTPSFiles(_Section):
+    """A listener's HTTPS, served by `edge_agent.tls.ServerTLS` on the section's own port."""
+
+    tls_cert_file: Path | None = Field(
+        None,
+        description="PEM certificate (chain, leaf first) to serve HTTPS with, on the same "
+        "port; with tls_key_file. Read again at SIGHUP (systemctl reload).",
+    )
+    tls_key_file: Path | None = Field(
+        None, description="PEM private key of tls_cert_file, unencrypted; must be owner-only "
+        "(0600) or the service does not start.",
+    )
+    tls_client_ca_file: Path | None = Field(
+        None,
+        description="PEM CA(s) for mutual TLS: a client must present a certificate one of "
+        "them signed, or gets no connection. Needs tls_cert_file.",
+    )
+
+    @field_validator("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+    @classmethod
+    def _absolute_file(cls, path: Path | None) -> Path | None:
+        """Pinned to where the command ran: the service works from its state dir."""
+        return None if path is None else path.expanduser().absolute()
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> HTTPSFiles:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and "
+                             "tls_key_file")
+        return self
+
+    @property
+    def tls(self) -> TLSFiles | None:
+        """The HTTPS files, or None: plain HTTP."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return TLSFiles(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"

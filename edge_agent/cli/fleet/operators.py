@@ -45,8 +45,14 @@ def operators_create(name: str, role: str, as_json: bool) -> None:
     except ValueError as exc:
         raise BadUsage(str(exc)) from None
     from edge_agent.fleet.controller.audit import audited_from_cli
+    from edge_agent.fleet.controller.store import DB_FILE, open_store
 
-    store = open_existing(controller_settings())
+    settings = controller_settings()
+    # The first operator may come before the first `fleet serve` (which a non-loopback
+    # address refuses to start without one): this command may make the store.
+    if settings.db is None and not (settings.state_dir / DB_FILE).exists():
+        click.echo(f"creating the controller store {settings.state_dir / DB_FILE}", err=True)
+    store = open_store(settings.db, settings.state_dir)
     try:
         with audited_from_cli(store, "operators.create", name, {"role": role}):
             token, record = store.create_operator(name, role, time.time())

@@ -8,6 +8,9 @@ the rollout engine (`rollouts`, which signs with `command_signing_key_file`) and
 acknowledges what the ingest holds before the broker connection closes, then closes the
 store.
 
+HTTPS with `[http] tls_cert_file`/`tls_key_file` (`edge_agent.tls`, reloaded on SIGHUP as
+the box's is); an address other than loopback needs it, and an operator (`exposure_checked`).
+
 Under systemd (`Type=notify`) it reports as the agent does (`edge_agent.sdnotify`): STATUS=
 while it connects to the broker, READY=1 once the HTTP port is bound and the ingest is
 subscribed, WATCHDOG=1 from the event loop, STOPPING=1 when it stops.
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +41,7 @@ from edge_agent.fleet.controller.store import ControllerStore, open_store
 from edge_agent.fleet.protocol.signing import load_private
 from edge_agent.netaddr import is_loopback
 from edge_agent.sdnotify import Notifier, announce_ready, keep_alive
+from edge_agent.tls import ServerTLS, TLSFileError, reload_logged
 
 log = logging.getLogger(__name__)
 
@@ -69,19 +75,24 @@ class Controller:
             self.retention.start()
 
     def http_server(self, *, log_level: str = "warning") -> uvicorn.Server:
+        http = self.settings.http
+        tls = exposure_checked(self.settings, self.store)
         app = create_app(self.store, self.metrics,
                          broker_connected=lambda: self.ingest.connected,
                          state_dir=self.settings.state_dir,
                          loopback=is_loopback(self.settings.http.host),
                          metrics_open=self.settings.http.metrics_open,
                          commands=self.commands)
-        config = uvicorn.Config(app, host=self.settings.http.host, port=self.settings.http.port,
-                                log_level=log_level, lifespan="off", access_log=False)
+        config = uvicorn.Config(
+            app, host=http.host, port=http.port, log_level=log_level, lifespan="off",
+            access_log=False,
+            ssl_context_factory=(lambda _c, _d: tls.context) if tls is not None else None)
         broker = self.settings.broker.url
         return _SupervisedServer(
-            config, Notifier.from_environ(),
+            config, Notifier.from_environ(), tls=tls,
             problems=lambda: [] if self.ingest.connected else [f"connecting to {broker}"],
-            serving=f"ingesting from {broker}; HTTP on {config.host}:{config.port}")
+            serving=f"ingesting from {broker}; {http.scheme.upper()} on "
+                    f"{config.host}:{config.port}")
 
     def close(self) -> None:
         if self.retention is not None:
@@ -104,12 +115,34 @@ def command_key(settings: ControllerSettings) -> Ed25519PrivateKey | None:
         raise ConfigError(f"cannot read command_signing_key_file {path}: {exc}") from exc
 
 
+def exposure_checked(settings: ControllerSettings, store: ControllerStore) -> ServerTLS | None:
+    """The HTTPS context `[http]` asks for (None: plain HTTP); ConfigError for a certificate
+    that cannot be served, and for an address other than loopback without TLS or without
+    an operator: the fleet's inventory, rollouts and commands are not served in clear, nor
+    to anyone who asks."""
+    http = settings.http
+    try:
+        tls = ServerTLS(http.tls) if http.tls is not None else None
+    except TLSFileError as exc:
+        raise ConfigError(f"http.tls_cert_file / tls_key_file: {exc}") from exc
+    if not is_loopback(http.host):
+        if tls is None:
+            raise ConfigError(f"http.host {http.host} is not loopback: the API would carry "
+                              "operators' tokens and the fleet's data in clear; set "
+                              "http.tls_cert_file and http.tls_key_file")
+        if not store.any_operator():
+            raise ConfigError(f"http.host {http.host} is not loopback and no operator "
+                              "exists: create one first (edge-agent fleet operators create "
+                              "NAME --role admin)")
+    return tls
+
+
 def serve(settings: ControllerSettings, *, log_level: str = "warning") -> bool:
     """Run until SIGINT/SIGTERM; False if the HTTP server could not start."""
     controller = Controller.open(settings)
     try:
+        server = controller.http_server(log_level=log_level)  # refused before ingesting
         controller.start()
-        server = controller.http_server(log_level=log_level)
         try:
             server.run()
         except SystemExit:  # uvicorn exits when it cannot bind; the caller words it
@@ -123,15 +156,23 @@ class _SupervisedServer(uvicorn.Server):
     """uvicorn's Server telling systemd how the controller stands (see the docstring)."""
 
     def __init__(self, config: uvicorn.Config, notifier: Notifier, *,
-                 problems: Callable[[], list[str]], serving: str) -> None:
+                 problems: Callable[[], list[str]], serving: str,
+                 tls: ServerTLS | None = None) -> None:
         super().__init__(config)
         self.notifier = notifier
+        self.tls = tls
         self._problems = problems
         self._serving = serving
         self._tasks: list[asyncio.Task[None]] = []
+        self._hangup = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        if self.started and threading.current_thread() is threading.main_thread():
+            # SIGHUP (systemctl reload): the certificate read again, open streams kept.
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_logged,
+                                                          self.tls)
+            self._hangup = True
         if self.started:
             self._tasks = [
                 asyncio.create_task(announce_ready(self.notifier, self._problems,
@@ -139,6 +180,9 @@ class _SupervisedServer(uvicorn.Server):
                 asyncio.create_task(keep_alive(self.notifier))]
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._hangup:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._hangup = False
         if self._tasks:  # the announcer: never READY=1 after STOPPING=1
             self._tasks[0].cancel()
         self.notifier.stopping("stopping: committing and acknowledging what the ingest holds")

@@ -32,6 +32,7 @@ from pydantic_settings import SettingsConfigDict
 from edge_agent.config import (
     BrokerAddress,
     ConfigError,
+    HTTPSFiles,
     LayeredSettings,
     load_layered,
     parse_broker,
@@ -93,8 +94,10 @@ class BrokerSettings(_Section):
         return broker_address(self.url)
 
 
-class HTTPSettings(_Section):
-    host: str = Field("127.0.0.1", description="Address of /metrics and the read API.")
+class HTTPSettings(HTTPSFiles):
+    host: str = Field("127.0.0.1", description="Address of the API, the console, /metrics "
+                      "and /releases/; any other than loopback needs TLS (tls_cert_file) and "
+                      "an operator (fleet operators create).")
     port: int = Field(9464, ge=0, le=65535)
     metrics_open: bool | None = Field(
         None, description="Whether /metrics and /healthz answer without an operator token "
