@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,14 @@ import click
 
 from edge_agent.cli.common import EXIT_CHECK_FAILED, BadUsage, CheckFailed
 from edge_agent.cli.fleet import operators, release, rollout  # modules: their names stay theirs
-from edge_agent.cli.fleet.options import controller_options, controller_settings, open_existing
+from edge_agent.cli.fleet.client import (
+    ControllerClient,
+    client_options,
+    controller_client,
+    remote,
+    segment,
+)
+from edge_agent.cli.fleet.options import controller_options, controller_settings
 from edge_agent.cli.output import echo_json, json_option, table
 
 
@@ -82,18 +90,15 @@ def _ago(ts: float | None) -> str:
 
 
 @fleet.command("devices")
-@controller_options
+@client_options
 @json_option()
 def fleet_devices(as_json: bool) -> None:
     """Devices: online or offline, last seen, versions, loss accounting (seqs missing and
     duplicates dropped, over every boot; the outbox backlog the box last reported), active
     models (name@digest, as the box last said: its birth, or a models.state event after any
     change). --json has the ranges per boot: highest seq, gaps, dropped, retired."""
-    store = open_existing(controller_settings())
-    try:
-        devices = [{**d, "loss": store.loss(d["device"])} for d in store.devices()]
-    finally:
-        store.close()
+    with controller_client() as api:
+        devices = api.get("/devices")["devices"]
     if as_json:
         echo_json(devices)
         return
@@ -125,31 +130,21 @@ def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 @fleet.command("metrics")
-@controller_options
+@client_options
 @click.argument("device", required=False)
 @click.option("--all", "all_devices", is_flag=True, help="Every device's latest metrics.")
 @json_option()
 def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
     """A device's latest metrics message (or every device's with --all)."""
-    from edge_agent.fleet.protocol.ids import check_id
-
-    settings = controller_settings()
     if (device is None) == (not all_devices):
         raise BadUsage("name one DEVICE, or --all")
-    if device is not None:
-        try:
-            check_id("device", device)
-        except ValueError as exc:
-            raise BadUsage(str(exc)) from None
-    store = open_existing(settings)
-    try:
-        names = [device] if device else [d["device"] for d in store.devices()]
-        if device and store.device(device) is None:
-            raise CheckFailed(f"no device {device!r} in the controller store")
-        latest: list[dict[str, Any]] = [
-            {"device": name, "metrics": store.latest_metrics(name)} for name in names]
-    finally:
-        store.close()
+    with controller_client() as api:
+        if device is not None:
+            found = api.get(f"/devices/{segment(device)}/metrics", limit=1)["metrics"]
+            latest: list[dict[str, Any]] = [{"device": device,
+                                             "metrics": found[0] if found else None}]
+        else:
+            latest = api.get("/latest-metrics")["devices"]
     if as_json:
         echo_json(latest if all_devices else latest[0])
         return
@@ -245,7 +240,7 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
 
 
 @fleet.command("send")
-@controller_options
+@client_options
 @click.argument("words", nargs=-1, required=True, metavar="DEVICE|--all TYPE")
 @click.option("--all", "all_devices", is_flag=True,
               help="The whole fleet (its `all` stream); waits for every online device.")
@@ -254,10 +249,12 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
               help="A command argument; VALUE is read as JSON when it parses, else text.")
 @click.option("--args-json", help="All arguments as one JSON object.")
 @click.option("--key", "key_file", type=click.Path(path_type=Path, dir_okay=False),
-              help="The signing key (default: command_signing_key_file in the controller config).")
+              help="The signing key (default: command_signing_key_file in the controller "
+                   "config); on the controller host only: through --controller, the "
+                   "controller signs with its own.")
 @click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=30.0,
               show_default=True, help="Seconds to wait for results (0: do not wait).")
-@click.option("--broker", help="mqtt://host[:port] or mqtts://host[:port].")
+@click.option("--broker", help="mqtt://host[:port] or mqtts://host[:port] (controller host).")
 @click.option("--username", help="The controller's broker user (default controller).")
 @click.option("--password-file", type=click.Path(path_type=Path, dir_okay=False),
               help="File holding that user's password.")
@@ -270,45 +267,21 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
     """Sign a command (ping, rebirth, config.patch, ledger.purge, keys.revoke …), publish it
     to DEVICE (or --all) and print the results the boxes send back (exit 1 unless every
     awaited box answered ok). Results are stored by the running `fleet serve`."""
-    from edge_agent.errors import InvalidRequest
-    from edge_agent.fleet.controller import commands
-    from edge_agent.fleet.controller.audit import audited_from_cli
-    from edge_agent.fleet.protocol.signing import load_private
-
-    settings = controller_settings(**{"broker.url": broker, "broker.username": username,
-                            "broker.password_file": password_file})
     if len(words) != (1 if all_devices else 2):
         raise BadUsage("name one DEVICE (or --all), then the command's TYPE")
     device, type_ = (None, words[0]) if all_devices else (words[0], words[1])
-    key_path = key_file or settings.command_signing_key_file
-    if key_path is None:
-        raise BadUsage("no signing key: pass --key or set command_signing_key_file "
-                       "(edge-agent fleet keygen makes one)")
-    key = load_private(key_path)
-    command_args = _command_args(args, args_json)
-    store = open_existing(settings)
-    try:
-        target = commands.ALL if all_devices else str(device)
-        with audited_from_cli(store, "command.send", target,
-                              {"type": type_, "args": command_args, "fleet": fleet_id}
-                              ) as action:
-            try:
-                fleet_name = fleet_id or commands.fleet_of(store, device)
-            except InvalidRequest as exc:
-                action.refused(exc)
-                raise BadUsage(exc.message) from None
-            sent = commands.send(settings, store, key, fleet=fleet_name, device=target,
-                                 type_=type_, args=command_args,
-                                 ttl_s=settings.command_ttl_s)
-        results = commands.wait(store, sent, wait_s) if wait_s else []
-    finally:
-        store.close()
-    missing = sorted(set(sent.expected) - {r["device"] for r in results})
+    body = {"device": device, "all": all_devices, "type": type_,
+            "args": _command_args(args, args_json), "fleet": fleet_id, "wait_s": 0}
+    with _sending_client(key_file, broker, username, password_file) as api:
+        sent = api.post("/commands", body)
+        results = _results(api, sent, wait_s)
+    target = "all" if all_devices else str(device)
+    missing = sorted(set(sent["missing"]) - {r["device"] for r in results})
     if as_json:
-        echo_json({"command": sent.command, "results": results, "missing": missing})
+        echo_json({"command": sent["command"], "results": results, "missing": missing})
     else:
-        click.echo(f"sent {type_} {sent.command['id']} (seq {sent.command['seq']}) to "
-                   f"{target} in fleet {fleet_name}")
+        click.echo(f"sent {type_} {sent['command']['id']} (seq {sent['command']['seq']}) to "
+                   f"{target} in fleet {sent['command']['fleet']}")
         for r in results:
             detail = r["reason"] or json.dumps(r["result"], sort_keys=True)
             click.echo(f"{r['device']:<24} {r['status']:<8} {detail}")
@@ -316,6 +289,46 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
             click.echo(f"{name:<24} {'no answer' if wait_s else 'not awaited'}")
     if wait_s and (missing or any(r["status"] != "ok" for r in results)):
         ctx.exit(EXIT_CHECK_FAILED)
+
+
+def _sending_client(key_file: Path | None, broker: str | None, username: str | None,
+                    password_file: Path | None) -> AbstractContextManager[ControllerClient]:
+    """Through --controller, the controller signs and publishes; on its host, this command
+    does, with the key and broker its flags or the controller's settings name."""
+    from edge_agent.fleet.controller.commands import CommandSender
+    from edge_agent.fleet.protocol.signing import load_private
+
+    if remote():
+        given = [flag for flag, value in (("--key", key_file), ("--broker", broker),
+                                          ("--username", username),
+                                          ("--password-file", password_file)) if value]
+        if given:
+            raise BadUsage(f"{', '.join(given)}: through --controller, the controller signs "
+                           "and publishes with its own key and broker connection")
+        return controller_client()
+    settings = controller_settings(**{"broker.url": broker, "broker.username": username,
+                                      "broker.password_file": password_file})
+    key_path = key_file or settings.command_signing_key_file
+    if key_path is None:
+        raise BadUsage("no signing key: pass --key or set command_signing_key_file "
+                       "(edge-agent fleet keygen makes one)")
+    return controller_client(settings=settings,
+                             commands=CommandSender(settings, load_private(key_path)))
+
+
+def _results(api: ControllerClient, sent: dict[str, Any], wait_s: float,
+             poll_s: float = 0.2) -> list[dict[str, Any]]:
+    """The results stored so far, once every awaited device answered or after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    expected = set(sent["missing"])
+    while True:
+        if not wait_s:
+            return []
+        results: list[dict[str, Any]] = api.get(
+            f"/commands/{segment(sent['command']['id'])}")["results"]
+        if {r["device"] for r in results} >= expected or time.monotonic() >= deadline:
+            return results
+        time.sleep(poll_s)
 
 
 def _command_args(pairs: tuple[str, ...], raw: str | None) -> dict[str, Any]:

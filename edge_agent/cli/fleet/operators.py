@@ -6,9 +6,11 @@ and `fleet audit`: what they (and the controller host's users) did.
     fleet operators revoke NAME
     fleet audit [--since 1h|2026-12-01T08:00] [--operator NAME] [--target ID] [--json]
 
-Run on the controller host (they open its store): a token is printed once, the store keeps
-its hash; a revoked token is refused from the next request on, by a running `fleet serve`
-too. The rules are `fleet.controller.operators`.
+An admin's commands, on the controller host (in-process, as every `fleet` command there)
+or from a desk with --controller and an admin's token: a token is printed once, the store
+keeps its hash; a revoked token is refused from the next request on, by a running `fleet
+serve` too. The rules are `fleet.controller.operators`, the routes
+`fleet.controller.operator_api`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import time
 
 import click
 
-from edge_agent.cli.common import BadUsage, CheckFailed
-from edge_agent.cli.fleet.options import controller_options, controller_settings, open_existing
+from edge_agent.cli.common import BadUsage
+from edge_agent.cli.fleet.client import client_options, controller_client, segment
 from edge_agent.cli.output import echo_json, json_option, table
 
 ROLE_HELP = ("viewer: reads; operator: also rollouts and commands; admin: also operators "
@@ -31,53 +33,34 @@ def operators() -> None:
 
 
 @operators.command("create")
-@controller_options
+@client_options
 @click.argument("name")
 @click.option("--role", required=True, type=click.Choice(["viewer", "operator", "admin"]),
               help=ROLE_HELP)
 @json_option()
 def operators_create(name: str, role: str, as_json: bool) -> None:
     """Make NAME a token with ROLE and print it once; only its hash is kept."""
-    from edge_agent.fleet.controller.operators import check_name
-
-    try:
-        check_name(name)
-    except ValueError as exc:
-        raise BadUsage(str(exc)) from None
-    from edge_agent.fleet.controller.audit import audited_from_cli
-    from edge_agent.fleet.controller.store import DB_FILE, open_store
-
-    settings = controller_settings()
-    # The first operator may come before the first `fleet serve` (which a non-loopback
-    # address refuses to start without one): this command may make the store.
-    if settings.db is None and not (settings.state_dir / DB_FILE).exists():
-        click.echo(f"creating the controller store {settings.state_dir / DB_FILE}", err=True)
-    store = open_store(settings.db, settings.state_dir)
-    try:
-        with audited_from_cli(store, "operators.create", name, {"role": role}):
-            token, record = store.create_operator(name, role, time.time())
-    finally:
-        store.close()
+    # The first operator may come before the first `fleet serve` (which an address other
+    # than loopback refuses to start without one): this command may make the store.
+    with controller_client(create=True) as api:
+        made = api.post("/operators", {"name": name, "role": role})
     if as_json:
-        echo_json({**record.to_json(), "token": token})
+        echo_json(made)
         return
-    click.echo(token)
-    click.echo(f"created {role} {name} (token {record.prefix}); the token is shown only once",
+    click.echo(made["token"])
+    click.echo(f"created {role} {name} (token {made['prefix']}); the token is shown only once",
                err=True)
 
 
 @operators.command("list")
-@controller_options
+@client_options
 @json_option()
 def operators_list(as_json: bool) -> None:
     """Every token made: name, role, prefix, created, revoked."""
-    store = open_existing(controller_settings())
-    try:
-        records = store.operators()
-    finally:
-        store.close()
+    with controller_client() as api:
+        records = api.get("/operators")
     if as_json:
-        echo_json([r.to_json() for r in records])
+        echo_json(records)
         return
 
     def when(ts: float | None) -> str:
@@ -85,28 +68,18 @@ def operators_list(as_json: bool) -> None:
 
     table([("NAME", "<20"), ("ROLE", "<9"), ("PREFIX", "<9"), ("CREATED", "<17"),
            ("REVOKED", "")],
-          ([r.name, r.role, r.prefix, when(r.created), when(r.revoked)] for r in records))
+          ([r["name"], r["role"], r["prefix"], when(r["created"]), when(r["revoked"])]
+           for r in records))
 
 
 @operators.command("revoke")
-@controller_options
+@client_options
 @click.argument("name")
 def operators_revoke(name: str) -> None:
     """Revoke NAME's token: refused from the next request on, with no restart."""
-    from edge_agent.errors import ModelNotFound
-    from edge_agent.fleet.controller.audit import audited_from_cli
-
-    store = open_existing(controller_settings())
-    try:
-        with audited_from_cli(store, "operators.revoke", name, {}) as action:
-            record = store.revoke_operator(name, time.time())
-            if record is None:
-                action.refused(ModelNotFound(f"operator {name!r} has no live token"))
-    finally:
-        store.close()
-    if record is None:
-        raise CheckFailed(f"operator {name!r} has no live token")
-    click.echo(f"revoked {record.role} {name} (token {record.prefix})")
+    with controller_client() as api:
+        record = api.post(f"/operators/{segment(name)}/revoke")
+    click.echo(f"revoked {record['role']} {name} (token {record['prefix']})")
 
 
 def _since(text: str | None) -> float | None:
@@ -134,7 +107,7 @@ def _since(text: str | None) -> float | None:
 
 
 @click.command("audit")
-@controller_options
+@client_options
 @click.option("--since", help="Only actions since then: 1h (ago), 2026-12-01T08:00, or Unix "
                               "seconds.")
 @click.option("--operator", "operator_name", help="Only this operator's (local:USER for the "
@@ -148,17 +121,14 @@ def audit(since: str | None, operator_name: str | None, target: str | None, limi
     """Who did what: each operator action (rollouts, operators), done or refused, oldest
     first."""
     start = _since(since)
-    store = open_existing(controller_settings())
-    try:
-        actions = store.actions(since=start, operator=operator_name, target=target,
-                                limit=limit)
-    finally:
-        store.close()
+    with controller_client() as api:
+        actions = api.get("/audit", since=start, operator=operator_name, target=target,
+                          limit=limit)["actions"]
     if as_json:
-        echo_json([a.to_json() for a in actions])
+        echo_json(actions)
         return
     table([("WHEN", "<19"), ("OPERATOR", "<20"), ("ROLE", "<8"), ("FROM", "<15"),
            ("ACTION", "<17"), ("TARGET", "<18"), ("OUTCOME", "")],
-          ([time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.at)), a.operator, a.role,
-            a.source, a.action, a.target or "-",
-            "done" if a.status < 300 else f"{a.status} {a.outcome}"] for a in actions))
+          ([time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a["at"])), a["operator"],
+            a["role"], a["source"], a["action"], a["target"] or "-",
+            "done" if a["status"] < 300 else f"{a['status']} {a['outcome']}"] for a in actions))

@@ -6,28 +6,31 @@
     fleet rollout status [ID] [--json] [--watch [SECONDS]]
     fleet rollout pause|resume|abort|rollback ID
 
-These commands write the controller's store and nothing else: the running `fleet serve`
-signs and publishes the rollout.* commands (with `command_signing_key_file`), starts each wave,
-watches the boxes' reports, soaks, aborts. A rollout written while `fleet serve` is down
-starts when it comes back. Thin: the rules are `fleet.controller.waves` and
-`fleet.controller.rollout_ops`.
+These commands go through the controller's API (`client`: to a remote `fleet serve` with
+--controller, or in-process on the controller host) and only write its store: the running
+`fleet serve` signs and publishes the rollout.* commands (with `command_signing_key_file`),
+starts each wave, watches the boxes' reports, soaks, aborts. A rollout written while `fleet
+serve` is down starts when it comes back. Thin: the rules are `fleet.controller.waves` and
+`fleet.controller.rollout_ops`, the routes `fleet.controller.rollout_api`.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
-from edge_agent.cli.common import BadUsage, CheckFailed
-from edge_agent.cli.fleet.options import (
-    controller_options,
-    controller_settings,
-    given_options,
-    open_existing,
+from edge_agent.cli.common import BadUsage
+from edge_agent.cli.fleet.client import (
+    ControllerClient,
+    client_options,
+    controller_client,
+    remote,
+    segment,
 )
+from edge_agent.cli.fleet.options import controller_settings, given_options
 from edge_agent.cli.output import (
     echo_json,
     is_terminal,
@@ -35,9 +38,6 @@ from edge_agent.cli.output import (
     table,
     transfer_figures,
 )
-
-if TYPE_CHECKING:
-    from edge_agent.fleet.controller.store import ControllerStore
 
 SELECTOR_HELP = ("all (default), fleet:ID, a glob on device ids (store-0*), or device ids; "
                  "comma-separated, their union.")
@@ -53,7 +53,7 @@ def _when(ts: float | None) -> str:
 
 
 @rollout.command("start")
-@controller_options
+@client_options
 @click.argument("ref", metavar="NAME@VERSION")
 @click.option("--devices", "selector", default="all", show_default=True, help=SELECTOR_HELP)
 @click.option("--waves", required=True, metavar="SPEC",
@@ -78,45 +78,25 @@ def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_exe
                   soak: str, device_timeout: str, rollback_on_abort: bool,
                   rollout_id: str | None, as_json: bool) -> None:
     """Start rolling NAME@VERSION out: written to the store, driven by `fleet serve`."""
-    from edge_agent.errors import InvalidRequest
-    from edge_agent.fleet.controller import rollout_ops
-    from edge_agent.fleet.controller.audit import audited_from_cli
-    from edge_agent.fleet.controller.waves import wave_sizes
+    from edge_agent.fleet.controller.waves import parse_waves, wave_sizes
 
-    settings = controller_settings()
-    request = {"release": ref, "devices": selector, "waves": waves, "abort_above": abort_above,
-               "min_executed": min_executed, "soak": soak, "device_timeout": device_timeout,
-               "rollback_on_abort": rollback_on_abort, "id": rollout_id}
-    try:
-        policy = rollout_ops.policy(waves, abort_above=abort_above, min_executed=min_executed,
-                                    soak=soak, device_timeout=device_timeout,
-                                    rollback_on_abort=rollback_on_abort)
-    except InvalidRequest as exc:
-        raise BadUsage(exc.message) from None
-    store = open_existing(settings)
-    try:
-        with audited_from_cli(store, "rollout.start", rollout_id, request) as action:
-            try:
-                record = rollout_ops.start(store, settings.state_dir, ref, selector, policy,
-                                           now=time.time(), rollout_id=rollout_id)
-            except InvalidRequest as exc:
-                action.refused(exc)
-                raise BadUsage(exc.message) from None
-            action.target = record.id
-    finally:
-        store.close()
+    with controller_client() as api:
+        record = api.post("/rollouts", {
+            "release": ref, "devices": selector, "waves": waves, "abort_above": abort_above,
+            "min_executed": min_executed, "soak": soak, "device_timeout": device_timeout,
+            "rollback_on_abort": rollback_on_abort, "id": rollout_id})
     if as_json:
-        echo_json(record.to_json())
+        echo_json(record)
         return
-    sizes = wave_sizes(policy.steps, record.devices_total)
-    click.echo(f"rollout {record.id}: {record.name}@{record.version} to "
-               f"{record.devices_total} device(s) in {len(sizes)} wave(s) "
+    sizes = wave_sizes(parse_waves(waves), record["devices_total"])
+    click.echo(f"rollout {record['id']}: {record['name']}@{record['version']} to "
+               f"{record['devices_total']} device(s) in {len(sizes)} wave(s) "
                f"({', '.join(str(n) for n in sizes)}); RUNNING")
-    if settings.command_signing_key_file is None:
+    if not remote() and controller_settings().command_signing_key_file is None:
         click.echo("warning: no command_signing_key_file in the controller's settings: fleet serve "
                    "cannot sign the rollout's commands until it has one", err=True)
     click.echo(f"fleet serve drives it; follow it with: edge-agent fleet rollout status "
-               f"{record.id} {given_options()}".rstrip())
+               f"{record['id']} {given_options()}".rstrip())
 
 
 WATCH_S, MIN_WATCH_S = 2.0, 0.5
@@ -141,7 +121,7 @@ def _watch_args(rollout_id: str | None, watch: str | None) -> tuple[str | None, 
 
 
 @rollout.command("status")
-@controller_options
+@client_options
 @click.argument("rollout_id", metavar="[ID]", required=False)
 @json_option()
 @click.option("--watch", "watch_arg", is_flag=False, flag_value=str(WATCH_S), default=None,
@@ -152,21 +132,15 @@ def _watch_args(rollout_id: str | None, watch: str | None) -> tuple[str | None, 
 def rollout_status(rollout_id: str | None, as_json: bool, watch_arg: str | None) -> None:
     """Rollouts (newest first), or one rollout: counts per state, per wave, per device,
     and the download progress of devices in DOWNLOADING."""
-    from edge_agent.fleet.controller import rollout_ops
-
     rollout_id, watch = _watch_args(rollout_id, watch_arg)
     redraw = watch is not None and not as_json and is_terminal(sys.stdout)
-    store = open_existing(controller_settings())
-    try:
+    with controller_client() as api:
         if rollout_id is None:
-            reports = [rollout_ops.report(r, store.rollout_devices(r.id), time.time())
-                       for r in store.rollouts(limit=50)]
+            reports = api.get("/rollouts", limit=50)["rollouts"]
         elif watch is not None:
-            reports = [_watch(store, rollout_id, watch, redraw=redraw)]
+            reports = [_watch(api, rollout_id, watch, redraw=redraw)]
         else:
-            reports = [_report(store, rollout_id)]
-    finally:
-        store.close()
+            reports = [_report(api, rollout_id)]
     if as_json:
         echo_json(reports if rollout_id is None else reports[0])
         return
@@ -183,22 +157,17 @@ def rollout_status(rollout_id: str | None, as_json: bool, watch_arg: str | None)
         _show(reports[0])
 
 
-def _report(store: ControllerStore, rollout_id: str) -> dict[str, Any]:
-    from edge_agent.fleet.controller import rollout_ops
-
-    record = store.rollout(rollout_id)
-    if record is None:
-        raise CheckFailed(f"no rollout {rollout_id}")
-    return rollout_ops.report(record, store.rollout_devices(rollout_id), time.time(),
-                              store.actions(target=rollout_id))
+def _report(api: ControllerClient, rollout_id: str) -> dict[str, Any]:
+    report: dict[str, Any] = api.get(f"/rollouts/{segment(rollout_id)}")
+    return report
 
 
-def _watch(store: ControllerStore, rollout_id: str, every_s: float, *, redraw: bool
+def _watch(api: ControllerClient, rollout_id: str, every_s: float, *, redraw: bool
            ) -> dict[str, Any]:
     """The rollout's report once it has ended (no longer RUNNING or PAUSED, and `fleet
     serve` done with it); with `redraw`, the screen shows each report meanwhile."""
     while True:
-        report = _report(store, rollout_id)
+        report = _report(api, rollout_id)
         if redraw:
             click.clear()
             _show(report)
@@ -246,26 +215,18 @@ def _progress(p: dict[str, Any] | None) -> str:
 
 
 def _act(action: str, rollout_id: str, as_json: bool) -> None:
-    from edge_agent.fleet.controller import rollout_ops
-    from edge_agent.fleet.controller.audit import audited_from_cli, local_operator
-
-    store = open_existing(controller_settings())
-    try:
-        with audited_from_cli(store, f"rollout.{action}", rollout_id, {}):
-            record = rollout_ops.act(store, rollout_id, action, now=time.time(),
-                                     by=local_operator())
-    finally:
-        store.close()
+    with controller_client() as api:
+        record = api.post(f"/rollouts/{segment(rollout_id)}/{action}")
     if as_json:
-        echo_json(record.to_json())
+        echo_json(record)
         return
-    click.echo(f"rollout {record.id}: {record.state} ({record.reason}); fleet serve acts on "
-               "it at its next pass")
+    click.echo(f"rollout {record['id']}: {record['state']} ({record['reason']}); fleet serve "
+               "acts on it at its next pass")
 
 
 def _action(name: str, doc: str) -> None:
     @rollout.command(name, help=doc)
-    @controller_options
+    @client_options
     @click.argument("rollout_id", metavar="ID")
     @json_option()
     def command(rollout_id: str, as_json: bool) -> None:

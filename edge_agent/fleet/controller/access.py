@@ -13,7 +13,11 @@ most and never reaches a handler.
 A token is `Authorization: Bearer eop_…` (`operators`); it is looked up in the store on
 each request, so a revocation holds from the next request on. Refusals are the
 controller's `{"error": "..."}`: 401 (no token, a malformed or unknown or revoked one,
-with `WWW-Authenticate: Bearer`) or 403 (a role below the route's).
+with `WWW-Authenticate: Bearer`) or 403 (a role below the route's; a write refused so is
+on the audit trail too, as the method and path the operator tried).
+
+The CLI on the controller host builds the same app in its own process (`local`: its
+user, who has the store in reach anyway) and reaches it with no socket and no token.
 
 Without any operator, a controller bound to loopback answers reads as before (its host's
 users are the only callers) and refuses every write; bound elsewhere it answers nothing but
@@ -23,11 +27,14 @@ need a viewer's token elsewhere, unless `http.metrics_open` says otherwise.
 
 from __future__ import annotations
 
+import functools
 import json
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 from starlette.routing import compile_path
 
 from edge_agent.fleet.controller.operators import Operator, may
@@ -48,8 +55,13 @@ RULES: Mapping[tuple[str, str], str] = {
     ("GET", "/devices"): "viewer",
     ("GET", "/devices/{device_id}"): "viewer",
     ("GET", "/devices/{device_id}/metrics"): "viewer",
+    ("GET", "/latest-metrics"): "viewer",
     ("GET", "/audit"): "viewer",
     ("POST", "/commands"): "operator",
+    ("GET", "/commands/{command_id}"): "viewer",
+    ("GET", "/operators"): "admin",
+    ("POST", "/operators"): "admin",
+    ("POST", "/operators/{name}/revoke"): "admin",
     ("GET", "/rollouts"): "viewer",
     ("GET", "/rollouts/{rollout_id}"): "viewer",
     ("POST", "/rollouts"): "operator",
@@ -73,6 +85,14 @@ class AccessRefused(Exception):
         self.headers = headers or []
 
 
+def actor(request: Request) -> dict[str, str]:
+    """Who made a request that passed the check, as the audit trail records them: the
+    operator, their role and the caller's address (`cli` for the CLI's own app)."""
+    operator: Operator = request.state.operator
+    return {"operator": operator.name, "role": operator.role,
+            "source": request.client.host if request.client else "unknown"}
+
+
 def bearer(headers: Mapping[str, str]) -> str | None:
     """The token of `Authorization: Bearer …`, None without the header; AccessRefused (401)
     for any other scheme or an empty one."""
@@ -90,10 +110,11 @@ class AccessControl:
     the token names; refuses or passes on, with `request.state.operator` set."""
 
     def __init__(self, app: ASGIApp, *, store: ControllerStore, loopback: bool,
-                 metrics_open: bool | None = None) -> None:
+                 metrics_open: bool | None = None, local: Operator | None = None) -> None:
         self.app = app
         self.store = store
         self.loopback = loopback
+        self.local = local
         self.metrics_open = loopback if metrics_open is None else metrics_open
         self._compiled = [(compile_path(path)[0], method, rule)
                           for (method, path), rule in RULES.items()]
@@ -129,6 +150,8 @@ class AccessControl:
         rule = self._rule(scope)
         if rule == PUBLIC or (rule == SCRAPE and self.metrics_open):
             return None
+        if self.local is not None:  # the CLI's own app, in its process: no socket to reach
+            return self.local
         needed = "viewer" if rule == SCRAPE else rule
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", [])}
@@ -145,8 +168,16 @@ class AccessControl:
         if operator is None:
             raise AccessRefused(401, "the operator token is unknown or revoked")
         if not may(operator.role, needed):
-            raise AccessRefused(403, f"operator {operator.name!r} is a {operator.role}: "
-                                     f"{scope['method']} {scope['path']} needs {needed}")
+            refused = AccessRefused(403, f"operator {operator.name!r} is a {operator.role}: "
+                                         f"{scope['method']} {scope['path']} needs {needed}")
+            if scope["method"] not in ("GET", "HEAD"):  # a write tried: on the trail too
+                client = scope.get("client")
+                await run_in_threadpool(functools.partial(
+                    self.store.record_action, at=time.time(), operator=operator.name,
+                    role=operator.role, source=client[0] if client else "unknown",
+                    action=f"{scope['method']} {scope['path']}", target=None, request={},
+                    status=403, outcome=str(refused)))
+            raise refused
         return operator
 
 

@@ -1,22 +1,24 @@
-"""The controller's HTTP side: `/metrics` for Prometheus and a small read-only JSON API.
+"""The controller's HTTP side: the operators' API (the CLI's one path to the fleet, from a
+desk or on the controller host itself), `/metrics` for Prometheus and `/releases/` for the
+boxes.
 
     GET /metrics                  Prometheus text (the controller's own registry)
     GET /healthz                  {"broker_connected": bool, "store": "ok"|"error"}
-    GET /devices                  {"devices": [device, ...]}
+    GET /devices                  {"devices": [device, ...]} each with its loss accounting
+    GET /latest-metrics           {"devices": [{"device": id, "metrics": latest}, ...]}
     GET /devices/{id}             one device (404 if unknown), with its loss accounting
     GET /devices/{id}/metrics     {"device": id, "metrics": [newest first]} (?limit=1..1000)
-    GET /audit                    {"actions": [...]} who did what (?since=&operator=&target=)
     …/rollouts                    read, start, pause, resume, abort, roll back: `rollout_api`
-    POST /commands                `fleet send` for an operator: `command_api`
+    …/commands                    `fleet send`: `command_api`
+    …/operators, GET /audit       tokens (admin) and who did what: `operator_api`
 
 An app factory only (no module-level app): `fleet serve` builds it with the store and the
-ingest it runs. Rollouts are written here as by `fleet rollout` (`rollout_api`), commands
-signed and sent as by `fleet send` (`command_api`). Errors are `{"error": "..."}` with the
-status of the exception tree (`edge_agent.errors`); a body that does not parse is a 400 of
-the same shape. It listens on 127.0.0.1 unless told otherwise
-(`http.host`). Who may call each route is `access.RULES`, checked before any handler runs:
-operators' bearer tokens (`fleet operators create`), read-only access without one on a
-loopback controller that has no operator yet.
+ingest it runs, and the CLI builds it in its own process on the controller host
+(`local`). Errors are `{"error": "..."}` with the status of the exception tree
+(`edge_agent.errors`); a body that does not parse is a 400 of the same shape. Who may call
+each route is `access.RULES`, checked before any handler runs: operators' bearer tokens
+(`fleet operators create`); read-only access without one on a loopback controller that has
+no operator yet. It listens on 127.0.0.1 unless told otherwise (`http.host`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from edge_agent.fleet.controller.access import AccessControl
 from edge_agent.fleet.controller.command_api import command_router
 from edge_agent.fleet.controller.commands import CommandSender
 from edge_agent.fleet.controller.metrics import ControllerMetrics
+from edge_agent.fleet.controller.operator_api import operator_router
+from edge_agent.fleet.controller.operators import Operator
 from edge_agent.fleet.controller.releases.artifacts import artifacts_router
 from edge_agent.fleet.controller.releases.repository import releases_dir
 from edge_agent.fleet.controller.rollout_api import rollout_router
@@ -52,17 +56,19 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
                broker_connected: Callable[[], bool] = lambda: False,
                state_dir: Path | None = None, loopback: bool = True,
                metrics_open: bool | None = None,
-               commands: CommandSender | None = None) -> FastAPI:
+               commands: CommandSender | None = None,
+               local: Operator | None = None) -> FastAPI:
     """`state_dir`: the controller's; its signed release repository is served under
     /releases/ (metadata and model files, with Range, for the boxes' `fleet.artifacts_url`)
     and rollouts are started from it. `loopback`: whether
     the server is bound to a loopback address only (`access` opens reads to the host's
     users while no operator exists, and `/metrics` unless `metrics_open` says). `commands`:
-    the controller's key and broker, for `POST /commands` (None: it answers 503)."""
+    the controller's key and broker, for `POST /commands` (None: it answers 503). `local`:
+    the CLI's own app on the controller host, every request made as that operator."""
     app = FastAPI(title="edge-agent fleet controller", version=__version__,
                   docs_url=None, redoc_url=None)
     app.add_middleware(AccessControl, store=store, loopback=loopback,
-                       metrics_open=metrics_open)
+                       metrics_open=metrics_open, local=local)
     if state_dir is not None:
         app.include_router(artifacts_router(releases_dir(state_dir)), prefix="/releases")
 
@@ -100,7 +106,12 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
 
     @app.get("/devices")
     def devices() -> dict[str, Any]:
-        return {"devices": store.devices()}
+        return {"devices": [{**d, "loss": store.loss(d["device"])} for d in store.devices()]}
+
+    @app.get("/latest-metrics")
+    def latest_metrics() -> dict[str, Any]:
+        return {"devices": [{"device": d["device"], "metrics": store.latest_metrics(d["device"])}
+                            for d in store.devices()]}
 
     @app.get("/devices/{device_id}", response_model=None)
     def device(device_id: str) -> dict[str, Any] | JSONResponse:
@@ -128,12 +139,6 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
 
     app.include_router(rollout_router(store, state_dir))
     app.include_router(command_router(store, commands))
-
-    @app.get("/audit")
-    def audit(since: float | None = None, operator: str | None = Query(None, max_length=64),
-              target: str | None = Query(None, max_length=64),
-              limit: int = Query(1000, ge=1, le=10_000)) -> dict[str, Any]:
-        return {"actions": [a.to_json() for a in store.actions(
-            since=since, operator=operator, target=target, limit=limit)]}
+    app.include_router(operator_router(store))
 
     return app

@@ -1,9 +1,10 @@
 """Who did what to the fleet: one row per operator action, kept apart from what the boxes
 report, and never changed once written.
 
-An action is a rollout's start, pause, resume, abort or rollback, or an operator's token
-made or revoked, through the API (the token's operator, the caller's address) or from
-the CLI on the controller host (`local:<unix user>`, source `cli`). Its row says when, who
+An action is a rollout's start, pause, resume, abort or rollback, a command sent, or an
+operator's token made or revoked, through the API: by a token's operator from the
+caller's address, or by the CLI on the controller host (its in-process app:
+`local:<unix user>`, role `host`, source `cli`). Its row says when, who
 with which role, from where, the action and its target, the request as given, and the
 outcome: the HTTP status it got (2xx done, 4xx refused, with the reason). A refused action
 is recorded too, so an attempt to do more than a role allows is on the trail.
@@ -152,11 +153,3 @@ def audited(store: AuditStore, *, operator: str, role: str, source: str, action:
         done.record(500, f"failed: {type(exc).__name__}: {exc}")
         raise
     done.record(200, "done")
-
-
-def audited_from_cli(store: AuditStore, action: str, target: str | None,
-                     request: Mapping[str, Any]) -> AbstractContextManager[Action]:
-    """`audited` for a command run on the controller host: the Unix user, role `host` (it
-    opens the store itself), source `cli`."""
-    return audited(store, operator=local_operator(), role="host", source="cli",
-                   action=action, target=target, request=request)

@@ -3,6 +3,7 @@
     POST /commands   {"device": ID | null, "all": false, "type": "ping", "args": {},
                       "fleet": null, "wait_s": 30}
                      → {"command": signed, "results": [...], "missing": [...]}
+    GET  /commands/{id}  {"command": signed, "results": [...]} as stored so far
 
 The controller signs with its own command key (`command_signing_key_file`, which never
 leaves its host), records the command and publishes it, then waits up to `wait_s` (at most
@@ -17,8 +18,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from edge_agent.errors import InvalidRequest, ServiceUnavailable
+from edge_agent.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
 from edge_agent.fleet.controller import commands
+from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol.ids import check_id
@@ -44,12 +46,9 @@ def command_router(store: ControllerStore, sender: commands.CommandSender | None
 
     @router.post("/commands")
     def send(body: CommandSend, request: Request) -> dict[str, Any]:
-        who = request.state.operator
         target = commands.ALL if body.all else body.device
-        with audited(store, operator=who.name, role=who.role,
-                     source=request.client.host if request.client else "unknown",
-                     action="command.send", target=target,
-                     request=body.model_dump()):
+        with audited(store, action="command.send", target=target,
+                     request=body.model_dump(), **actor(request)):
             if (body.device is None) != body.all:
                 raise InvalidRequest("name one device, or all", param="device")
             for kind, value in (("device", body.device), ("fleet", body.fleet)):
@@ -67,5 +66,12 @@ def command_router(store: ControllerStore, sender: commands.CommandSender | None
         results = commands.wait(store, sent, body.wait_s) if body.wait_s else []
         missing = sorted(set(sent.expected) - {r["device"] for r in results})
         return {"command": sent.command, "results": results, "missing": missing}
+
+    @router.get("/commands/{command_id}")
+    def command(command_id: str) -> dict[str, Any]:
+        found = store.command(command_id)
+        if found is None:
+            raise ModelNotFound(f"no command {command_id}")
+        return {"command": found, "results": store.command_results(command_id)}
 
     return router

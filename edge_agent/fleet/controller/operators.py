@@ -9,7 +9,8 @@ controller on the same store, with no restart and no cache to expire.
 
 Roles are ranked: a `viewer` reads; an `operator` also starts, pauses, resumes, aborts
 and rolls back rollouts and sends commands; an `admin` also manages operators and
-devices. A name has at most one live token (a new one needs the old one revoked), so the
+devices. The CLI on the controller host acts as `local:<unix user>` with the role `host`,
+which no token has. A name has at most one live token (a new one needs the old one revoked), so the
 name in the audit trail is one person's.
 
 `OperatorQueries` is held by `sql.SQLStore` (SQLite and PostgreSQL alike), as the
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from edge_agent.fleet.controller.sql import Exec
 
 ROLES: tuple[str, ...] = ("viewer", "operator", "admin")  # each may do what those before it may
+# Not a token's role: whoever runs `edge-agent fleet …` on the controller host with the store
+# in reach (the CLI's in-process client), who could write the store anyway.
+HOST = "host"
 TOKEN_PREFIX = "eop"
 OPERATOR_NAME = re.compile(r"[a-z0-9][a-z0-9._@-]{0,63}")
 
@@ -57,8 +61,9 @@ def check_name(name: str) -> str:
 
 
 def may(role: str, needed: str) -> bool:
-    """Whether `role` covers `needed` (an admin may do what an operator may, and so on)."""
-    return ROLES.index(role) >= ROLES.index(needed)
+    """Whether `role` covers `needed` (an admin may do what an operator may, and so on;
+    the host everything)."""
+    return role == HOST or ROLES.index(role) >= ROLES.index(needed)
 
 
 @dataclass(frozen=True)

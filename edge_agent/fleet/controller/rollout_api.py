@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from edge_agent.errors import ModelNotFound
 from edge_agent.fleet.controller import rollout_ops
+from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
-from edge_agent.fleet.controller.operators import Operator
 from edge_agent.fleet.controller.store import ControllerStore
 
 
@@ -42,14 +42,6 @@ class RolloutStart(BaseModel):
     device_timeout: str = Field("2h", max_length=40)
     rollback_on_abort: bool = False
     id: str | None = Field(None, max_length=64)
-
-
-def _operator(request: Request) -> Operator:
-    return request.state.operator  # type: ignore[no-any-return]
-
-
-def _source(request: Request) -> str:
-    return request.client.host if request.client else "unknown"
 
 
 def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
@@ -71,16 +63,14 @@ def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
     def rollout(rollout_id: str) -> dict[str, Any]:
         found = store.rollout(rollout_id)
         if found is None:
-            raise ModelNotFound(f"no rollout {rollout_id!r}")
+            raise ModelNotFound(f"no rollout {rollout_id}")
         return rollout_ops.report(found, store.rollout_devices(rollout_id), time.time(),
                                   store.actions(target=rollout_id))
 
     @router.post("/rollouts", status_code=201)
     def start(body: RolloutStart, request: Request) -> dict[str, Any]:
-        who = _operator(request)
-        with audited(store, operator=who.name, role=who.role, source=_source(request),
-                     action="rollout.start", target=body.id,
-                     request=body.model_dump()) as action:
+        with audited(store, action="rollout.start", target=body.id,
+                     request=body.model_dump(), **actor(request)) as action:
             if state_dir is None:
                 raise ModelNotFound("this controller has no release repository")
             policy = rollout_ops.policy(
@@ -94,11 +84,11 @@ def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
 
     def act(verb: str) -> None:
         def acted(rollout_id: str, request: Request) -> dict[str, Any]:
-            who = _operator(request)
-            with audited(store, operator=who.name, role=who.role, source=_source(request),
-                         action=f"rollout.{verb}", target=rollout_id, request={}):
+            who = actor(request)
+            with audited(store, action=f"rollout.{verb}", target=rollout_id, request={},
+                         **who):
                 record = rollout_ops.act(store, rollout_id, verb, now=time.time(),
-                                         by=who.name)
+                                         by=who["operator"])
             return record.to_json()
 
         router.add_api_route(f"/rollouts/{{rollout_id}}/{verb}", acted, methods=["POST"],

@@ -460,6 +460,12 @@ class SQLStore:
                       [cid, device, _text(body.get("type")), status, _text(body.get("reason")),
                        None if result is None else _dumps(result), received])
 
+    def command(self, command_id: str) -> dict[str, Any] | None:
+        """A command as it was signed and sent, or None."""
+        with self._read() as db:
+            rows = db.rows("SELECT body FROM commands WHERE id = ?", [command_id])
+        return json.loads(rows[0][0]) if rows else None
+
     def command_results(self, command_id: str) -> list[dict[str, Any]]:
         with self._read() as db:
             rows = db.rows("SELECT id, device, type, status, reason, result, received FROM "

@@ -16,7 +16,8 @@ from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.operators import ROLES, may
 from edge_agent.fleet.controller.store import SQLiteStore
 
-SAMPLE_PARAMS = {"{device_id}": "d1", "{rollout_id}": "r1", "{path:path}": "metadata/1.root.json"}
+SAMPLE_PARAMS = {"{device_id}": "d1", "{rollout_id}": "r1", "{command_id}": "c1",
+                 "{name}": "nobody", "{path:path}": "metadata/1.root.json"}
 
 
 @pytest.fixture

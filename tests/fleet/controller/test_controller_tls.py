@@ -4,6 +4,7 @@ reaching it with only the controller's CA, a token and the URL."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from edge_agent.config import ConfigError
+from edge_agent.fleet.controller.audit import local_operator
 from edge_agent.fleet.controller.service import exposure_checked
 from edge_agent.fleet.controller.settings import load_controller_settings
 from edge_agent.fleet.controller.store import SQLiteStore
@@ -88,6 +90,28 @@ def test_a_desk_reaches_the_controller_over_https_and_a_reload_keeps_it_up(
                 (tmp_path / "serve.log").read_text()
             assert desk.get(f"{url}/devices", headers=auth).json() == {"devices": []}
             assert desk.get(f"{url}/devices").status_code == 401  # not loopback: tokens
+            # The same commands from the desk: the URL, the CA and a token file, no store.
+            token_file = tmp_path / "desk.token"
+            token_file.write_text(token + "\n")
+            remote = ["--controller", url, "--token-file", str(token_file), "--ca-file",
+                      str(ca.ca_cert)]
+            assert json.loads(cli("fleet", "devices", "--json", *remote).stdout) == []
+            refused = cli("fleet", "rollout", "start", "x:1b@1", "--waves", "100%", *remote,
+                          check=False)
+            assert refused.returncode == 1 and "edge-agent: operator 'desk' is a viewer: " \
+                "POST /rollouts needs operator" in refused.stderr
+            signing = cli("fleet", "send", "store-a", "ping", "--key", str(ca.server_key),
+                          *remote, check=False)
+            assert signing.returncode == 2 and "--key: through --controller, the controller " \
+                "signs" in signing.stderr
+            untrusted = cli("fleet", "devices", "--controller", url, "--token-file",
+                            str(token_file), check=False)  # the system CAs do not know it
+            assert untrusted.returncode == 1 and "cannot reach the controller" in \
+                untrusted.stderr
+            audit = json.loads(cli("fleet", "audit", "--json", *remote).stdout)
+            assert [(a["operator"], a["action"], a["status"]) for a in audit] == [
+                (local_operator(), "operators.create", 200),
+                ("desk", "POST /rollouts", 403)]  # a write its role does not allow
             assert desk.get(f"{url}/metrics").status_code == 401
             with pytest.raises(httpx.HTTPError):  # no plain HTTP on the port
                 httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)

@@ -99,9 +99,9 @@ def test_an_operator_starts_and_drives_a_rollout_and_the_trail_names_them(
     assert len(local) == 1 and local[0]["action"] == "rollout.pause" and \
         local[0]["operator"].startswith("local:") and local[0]["role"] == "host"
     assert all(a["source"] == "testclient" for a in status["actions"] if a not in local)
-    # A viewer's refused attempt never reached a handler: it is the access check's, not the
-    # trail's (a 403 there needs no row to be seen; the operator list says who may).
-    assert all(a["operator"] != "vic" for a in status["actions"])
+    # A viewer's attempts never reached a handler; the access check put them on the trail.
+    assert [(a.action, a.status) for a in store.actions(operator="vic")] == \
+        [("POST /rollouts", 403), ("POST /rollouts/r1/abort", 403)]
 
     code, shown, _ = _cli_json(state, "status", "r1")
     assert code == 0 and [a["action"] for a in shown["actions"]] == \
