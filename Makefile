@@ -63,6 +63,8 @@ system-deps:
 	command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || missing="$$missing debootstrap"; \
 	command -v systemd-nspawn >/dev/null 2>&1 || missing="$$missing systemd-container"; \
 	command -v objdump >/dev/null 2>&1 || missing="$$missing binutils"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing$$missing (Debian packages)"; \
 		sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \

@@ -10,11 +10,13 @@ the framework's route objects, whose shape changes between FastAPI releases): it
 before a body is read or parsed, so a caller without a token costs one store lookup at
 most and never reaches a handler.
 
-A token is `Authorization: Bearer eop_…` (`operators`); it is looked up in the store on
-each request, so a revocation holds from the next request on. Refusals are the
-controller's `{"error": "..."}`: 401 (no token, a malformed or unknown or revoked one,
-with `WWW-Authenticate: Bearer`) or 403 (a role below the route's; a write refused so is
-on the audit trail too, as the method and path the operator tried).
+A token is `Authorization: Bearer eop_…` (`operators`), or on the console's pages the
+session cookie that holds it (`console.session`; a console GET without one is sent to the
+login page); it is looked up in the store on each request, so a revocation holds from the
+next request on. Refusals are the controller's `{"error": "..."}`: 401 (no token, a
+malformed or unknown or revoked one, with `WWW-Authenticate: Bearer`) or 403 (a role below
+the route's; a write refused so is on the audit trail too, as the method and path the
+operator tried).
 
 The CLI on the controller host builds the same app in its own process (`local`: its
 user, who has the store in reach anyway) and reaches it with no socket and no token.
@@ -32,6 +34,7 @@ import json
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
+from urllib.parse import urlencode
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -69,6 +72,19 @@ RULES: Mapping[tuple[str, str], str] = {
     ("POST", "/rollouts/{rollout_id}/resume"): "operator",
     ("POST", "/rollouts/{rollout_id}/abort"): "operator",
     ("POST", "/rollouts/{rollout_id}/rollback"): "operator",
+    # The console (`console`): its pages read like the API's GETs, its forms act like
+    # its POSTs; the login page and the static files are for anyone.
+    ("GET", "/"): "viewer",
+    ("GET", "/console/login"): PUBLIC,
+    ("POST", "/console/login"): PUBLIC,
+    ("POST", "/console/logout"): PUBLIC,
+    ("GET", "/console/static/{name}"): PUBLIC,
+    ("GET", "/console/rollouts"): "viewer",
+    ("POST", "/console/rollouts"): "operator",
+    ("GET", "/console/rollouts/{rollout_id}"): "viewer",
+    ("POST", "/console/rollouts/{rollout_id}/{verb}"): "operator",
+    ("GET", "/console/releases"): "viewer",
+    ("GET", "/console/audit"): "viewer",
     ("GET", "/releases/{path:path}"): PUBLIC,
     ("HEAD", "/releases/{path:path}"): PUBLIC,
 }
@@ -126,7 +142,10 @@ class AccessControl:
         try:
             operator = await self._check(scope)
         except AccessRefused as refused:
-            await _refuse(send, refused)
+            if refused.status == 401 and is_console(scope["path"]) and scope["method"] == "GET":
+                await _to_login(send, scope)
+            else:
+                await _refuse(send, refused)
             return
         scope.setdefault("state", {})["operator"] = operator
         await self.app(scope, receive, send)
@@ -156,6 +175,9 @@ class AccessControl:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", [])}
         token = bearer(headers)
+        console = is_console(scope["path"])
+        if token is None and console:  # a browser: the session cookie (console.session)
+            token = _cookie(headers.get("cookie", ""))
         if token is None:
             if (self.loopback and needed == "viewer"
                     and not await run_in_threadpool(self.store.any_operator)):
@@ -179,6 +201,31 @@ class AccessControl:
                     status=403, outcome=str(refused)))
             raise refused
         return operator
+
+
+def is_console(path: str) -> bool:
+    return path == "/" or path.startswith("/console/")
+
+
+def _cookie(header: str) -> str | None:
+    from http.cookies import CookieError, SimpleCookie
+
+    from edge_agent.fleet.controller.console.session import COOKIE
+
+    try:
+        jar = SimpleCookie(header)
+    except CookieError:
+        return None
+    found = jar.get(COOKIE)
+    return found.value if found is not None and found.value else None
+
+
+async def _to_login(send: Send, scope: Scope) -> None:
+    """A browser without a session: to the login page, back here after it."""
+    target = "/console/login?" + urlencode({"next": scope["path"]})
+    await send({"type": "http.response.start", "status": 303,
+                "headers": [(b"location", target.encode()), (b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
 
 
 async def _refuse(send: Send, refused: AccessRefused) -> None:

@@ -11,6 +11,7 @@ boxes.
     …/rollouts                    read, start, pause, resume, abort, roll back: `rollout_api`
     …/commands                    `fleet send`: `command_api`
     …/operators, GET /audit       tokens (admin) and who did what: `operator_api`
+    GET /, /console/…             the web console: `console`
 
 An app factory only (no module-level app): `fleet serve` builds it with the store and the
 ingest it runs, and the CLI builds it in its own process on the controller host
@@ -38,6 +39,7 @@ from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.controller.access import AccessControl
 from edge_agent.fleet.controller.command_api import command_router
 from edge_agent.fleet.controller.commands import CommandSender
+from edge_agent.fleet.controller.console import console_router
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.operator_api import operator_router
 from edge_agent.fleet.controller.operators import Operator
@@ -140,5 +142,6 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
     app.include_router(rollout_router(store, state_dir))
     app.include_router(command_router(store, commands))
     app.include_router(operator_router(store))
+    app.include_router(console_router(store, state_dir))
 
     return app

@@ -15,16 +15,19 @@ engine (on the leader) signs and publishes the commands.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from edge_agent.errors import ModelNotFound
+from edge_agent.config import ConfigError
+from edge_agent.errors import ModelNotFound, ServiceUnavailable
 from edge_agent.fleet.controller import rollout_ops
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
+from edge_agent.fleet.controller.rollout_records import RolloutRecord
 from edge_agent.fleet.controller.store import ControllerStore
 
 
@@ -42,6 +45,34 @@ class RolloutStart(BaseModel):
     device_timeout: str = Field("2h", max_length=40)
     rollback_on_abort: bool = False
     id: str | None = Field(None, max_length=64)
+
+
+def start_rollout(store: ControllerStore, state_dir: Path | None, body: RolloutStart,
+                  who: Mapping[str, str]) -> RolloutRecord:
+    """A rollout started by `who` (`access.actor`) and put on the audit trail, done or
+    refused: the API's and the console's one way."""
+    with audited(store, action="rollout.start", target=body.id, request=body.model_dump(),
+                 **who) as action:
+        if state_dir is None:
+            raise ModelNotFound("this controller has no release repository")
+        policy = rollout_ops.policy(
+            body.waves, abort_above=body.abort_above, min_executed=body.min_executed,
+            soak=body.soak, device_timeout=body.device_timeout,
+            rollback_on_abort=body.rollback_on_abort)
+        try:
+            record = rollout_ops.start(store, state_dir, body.release, body.devices, policy,
+                                       now=time.time(), rollout_id=body.id)
+        except ConfigError as exc:  # the repository is not there: the controller's to fix
+            raise ServiceUnavailable(str(exc)) from exc
+        action.target = record.id
+    return record
+
+
+def act_on_rollout(store: ControllerStore, rollout_id: str, verb: str,
+                   who: Mapping[str, str]) -> RolloutRecord:
+    """pause, resume, abort or rollback by `who`, on the audit trail, done or refused."""
+    with audited(store, action=f"rollout.{verb}", target=rollout_id, request={}, **who):
+        return rollout_ops.act(store, rollout_id, verb, now=time.time(), by=who["operator"])
 
 
 def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
@@ -69,27 +100,11 @@ def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
 
     @router.post("/rollouts", status_code=201)
     def start(body: RolloutStart, request: Request) -> dict[str, Any]:
-        with audited(store, action="rollout.start", target=body.id,
-                     request=body.model_dump(), **actor(request)) as action:
-            if state_dir is None:
-                raise ModelNotFound("this controller has no release repository")
-            policy = rollout_ops.policy(
-                body.waves, abort_above=body.abort_above, min_executed=body.min_executed,
-                soak=body.soak, device_timeout=body.device_timeout,
-                rollback_on_abort=body.rollback_on_abort)
-            record = rollout_ops.start(store, state_dir, body.release, body.devices, policy,
-                                       now=time.time(), rollout_id=body.id)
-            action.target = record.id
-        return record.to_json()
+        return start_rollout(store, state_dir, body, actor(request)).to_json()
 
     def act(verb: str) -> None:
         def acted(rollout_id: str, request: Request) -> dict[str, Any]:
-            who = actor(request)
-            with audited(store, action=f"rollout.{verb}", target=rollout_id, request={},
-                         **who):
-                record = rollout_ops.act(store, rollout_id, verb, now=time.time(),
-                                         by=who["operator"])
-            return record.to_json()
+            return act_on_rollout(store, rollout_id, verb, actor(request)).to_json()
 
         router.add_api_route(f"/rollouts/{{rollout_id}}/{verb}", acted, methods=["POST"],
                              name=f"rollout_{verb}")

@@ -460,6 +460,22 @@ class SQLStore:
                       [cid, device, _text(body.get("type")), status, _text(body.get("reason")),
                        None if result is None else _dumps(result), received])
 
+    def last_error(self, device: str) -> dict[str, Any] | None:
+        """The newest thing that went wrong for a box, as the console's fleet page shows it:
+        a command it refused or failed, or a rollout that failed on it."""
+        with self._read() as db:
+            found = db.rows(
+                "SELECT received, 'command ' || COALESCE(type, '') || ' ' || status, "
+                "COALESCE(reason, '') FROM command_results WHERE device = ? AND status <> 'ok' "
+                "UNION ALL SELECT updated_at, 'rollout ' || rollout_id || ' ' || state, "
+                "COALESCE(reason, '') FROM rollout_devices WHERE device = ? AND (state IN "
+                "('FAILED', 'REFUSED', 'REJECTED', 'ROLLED_BACK') OR outcome = 'timed_out') "
+                "ORDER BY 1 DESC LIMIT 1", [device, device])
+        if not found:
+            return None
+        at, what, reason = found[0]
+        return {"at": at, "what": what, "reason": reason}
+
     def command(self, command_id: str) -> dict[str, Any] | None:
         """A command as it was signed and sent, or None."""
         with self._read() as db:

@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from edge_agent.fleet.controller.access import PUBLIC, RULES, SCRAPE
+from edge_agent.fleet.controller.access import PUBLIC, RULES, SCRAPE, is_console
 from edge_agent.fleet.controller.api import create_app
+from edge_agent.fleet.controller.console import console_router
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.operators import ROLES, may
 from edge_agent.fleet.controller.store import SQLiteStore
@@ -38,9 +40,12 @@ UNDESCRIBED = {("GET", "/openapi.json"), ("HEAD", "/openapi.json"),
                ("GET", "/releases/{path:path}"), ("HEAD", "/releases/{path:path}")}
 
 
-def _routes(app: FastAPI) -> set[tuple[str, str]]:
+def _routes(app: FastAPI, store: SQLiteStore) -> set[tuple[str, str]]:
+    """Every route: those the OpenAPI description lists, and the console's pages."""
+    console = {(method, route.path) for route in console_router(store, None).routes
+               for method in getattr(route, "methods", ())}
     return {(method.upper(), path) for path, item in app.openapi()["paths"].items()
-            for method in item} | UNDESCRIBED
+            for method in item} | UNDESCRIBED | console
 
 
 def _url(path: str) -> str:
@@ -49,13 +54,16 @@ def _url(path: str) -> str:
     return path
 
 
-def _refused(status: int) -> bool:
-    return status in (401, 403)
+def _refused(response: httpx.Response) -> bool:
+    """Refused: 401 or 403, or a console page's way of saying 401 (to the login page)."""
+    return response.status_code in (401, 403) or (
+        response.status_code == 303
+        and response.headers["location"].startswith("/console/login"))
 
 
 def test_every_route_has_a_rule_and_every_rule_a_route(store: SQLiteStore,
                                                        tmp_path: Path) -> None:
-    routes = _routes(_app(store, tmp_path))
+    routes = _routes(_app(store, tmp_path), store)
     assert routes == set(RULES), (routes ^ set(RULES))
     assert set(RULES.values()) <= {PUBLIC, SCRAPE, *ROLES}
 
@@ -77,17 +85,22 @@ def test_each_role_is_allowed_or_refused_on_each_route(store: SQLiteStore, tmp_p
     }
     for (method, path), rule in sorted(RULES.items()):
         for caller, headers in callers.items():
-            response = http.request(method, _url(path), headers=headers)
-            if rule == PUBLIC:
-                allowed = True
-            elif caller not in ROLES:
+            response = http.request(method, _url(path), headers=headers,
+                                    follow_redirects=False)
+            if rule == PUBLIC:  # reached its handler (a sign-in with no token says 401 itself)
+                assert response.status_code < 500 and response.status_code != 403, \
+                    f"{caller} {method} {path} -> {response.status_code}"
+                continue
+            if caller not in ROLES:
                 allowed = rule == SCRAPE and loopback
             else:
                 allowed = rule == SCRAPE or may(caller, rule)
             where = f"{caller} {method} {path} ({rule}) -> {response.status_code}"
-            assert _refused(response.status_code) != allowed, where
+            assert _refused(response) != allowed, where
             assert response.status_code < 500, where
-            if not allowed:
+            if not allowed and method == "GET" and is_console(path):
+                assert response.status_code == (403 if caller in ROLES else 303), where
+            elif not allowed:
                 assert response.status_code == (403 if caller in ROLES else 401), where
                 if method != "HEAD":
                     body = response.json()
@@ -138,7 +151,7 @@ def test_a_route_without_a_rule_is_unreachable(store: SQLiteStore, tmp_path: Pat
         reached.append(True)
         return {"reached": True}
 
-    assert ("GET", "/new") in _routes(app) - set(RULES)  # what the test above would catch
+    assert ("GET", "/new") in _routes(app, store) - set(RULES)  # what the test above would catch
     http = TestClient(app)
     assert http.get("/new").json() == {"error": "no route /new"} and not reached
     assert http.get("/nothing-here").status_code == 404

@@ -1,0 +1,231 @@
+"""The web console in a real headless Chromium (Debian's `chromium` and `chromium-driver`,
+driven by selenium), against a real `fleet serve`, a real Mosquitto and two simulated boxes
+(the agent's own link code, `tests.support.rolloutsim`): an operator signs in with a token,
+sees both boxes online with their versions, starts a rollout from a release and aborts it,
+starts another and watches its waves move to COMPLETED with no reload; a viewer sees the
+same pages without a single action button; a POST without the form's CSRF token is
+refused. A screenshot of each page goes to the test's tmp dir (and, with
+EDGE_AGENT_SCREENSHOTS=DIR, to DIR: the manual's pictures).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+from tests.ggufgen import write_tiny_gguf
+from tests.support.brokers import Mosquitto
+from tests.support.fleetkit import wait_until
+from tests.support.releasekit import make_repo
+from tests.support.rolloutkit import ENV, ROOT, cli
+from tests.support.rolloutsim import LinkFleet
+
+pytestmark = [pytest.mark.broker]
+
+NAME = "simmodel:1b"
+BOXES = ("sim-000", "sim-001")
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture
+def browser() -> Iterator[Callable[[], Any]]:
+    """New headless Chromium windows (each its own cookies), closed at the end."""
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("chromium and chromium-driver are not installed (make test installs "
+                    "them: apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    made: list[Any] = []
+
+    def make() -> Any:
+        options = webdriver.ChromeOptions()
+        options.binary_location = CHROMIUM
+        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                    "--disable-gpu", "--window-size=1280,900", "--no-first-run"):
+            options.add_argument(arg)
+        driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+        driver.set_page_load_timeout(60)
+        made.append(driver)
+        return driver
+
+    yield make
+    for driver in made:
+        driver.quit()
+
+
+@pytest.fixture
+def central(mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path
+            ) -> Iterator[dict[str, Any]]:
+    """`fleet serve` with a published release, two operators, two simulated boxes online."""
+    broker = mosquitto_factory(devices=BOXES, passwd_tool=False).start()
+    repo = make_repo(tmp_path)
+    repo.add(write_tiny_gguf(tmp_path / "model.gguf"), NAME, "2")
+    port = free_port()
+    config = tmp_path / "controller.toml"
+    config.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n'
+        f'command_signing_key_file = "{repo.keys.private("command")}"\n'
+        "rollout_tick_s = 0.3\n"
+        f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
+        f'password_file = "{broker.password_file("controller")}"\n'
+        f"[http]\nport = {port}\n")
+    tokens = {role: cli("fleet", "operators", "create", f"{role}-1", "--role", role,
+                        "--config", str(config)).stdout.strip()
+              for role in ("operator", "viewer")}
+    log = (tmp_path / "serve.log").open("wb")
+    serve = subprocess.Popen([sys.executable, "-m", "edge_agent", "fleet", "serve",
+                              "--config", str(config), "--log-level", "info"],
+                             env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {tokens['viewer']}"}
+
+    def healthy() -> bool:
+        try:
+            return bool(httpx.get(f"{url}/healthz", headers=auth, timeout=2)
+                        .json()["broker_connected"])
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+
+    fleet = None
+    try:
+        assert wait_until(healthy, 60, 0.2), (tmp_path / "serve.log").read_text()[-2000:]
+        fleet = LinkFleet(broker, repo.keys.public_file("command"), BOXES, tmp_path / "sim",
+                          step_s=0.4).connect()
+        assert wait_until(lambda: len(httpx.get(f"{url}/devices", headers=auth).json()[
+            "devices"]) == len(BOXES), 60, 0.2)
+        yield {"url": url, "tokens": tokens, "fleet": fleet, "auth": auth}
+    finally:
+        if fleet is not None:
+            fleet.close()
+        serve.terminate()
+        serve.wait(30)
+        log.close()
+
+
+def _shot(driver: Any, tmp_path: Path, name: str) -> None:
+    driver.save_screenshot(str(tmp_path / f"{name}.png"))
+    wanted = os.environ.get("EDGE_AGENT_SCREENSHOTS")
+    if wanted:
+        Path(wanted).mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(Path(wanted) / f"console-{name}.png"))
+
+
+def _sign_in(driver: Any, url: str, token: str) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    driver.get(f"{url}/")
+    assert "/console/login" in driver.current_url  # no session: to the sign-in page
+    field = driver.find_element(By.ID, "token")
+    assert driver.find_element(By.CSS_SELECTOR, "label[for=token]").text == "Operator token"
+    field.send_keys(token + Keys.ENTER)  # the keyboard alone
+    assert wait_until(lambda: driver.find_elements(By.ID, "devices"), 20, 0.1)
+
+
+def _text(driver: Any, element_id: str) -> str:
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        return str(driver.find_element(By.ID, element_id).text)
+    except (NoSuchElementException, StaleElementReferenceException):
+        return ""  # between two redraws of the live part
+
+
+def _start(driver: Any, url: str, waves: str, soak: str) -> str:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    driver.get(f"{url}/console/rollouts")
+    Select(driver.find_element(By.ID, "release")).select_by_value(f"{NAME}@2")
+    for field, value in (("waves", waves), ("soak", soak)):
+        box = driver.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    driver.find_element(By.CSS_SELECTOR, "#start button[type=submit]").click()
+    assert wait_until(lambda: "/console/rollouts/ro-" in driver.current_url, 20, 0.1), \
+        driver.page_source[-2000:]
+    return str(driver.current_url.rsplit("/", 1)[1])
+
+
+def test_an_operator_and_a_viewer_use_the_console(central: dict[str, Any],
+                                                  browser: Callable[[], Any],
+                                                  tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    url, fleet = central["url"], central["fleet"]
+    op = browser()
+    _sign_in(op, url, central["tokens"]["operator"])
+    assert "operator-1 (operator)" in _text(op, "who")
+    rows = {r.get_attribute("data-device"): r.text
+            for r in op.find_elements(By.CSS_SELECTOR, "#devices tbody tr")}
+    assert set(rows) == set(BOXES), rows
+    assert all("online" in text and "sim" in text for text in rows.values()), rows  # version
+    _shot(op, tmp_path, "fleet")
+
+    # A rollout started from the release, then aborted by the button, while boxes crawl.
+    for box in BOXES:
+        fleet[box].step_s = 3.0
+    first = _start(op, url, "1,100%", "0s")
+    op.find_element(By.ID, "act-abort").click()
+    assert wait_until(lambda: _text(op, "state").startswith("ABORTED"), 20, 0.2), \
+        _text(op, "state")
+    assert "abort by operator-1" in _text(op, "trail")
+    assert wait_until(lambda: httpx.get(f"{url}/rollouts/{first}", headers=central["auth"])
+                      .json()["settled"], 60, 0.3)
+
+    # Another, watched to the end on one page load: the live part moves by itself.
+    for box in BOXES:
+        fleet[box].step_s = 0.3
+    second = _start(op, url, "1,100%", "1s")
+    op.execute_script("window.__loadedOnce = 'yes';")
+    seen = set()
+
+    def completed() -> bool:
+        seen.add(_text(op, "progress"))
+        return _text(op, "state").startswith("COMPLETED")
+
+    assert wait_until(completed, 90, 0.2), (_text(op, "state"), seen)
+    assert op.execute_script("return window.__loadedOnce") == "yes"  # never reloaded
+    assert op.find_element(By.ID, "live").get_attribute("data-updated")
+    assert len(seen - {""}) >= 2, seen  # the progress line changed under our eyes
+    assert "2 active" in _text(op, "progress")
+    _shot(op, tmp_path, "rollout")
+    op.get(f"{url}/console/audit")
+    assert "rollout.start" in _text(op, "audit") and "operator-1" in _text(op, "audit")
+    _shot(op, tmp_path, "audit")
+    op.get(f"{url}/console/releases")
+    assert f"{NAME}@2" in _text(op, "releases")
+
+    # The same session's cookie without the form's CSRF token: refused, nothing done.
+    status = op.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        f"fetch('/console/rollouts/{second}/rollback', {{method: 'POST', "
+        "credentials: 'same-origin', headers: {'content-type': "
+        "'application/x-www-form-urlencoded'}, body: ''}).then(r => done(r.status));")
+    assert status == 403
+    assert httpx.get(f"{url}/rollouts/{second}", headers=central["auth"]).json()["state"] == \
+        "COMPLETED"
+
+    # A viewer: the same pages, no action anywhere, and the route refuses it anyway.
+    viewer = browser()
+    _sign_in(viewer, url, central["tokens"]["viewer"])
+    for page in (f"/console/rollouts/{second}", "/console/rollouts", "/"):
+        viewer.get(f"{url}{page}")
+        assert not viewer.find_elements(By.CSS_SELECTOR, "form.action"), page
+    _shot(viewer, tmp_path, "rollout-viewer")
+    csrf_free = viewer.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        f"fetch('/console/rollouts/{second}/rollback', {{method: 'POST', "
+        "credentials: 'same-origin', body: ''}).then(r => done(r.status));")
+    assert csrf_free == 403
