@@ -123,6 +123,32 @@ class Repository:
             proc.wait(30)
 
 
+def controller_config(path: Path, *, state: Path, key: Path, broker: Mosquitto,
+                      http: str) -> Path:
+    """A controller.toml for `fleet serve` on `broker`, its rollout engine quick (0.3 s
+    ticks); `http`: the lines of its [http] section."""
+    path.write_text(
+        f'state_dir = "{state}"\ncommand_signing_key_file = "{key}"\nrollout_tick_s = 0.3\n'
+        f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
+        f'password_file = "{broker.password_file("controller")}"\n[http]\n{http}\n')
+    return path
+
+
+@contextmanager
+def serving(config: Path, log: Path, env: Mapping[str, str] = ENV
+            ) -> Iterator[subprocess.Popen[bytes]]:
+    """`fleet serve --config CONFIG` logging to `log`, stopped (SIGTERM) at the end."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "fleet", "serve",
+                                 "--config", str(config), "--log-level", "info"],
+                                env=dict(env), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
 # -- the boxes ----------------------------------------------------------------------------
 
 @dataclass

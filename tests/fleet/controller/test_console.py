@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from tests.ggufgen import write_tiny_gguf
 from tests.support.brokers import Mosquitto
 from tests.support.fleetkit import wait_until
 from tests.support.releasekit import make_repo
-from tests.support.rolloutkit import ENV, ROOT, cli
+from tests.support.rolloutkit import cli, controller_config, serving
 from tests.support.rolloutsim import LinkFleet
 
 pytestmark = [pytest.mark.broker]
@@ -71,21 +69,12 @@ def central(mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path
     repo = make_repo(tmp_path)
     repo.add(write_tiny_gguf(tmp_path / "model.gguf"), NAME, "2")
     port = free_port()
-    config = tmp_path / "controller.toml"
-    config.write_text(
-        f'state_dir = "{tmp_path / "state"}"\n'
-        f'command_signing_key_file = "{repo.keys.private("command")}"\n'
-        "rollout_tick_s = 0.3\n"
-        f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
-        f'password_file = "{broker.password_file("controller")}"\n'
-        f"[http]\nport = {port}\n")
+    config = controller_config(tmp_path / "controller.toml", state=tmp_path / "state",
+                               key=repo.keys.private("command"), broker=broker,
+                               http=f"port = {port}")
     tokens = {role: cli("fleet", "operators", "create", f"{role}-1", "--role", role,
                         "--config", str(config)).stdout.strip()
               for role in ("operator", "viewer")}
-    log = (tmp_path / "serve.log").open("wb")
-    serve = subprocess.Popen([sys.executable, "-m", "edge_agent", "fleet", "serve",
-                              "--config", str(config), "--log-level", "info"],
-                             env=ENV, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {tokens['viewer']}"}
 
@@ -96,20 +85,16 @@ def central(mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path
         except (httpx.HTTPError, ValueError, KeyError):
             return False
 
-    fleet = None
-    try:
+    with serving(config, tmp_path / "serve.log"):
         assert wait_until(healthy, 60, 0.2), (tmp_path / "serve.log").read_text()[-2000:]
         fleet = LinkFleet(broker, repo.keys.public_file("command"), BOXES, tmp_path / "sim",
                           step_s=0.4).connect()
-        assert wait_until(lambda: len(httpx.get(f"{url}/devices", headers=auth).json()[
-            "devices"]) == len(BOXES), 60, 0.2)
-        yield {"url": url, "tokens": tokens, "fleet": fleet, "auth": auth}
-    finally:
-        if fleet is not None:
+        try:
+            assert wait_until(lambda: len(httpx.get(f"{url}/devices", headers=auth).json()[
+                "devices"]) == len(BOXES), 60, 0.2)
+            yield {"url": url, "tokens": tokens, "fleet": fleet, "auth": auth}
+        finally:
             fleet.close()
-        serve.terminate()
-        serve.wait(30)
-        log.close()
 
 
 def _shot(driver: Any, tmp_path: Path, name: str) -> None:
