@@ -19,7 +19,12 @@ from typing import Any
 import click
 
 from edge_agent.cli.common import EXIT_CHECK_FAILED, BadUsage, CheckFailed
-from edge_agent.cli.fleet import operators, release, rollout  # modules: their names stay theirs
+from edge_agent.cli.fleet import (  # modules: their names stay theirs
+    models,
+    operators,
+    release,
+    rollout,
+)
 from edge_agent.cli.fleet.client import (
     ControllerClient,
     client_options,
@@ -42,6 +47,7 @@ fleet.add_command(release.release)
 fleet.add_command(rollout.rollout)
 fleet.add_command(operators.operators)
 fleet.add_command(operators.audit)
+fleet.add_command(models.models)
 
 
 @fleet.command("serve")

@@ -66,6 +66,7 @@ RULES: Mapping[tuple[str, str], str] = {
     ("POST", "/operators"): "admin",
     ("POST", "/operators/{name}/revoke"): "admin",
     ("GET", "/rollouts"): "viewer",
+    ("GET", "/model-history"): "viewer",
     ("GET", "/rollouts/{rollout_id}"): "viewer",
     ("POST", "/rollouts"): "operator",
     ("POST", "/rollouts/{rollout_id}/pause"): "operator",

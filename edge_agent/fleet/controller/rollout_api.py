@@ -3,6 +3,7 @@ roll one back (operator).
 
     GET  /rollouts                    {"rollouts": [rollout, ...]} newest first (no devices)
     GET  /rollouts/{id}               one rollout as `fleet rollout status ID --json` prints it
+    GET  /model-history?name=N        every rollout of model N, newest first, with its actions
     POST /rollouts                    start: `fleet rollout start`'s options as JSON fields
     POST /rollouts/{id}/pause|resume|abort|rollback
 
@@ -29,6 +30,7 @@ from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
 from edge_agent.fleet.controller.rollout_records import RolloutRecord
 from edge_agent.fleet.controller.store import ControllerStore
+from edge_agent.names import ModelName
 
 
 class RolloutStart(BaseModel):
@@ -89,6 +91,20 @@ def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
             full.pop("devices")
             out.append(full)
         return {"rollouts": out}
+
+    @router.get("/model-history")
+    def model_history(name: str = Query(max_length=300),
+                      limit: int = Query(50, ge=1, le=1000)) -> dict[str, Any]:
+        """Every rollout of a model, newest first, each with who acted on it."""
+        model = ModelName.parse(name)
+        now = time.time()
+        out = []
+        for r in store.rollouts(name=model, limit=limit):
+            full = rollout_ops.report(r, store.rollout_devices(r.id), now,
+                                      store.actions(target=r.id))
+            full.pop("devices")
+            out.append(full)
+        return {"name": model, "rollouts": out}
 
     @router.get("/rollouts/{rollout_id}")
     def rollout(rollout_id: str) -> dict[str, Any]:

@@ -193,12 +193,20 @@ class RolloutQueries:
                            [rollout_id])
         return rollout_from_row(rows[0]) if rows else None
 
-    def rollouts(self, *, unsettled: bool = False, limit: int = 100) -> list[RolloutRecord]:
-        """Newest first; `unsettled`: only those the engine still drives."""
-        where = "WHERE settled = 0 " if unsettled else ""
+    def rollouts(self, *, unsettled: bool = False, limit: int = 100,
+                 name: str | None = None) -> list[RolloutRecord]:
+        """Newest first; `unsettled`: only those the engine still drives; `name`: only
+        that model's."""
+        where, params = [], []
+        if unsettled:
+            where.append("settled = 0")
+        if name is not None:
+            where.append("name = ?")
+            params.append(name)
+        clause = f"WHERE {' AND '.join(where)} " if where else ""
         with self._read() as db:
-            rows = db.rows(f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts {where}"
-                           "ORDER BY created_at DESC, id LIMIT ?", [int(limit)])
+            rows = db.rows(f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts {clause}"
+                           "ORDER BY created_at DESC, id LIMIT ?", [*params, int(limit)])
         return [rollout_from_row(r) for r in rows]
 
     def rollout_devices(self, rollout_id: str) -> list[DeviceRecord]:

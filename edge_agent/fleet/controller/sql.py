@@ -124,8 +124,9 @@ class SQLStore:
     def rollout(self, rollout_id: str) -> RolloutRecord | None:
         return self.rollout_rows.rollout(rollout_id)
 
-    def rollouts(self, *, unsettled: bool = False, limit: int = 100) -> list[RolloutRecord]:
-        return self.rollout_rows.rollouts(unsettled=unsettled, limit=limit)
+    def rollouts(self, *, unsettled: bool = False, limit: int = 100,
+                 name: str | None = None) -> list[RolloutRecord]:
+        return self.rollout_rows.rollouts(unsettled=unsettled, limit=limit, name=name)
 
     def rollout_devices(self, rollout_id: str) -> list[DeviceRecord]:
         return self.rollout_rows.rollout_devices(rollout_id)

@@ -120,6 +120,17 @@ def test_an_operator_starts_and_drives_a_rollout_and_the_trail_names_them(
         "request"] == {**body, "devices": "all", "abort_above": "10%", "min_executed": 3,
                        "device_timeout": "2h", "rollback_on_abort": False}
 
+    # The model's story on the controller's side: its rollouts, and who acted on each.
+    story = api.get(f"/model-history?name={NAME}", headers=viewer).json()
+    assert story["name"] == NAME and [r["id"] for r in story["rollouts"]] == ["r1"]
+    assert [a["operator"] for a in story["rollouts"][0]["actions"]][0] == "alice"
+    assert api.get("/model-history?name=Bad Name!", headers=viewer).status_code == 400
+    told = CliRunner().invoke(main, ["fleet", "models", "history", NAME, "--state-dir",
+                                     str(state)])
+    assert told.exit_code == 0, told.stderr
+    assert "1 rollout(s)" in told.stdout and "start by alice" in told.stdout
+    assert "abort by alice" in told.stdout and "ABORTED" in told.stdout
+
 
 @pytest.mark.parametrize(("body", "error"), [
     ({"release": f"{NAME}@2", "waves": "10%,50%"},
