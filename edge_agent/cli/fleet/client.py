@@ -1,10 +1,11 @@
 """The one path of every `edge-agent fleet …` command that reads or changes the fleet: the
 controller's API (`fleet.controller.api`), reached one of two ways.
 
-- From a desk: `--controller https://HOST:9464` (or `EDGE_AGENT_CONTROLLER`) with an
-  operator token (`--token-file`, `EDGE_AGENT_CONTROLLER_TOKEN_FILE`) and, for a CA of the
-  site's own, `--ca-file` (`EDGE_AGENT_CONTROLLER_CA_FILE`): HTTPS to the running `fleet
-  serve`, the token's role deciding what it may do.
+- From a desk: `--controller https://HOST:9464` (or `EDGE_AGENT_CONTROLLER`, or `url` in
+  the `[controller]` section of the file --config names) with an operator token
+  (`--token-file`, `EDGE_AGENT_CONTROLLER_TOKEN_FILE`, `token_file`) and, for a CA of the
+  site's own, `--ca-file` (`EDGE_AGENT_CONTROLLER_CA_FILE`, `ca_file`): HTTPS to the running
+  `fleet serve`, the token's role deciding what it may do.
 - On the controller host, with no `--controller`: the same app, built in this process over
   the store the controller settings name (`--config`, `--state-dir`, `--db`), as
   `local:<unix user>` with the role `host`. It works while `fleet serve` is stopped, as the
@@ -67,8 +68,10 @@ def client_options(fn: F) -> F:
 
 
 def remote() -> str | None:
-    """The --controller URL this command was given, if any."""
-    return click.get_current_context().meta.get(f"{_META}controller")
+    """The controller URL this command goes to (--controller, EDGE_AGENT_CONTROLLER or the
+    settings' [controller] url), if any."""
+    return click.get_current_context().meta.get(f"{_META}controller") or \
+        controller_settings().controller.url
 
 
 def segment(value: str) -> str:
@@ -136,13 +139,14 @@ def controller_client(*, settings: ControllerSettings | None = None,
     with its --key and broker flags); `create`: the local store may be made (the first
     operator)."""
     meta = click.get_current_context().meta
-    url = meta.get(f"{_META}controller")
+    settings = settings or controller_settings()
+    client = settings.controller  # a desk's file: [controller]; the flags win over it
+    url = meta.get(f"{_META}controller") or client.url
     if url:
-        with _remote(url, meta.get(f"{_META}token_file"),
-                     meta.get(f"{_META}controller_ca_file")) as http:
+        with _remote(url, meta.get(f"{_META}token_file") or client.token_file,
+                     meta.get(f"{_META}controller_ca_file") or client.ca_file) as http:
             yield ControllerClient(http)
         return
-    settings = settings or controller_settings()
     store = _local_store(settings, create=create)
     try:
         with httpx.Client(transport=InProcess(_local_app(settings, store, commands)),

@@ -120,6 +120,22 @@ class IngestSettings(_Section):
     batch_wait_s: float = Field(0.05, gt=0, description="Longest wait to fill a batch.")
 
 
+class ClientSettings(_Section):
+    """`[controller]`: where a desk's `edge-agent fleet …` commands go (a desk's own file,
+    given with --config; the flags and EDGE_AGENT_CONTROLLER* win over it)."""
+
+    url: str | None = Field(None, description="The controller's API, https://HOST:PORT; "
+                            "unset: this host's store, in-process.")
+    token_file: Path | None = Field(None, description="File holding the operator token.")
+    ca_file: Path | None = Field(None, description="PEM CA the controller's certificate is "
+                                 "checked against (default: the system's).")
+
+    @field_validator("token_file", "ca_file")
+    @classmethod
+    def _absolute_file(cls, path: Path | None) -> Path | None:
+        return None if path is None else path.expanduser().absolute()
+
+
 class ControllerSettings(LayeredSettings):
     # No environment layer (no env_prefix); keys in the file are spelt as here.
     model_config = SettingsConfigDict(extra="forbid", case_sensitive=True)
@@ -131,6 +147,7 @@ class ControllerSettings(LayeredSettings):
     broker: BrokerSettings = Field(default_factory=BrokerSettings)  # type: ignore[arg-type]
     http: HTTPSettings = Field(default_factory=HTTPSettings)  # type: ignore[arg-type]
     ingest: IngestSettings = Field(default_factory=IngestSettings)  # type: ignore[arg-type]
+    controller: ClientSettings = Field(default_factory=ClientSettings)  # type: ignore[arg-type]
     retention: RetentionSettings = Field(
         default_factory=RetentionSettings)  # type: ignore[arg-type]
     command_signing_key_file: Path | None = Field(

@@ -96,6 +96,11 @@ def test_a_desk_reaches_the_controller_over_https_and_a_reload_keeps_it_up(
             remote = ["--controller", url, "--token-file", str(token_file), "--ca-file",
                       str(ca.ca_cert)]
             assert json.loads(cli("fleet", "devices", "--json", *remote).stdout) == []
+            desk_file = tmp_path / "desk.toml"  # or a desk's own file, with no flag
+            desk_file.write_text(f'[controller]\nurl = "{url}"\ntoken_file = "{token_file}"\n'
+                                 f'ca_file = "{ca.ca_cert}"\n')
+            assert json.loads(cli("fleet", "devices", "--json", "--config",
+                                  str(desk_file)).stdout) == []
             refused = cli("fleet", "rollout", "start", "x:1b@1", "--waves", "100%", *remote,
                           check=False)
             assert refused.returncode == 1 and "edge-agent: operator 'desk' is a viewer: " \
