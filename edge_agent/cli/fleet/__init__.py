@@ -95,14 +95,18 @@ def _ago(ts: float | None) -> str:
     return f"{age:.0f}s ago"
 
 
-@fleet.command("devices")
+@fleet.group("devices", invoke_without_command=True)
 @client_options
 @json_option()
-def fleet_devices(as_json: bool) -> None:
-    """Devices: online or offline, last seen, versions, loss accounting (seqs missing and
-    duplicates dropped, over every boot; the outbox backlog the box last reported), active
-    models (name@digest, as the box last said: its birth, or a models.state event after any
-    change). --json has the ranges per boot: highest seq, gaps, dropped, retired."""
+@click.pass_context
+def fleet_devices(ctx: click.Context, as_json: bool) -> None:
+    """Devices: online or offline (or retired), last seen, versions, loss accounting (seqs
+    missing and duplicates dropped, over every boot; the outbox backlog the box last
+    reported), active models (name@digest, as the box last said: its birth, or a
+    models.state event after any change). --json has the ranges per boot: highest seq,
+    gaps, dropped, retired. `retire` and `restore` take a box out of service and back."""
+    if ctx.invoked_subcommand is not None:
+        return
     with controller_client() as api:
         devices = api.get("/devices")["devices"]
     if as_json:
@@ -111,7 +115,8 @@ def fleet_devices(as_json: bool) -> None:
     table([("DEVICE", "<20"), ("FLEET", "<12"), ("STATUS", "<8"), ("LAST SEEN", "<10"),
            ("AGENT", "<8"), ("LLAMA.CPP", "<10"), ("LOSS", "<22"), ("OUTBOX", "<8"),
            ("ACTIVE MODELS", "")],
-          ([d["device"], d["fleet"], "online" if d["online"] else "offline",
+          ([d["device"], d["fleet"],
+            "retired" if d.get("retired") else "online" if d["online"] else "offline",
             _ago(d["last_seen"]), d["agent_version"] or "-", d["llama_cpp_version"] or "-",
             _loss(d["loss"]), str((d["loss"]["outbox"] or {}).get("depth", "-")),
             ",".join(f"{m['name']}@{m['digest'][:12]}" for m in d["models"]
@@ -120,6 +125,34 @@ def fleet_devices(as_json: bool) -> None:
     if gapped:
         click.echo(f"\n{len(gapped)} device(s) with gaps (messages lost): {', '.join(gapped)}; "
                    "fleet devices --json lists the ranges per boot")
+
+
+def _retirement(device: str, retire: bool) -> None:
+    with controller_client() as api:
+        found = api.post(f"/devices/{segment(device)}/{'retire' if retire else 'restore'}")
+    if retire:
+        click.echo(f"retired {device}: kept in the store, left out of every rollout; its "
+                   "broker password still works until the broker's files are made again "
+                   "without it (fleet broker-config)")
+    else:
+        click.echo(f"restored {device}: {'online' if found['online'] else 'offline'}, "
+                   "selectable by rollouts again")
+
+
+@fleet_devices.command("retire")
+@client_options
+@click.argument("device")
+def devices_retire(device: str) -> None:
+    """Take DEVICE out of service (admin): its history stays, rollouts leave it out."""
+    _retirement(device, True)
+
+
+@fleet_devices.command("restore")
+@client_options
+@click.argument("device")
+def devices_restore(device: str) -> None:
+    """Put a retired DEVICE back in service (admin)."""
+    _retirement(device, False)
 
 
 def _loss(loss: dict[str, Any]) -> str:

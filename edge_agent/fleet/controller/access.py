@@ -58,6 +58,8 @@ RULES: Mapping[tuple[str, str], str] = {
     ("GET", "/devices"): "viewer",
     ("GET", "/devices/{device_id}"): "viewer",
     ("GET", "/devices/{device_id}/metrics"): "viewer",
+    ("POST", "/devices/{device_id}/retire"): "admin",
+    ("POST", "/devices/{device_id}/restore"): "admin",
     ("GET", "/latest-metrics"): "viewer",
     ("GET", "/audit"): "viewer",
     ("POST", "/commands"): "operator",

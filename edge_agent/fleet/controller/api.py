@@ -8,6 +8,7 @@ boxes.
     GET /latest-metrics           {"devices": [{"device": id, "metrics": latest}, ...]}
     GET /devices/{id}             one device (404 if unknown), with its loss accounting
     GET /devices/{id}/metrics     {"device": id, "metrics": [newest first]} (?limit=1..1000)
+    POST /devices/{id}/retire     (admin) out of service: kept, left out of rollouts; /restore
     …/rollouts                    read, start, pause, resume, abort, roll back: `rollout_api`
     …/commands                    `fleet send`: `command_api`
     …/operators, GET /audit       tokens (admin) and who did what: `operator_api`
@@ -24,6 +25,7 @@ no operator yet. It listens on 127.0.0.1 unless told otherwise (`http.host`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edge_agent import __version__
-from edge_agent.errors import EdgeAgentError
-from edge_agent.fleet.controller.access import AccessControl
+from edge_agent.errors import EdgeAgentError, ModelNotFound
+from edge_agent.fleet.controller.access import AccessControl, actor
+from edge_agent.fleet.controller.audit import audited
 from edge_agent.fleet.controller.command_api import command_router
 from edge_agent.fleet.controller.commands import CommandSender
 from edge_agent.fleet.controller.console import console_router
@@ -125,6 +128,25 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
         if found is None:
             return _problem(404, f"no device {device_id!r}")
         return {**found, "loss": store.loss(device_id)}
+
+    def retirement(device_id: str, request: Request, retire: bool) -> dict[str, Any]:
+        who = actor(request)
+        with audited(store, action="device.retire" if retire else "device.restore",
+                     target=device_id, request={}, **who):
+            if not store.retire(device_id, by=who["operator"] if retire else None,
+                                now=time.time()):
+                raise ModelNotFound(f"no device {device_id!r}")
+        found = store.device(device_id)
+        assert found is not None
+        return found
+
+    @app.post("/devices/{device_id}/retire")
+    def retire(device_id: str, request: Request) -> dict[str, Any]:
+        return retirement(device_id, request, True)
+
+    @app.post("/devices/{device_id}/restore")
+    def restore(device_id: str, request: Request) -> dict[str, Any]:
+        return retirement(device_id, request, False)
 
     @app.get("/devices/{device_id}/metrics", response_model=None)
     def device_metrics(device_id: str, limit: int = Query(1, ge=1, le=1000)

@@ -6,7 +6,7 @@ These only write the store: the rollout engine inside the running `fleet serve`
 `fleet rollout …` works the same from any machine that reaches the store, and a rollout
 written while `fleet serve` is down starts when it comes back.
 
-Selectors (`--devices`), comma-separated, their union:
+Selectors (`--devices`), comma-separated, their union; a retired box is never selected:
     all          every device that ever reported to this controller (the default)
     fleet:ID     the devices of fleet ID
     store-0*     a glob on device ids (`*`, `?`, `[…]`)
@@ -73,7 +73,8 @@ def parse_ref(ref: str) -> tuple[str, str]:
 
 def select_devices(known: Iterable[Mapping[str, Any]], selector: str) -> dict[str, str]:
     """The devices a selector names (module docstring), each with its fleet."""
-    fleets = {str(d["device"]): str(d["fleet"]) for d in known}
+    retired = {str(d["device"]) for d in known if d.get("retired")}
+    fleets = {str(d["device"]): str(d["fleet"]) for d in known if str(d["device"]) not in retired}
     chosen: set[str] = set()
     unknown: list[str] = []
     items = [item.strip() for item in selector.split(",")]
@@ -95,6 +96,9 @@ def select_devices(known: Iterable[Mapping[str, Any]], selector: str) -> dict[st
                 raise InvalidRequest(str(exc), param="devices") from None
             if item in fleets:
                 chosen.add(item)
+            elif item in retired:
+                raise InvalidRequest(f"{item} is retired (fleet devices restore {item} first)",
+                                     param="devices")
             else:
                 unknown.append(item)
     if unknown:

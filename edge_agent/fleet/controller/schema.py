@@ -6,7 +6,7 @@ messages, commands), `rollout_sql.RolloutQueries` (rollouts) and
 
 | table | one row per | written by |
 |---|---|---|
-| `devices` | box: online, bdseq, boot, birth, models | ingest (birth, death, models.state) |
+| `devices` | box: online, bdseq, boot, birth, models, retired | ingest, `fleet devices retire` |
 | `messages` | message a box sent (device, boot_id, seq) | ingest |
 | `dropped` | range of seqs a box's outbox dropped | ingest (outbox.dropped) |
 | `duplicates` | box and boot: messages delivered twice | ingest |
@@ -124,5 +124,10 @@ SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
             request TEXT NOT NULL, status INTEGER NOT NULL, outcome TEXT NOT NULL)""",
         "CREATE INDEX operator_actions_by_time ON operator_actions (at)",
         "CREATE INDEX operator_actions_by_operator ON operator_actions (operator, at)",
+    )),
+    # A box an admin took out of service: kept, left out of rollouts (`fleet devices retire`).
+    ("m010_device_retirement", (
+        "ALTER TABLE devices ADD COLUMN retired DOUBLE PRECISION",
+        "ALTER TABLE devices ADD COLUMN retired_by TEXT",
     )),
 )

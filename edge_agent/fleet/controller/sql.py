@@ -38,6 +38,8 @@ COMMAND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 _DEVICE_COLUMNS = ("device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, "
                    "last_birth, last_death, models")
+# What a device row reads as: its columns and whether an admin retired it.
+_DEVICE_READ = f"{_DEVICE_COLUMNS}, retired, retired_by"
 # The models column takes a newer report only (births and events travel apart: a birth
 # on the status topic, a models.state in the outbox, which may deliver it late).
 _NEWER_MODELS = ("models = CASE WHEN devices.models_ts IS NULL OR excluded.models_ts >= "
@@ -360,6 +362,13 @@ class SQLStore:
                     _dumps(dict(message)), received, received, received, models,
                     models_ts if models is not None else None])
 
+    def retire(self, device: str, *, by: str | None, now: float) -> bool:
+        """A box out of service (`by`: who), or back in it (None): a retired box keeps its
+        history and is left out of every rollout. False for a device never seen."""
+        with self._tx() as db:
+            return db.run("UPDATE devices SET retired = ?, retired_by = ? WHERE device = ?",
+                          [None if by is None else now, by, device]) > 0
+
     def death(self, fleet: str, device: str, message: Mapping[str, Any], received: float) -> bool:
         """Offline only if the death's bdseq is the current session's (a stale Will from an
         older session leaves a newer one online); True if it marked the device offline."""
@@ -377,11 +386,11 @@ class SQLStore:
     def devices(self) -> list[dict[str, Any]]:
         with self._read() as db:
             return [_device(row) for row in db.rows(
-                f"SELECT {_DEVICE_COLUMNS} FROM devices ORDER BY device")]
+                f"SELECT {_DEVICE_READ} FROM devices ORDER BY device")]
 
     def device(self, device: str) -> dict[str, Any] | None:
         with self._read() as db:
-            rows = db.rows(f"SELECT {_DEVICE_COLUMNS} FROM devices WHERE device = ?", [device])
+            rows = db.rows(f"SELECT {_DEVICE_READ} FROM devices WHERE device = ?", [device])
             if not rows:
                 return None
             found = _device(rows[0])
@@ -510,7 +519,7 @@ def check_models(value: Any) -> list[dict[str, Any]]:
 def _device(row: tuple[Any, ...]) -> dict[str, Any]:
     """A device row as the API and `fleet devices` show it (the birth's facts lifted)."""
     (device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, last_birth,
-     last_death, models_now) = row
+     last_death, models_now, retired, retired_by) = row
     facts: dict[str, Any] = json.loads(birth) if birth else {}
     models = json.loads(models_now) if models_now else facts.get("models")
     if not isinstance(models, list):
@@ -526,4 +535,5 @@ def _device(row: tuple[Any, ...]) -> dict[str, Any]:
         "models": models,
         "active_models": [m.get("name") for m in models
                           if isinstance(m, dict) and m.get("active")],
+        "retired": None if retired is None else {"at": retired, "by": retired_by},
     }

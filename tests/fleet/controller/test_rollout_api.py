@@ -213,3 +213,35 @@ def test_a_running_controller_takes_tokens_and_drops_a_revoked_one_without_a_res
             ("alice", "rollout.start", None, 404),
             (local_operator(), "operators.revoke", "alice", 200)]
         assert trail[1]["source"] == "127.0.0.1" and trail[1]["role"] == "operator"
+
+
+def test_a_retired_box_keeps_its_history_and_no_rollout_selects_it(
+        api: TestClient, store: SQLiteStore, state: Path) -> None:
+    admin = _auth(store, "ada", "admin")
+    operator = _auth(store, "otto", "operator")
+    assert api.post("/devices/d3/retire", headers=operator).status_code == 403
+    retired = api.post("/devices/d3/retire", headers=admin).json()
+    assert retired["device"] == "d3" and retired["retired"]["by"] == "ada"
+    assert api.post("/devices/nobody/retire", headers=admin).status_code == 404
+    listed = {d["device"]: d["retired"] for d in api.get("/devices", headers=admin).json()[
+        "devices"]}
+    assert listed["d3"] is not None and listed["d0"] is None  # kept, marked
+
+    refused = api.post("/rollouts", headers=operator,
+                       json={"release": f"{NAME}@2", "waves": "100%", "devices": "d3"})
+    assert refused.status_code == 400 and refused.json()["error"] == \
+        "d3 is retired (fleet devices restore d3 first)"
+    made = api.post("/rollouts", headers=operator,
+                    json={"release": f"{NAME}@2", "waves": "100%", "id": "all-but-d3"})
+    assert made.json()["devices_total"] == 3
+    assert "d3" not in {d.device for d in store.rollout_devices("all-but-d3")}
+
+    shown = CliRunner().invoke(main, ["fleet", "devices", "--state-dir", str(state)])
+    assert shown.exit_code == 0 and any(
+        line.startswith("d3") and "retired" in line for line in shown.stdout.splitlines())
+    back = CliRunner().invoke(main, ["fleet", "devices", "restore", "d3", "--state-dir",
+                                     str(state)])
+    assert back.exit_code == 0 and "restored d3" in back.stdout, back.stderr
+    assert store.device("d3")["retired"] is None  # type: ignore[index]
+    assert [(a.action, a.operator, a.status) for a in store.actions(target="d3")] == [
+        ("device.retire", "ada", 200), ("device.restore", local_operator(), 200)]
