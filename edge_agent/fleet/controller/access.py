@@ -8,7 +8,8 @@ unreachable, and the test that compares the app's routes with the rules fails un
 is written. The check is an ASGI middleware matching the rules' own path templates (not
 the framework's route objects, whose shape changes between FastAPI releases): it runs
 before a body is read or parsed, so a caller without a token costs one store lookup at
-most and never reaches a handler.
+most and never reaches a handler; a write's body must also say its length, at most
+`MAX_BODY_BYTES` (411, 413), before it is read.
 
 A token is `Authorization: Bearer eop_…` (`operators`), or on the console's pages the
 session cookie that holds it (`console.session`; a console GET without one is sent to the
@@ -92,6 +93,8 @@ RULES: Mapping[tuple[str, str], str] = {
     ("HEAD", "/releases/{path:path}"): PUBLIC,
 }
 
+MAX_BODY_BYTES = 256 * 1024  # a rollout, a command (64 KiB signed at most), a form
+
 # Who calls without a token on a loopback controller that has no operator yet.
 HOST_USER = Operator("host", "viewer", "")
 
@@ -150,6 +153,11 @@ class AccessControl:
             else:
                 await _refuse(send, refused)
             return
+        if scope["method"] not in ("GET", "HEAD"):
+            too_much = _body_refused(scope)
+            if too_much is not None:
+                await _refuse(send, too_much)
+                return
         scope.setdefault("state", {})["operator"] = operator
         await self.app(scope, receive, send)
 
@@ -204,6 +212,24 @@ class AccessControl:
                     status=403, outcome=str(refused)))
             raise refused
         return operator
+
+
+def _body_refused(scope: Scope) -> AccessRefused | None:
+    """A write's body is small JSON or a form: it must say its length (411 otherwise), and
+    that length be at most MAX_BODY_BYTES (413), before a byte of it is read."""
+    length = None
+    for key, value in scope.get("headers", []):
+        if key.lower() == b"content-length":
+            length = value
+    if length is None:
+        return AccessRefused(411, "a request with a body must give its Content-Length")
+    try:
+        size = int(length)
+    except ValueError:
+        return AccessRefused(400, "Content-Length is not a number")
+    if size > MAX_BODY_BYTES:
+        return AccessRefused(413, f"the body is {size} bytes; at most {MAX_BODY_BYTES}")
+    return None
 
 
 def is_console(path: str) -> bool:

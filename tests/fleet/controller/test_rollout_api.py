@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
 from edge_agent.cli import main
+from edge_agent.fleet.controller.access import MAX_BODY_BYTES
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.audit import local_operator
 from edge_agent.fleet.controller.metrics import ControllerMetrics
@@ -245,3 +246,17 @@ def test_a_retired_box_keeps_its_history_and_no_rollout_selects_it(
     assert store.device("d3")["retired"] is None  # type: ignore[index]
     assert [(a.action, a.operator, a.status) for a in store.actions(target="d3")] == [
         ("device.retire", "ada", 200), ("device.restore", local_operator(), 200)]
+
+
+def test_a_body_too_large_or_without_a_length_is_refused_before_it_is_read(
+        api: TestClient, store: SQLiteStore) -> None:
+    auth = {**_auth(store, "alice", "operator"), "content-type": "application/json"}
+    big = api.post("/rollouts", content=b" " * (MAX_BODY_BYTES + 1), headers=auth)
+    assert big.status_code == 413 and "at most" in big.json()["error"]
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"release": "a@1", "waves": "100%"}'
+
+    chunked = api.post("/rollouts", content=chunks(), headers=auth)
+    assert chunked.status_code == 411 and set(chunked.json()) == {"error"}
+    assert store.rollouts() == []
