@@ -31,6 +31,7 @@ import pytest
 from click.testing import CliRunner
 
 from edge_agent.cli import main
+from edge_agent.fleet.controller.audit import local_operator
 from edge_agent.fleet.controller.store import SQLiteStore
 from edge_agent.fleet.controller.waves import assign_waves, parse_waves
 from tests.conftest import free_port
@@ -319,7 +320,7 @@ def test_pause_holds_the_next_wave_resume_goes_on_abort_rolls_back(
         time.sleep(0.5)
         central.cli("abort", rid)
         report = settled(central, rid, "ABORTED", 60)
-        assert report["reason"] == "abort by the operator"
+        assert report["reason"] == f"abort by {local_operator()}"  # who, as the trail says
         rows = central.rows(rid)
         for device in waves[1] + waves[2]:  # switched already: rolled back
             assert sim[device].got("rollout.rollback")
