@@ -44,6 +44,8 @@ def _required_args(cmd: click.Command, tmp_path: Path) -> list[str]:
         if not param.required:
             continue
         value = "x:1"
+        if isinstance(param.type, click.Choice):  # a choice click checks before the command
+            value = str(param.type.choices[0])
         if isinstance(param.type, click.Path):
             value = str(tmp_path / "some.gguf")
             Path(value).write_bytes(b"GGUF")

@@ -175,9 +175,9 @@ def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
 @json_option()
 def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
     """A device's latest metrics message (or every device's with --all)."""
-    if (device is None) == (not all_devices):
-        raise BadUsage("name one DEVICE, or --all")
-    with controller_client() as api:
+    with controller_client() as api:  # the settings first: their errors before the usage's
+        if (device is None) == (not all_devices):
+            raise BadUsage("name one DEVICE, or --all")
         if device is not None:
             found = api.get(f"/devices/{segment(device)}/metrics", limit=1)["metrics"]
             latest: list[dict[str, Any]] = [{"device": device,
@@ -306,12 +306,13 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
     """Sign a command (ping, rebirth, config.patch, ledger.purge, keys.revoke …), publish it
     to DEVICE (or --all) and print the results the boxes send back (exit 1 unless every
     awaited box answered ok). Results are stored by the running `fleet serve`."""
+    client = _sending_client(key_file, broker, username, password_file)  # settings first
     if len(words) != (1 if all_devices else 2):
         raise BadUsage("name one DEVICE (or --all), then the command's TYPE")
     device, type_ = (None, words[0]) if all_devices else (words[0], words[1])
     body = {"device": device, "all": all_devices, "type": type_,
             "args": _command_args(args, args_json), "fleet": fleet_id, "wait_s": 0}
-    with _sending_client(key_file, broker, username, password_file) as api:
+    with client as api:
         sent = api.post("/commands", body)
         results = _results(api, sent, wait_s)
     target = "all" if all_devices else str(device)
