@@ -83,8 +83,6 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
 
     @app.exception_handler(StarletteHTTPException)
     def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        if exc.status_code in (204, 304):
-            return Response(status_code=exc.status_code, headers=exc.headers)
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code,
                             headers=exc.headers)
 

@@ -98,7 +98,7 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
             request, f"{name}{'_live' if live else ''}.html",
             {"operator": operator,
              "may_act": operator is not None and may(operator.role, "operator"),
-             "csrf": csrf_for(token) if token else "", "now": time.time(),
+             "csrf": csrf_for(token) if token else "",
              "ago": lambda ts: _ago(ts, time.time()), **context},
             status_code=status, headers={"cache-control": "no-store"})
 
