@@ -113,16 +113,16 @@ def render_unit(tmp_path: Path, *extra: str) -> str:
     return render(tmp_path, "edge-agent.service.j2", tmp_path / "edge-agent.service", *extra)
 
 
-def render(tmp_path: Path, template: str, out: Path, *extra: str) -> str:
-    """One of the role's templates, rendered by Ansible's own template module with the
+def render(tmp_path: Path, template: str, out: Path, *extra: str, role: Path = ROLE) -> str:
+    """One of a role's templates, rendered by Ansible's own template module with its
     defaults and `extra` (-e arguments), into `out`."""
     result = subprocess.run(
         [_tool("ansible"), "localhost", "-c", "local", "-i", "localhost,",
          "-e", f"ansible_python_interpreter={sys.executable}",
-         "-e", f"@{ROLE / 'defaults' / 'main.yml'}", "-e", f"@{ROLE / 'vars' / 'main.yml'}",
+         "-e", f"@{role / 'defaults' / 'main.yml'}", "-e", f"@{role / 'vars' / 'main.yml'}",
          *(arg for value in extra for arg in ("-e", value)),
          "-m", "ansible.builtin.template",
-         "-a", f"src={ROLE / 'templates' / template} dest={out}"],
+         "-a", f"src={role / 'templates' / template} dest={out}"],
         capture_output=True, text=True, timeout=120, env=ansible_env(tmp_path / "home"),
         check=False)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -67,6 +67,15 @@ import yaml
 
 from tests import nspawnkit
 from tests.conftest import DEFAULT_MODEL, NO_EOS
+from tests.support.ansiblebox import (
+    CONTROLLER_LIB,
+    Run,
+    build_wheelhouse,
+    install_ansible,
+    readable,
+    site_packages,
+    vault_encrypt,
+)
 from tests.support.brokers import find_mosquitto
 from tests.support.certs import StoreCA
 from tests.support.processes import stop_in_reverse
@@ -80,7 +89,6 @@ TECHNICIAN_PASSWORD = "till-roll-7c1d"
 VAULT_PASSWORD = "vault-4e2a-stores"
 HOME = f"/home/{TECHNICIAN}"
 WHEELHOUSE_IN_BOX = f"{HOME}/ansible/wheelhouse/x86_64-cpu"
-CONTROLLER_LIB = "/opt/ansible-site-packages"
 HOST = "store-test"
 REGION = "region_north"
 PORT = 11434
@@ -88,8 +96,6 @@ BASE_URL = f"http://127.0.0.1:{PORT}"
 STATE_DIR = "/var/lib/edge-agent"
 CLI = "/opt/edge-agent/bin/edge-agent"
 RUNTIME_DEBS = ("libgomp1",)
-RECAP = re.compile(rf"^{HOST}\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+"
-                   r"failed=(\d+)", re.M)
 # [Service] settings that say how the process is run and supervised, not what it may touch:
 # left out of the write probe's transient unit.
 LIFECYCLE = {"Type", "NotifyAccess", "ExecStart", "ExecStartPre", "ExecStartPost",
@@ -121,25 +127,6 @@ pytestmark = [
     pytest.mark.skipif(_unavailable() is not None,
                        reason=f"no systemd box here: {_unavailable()}"),
 ]
-
-
-@dataclass
-class Run:
-    output: str
-    seconds: float
-    rc: int
-    ok: int = 0
-    changed: int = 0
-    failed: int = 0
-
-    @classmethod
-    def of(cls, result: subprocess.CompletedProcess[str], seconds: float) -> Run:
-        output = result.stdout + result.stderr
-        recap = RECAP.search(output)
-        run = cls(output, seconds, result.returncode)
-        if recap:
-            run.ok, run.changed, _, run.failed = map(int, recap.groups())
-        return run
 
 
 # --- the central side ------------------------------------------------------------------------
@@ -281,7 +268,7 @@ class Site:
         started = time.monotonic()
         result = (self.box.sh(command, timeout=timeout, check=False) if as_root else
                   self.box.as_user(TECHNICIAN, command, timeout=timeout, check=False))
-        return Run.of(result, time.monotonic() - started)
+        return Run.of(result, time.monotonic() - started, HOST)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.box.run("/usr/sbin/runuser", "-u", "edge-agent", "--", CLI, *args,
@@ -346,19 +333,12 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This checkout's wheels (pip's cache holds llama-cpp-python built for this machine, so
     nothing compiles) and the runtime library packages the box lacks."""
     where = tmp_path_factory.mktemp("wheelhouse")
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet",
-                             "--disable-pip-version-check", f"{ROOT}[default-model]", "-w",
-                             str(where)],
-                            capture_output=True, text=True, timeout=1800, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
+    took = build_wheelhouse(where, f"{ROOT}[default-model]")
     for deb in runtime_debs():
         shutil.copy(deb, where)
-    where.chmod(0o755)  # the technician reads it in the box (pytest makes its folders 0700)
-    for item in where.iterdir():
-        item.chmod(0o644)
+    readable(where)  # the technician reads it in the box
     print(f"wheelhouse: {len(list(where.glob('*.whl')))} wheels and "
-          f"{[d.name for d in where.glob('*.deb')]} in {time.monotonic() - started:.0f} s")
+          f"{[d.name for d in where.glob('*.deb')]} in {took:.0f} s")
     return where
 
 
@@ -383,13 +363,7 @@ def _prepare(root: Path, central: Central, pki: dict[str, Path]) -> None:
 
     chroot("useradd", "--create-home", "--shell", "/bin/bash", "--groups", "sudo", TECHNICIAN)
     chroot("chpasswd", stdin=f"{TECHNICIAN}:{TECHNICIAN_PASSWORD}\n")
-    chroot("/usr/bin/python3", "-m", "venv", "--without-pip", "/opt/ansible")
-    site_packages = next((root / "opt" / "ansible" / "lib").glob("python3*/site-packages"))
-    (site_packages / "ansible-core.pth").write_text(CONTROLLER_LIB + "\n")
-    launcher = root / "usr" / "local" / "bin" / "ansible-playbook"
-    launcher.write_text("#!/opt/ansible/bin/python\nimport sys\n"
-                        "from ansible.cli.playbook import main\nsys.exit(main())\n")
-    launcher.chmod(0o755)
+    install_ansible(root)
     home = root / HOME.lstrip("/")
     ansible = home / "ansible"
     shutil.copytree(ANSIBLE, ansible, ignore=shutil.ignore_patterns(
@@ -406,11 +380,7 @@ def _prepare(root: Path, central: Central, pki: dict[str, Path]) -> None:
         (home / "site" / name).chmod(0o600)
     vault = inventory / "group_vars" / "stores" / "vault.yml"
     vault.write_text(yaml.safe_dump({"vault_fleet_passwords": {HOST: central.password(HOST)}}))
-    encrypted = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-vault"), "encrypt", "--vault-password-file",
-         str(home / "site" / "vault-pass"), str(vault)],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert encrypted.returncode == 0, encrypted.stdout + encrypted.stderr
+    vault_encrypt(vault, home / "site" / "vault-pass")
     (ansible / "pki").mkdir()
     for name, source in pki.items():
         shutil.copyfile(source, ansible / "pki" / name)
@@ -420,13 +390,12 @@ def _prepare(root: Path, central: Central, pki: dict[str, Path]) -> None:
 @pytest.fixture(scope="module")
 def site(base_root: Path, wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[Site]:
-    site_packages = next(Path(sys.prefix).glob("lib/python3*/site-packages"))
     central = Central(tmp_path_factory.mktemp("central"))
     pki = central.make()
     started = time.monotonic()
     with nspawnkit.booted("role", base_root, prepare=lambda root: _prepare(root, central, pki),
                           ro_binds=[(wheelhouse, WHEELHOUSE_IN_BOX),
-                                    (site_packages, CONTROLLER_LIB)]) as box:
+                                    (site_packages(), CONTROLLER_LIB)]) as box:
         print(f"box booted in {time.monotonic() - started:.1f} s")
         found = Site(box, central)
         found.libgomp_before = box.run("dpkg-query", "--show", "--showformat=${db:Status-Abbrev}",
@@ -587,6 +556,16 @@ def test_active_only_once_ready_answers_200(site: Site) -> None:
     assert all(status == 200 for state, status, _ in after if state == "active"), samples
     assert after[-1][0] == "active", samples
     print(f"{len(activating)} samples activating, e.g. {activating[-1]}")
+
+
+def test_a_reload_keeps_the_agent_running_on_a_box_without_bin_kill(site: Site) -> None:
+    """`systemctl reload edge-agent` (a renewed certificate read again) where procps, and so
+    /bin/kill, is not installed: the unit's ExecReload is the shell's own kill."""
+    assert not (site.box.root / "bin" / "kill").exists()
+    before = site.main_pid()
+    site.box.run("systemctl", "reload", "edge-agent.service")
+    assert site.main_pid() == before and site.active()
+    site.generate()
 
 
 def test_the_watchdog_restarts_a_stopped_event_loop(site: Site) -> None:

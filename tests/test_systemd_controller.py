@@ -1,0 +1,347 @@
+"""The controller host's role (ansible/roles/fleet_controller) under a real systemd: a minimal
+Debian 12 box booted with `systemd-nspawn -b` (tests/nspawnkit.py), provisioned from the
+example inventory as the central team's administrator would, at its console, as root.
+
+The box is what the box role's test starts from: `debootstrap --variant=minbase bookworm`
+with systemd, dbus, python3, python3-venv and sudo; no Mosquitto, no PostgreSQL and no
+network (`--private-network`). So the wheelhouse carries, besides this checkout's wheels,
+the .deb files of Mosquitto and PostgreSQL and everything they need that the box lacks,
+downloaded once against the box's own package lists (the manual's `apt-get download` step,
+done for the closure) and kept in the test cache. The inventory is the example's, changed
+as the manual tells a site to: the host in `controllers`, the broker's certificate in `pki/`
+and its key in `group_vars/controllers/vault.yml` (made with `ansible-vault`).
+
+`ansible-playbook playbook.yml --limit fleet-test -c local --vault-password-file …`
+converges on the first run, changes nothing on the second, and after one more store in
+`hosts.yml` a third run gives that store a password and keeps every other one (each still
+logs in at the broker). Then: Mosquitto, PostgreSQL and `fleet serve` run under systemd,
+`fleet serve` as `Type=notify` with its watchdog, its store in PostgreSQL, its API answering
+the operators the role made (and refusing who has no token), `systemd-analyze security` of
+its loaded unit at most 2.0, and the public halves the stores need fetched into `pki/`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import nspawnkit
+from tests.support.ansiblebox import (
+    CONTROLLER_LIB,
+    Run,
+    build_wheelhouse,
+    install_ansible,
+    readable,
+    site_packages,
+    vault_encrypt,
+)
+from tests.support.certs import StoreCA
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSIBLE = ROOT / "ansible"
+HOST = "fleet-test"
+ADMIN_HOME = "/root"
+SITE = f"{ADMIN_HOME}/ansible"
+WHEELHOUSE_IN_BOX = f"{SITE}/wheelhouse/x86_64-cpu"
+VAULT_PASSWORD = "vault-9b1f-central"
+PACKAGES = ("mosquitto", "postgresql")
+MAX_EXPOSURE = 2.0
+API = "http://127.0.0.1:9464"
+BROKER_TLS_PORT = 8883
+NEW_STORE = "store-0099"
+EXAMPLE = yaml.safe_load((ANSIBLE / "inventory" / "group_vars" / "controllers" / "main.yml")
+                         .read_text())
+
+pytestmark = [
+    pytest.mark.provision,
+    pytest.mark.skipif(nspawnkit.unavailable() is not None,
+                       reason=f"no systemd box here: {nspawnkit.unavailable()}"),
+]
+
+
+def controller_debs(root: Path) -> list[Path]:
+    """The .deb files of PACKAGES and what they need that `root` lacks, from `root`'s own
+    apt sources and resolved against its own dpkg status, kept in the test cache."""
+    where = nspawnkit.CACHE / f"debs-{root.name}-controller"
+    done = where / "complete"
+    if not done.exists():
+        work = nspawnkit.CACHE / f"debs-{root.name}-controller.apt"
+        for sub in ("lists/partial", "cache/archives/partial"):
+            (work / sub).mkdir(parents=True, exist_ok=True)
+        options = [f"-oDir::State::status={root}/var/lib/dpkg/status",
+                   f"-oDir::Etc::sourcelist={root}/etc/apt/sources.list",
+                   "-oDir::Etc::sourceparts=/nonexistent", f"-oDir::State::Lists={work}/lists",
+                   f"-oDir::Cache={work}/cache", f"-oDir::Cache::archives={work}/cache/archives",
+                   "-oDebug::NoLocking=1"]
+        for args in (["update"], ["install", "-y", "--no-install-recommends", "--download-only",
+                                  *PACKAGES]):
+            result = subprocess.run(["apt-get", "-q", *options, *args], capture_output=True,
+                                    text=True, timeout=600, check=False)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        where.mkdir(exist_ok=True)
+        for deb in (work / "cache" / "archives").glob("*.deb"):
+            deb.rename(where / deb.name)
+        done.touch()
+    return sorted(where.glob("*.deb"))
+
+
+@dataclass
+class Central:
+    """The provisioned controller host and its runs."""
+
+    box: nspawnkit.Box
+    ca: StoreCA
+    runs: dict[str, Run] = field(default_factory=dict)
+    passwords: dict[str, dict[str, str]] = field(default_factory=dict)
+    broker_pids: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def site(self) -> Path:
+        return self.box.root / SITE.lstrip("/")
+
+    def playbook(self) -> Run:
+        started = time.monotonic()
+        result = self.box.sh(f"cd {SITE} && ansible-playbook playbook.yml --limit {HOST} -c local "
+                             f"--vault-password-file {ADMIN_HOME}/vault-pass",
+                             timeout=900, check=False)
+        return Run.of(result, time.monotonic() - started, HOST)
+
+    def credentials(self) -> dict[str, str]:
+        """Each device's broker password, as the role fetched them for the stores' vault."""
+        return {p.stem: p.read_text().strip()
+                for p in sorted((self.site / "credentials").glob("*.txt"))}
+
+    def state(self, unit: str) -> dict[str, str]:
+        return self.box.show(unit, "ActiveState", "SubState", "Type", "WatchdogUSec",
+                             "NRestarts", "MainPID")
+
+    def logs(self) -> str:
+        return "".join(f"\n--- {unit} ---\n{self.box.journal(unit, 30)}"
+                       for unit in ("edge-agent-fleet.service", "mosquitto.service"))
+
+    def login(self, user: str, password: str) -> str:
+        """The reason code the broker's TLS listener gives `user` (paho, in the box's
+        network namespace, trusting the fleet CA the boxes are given)."""
+        proc = self.box.net([sys.executable, "-c", _LOGIN, str(self.ca.cert), user, password,
+                             str(BROKER_TLS_PORT)])
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out + err
+        return out.strip()
+
+
+_LOGIN = """\
+import sys, threading
+import paho.mqtt.client as mqtt
+ca, user, password, port = sys.argv[1:5]
+got = threading.Event()
+said = []
+def on_connect(client, userdata, flags, reason, properties):
+    said.append(str(reason))
+    got.set()
+client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"login-{user}",
+                     protocol=mqtt.MQTTv5)
+client.username_pw_set(user, password)
+client.tls_set(ca_certs=ca)
+client.on_connect = on_connect
+client.connect("127.0.0.1", int(port))
+client.loop_start()
+got.wait(20)
+client.loop_stop()
+print(said[0] if said else "no answer")
+"""
+
+
+def _prepare(root: Path, ca: StoreCA, wheelhouse: Path) -> None:
+    """Before the boot: the project's ansible/ in root's home with the site's changes to the
+    example inventory (the host in `controllers`, the broker's certificate and its vaulted
+    key), the vault password in a file, and Ansible."""
+    install_ansible(root)
+    site = root / SITE.lstrip("/")
+    subprocess.run(["cp", "-a", str(ANSIBLE), str(site)], check=True, timeout=60)
+    for leftover in ("keys", "wheelhouse", "pki", "credentials", ".ansible"):
+        subprocess.run(["rm", "-rf", str(site / leftover)], check=True, timeout=60)
+    (site / "wheelhouse" / "x86_64-cpu").mkdir(parents=True)
+    inventory = site / "inventory"
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    hosts["controllers"]["hosts"][HOST] = None
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    broker = ca.issue("broker")
+    (site / "pki").mkdir()
+    (site / "pki" / "broker.pem").write_bytes(broker.cert.read_bytes())
+    (site / "pki" / "fleet-ca.pem").write_bytes(ca.cert.read_bytes())
+    password_file = root / ADMIN_HOME.lstrip("/") / "vault-pass"
+    password_file.write_text(VAULT_PASSWORD + "\n")
+    password_file.chmod(0o600)
+    vault = inventory / "group_vars" / "controllers" / "vault.yml"
+    vault.write_text(yaml.safe_dump({"vault_broker_tls_key": broker.key.read_text()}))
+    vault_encrypt(vault, password_file)
+    del wheelhouse  # bound in at WHEELHOUSE_IN_BOX
+
+
+def _add_store(central: Central, store: str) -> None:
+    """What a site does for a new store: its name in a region of hosts.yml."""
+    hosts_file = central.site / "inventory" / "hosts.yml"
+    hosts = yaml.safe_load(hosts_file.read_text())
+    hosts["stores"]["children"]["region_north"]["hosts"][store] = None
+    hosts_file.write_text(yaml.safe_dump(hosts, sort_keys=False))
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("controller-wheelhouse")
+    root, _ = nspawnkit.base_root()
+    took = build_wheelhouse(where, str(ROOT))
+    for deb in controller_debs(root):
+        (where / deb.name).write_bytes(deb.read_bytes())
+    readable(where)
+    print(f"wheelhouse: {len(list(where.glob('*.whl')))} wheels and "
+          f"{len(list(where.glob('*.deb')))} .deb files in {took:.0f} s")
+    return where
+
+
+@pytest.fixture(scope="module")
+def central(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Central]:
+    root, built_s = nspawnkit.base_root()
+    ca = StoreCA(tmp_path_factory.mktemp("fleet-ca"), "fleet CA")
+    with nspawnkit.booted("controller", root, prepare=lambda r: _prepare(r, ca, wheelhouse),
+                          ro_binds=[(wheelhouse, WHEELHOUSE_IN_BOX),
+                                    (site_packages(), CONTROLLER_LIB)]) as box:
+        found = Central(box, ca)
+        try:
+            for name in ("first", "second", "third", "fourth"):
+                if name == "third":
+                    _add_store(found, NEW_STORE)
+                run = found.runs[name] = found.playbook()
+                found.passwords[name] = found.credentials()
+                found.broker_pids[name] = box.show("mosquitto.service", "MainPID")["MainPID"]
+                print(f"ansible-playbook, {name} run: {run.seconds:.1f} s, ok={run.ok} "
+                      f"changed={run.changed} failed={run.failed}")
+                assert run.rc == 0 and run.failed == 0, run.output[-8000:] + found.logs()
+            yield found
+        finally:
+            print(found.logs())
+
+
+def test_the_first_run_installs_broker_and_database_and_converges(central: Central) -> None:
+    first = central.runs["first"]
+    assert first.changed > 0
+    assert "installed mosquitto, postgresql from the .deb files in the wheelhouse" in first.output
+    for package in PACKAGES:
+        status = central.box.run("dpkg-query", "--show", "--showformat=${db:Status-Abbrev}",
+                                 package).stdout.strip()
+        assert status == "ii", (package, status)
+
+
+def test_the_second_run_changes_nothing(central: Central) -> None:
+    second = central.runs["second"]
+    assert second.changed == 0, second.output[-6000:]
+    assert central.passwords["second"] == central.passwords["first"]
+
+
+def test_one_more_store_gets_a_password_and_every_other_keeps_its_own(central: Central) -> None:
+    before, after = central.passwords["first"], central.passwords["third"]
+    assert NEW_STORE not in before and NEW_STORE in after
+    assert set(after) == set(before) | {NEW_STORE}
+    assert {d: after[d] for d in before} == before
+    assert central.runs["third"].changed > 0
+    assert central.runs["fourth"].changed == 0, central.runs["fourth"].output[-6000:]
+    # Reloaded, not restarted: no box was disconnected to add one.
+    assert central.broker_pids["third"] == central.broker_pids["second"]
+    assert "Reloaded mosquitto.service" in central.box.journal("mosquitto.service", 40)
+    for device, password in after.items():
+        assert central.login(device, password) == "Success", device
+    assert central.login(next(iter(before)), "not-its-password") != "Success"
+
+
+def test_the_devices_are_every_store_of_the_inventory(central: Central) -> None:
+    hosts = yaml.safe_load((central.site / "inventory" / "hosts.yml").read_text())
+    stores = {h for region in hosts["stores"]["children"].values() for h in region["hosts"]}
+    assert set(central.passwords["third"]) == stores
+    assert EXAMPLE["fleet_controller_fleet_id"] in central.box.root.joinpath(
+        "etc/mosquitto/edge-fleet/acl").read_text()
+
+
+def test_the_controller_runs_as_a_notify_unit_with_a_watchdog(central: Central) -> None:
+    state = central.state("edge-agent-fleet.service")
+    assert state["ActiveState"] == "active" and state["SubState"] == "running", state
+    assert state["Type"] == "notify"
+    assert state["WatchdogUSec"] == "30s"
+    for unit in ("mosquitto.service", "postgresql@15-main.service"):
+        assert central.box.show(unit, "ActiveState")["ActiveState"] == "active", unit
+    status, body = central.box.http("GET", f"{API}/healthz")
+    assert status == 200, body
+
+
+def test_the_store_is_postgresql_on_the_local_socket(central: Central) -> None:
+    tables = central.box.run("runuser", "-u", "postgres", "--", "psql", "-XtA", "-d",
+                             "edge_fleet", "-c", "SELECT tablename FROM pg_tables "
+                             "WHERE tableowner = 'edge-agent-fleet'").stdout.split()
+    assert {"operators", "devices"} <= set(tables), tables
+    assert not list(central.box.root.joinpath("var/lib/edge-agent-fleet").glob("*.db"))
+
+
+def test_the_operators_tokens_work_and_nothing_else_does(central: Central) -> None:
+    tokens = {p.name: p for p in (central.site / "keys").glob(f"{HOST}.operator.*.token")}
+    assert set(tokens) == {f"{HOST}.operator.{name}.token"
+                           for name in EXAMPLE["fleet_controller_operators"]}
+    for path in tokens.values():
+        assert path.stat().st_mode & 0o777 == 0o600
+        status, body = central.box.http("GET", f"{API}/devices", headers={
+            "authorization": f"Bearer {path.read_text().strip()}"})
+        assert status == 200, body
+    status, body = central.box.http("GET", f"{API}/devices")
+    assert status == 401, body
+
+
+def test_the_stores_get_the_public_halves_in_pki(central: Central) -> None:
+    pki = central.site / "pki"
+    state = central.box.root / "var/lib/edge-agent-fleet"
+    assert (pki / "command.pub.pem").read_bytes() == \
+        (state / "keys" / "command.pub.pem").read_bytes()
+    root = json.loads((pki / "root.json").read_text())
+    assert root["signed"]["_type"] == "root"
+
+
+def test_exposure_of_the_loaded_unit_is_at_most_two(
+        central: Central, record_property: pytest.RecordProperty) -> None:
+    result = central.box.run("systemd-analyze", "security", "--no-pager",
+                             "edge-agent-fleet.service", check=False)
+    found = re.search(r"Overall exposure level for edge-agent-fleet.service: (\d+\.\d+)",
+                      result.stdout)
+    assert found, result.stdout + result.stderr
+    score = float(found.group(1))
+    print(f"systemd-analyze security (running system): edge-agent-fleet.service: {score}")
+    record_property("exposure", score)
+    assert score <= MAX_EXPOSURE, result.stdout
+
+
+def test_a_reload_keeps_the_controller_running(central: Central) -> None:
+    """`systemctl reload edge-agent-fleet` (the API's certificate read again) on a host
+    without /bin/kill."""
+    before = central.state("edge-agent-fleet.service")
+    central.box.run("systemctl", "reload", "edge-agent-fleet.service")
+    after = central.state("edge-agent-fleet.service")
+    assert after["MainPID"] == before["MainPID"] and after["ActiveState"] == "active", after
+    assert after["NRestarts"] == before["NRestarts"]
+
+
+def test_the_watchdog_restarts_a_stopped_controller(central: Central) -> None:
+    box = central.box
+    pid = int(central.state("edge-agent-fleet.service")["MainPID"])
+    box.sh(f"kill -STOP {pid}")  # the shell's kill: the host has no /bin/kill
+    nspawnkit.wait_for(
+        lambda: int(central.state("edge-agent-fleet.service")["MainPID"]) not in (0, pid)
+        and central.state("edge-agent-fleet.service")["ActiveState"] == "active",
+        120, 1.0, "edge-agent-fleet to be restarted by its watchdog")
+    assert "Watchdog timeout" in box.journal("edge-agent-fleet.service", 80)
+    status, body = box.http("GET", f"{API}/healthz")
+    assert status == 200, body
