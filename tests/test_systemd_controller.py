@@ -160,7 +160,7 @@ print(said[0] if said else "no answer")
 """
 
 
-def _prepare(root: Path, ca: StoreCA, wheelhouse: Path) -> None:
+def _prepare(root: Path, ca: StoreCA) -> None:
     """Before the boot: the project's ansible/ in root's home with the site's changes to the
     example inventory (the host in `controllers`, the broker's certificate and its vaulted
     key), the vault password in a file, and Ansible."""
@@ -184,7 +184,6 @@ def _prepare(root: Path, ca: StoreCA, wheelhouse: Path) -> None:
     vault = inventory / "group_vars" / "controllers" / "vault.yml"
     vault.write_text(yaml.safe_dump({"vault_broker_tls_key": broker.key.read_text()}))
     vault_encrypt(vault, password_file)
-    del wheelhouse  # bound in at WHEELHOUSE_IN_BOX
 
 
 def _add_store(central: Central, store: str) -> None:
@@ -210,9 +209,9 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def central(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Central]:
-    root, built_s = nspawnkit.base_root()
+    root, _ = nspawnkit.base_root()
     ca = StoreCA(tmp_path_factory.mktemp("fleet-ca"), "fleet CA")
-    with nspawnkit.booted("controller", root, prepare=lambda r: _prepare(r, ca, wheelhouse),
+    with nspawnkit.booted("controller", root, prepare=lambda r: _prepare(r, ca),
                           ro_binds=[(wheelhouse, WHEELHOUSE_IN_BOX),
                                     (site_packages(), CONTROLLER_LIB)]) as box:
         found = Central(box, ca)
