@@ -5,10 +5,11 @@ link, by name (`controller.example`, in the namespace's own /etc/hosts), over HT
 the site's CA. The blocks are read from the page, not copied here.
 
 What a tester must change is changed, each change checked to apply: the port (a free one
-for 9464), the release (the test repository's `simmodel:1b` for gemma3:270m), a 1 s soak for
-10 s, and `--config` on the host's commands (the page's host uses the default file). The
-controller is a real `fleet serve` (HTTPS on the veth address, its rollout engine on a real
-Mosquitto) and two simulated boxes (the agent's own link code) take the rollout.
+for 9464), the release (a tiny generated GGUF as `simmodel:1b` for gemma3:270m, pushed from
+the desk, which alone holds the targets key), a 1 s soak for 10 s, and `--config` on the
+host's commands (the page's host uses the default file). The controller is a real `fleet
+serve` (HTTPS on the veth address, its rollout engine on a real Mosquitto) and two
+simulated boxes (the agent's own link code) take the rollout.
 
 Needs root (network namespaces): skipped with the reason elsewhere.
 """
@@ -109,7 +110,15 @@ def test_the_central_team_works_from_a_desk(desk: Desk,
     changed(viewer_block, "controller.example:9464", "")  # the port replaced below is there
     broker = mosquitto_factory(devices=BOXES, passwd_tool=False).start()
     repo = make_repo(tmp_path)
-    repo.add(write_tiny_gguf(tmp_path / "model.gguf"), RELEASE, "2")
+    # The release is signed at the desk: the targets key goes there and leaves the host,
+    # with the release root the boxes have and the model file.
+    keys = desk.folder / "release-keys"
+    keys.mkdir()
+    for name in ("targets.pem", "targets.pub.pem"):
+        shutil.copy(repo.keys.path / name, keys / name)
+    repo.keys.private("targets").unlink()
+    shutil.copy(repo.root_file, desk.folder / "root.json")
+    write_tiny_gguf(desk.folder / "gemma3-270m.gguf")
     tls = make_tls(tmp_path / "tls", hostname="controller.example")
     port = free_port()
     config = controller_config(
@@ -167,6 +176,7 @@ def walk(desk: Desk, env: dict[str, str], port: int, viewer_block: str, operator
         block = block.replace("controller.example:9464", f"controller.example:{port}")
         block = block.replace("gemma3:270m@2", f"{RELEASE}@2").replace("--soak 10s",
                                                                       "--soak 1s")
+        block = block.replace("--name gemma3:270m ", f"--name {RELEASE} ")
         for line in block.splitlines():
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
@@ -192,6 +202,10 @@ def walk(desk: Desk, env: dict[str, str], port: int, viewer_block: str, operator
         [(box, "ACTIVE") for box in BOXES]
     assert [(a["operator"], a["action"], a["status"]) for a in final["actions"]] == \
         [("olivia", "rollout.start", 200)]
+    pushed = by_command["edge-agent fleet release push gemma3-270m.gguf --name "
+                        f"{RELEASE} --version 2 --keys ./release-keys --root ./root.json"]
+    assert f"published {RELEASE}@2" in pushed.stdout and "verified from root.json" in \
+        pushed.stdout, pushed.stdout
     assert final["actions"][0]["source"] == f"{desk.host_ip[:-1]}2"  # from the desk
     audit = by_command["edge-agent fleet audit --target ro-desk-1"].stdout
     assert "olivia" in audit and "rollout.start" in audit and "done" in audit

@@ -101,6 +101,19 @@ class ControllerClient:
     def __init__(self, http: httpx.Client) -> None:
         self._http = http
 
+    @property
+    def http(self) -> httpx.Client:
+        """The client itself, for what reads the controller's public files (`push`)."""
+        return self._http
+
+    def put_file(self, path: str, file: Path) -> Any:
+        """`file` as the raw body, streamed, with its length."""
+        with file.open("rb") as body:
+            size = os.fstat(body.fileno()).st_size
+            return self._answer(self._call("PUT", path, content=body,
+                                           headers={"content-length": str(size),
+                                                    "content-type": "application/octet-stream"}))
+
     def get(self, path: str, **params: Any) -> Any:
         return self._answer(self._call("GET", path,
                                        params={k: v for k, v in params.items() if v is not None}))

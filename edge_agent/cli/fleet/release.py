@@ -6,12 +6,17 @@ its signed release repository (The Update Framework).
     fleet release add FILE.gguf --name gemma3:270m --version 2 [--template F]
                       [--parameters F] [--gate F] [--min-agent-version X] [--tier T]
                       [--license L]
+    fleet release push FILE.gguf --name N --version V --keys DESK_KEYS --root root.json
+                      --controller https://HOST:PORT --token-file F [the options of add]
     fleet release list|show NAME@VERSION|status [--json]
     fleet release timestamp              the cron job (every few hours)
     fleet release root-sign --root-keys DIR   yearly, with the offline root keys
 
-These run on the controller, on its state dir (`--state-dir`, else the `state_dir` of the
-controller's `--config`, default /var/lib/edge-agent-fleet); the keys are `<state>/keys/`
+`push` runs at a desk that holds the targets key: it signs on top of the controller's
+metadata verified from the release root, uploads through the API, and verifies the result
+the same way (`releases.push`). The others run on the controller, on its state dir
+(`--state-dir`, else the `state_dir` of the controller's `--config`, default
+/var/lib/edge-agent-fleet); the keys are `<state>/keys/`
 unless `--out`/`--keys` says otherwise, the repository is `<state>/releases/`, which `fleet serve`
 (or any static server with Range) publishes. Thin: each command parses its arguments and
 calls `fleet.controller.releases.repository` / `release_keys`; their errors are mapped by the root
@@ -29,14 +34,19 @@ from typing import TYPE_CHECKING, Any
 
 import click
 import tomllib
+from tuf.api.exceptions import DownloadError, RepositoryError
 
-from edge_agent.cli.common import BadUsage, F
+from edge_agent.cli.common import BadUsage, CheckFailed, F
+from edge_agent.cli.fleet.client import client_options, controller_client, remote
 from edge_agent.cli.fleet.options import controller_settings, files_options, given_options
 from edge_agent.cli.output import echo_json, json_option, progress, table
 
 if TYPE_CHECKING:
+    from tuf.api.metadata import Metadata, Targets
+
     from edge_agent.fleet.controller.releases.keys import KeyDir
     from edge_agent.fleet.controller.releases.repository import ReleaseEntry, ReleaseRepository
+    from edge_agent.fleet.protocol.manifest import ReleaseManifest
 
 _DURATION = re.compile(r"(\d+)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -137,33 +147,40 @@ def release_init(keys_dir: Path | None, root_key_dir: Path | None,
                err=True)
 
 
-@release.command("add")
-@files_options
-@_keys_option
-@click.argument("file", type=click.Path(path_type=Path, dir_okay=False, exists=True))
-@click.option("--name", required=True, help="Model name on the boxes, e.g. gemma3:270m.")
-@click.option("--version", "version", required=True, help="Release version, e.g. 2.")
-@click.option("--template", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              help="Chat template (Jinja) replacing the GGUF's own.")
-@click.option("--parameters", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              help="Default parameters, TOML or JSON (temperature, top_k, stop, …).")
-@click.option("--gate", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              help="Health gate spec, TOML or JSON (golden prompts, tokens/s floor, …).")
-@click.option("--min-agent-version", help="Oldest agent that may install it (N.N.N).")
-@click.option("--tier", help="Tier recorded with the model (default experimental).")
-@click.option("--license", "license_", help="License recorded with the model.")
-@json_option()
-def release_add(keys_dir: Path | None, file: Path, name: str, version: str,
-                template: Path | None, parameters: Path | None, gate: Path | None,
-                min_agent_version: str | None, tier: str | None, license_: str | None,
-                as_json: bool) -> None:
-    """Publish a GGUF as NAME@VERSION: signed targets, snapshot and timestamp."""
+def _manifest_options(fn: F) -> F:
+    """A release's file and what is signed about it: `add` and `push` alike."""
+    for option in reversed((
+            click.argument("file", type=click.Path(path_type=Path, dir_okay=False,
+                                                   exists=True)),
+            click.option("--name", required=True,
+                         help="Model name on the boxes, e.g. gemma3:270m."),
+            click.option("--version", "version", required=True,
+                         help="Release version, e.g. 2."),
+            click.option("--template", type=click.Path(path_type=Path, dir_okay=False,
+                                                       exists=True),
+                         help="Chat template (Jinja) replacing the GGUF's own."),
+            click.option("--parameters", type=click.Path(path_type=Path, dir_okay=False,
+                                                         exists=True),
+                         help="Default parameters, TOML or JSON (temperature, top_k, stop, …)."),
+            click.option("--gate", type=click.Path(path_type=Path, dir_okay=False,
+                                                   exists=True),
+                         help="Health gate spec, TOML or JSON (golden prompts, tokens/s "
+                              "floor, …)."),
+            click.option("--min-agent-version",
+                         help="Oldest agent that may install it (N.N.N)."),
+            click.option("--tier", help="Tier recorded with the model (default experimental)."),
+            click.option("--license", "license_", help="License recorded with the model."))):
+        fn = option(fn)
+    return fn
+
+
+def _manifest(file: Path, name: str, version: str, template: Path | None,
+              parameters: Path | None, gate: Path | None, min_agent_version: str | None,
+              tier: str | None, license_: str | None) -> ReleaseManifest:
+    """The manifest `_manifest_options` describe, with a warning for what boxes will miss."""
     from edge_agent.fleet.controller.releases.repository import manifest_for
     from edge_agent.fleet.protocol.manifest import ManifestError
 
-    repo = _repo()
-    keys = _keys(repo, keys_dir)
-    started = time.perf_counter()
     notes: list[str] = []
     try:
         manifest = manifest_for(
@@ -175,6 +192,24 @@ def release_add(keys_dir: Path | None, file: Path, name: str, version: str,
         raise BadUsage(str(exc)) from None
     for note in notes:
         click.echo(f"warning: {note}", err=True)
+    return manifest
+
+
+@release.command("add")
+@files_options
+@_keys_option
+@_manifest_options
+@json_option()
+def release_add(keys_dir: Path | None, file: Path, name: str, version: str,
+                template: Path | None, parameters: Path | None, gate: Path | None,
+                min_agent_version: str | None, tier: str | None, license_: str | None,
+                as_json: bool) -> None:
+    """Publish a GGUF as NAME@VERSION: signed targets, snapshot and timestamp."""
+    repo = _repo()
+    keys = _keys(repo, keys_dir)
+    started = time.perf_counter()
+    manifest = _manifest(file, name, version, template, parameters, gate, min_agent_version,
+                         tier, license_)
     entry = repo.add(file, manifest, keys, progress=None if as_json else progress("publishing"))
     if as_json:
         echo_json(entry.to_json())
@@ -184,6 +219,77 @@ def release_add(keys_dir: Path | None, file: Path, name: str, version: str,
                f"{m.architecture} {m.quantization}, context {m.context_length or '-'} "
                f"({time.perf_counter() - started:.2f} s)")
     click.echo(f"target {entry.target_path} -> {entry.blob}", err=True)
+
+
+@release.command("push")
+@client_options
+@_manifest_options
+@click.option("--keys", "keys_dir", required=True,
+              type=click.Path(path_type=Path, file_okay=False, exists=True),
+              help="The desk's key dir holding targets.pem and targets.pub.pem.")
+@click.option("--root", "root_file", required=True,
+              type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="The release root (root.json) the boxes were given: what the "
+                   "controller's metadata is verified against, before and after.")
+@click.option("--expires", default="365d", show_default=True,
+              help="Expiry of the targets this push signs (s, m, h, d).")
+@json_option()
+def release_push(file: Path, name: str, version: str, template: Path | None,
+                 parameters: Path | None, gate: Path | None, min_agent_version: str | None,
+                 tier: str | None, license_: str | None, keys_dir: Path, root_file: Path,
+                 expires: str, as_json: bool) -> None:
+    """Publish a GGUF as NAME@VERSION from a desk: signed here with the targets key,
+    uploaded through the controller's API, verified from the release root."""
+    import tempfile
+
+    from edge_agent.fleet.controller.releases.keys import KeyDir
+    from edge_agent.fleet.controller.releases.push import (
+        file_target,
+        next_targets,
+        trusted_targets,
+    )
+
+    if not remote():
+        raise BadUsage("release push publishes through a controller's API: --controller "
+                       "https://HOST:PORT (on the controller host, with the targets key "
+                       "there: fleet release add)")
+    expires_s = _duration(expires, "--expires")
+    signer = KeyDir(keys_dir).signer("targets")
+    root = root_file.read_bytes()
+    started = time.perf_counter()
+    manifest = _manifest(file, name, version, template, parameters, gate, min_agent_version,
+                         tier, license_)
+    entry = file_target(file, manifest)
+    sha256 = entry.hashes["sha256"]
+    with controller_client() as api, tempfile.TemporaryDirectory() as work:
+
+        def verified(step: str) -> Metadata[Targets]:
+            where = Path(work) / step
+            where.mkdir()
+            try:
+                return trusted_targets(api.http, root, where)
+            except (RepositoryError, DownloadError) as exc:
+                raise CheckFailed(f"the controller's release metadata does not verify from "
+                                  f"{root_file} ({step}): {type(exc).__name__}: {exc}") from None
+
+        before = verified("before")
+        if entry.path in before.signed.targets:
+            raise CheckFailed(f"release {manifest.ref} exists: a release never changes: "
+                              "publish a new version")
+        uploaded = api.put_file(f"/release-files/{sha256}", file)
+        answer = api.post("/releases", {"targets": next_targets(
+            before, entry, signer, expires_s=expires_s).to_dict()})
+        after = verified("after")
+    if after.signed.targets.get(entry.path) != entry:
+        raise CheckFailed(f"the controller took {manifest.ref}, but its metadata verified "
+                          f"from {root_file} does not list it as signed here")
+    if as_json:
+        echo_json({**answer, "uploaded": uploaded, "verified_targets_version":
+                   after.signed.version})
+        return
+    click.echo(f"published {manifest.ref}: {entry.length / 1e6:.1f} MB, sha256 "
+               f"{sha256[:12]}, targets v{after.signed.version}, verified from {root_file} "
+               f"({time.perf_counter() - started:.2f} s)")
 
 
 @release.command("list")
@@ -310,6 +416,13 @@ def _expiry(text: str) -> tuple[str, int]:
         raise BadUsage(f"--expires {text!r}: ROLE=DURATION, e.g. timestamp=1d or "
                        "snapshot=720h")
     return role.strip(), int(m[1]) * _UNITS[m[2]]
+
+
+def _duration(text: str, flag: str) -> int:
+    m = _DURATION.fullmatch(text.strip())
+    if m is None or int(m[1]) == 0:
+        raise BadUsage(f"{flag} {text!r}: a duration, e.g. 365d or 720h")
+    return int(m[1]) * _UNITS[m[2]]
 
 
 def _left(seconds: int) -> str:

@@ -76,6 +76,8 @@ RULES: Mapping[tuple[str, str], str] = {
     ("POST", "/rollouts/{rollout_id}/resume"): "operator",
     ("POST", "/rollouts/{rollout_id}/abort"): "operator",
     ("POST", "/rollouts/{rollout_id}/rollback"): "operator",
+    ("PUT", "/release-files/{sha256}"): "operator",
+    ("POST", "/releases"): "operator",
     # The console (`console`): its pages read like the API's GETs, its forms act like
     # its POSTs; the login page and the static files are for anyone.
     ("GET", "/"): "viewer",
@@ -94,6 +96,12 @@ RULES: Mapping[tuple[str, str], str] = {
 }
 
 MAX_BODY_BYTES = 256 * 1024  # a rollout, a command (64 KiB signed at most), a form
+# Writes whose body may be larger: a release's file, and the targets metadata listing
+# every release ever published, with its manifest and chat template (`release_api`).
+BODY_LIMITS: Mapping[tuple[str, str], int] = {
+    ("PUT", "/release-files/{sha256}"): 256 << 30,
+    ("POST", "/releases"): 16 << 20,
+}
 
 # Who calls without a token on a loopback controller that has no operator yet.
 HOST_USER = Operator("host", "viewer", "")
@@ -138,7 +146,8 @@ class AccessControl:
         self.loopback = loopback
         self.local = local
         self.metrics_open = loopback if metrics_open is None else metrics_open
-        self._compiled = [(compile_path(path)[0], method, rule)
+        self._compiled = [(compile_path(path)[0], method, rule,
+                           BODY_LIMITS.get((method, path), MAX_BODY_BYTES))
                           for (method, path), rule in RULES.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -146,7 +155,8 @@ class AccessControl:
             await self.app(scope, receive, send)
             return
         try:
-            operator = await self._check(scope)
+            rule, limit = self._rule(scope)
+            operator = await self._check(scope, rule)
         except AccessRefused as refused:
             if refused.status == 401 and is_console(scope["path"]) and scope["method"] == "GET":
                 await _to_login(send, scope)
@@ -154,21 +164,22 @@ class AccessControl:
                 await _refuse(send, refused)
             return
         if scope["method"] not in ("GET", "HEAD"):
-            too_much = _body_refused(scope)
+            too_much = _body_refused(scope, limit)
             if too_much is not None:
                 await _refuse(send, too_much)
                 return
         scope.setdefault("state", {})["operator"] = operator
         await self.app(scope, receive, send)
 
-    def _rule(self, scope: Scope) -> str:
-        """The rule of the method and path; AccessRefused 404 (no rule's path) or 405
-        (another method's): the app never sees a request no rule names."""
+    def _rule(self, scope: Scope) -> tuple[str, int]:
+        """The rule of the method and path, and its body limit; AccessRefused 404 (no
+        rule's path) or 405 (another method's): the app never sees a request no rule
+        names."""
         allowed = []
-        for regex, method, rule in self._compiled:
+        for regex, method, rule, limit in self._compiled:
             if regex.match(scope["path"]):
                 if method == scope["method"]:
-                    return rule
+                    return rule, limit
                 allowed.append(method)
         if allowed:
             raise AccessRefused(405, f"{scope['method']} is not allowed here (only "
@@ -176,8 +187,7 @@ class AccessControl:
                                 headers=[(b"allow", ", ".join(sorted(allowed)).encode())])
         raise AccessRefused(404, f"no route {scope['path']}")
 
-    async def _check(self, scope: Scope) -> Operator | None:
-        rule = self._rule(scope)
+    async def _check(self, scope: Scope, rule: str) -> Operator | None:
         if rule == PUBLIC or (rule == SCRAPE and self.metrics_open):
             return None
         if self.local is not None:  # the CLI's own app, in its process: no socket to reach
@@ -214,9 +224,10 @@ class AccessControl:
         return operator
 
 
-def _body_refused(scope: Scope) -> AccessRefused | None:
-    """A write's body is small JSON or a form: it must say its length (411 otherwise), and
-    that length be at most MAX_BODY_BYTES (413), before a byte of it is read."""
+def _body_refused(scope: Scope, limit: int) -> AccessRefused | None:
+    """A write's body must say its length (411 otherwise), and that length be at most the
+    route's limit (413: MAX_BODY_BYTES, small JSON or a form, unless BODY_LIMITS says
+    otherwise), before a byte of it is read."""
     length = None
     for key, value in scope.get("headers", []):
         if key.lower() == b"content-length":
@@ -227,8 +238,10 @@ def _body_refused(scope: Scope) -> AccessRefused | None:
         size = int(length)
     except ValueError:
         return AccessRefused(400, "Content-Length is not a number")
-    if size > MAX_BODY_BYTES:
-        return AccessRefused(413, f"the body is {size} bytes; at most {MAX_BODY_BYTES}")
+    if size < 0:
+        return AccessRefused(400, "Content-Length is negative")
+    if size > limit:
+        return AccessRefused(413, f"the body is {size} bytes; at most {limit}")
     return None
 
 

@@ -12,6 +12,7 @@ boxes.
     …/rollouts                    read, start, pause, resume, abort, roll back: `rollout_api`
     …/commands                    `fleet send`: `command_api`
     …/operators, GET /audit       tokens (admin) and who did what: `operator_api`
+    PUT /release-files/, POST /releases   a release signed at a desk: `release_api`
     GET /, /console/…             the web console: `console`
 
 An app factory only (no module-level app): `fleet serve` builds it with the store and the
@@ -46,6 +47,7 @@ from edge_agent.fleet.controller.console import console_router
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.operator_api import operator_router
 from edge_agent.fleet.controller.operators import Operator
+from edge_agent.fleet.controller.release_api import release_router
 from edge_agent.fleet.controller.releases.artifacts import artifacts_router
 from edge_agent.fleet.controller.releases.repository import releases_dir
 from edge_agent.fleet.controller.rollout_api import rollout_router
@@ -162,6 +164,7 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
     app.include_router(rollout_router(store, state_dir))
     app.include_router(command_router(store, commands))
     app.include_router(operator_router(store))
+    app.include_router(release_router(store, state_dir))
     app.include_router(console_router(store, state_dir))
 
     return app

@@ -19,6 +19,7 @@ from edge_agent.fleet.controller.operators import ROLES, may
 from edge_agent.fleet.controller.store import SQLiteStore
 
 SAMPLE_PARAMS = {"{device_id}": "d1", "{rollout_id}": "r1", "{command_id}": "c1",
+                 "{sha256}": "a" * 64,
                  "{name}": "nobody", "{path:path}": "metadata/1.root.json"}
 
 

@@ -189,7 +189,8 @@ def waves_of(rid: str, devices: list[str], spec: str) -> dict[int, list[str]]:
             for w in sorted(set(assigned.values()))}
 
 
-def settled(central: Central, rid: str, state: str, timeout: float) -> dict[str, Any]:
+def settled(central: Central, rid: str, state: str, timeout: float,
+            why: Callable[[], str] | None = None) -> dict[str, Any]:
     last: dict[str, Any] = {}
 
     def done() -> bool:
@@ -198,8 +199,23 @@ def settled(central: Central, rid: str, state: str, timeout: float) -> dict[str,
         return bool(last["state"] == state and last["settled"])
 
     assert wait_until(done, timeout, 0.5), json.dumps(
-        {k: v for k, v in last.items() if k != "devices"}, indent=1)
+        {k: v for k, v in last.items() if k != "devices"}, indent=1) + (
+        "" if why is None else "\n" + why())
     return last
+
+
+def rollback_trace(central: Central, rid: str, sim: LinkFleet) -> str:
+    """Where the rollbacks stopped: recorded, published, run by the boxes, reported."""
+    import sqlite3
+
+    with sqlite3.connect(central.state / "controller.db") as db:
+        recorded = db.execute("SELECT COUNT(*), COUNT(published_at) FROM rollout_commands "
+                              "WHERE rollout_id = ? AND type = 'rollout.rollback'",
+                              (rid,)).fetchone()
+    ran = sum(1 for d in central.devices if sim[d].got("rollout.rollback"))
+    boxes = sum(1 for d in central.devices if sim[d].state(rid) == "ROLLED_BACK")
+    return (f"rollbacks recorded {recorded[0]}, published {recorded[1]}, run by {ran} "
+            f"boxes, {boxes} boxes ROLLED_BACK\n{central.serve.log.read_text()[-4000:]}")
 
 
 def test_a_fifth_failing_aborts_inside_the_wave_that_crosses_the_threshold(
@@ -287,7 +303,8 @@ def test_a_clean_rollout_completes_wave_after_soaked_wave_then_rolls_back(
                   f"stored ({messages / wall:.0f}/s)")
 
         central.cli("rollback", rid)
-        report = settled(central, rid, "ROLLED_BACK", 60)
+        report = settled(central, rid, "ROLLED_BACK", 60, why=lambda: rollback_trace(
+            central, rid, sim))
         assert report["states"] == {"ROLLED_BACK": 100}
         assert all(len(sim[d].got("rollout.rollback")) == 1 for d in central.devices)
     finally:

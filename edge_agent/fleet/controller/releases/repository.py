@@ -12,12 +12,17 @@ What changes, and what is re-signed, in this order (a device never sees metadata
 names a file or a version not yet written):
 
     add a release     blob, then targets v+1, snapshot v+1, timestamp v+1 (online keys)
+    publish a pushed  targets v+1 signed at a desk (`push`), its files uploaded before into
+      release         incoming/ (`Upload`); then snapshot v+1, timestamp v+1 here
     `timestamp` (cron) timestamp v+1; snapshot/targets too when under half their life left
     `root-sign`       root v+1, same keys, new expiry (offline root keys; yearly)
 
 The root keys are needed only by `init` (and a root re-sign): adding releases needs the
-targets, snapshot and timestamp keys. Releases are immutable: `name@version` names one
-file for good, so a device that saw it can trust that it did not change.
+targets, snapshot and timestamp keys; publishing one signed elsewhere (`publish_signed`,
+the API's `POST /releases`) needs only snapshot and timestamp: the targets key may live at
+a desk, never on this host, and the controller still cannot make a release of its own.
+Releases are immutable: `name@version` names one file for good, so a device that saw it
+can trust that it did not change.
 
 Every write takes `repo.lock` (a cron re-sign and an `add` must not bump the same version
 twice) and goes to a temporary file renamed into place (python-tuf's `to_file` removes,
@@ -28,8 +33,11 @@ need for the step at hand.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import shutil
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -38,6 +46,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from tuf.api.exceptions import UnsignedMetadataError
 from tuf.api.metadata import (
     Metadata,
     MetaFile,
@@ -54,13 +63,29 @@ from edge_agent.config import ConfigError
 from edge_agent.engine.catalog import packaged_catalog_dir, read_catalog
 from edge_agent.engine.gguf_probe import GGUFInfo, open_regular, precheck_open, probe
 from edge_agent.engine.staging import Progress, hash_copy
-from edge_agent.errors import EdgeAgentError, ModelNotFound
+from edge_agent.errors import (
+    Conflict,
+    EdgeAgentError,
+    InvalidRequest,
+    ModelFileError,
+    ModelNotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
 from edge_agent.files import atomic_write, locked
 from edge_agent.fleet.controller.releases.keys import KeyDir, root_keys, root_signers
-from edge_agent.fleet.protocol.manifest import ReleaseManifest, parse, target_path
+from edge_agent.fleet.protocol.manifest import (
+    ManifestError,
+    ReleaseManifest,
+    parse,
+    target_path,
+)
 from edge_agent.names import ModelName
 
 RELEASES_DIR = "releases"
+INCOMING = "incoming"  # uploaded files waiting for the signed targets that name them
+INCOMING_KEEP_S = 86400  # an upload never published is removed after a day
+SHA256 = re.compile(r"[0-9a-f]{64}")
 DAY = 86400
 DEFAULT_EXPIRY_S = {"root": 365 * DAY, "targets": 365 * DAY, "snapshot": 30 * DAY,
                     "timestamp": DAY}
@@ -202,11 +227,84 @@ class ReleaseRepository:
                                     f"{old.hashes.get('sha256', '?')[:12]}); a release never "
                                     "changes: publish a new version")
             length, digest = self._store_blob(gguf, path, progress)
-            tf = TargetFile(length, {"sha256": digest}, path)
-            tf.unrecognized_fields["custom"] = manifest.to_custom()  # inside signed: signed
+            tf = release_target(manifest, length, digest)
             state.targets.signed.targets[path] = tf
             self._publish_targets(state, signers, expiry)
         return self._entry(tf)
+
+    def targets_version(self) -> int:
+        return int(self._load().targets.signed.version)
+
+    def publish_signed(self, md: Metadata[Targets], keys: KeyDir) -> list[ReleaseEntry]:
+        """Publish targets metadata signed elsewhere (a desk's `fleet release push`): it
+        must be the next version, signed by the targets key(s) root trusts, keep every
+        release as it was, and name only files uploaded already (`Upload`). Its new files
+        move in under their content names, then snapshot and timestamp are re-signed here.
+        Returns the releases it added."""
+        signers = self._signers(keys, ("snapshot", "timestamp"))
+        expiry = self.expiry_s()
+        with self._locked():
+            state = self._load()
+            root = Metadata[Root].from_file(str(self.metadata / "root.json"))
+            added = self._check_signed(root, state.targets, md)
+            blobs = {tf.path: self.incoming / tf.hashes["sha256"] for tf in added}
+            for tf in added:
+                dest = self.targets / tf.get_prefixed_paths()[0]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if not dest.exists():
+                    os.link(blobs[tf.path], dest)
+            for blob in set(blobs.values()):
+                blob.unlink(missing_ok=True)
+            state.targets = md
+            self._write(md, f"{md.signed.version}.targets.json")
+            state.snapshot.signed.meta["targets.json"] = MetaFile(version=md.signed.version)
+            self._publish_snapshot(state, signers, expiry)
+        return [self._entry(tf) for tf in added]
+
+    def _check_signed(self, root: Metadata[Root], old: Metadata[Targets],
+                      md: Metadata[Targets]) -> list[TargetFile]:
+        """The releases `md` adds to `old`; the refusal, naming what is wrong, otherwise."""
+        if not isinstance(md.signed, Targets):
+            raise InvalidRequest(f"the metadata is {md.signed.type}, not targets")
+        try:
+            root.signed.verify_delegate(Targets.type, md.signed_bytes, md.signatures)
+        except UnsignedMetadataError as exc:
+            raise InvalidRequest(f"the targets are not signed by the targets key(s) of root "
+                                 f"v{root.signed.version}: {exc}") from None
+        want = old.signed.version + 1
+        if md.signed.version != want:
+            raise Conflict(f"the targets are version {md.signed.version}; the repository's "
+                           f"next is {want}: fetch them again and sign anew")
+        if md.signed.is_expired():
+            raise InvalidRequest("the targets expired already "
+                                 f"({md.signed.expires.isoformat()})")
+        if md.signed.delegations is not None:
+            raise InvalidRequest("delegated targets roles are not published here")
+        for path, tf in old.signed.targets.items():
+            if md.signed.targets.get(path) != tf:
+                raise ReleaseExists(f"the targets change or drop the release {path}: a "
+                                    "release never changes: publish a new version")
+        added = [tf for path, tf in sorted(md.signed.targets.items())
+                 if path not in old.signed.targets]
+        if not added:
+            raise InvalidRequest("the targets add no release")
+        for tf in added:
+            try:
+                manifest = ReleaseManifest.from_custom(tf.custom)
+            except ManifestError as exc:
+                raise InvalidRequest(f"{tf.path}: {exc}") from None
+            if manifest.target_path != tf.path:
+                raise InvalidRequest(f"{tf.path}: its manifest names {manifest.ref} "
+                                     f"({manifest.target_path})")
+            digest = tf.hashes.get("sha256", "")
+            blob = self.incoming / digest
+            if not SHA256.fullmatch(digest) or not blob.is_file():
+                raise InvalidRequest(f"{manifest.ref}: its file (sha256 {digest[:12] or '-'}) "
+                                     "was not uploaded: PUT /release-files/<sha256> first")
+            if blob.stat().st_size != tf.length:
+                raise InvalidRequest(f"{manifest.ref}: the targets say {tf.length} bytes; "
+                                     f"the upload has {blob.stat().st_size}")
+        return added
 
     def refresh(self, keys: KeyDir, *, timestamp_expires_s: int | None = None,
                 force: tuple[str, ...] = ()) -> list[str]:
@@ -261,6 +359,18 @@ class ReleaseRepository:
             return md.signed.version
 
     # -- internals --------------------------------------------------------------------
+    @property
+    def incoming(self) -> Path:
+        return self.root / INCOMING
+
+    @staticmethod
+    def _signers(keys: KeyDir, roles: tuple[str, ...]) -> dict[str, Any]:
+        try:
+            return {role: keys.signer(role) for role in roles}
+        except ConfigError as exc:
+            raise ServiceUnavailable(f"this controller cannot re-sign {' and '.join(roles)}: "
+                                     f"{exc}") from None
+
     def _publish_targets(self, state: _State, signers: Mapping[str, Any],
                          expiry: Mapping[str, int], *, bump: int = 1,
                          ts_s: int | None = None) -> None:
@@ -336,6 +446,85 @@ class ReleaseRepository:
     def _locked(self) -> AbstractContextManager[None]:
         self.root.mkdir(parents=True, exist_ok=True)
         return locked(self.root / "repo.lock")
+
+
+class Upload:
+    """One release file arriving over HTTP (`PUT /release-files/<sha256>`): written under
+    incoming/ and hashed as it comes, kept under its digest only when the digest is the one
+    announced, the length the one announced and the file a GGUF. Where a file of that digest
+    is waiting already it is kept and this one dropped. Uploads older than a day that no
+    targets named are removed when a new one starts."""
+
+    def __init__(self, repo: ReleaseRepository, sha256: str, length: int) -> None:
+        if not SHA256.fullmatch(sha256):
+            raise InvalidRequest(f"{sha256[:80]!r} is not a sha256 (64 lowercase hex digits)")
+        repo.config()  # a clear error where there is no repository
+        self.dest = repo.incoming / sha256
+        self.sha256, self.length = sha256, length
+        repo.incoming.mkdir(exist_ok=True)
+        _sweep(repo.incoming, time.time() - INCOMING_KEEP_S)
+        free = shutil.disk_usage(repo.incoming).free
+        if length > free - (1 << 30):
+            raise PayloadTooLarge(f"{length} bytes do not fit: {free} free on the "
+                                  "controller's release store, with a GiB to spare")
+        self.tmp = repo.incoming / f".upload-{os.getpid()}-{time.monotonic_ns()}"
+        self._out = self.tmp.open("wb")
+        self._hash = hashlib.sha256()
+        self.got = 0
+
+    def write(self, chunk: bytes) -> None:
+        self.got += len(chunk)
+        if self.got > self.length:
+            raise InvalidRequest(f"the body is longer than its Content-Length {self.length}")
+        self._hash.update(chunk)
+        self._out.write(chunk)
+
+    def finish(self) -> bool:
+        """Keep the file; False where one of that digest was there already."""
+        try:
+            self._out.flush()
+            os.fsync(self._out.fileno())
+            self._out.close()
+            if self.got != self.length:
+                raise InvalidRequest(f"the body ended after {self.got} of {self.length} "
+                                     "bytes")
+            if self._hash.hexdigest() != self.sha256:
+                raise InvalidRequest(f"the body's sha256 is {self._hash.hexdigest()}, not "
+                                     f"{self.sha256}")
+            with os.fdopen(open_regular(self.tmp), "rb") as src:
+                try:
+                    precheck_open(src, self.tmp)
+                except ModelFileError as exc:
+                    raise InvalidRequest(f"not a release file: {exc.message}") from None
+            if self.dest.exists():
+                return False
+            self.tmp.chmod(0o644)
+            os.replace(self.tmp, self.dest)
+            return True
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        if not self._out.closed:
+            self._out.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _sweep(directory: Path, before: float) -> None:
+    for leftover in directory.iterdir():
+        try:
+            if leftover.stat().st_mtime < before:
+                leftover.unlink()
+        except OSError:
+            continue  # gone meanwhile, or another upload's: the next sweep decides
+
+
+def release_target(manifest: ReleaseManifest, length: int, digest: str) -> TargetFile:
+    """The targets entry of a release: its file's length and sha256, and its manifest in
+    `custom` (inside `signed`: signed with them)."""
+    tf = TargetFile(length, {"sha256": digest}, manifest.target_path)
+    tf.unrecognized_fields["custom"] = manifest.to_custom()
+    return tf
 
 
 @dataclass
