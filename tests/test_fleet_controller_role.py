@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from edge_agent.fleet.controller.settings import load_controller_settings
@@ -51,13 +52,19 @@ def test_tasks_main_only_dispatches_the_parts_in_order() -> None:
     assert all(t.get("tags") for t in tasks)
 
 
-def test_the_unit_template_renders_to_systemds_unit(tmp_path: Path) -> None:
-    rendered = render(tmp_path, "edge-agent-fleet.service.j2", tmp_path / "unit", role=ROLE)
-    assert rendered == (ROOT / "systemd" / "edge-agent-fleet.service").read_text()
+UNITS = ("edge-agent-fleet.service", "edge-agent-fleet-timestamp.service",
+         "edge-agent-fleet-timestamp.timer")
 
 
-def test_another_state_dir_is_writable_in_the_sandbox(tmp_path: Path) -> None:
-    rendered = render(tmp_path, "edge-agent-fleet.service.j2", tmp_path / "unit",
+@pytest.mark.parametrize("unit", UNITS)
+def test_the_unit_templates_render_to_systemds_units(tmp_path: Path, unit: str) -> None:
+    rendered = render(tmp_path, f"{unit}.j2", tmp_path / "unit", role=ROLE)
+    assert rendered == (ROOT / "systemd" / unit).read_text()
+
+
+@pytest.mark.parametrize("unit", UNITS[:2])
+def test_another_state_dir_is_writable_in_the_sandbox(tmp_path: Path, unit: str) -> None:
+    rendered = render(tmp_path, f"{unit}.j2", tmp_path / "unit",
                       "fleet_controller_state_dir=/srv/fleet", role=ROLE)
     assert "\nReadWritePaths=/srv/fleet\n" in rendered
     assert "\nWorkingDirectory=/srv/fleet\n" in rendered

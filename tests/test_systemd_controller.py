@@ -270,6 +270,15 @@ def test_the_devices_are_every_store_of_the_inventory(central: Central) -> None:
     assert set(central.passwords["third"]) == stores
     assert EXAMPLE["fleet_controller_fleet_id"] in central.box.root.joinpath(
         "etc/mosquitto/edge-fleet/acl").read_text()
+    # The controller expects each of them: no box reported here, each is never seen.
+    token = next((central.site / "keys").glob(f"{HOST}.operator.*.token")).read_text()
+    status, body = central.box.http("GET", f"{API}/devices", headers={
+        "authorization": f"Bearer {token.strip()}"})
+    assert status == 200, body
+    listed = {d["device"]: d for d in json.loads(body)["devices"]}
+    assert set(listed) == stores
+    assert all(d["never_seen"] and d["fleet"] == EXAMPLE["fleet_controller_fleet_id"]
+               and d["registered"]["by"] == "local:edge-agent-fleet" for d in listed.values())
 
 
 def test_the_controller_runs_as_a_notify_unit_with_a_watchdog(central: Central) -> None:
@@ -281,6 +290,20 @@ def test_the_controller_runs_as_a_notify_unit_with_a_watchdog(central: Central) 
         assert central.box.show(unit, "ActiveState")["ActiveState"] == "active", unit
     status, body = central.box.http("GET", f"{API}/healthz")
     assert status == 200, body
+
+
+def test_the_release_timestamp_is_resigned_by_its_timer(central: Central) -> None:
+    timer = central.box.show("edge-agent-fleet-timestamp.timer", "ActiveState",
+                             "UnitFileState")
+    assert timer == {"ActiveState": "active", "UnitFileState": "enabled"}, timer
+    stamp = central.box.root / "var/lib/edge-agent-fleet/releases/metadata/timestamp.json"
+    before = json.loads(stamp.read_text())["signed"]["version"]
+    central.box.run("systemctl", "start", "edge-agent-fleet-timestamp.service")
+    assert json.loads(stamp.read_text())["signed"]["version"] == before + 1
+    done = central.box.show("edge-agent-fleet-timestamp.service", "Result", "ExecMainStatus")
+    assert done == {"Result": "success", "ExecMainStatus": "0"}, \
+        central.box.journal("edge-agent-fleet-timestamp.service")
+    assert stamp.stat().st_uid == (central.box.root / "var/lib/edge-agent-fleet").stat().st_uid
 
 
 def test_the_store_is_postgresql_on_the_local_socket(central: Central) -> None:

@@ -48,7 +48,9 @@ pytestmark = pytest.mark.skipif(
     "the systemd package; it need not run as PID 1)")
 
 CASES = [("edge-agent.service", None), ("edge-agent.service", "nvidia.conf"),
-         ("edge-agent.service", "jetson.conf"), ("edge-agent-fleet.service", None)]
+         ("edge-agent.service", "jetson.conf"), ("edge-agent-fleet.service", None),
+         ("edge-agent-fleet-timestamp.service", None)]
+TIMERS = {"edge-agent-fleet-timestamp.timer": "edge-agent-fleet-timestamp.service"}
 
 
 def _cli() -> str:
@@ -87,6 +89,7 @@ def test_every_unit_and_drop_in_is_covered() -> None:
     units = {p.name for p in UNITS.glob("*.service")}
     dropins = {(p.parent.name.removesuffix(".d"), p.name) for p in UNITS.glob("*.d/*.conf")}
     assert units == {unit for unit, _ in CASES}
+    assert {p.name for p in UNITS.glob("*.timer")} == set(TIMERS)
     assert dropins == {(unit, dropin) for unit, dropin in CASES if dropin}
 
 
@@ -96,6 +99,19 @@ def test_verify_accepts_it(tmp_path: Path, unit: str, dropin: str | None) -> Non
     ours = [line for line in (result.stdout + result.stderr).splitlines()
             if unit in line or str(tmp_path) in line]
     assert result.returncode == 0 and not ours, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("timer", "unit"), sorted(TIMERS.items()))
+def test_verify_accepts_each_timer_beside_its_service(tmp_path: Path, timer: str,
+                                                     unit: str) -> None:
+    stage(tmp_path, unit, None)
+    shutil.copy(UNITS / timer, tmp_path / timer)
+    result = analyze("verify", "--no-pager", str(tmp_path / timer))
+    ours = [line for line in (result.stdout + result.stderr).splitlines()
+            if timer in line or str(tmp_path) in line]
+    assert result.returncode == 0 and not ours, result.stdout + result.stderr
+    timing = {key: value for _, key, value in _settings(tmp_path / timer)}
+    assert timing["Persistent"] == "true" and timing["OnCalendar"] == "*-*-* 00/6:00:00"
 
 
 @pytest.mark.parametrize(("unit", "dropin"), CASES)

@@ -426,7 +426,8 @@ def _registries(scratch: Path) -> list[tuple[CollectorRegistry, object]]:
 
     # One device in the store, so that the series read from it at scrape are there too.
     store = types.SimpleNamespace(devices=lambda: [
-        {"device": "d", "fleet": "f", "online": True, "last_seen": 0.0}])
+        {"device": "d", "fleet": "f", "online": True, "last_seen": 0.0}],
+        registrations=lambda: {"d": {}})
     controller = ControllerMetrics(store)  # type: ignore[arg-type]
     return [(box_registry(scratch), Metrics(lambda: [])),
             (controller.registry, controller)]

@@ -104,7 +104,8 @@ def fleet_devices(ctx: click.Context, as_json: bool) -> None:
     missing and duplicates dropped, over every boot; the outbox backlog the box last
     reported), active models (name@digest, as the box last said: its birth, or a
     models.state event after any change). --json has the ranges per boot: highest seq,
-    gaps, dropped, retired. `retire` and `restore` take a box out of service and back."""
+    gaps, dropped, retired. `retire` and `restore` take a box out of service and back;
+    `register` lists boxes expected before they report (never seen, until they do)."""
     if ctx.invoked_subcommand is not None:
         return
     with controller_client() as api:
@@ -116,7 +117,7 @@ def fleet_devices(ctx: click.Context, as_json: bool) -> None:
            ("AGENT", "<8"), ("LLAMA.CPP", "<10"), ("LOSS", "<22"), ("OUTBOX", "<8"),
            ("ACTIVE MODELS", "")],
           ([d["device"], d["fleet"],
-            "retired" if d.get("retired") else "online" if d["online"] else "offline",
+            _status(d),
             _ago(d["last_seen"]), d["agent_version"] or "-", d["llama_cpp_version"] or "-",
             _loss(d["loss"]), str((d["loss"]["outbox"] or {}).get("depth", "-")),
             ",".join(f"{m['name']}@{m['digest'][:12]}" for m in d["models"]
@@ -125,6 +126,43 @@ def fleet_devices(ctx: click.Context, as_json: bool) -> None:
     if gapped:
         click.echo(f"\n{len(gapped)} device(s) with gaps (messages lost): {', '.join(gapped)}; "
                    "fleet devices --json lists the ranges per boot")
+
+
+def _status(d: dict[str, Any]) -> str:
+    if d.get("never_seen"):
+        return "never seen"
+    return "retired" if d.get("retired") else "online" if d["online"] else "offline"
+
+
+@fleet_devices.command("register")
+@client_options
+@click.argument("devices", nargs=-1, required=True)
+@click.option("--fleet", "fleet_id", default="default", show_default=True,
+              help="The fleet they are configured with (as fleet broker-config's --fleet).")
+@json_option()
+def devices_register(devices: tuple[str, ...], fleet_id: str, as_json: bool) -> None:
+    """Expect DEVICE(s) before they first report (admin): listed as never seen until
+    their first birth, rollouts take them from then on. A registration already there is
+    kept as it was."""
+    with controller_client(create=True) as api:  # before the first start, as operators
+        answer = api.post("/devices", {"devices": list(devices), "fleet": fleet_id})
+    if as_json:
+        echo_json(answer)
+        return
+    click.echo(f"registered {len(answer['registered'])} device(s) in fleet {fleet_id}"
+               + (f": {', '.join(answer['registered'])}" if answer["registered"] else "")
+               + (f"; registered already: {', '.join(answer['known'])}"
+                  if answer["known"] else ""))
+
+
+@fleet_devices.command("unregister")
+@client_options
+@click.argument("device")
+def devices_unregister(device: str) -> None:
+    """Expect DEVICE no more (admin); its history, if it reported, stays."""
+    with controller_client() as api:
+        api.post(f"/devices/{segment(device)}/unregister")
+    click.echo(f"unregistered {device}")
 
 
 def _retirement(device: str, retire: bool) -> None:

@@ -61,6 +61,8 @@ RULES: Mapping[tuple[str, str], str] = {
     ("GET", "/devices/{device_id}/metrics"): "viewer",
     ("POST", "/devices/{device_id}/retire"): "admin",
     ("POST", "/devices/{device_id}/restore"): "admin",
+    ("POST", "/devices"): "admin",
+    ("POST", "/devices/{device_id}/unregister"): "admin",
     ("GET", "/latest-metrics"): "viewer",
     ("GET", "/audit"): "viewer",
     ("POST", "/commands"): "operator",

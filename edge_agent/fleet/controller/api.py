@@ -9,6 +9,8 @@ boxes.
     GET /devices/{id}             one device (404 if unknown), with its loss accounting
     GET /devices/{id}/metrics     {"device": id, "metrics": [newest first]} (?limit=1..1000)
     POST /devices/{id}/retire     (admin) out of service: kept, left out of rollouts; /restore
+    POST /devices                 (admin) {"devices": [id, ...], "fleet": F}: expected before
+                                  they report (listed as never seen); /devices/{id}/unregister
     …/rollouts                    read, start, pause, resume, abort, roll back: `rollout_api`
     …/commands                    `fleet send`: `command_api`
     …/operators, GET /audit       tokens (admin) and who did what: `operator_api`
@@ -35,10 +37,12 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edge_agent import __version__
-from edge_agent.errors import EdgeAgentError, ModelNotFound
+from edge_agent.errors import EdgeAgentError, InvalidRequest, ModelNotFound
+from edge_agent.fleet.controller import registrations
 from edge_agent.fleet.controller.access import AccessControl, actor
 from edge_agent.fleet.controller.audit import audited
 from edge_agent.fleet.controller.command_api import command_router
@@ -53,6 +57,15 @@ from edge_agent.fleet.controller.releases.repository import releases_dir
 from edge_agent.fleet.controller.rollout_api import rollout_router
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol.ids import check_id
+
+
+class DeviceRegister(BaseModel):
+    """`fleet devices register DEVICE… --fleet F`: boxes expected before they report."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    devices: list[str] = Field(min_length=1, max_length=10_000)
+    fleet: str = Field("default", max_length=64)
 
 
 def _problem(status: int, message: str) -> JSONResponse:
@@ -111,7 +124,31 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
 
     @app.get("/devices")
     def devices() -> dict[str, Any]:
-        return {"devices": [{**d, "loss": store.loss(d["device"])} for d in store.devices()]}
+        return {"devices": registrations.listed(store)}
+
+    @app.post("/devices")
+    def register(body: DeviceRegister, request: Request) -> dict[str, Any]:
+        who = actor(request)
+        with audited(store, action="device.register", target=",".join(body.devices)[:200],
+                     request=body.model_dump(), **who):
+            for kind, values in (("device", body.devices), ("fleet", [body.fleet])):
+                for value in values:
+                    try:
+                        check_id(kind, value)
+                    except ValueError as exc:
+                        raise InvalidRequest(str(exc), param=kind) from None
+            new = store.register(sorted(set(body.devices)), fleet=body.fleet,
+                                 by=who["operator"], now=time.time())
+        return {"fleet": body.fleet, "registered": new,
+                "known": sorted(set(body.devices) - set(new))}
+
+    @app.post("/devices/{device_id}/unregister")
+    def unregister(device_id: str, request: Request) -> dict[str, Any]:
+        with audited(store, action="device.unregister", target=device_id, request={},
+                     **actor(request)):
+            if not store.unregister(device_id):
+                raise ModelNotFound(f"device {device_id!r} is not registered")
+        return {"device": device_id, "registered": None}
 
     @app.get("/latest-metrics")
     def latest_metrics() -> dict[str, Any]:
@@ -124,10 +161,10 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
             check_id("device", device_id)
         except ValueError as exc:
             return _problem(400, str(exc))
-        found = store.device(device_id)
+        found = registrations.one(store, device_id)
         if found is None:
             return _problem(404, f"no device {device_id!r}")
-        return {**found, "loss": store.loss(device_id)}
+        return found
 
     def retirement(device_id: str, request: Request, retire: bool) -> dict[str, Any]:
         who = actor(request)

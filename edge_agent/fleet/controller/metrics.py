@@ -8,7 +8,7 @@ Metric names are `edge_fleet_*`; counters get prometheus-client's `_total` suffi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -59,7 +59,7 @@ class ControllerMetrics:
         self.connected = Gauge("edge_fleet_broker_connected", "1 while connected to the broker",
                                registry=r)
         if store is not None:
-            r.register(_FleetCollector(store.devices))
+            r.register(_FleetCollector(store.devices, store.registrations))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -68,13 +68,16 @@ class ControllerMetrics:
 class _FleetCollector(Collector):
     """Read at scrape: the store is the truth about devices, not a copy kept in memory."""
 
-    def __init__(self, devices: Callable[[], list[dict[str, object]]]) -> None:
+    def __init__(self, devices: Callable[[], list[dict[str, object]]],
+                 registrations: Callable[[], Mapping[str, object]]) -> None:
         self._devices = devices
+        self._registrations = registrations
 
     def collect(self) -> Iterable[Metric]:
         store_up = GaugeMetricFamily("edge_fleet_store_up", "1 if the store answered this scrape")
         try:
             devices = self._devices()
+            registered = set(self._registrations())
         except Exception:  # a scrape must answer even while the database is away
             log.exception("fleet: the store did not answer a scrape")
             store_up.add_metric([], 0)
@@ -96,4 +99,8 @@ class _FleetCollector(Collector):
             labels = [str(d["device"]), str(d["fleet"])]
             up.add_metric(labels, 1 if d["online"] else 0)
             seen.add_metric(labels, float(d["last_seen"]))  # type: ignore[arg-type]
-        yield from (total, online, up, seen)
+        awaited = GaugeMetricFamily("edge_fleet_devices_never_seen",
+                                    "Devices registered (fleet devices register) that never "
+                                    "reported")
+        awaited.add_metric([], len(registered - {str(d["device"]) for d in devices}))
+        yield from (total, online, up, seen, awaited)

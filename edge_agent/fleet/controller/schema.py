@@ -19,6 +19,7 @@ messages, commands), `rollout_sql.RolloutQueries` (rollouts) and
 | `retired` | box and boot: the last seq retention removed | retention |
 | `operators` | operator token: name, role, its hash, revoked or not | `fleet operators` |
 | `operator_actions` | operator action: who, role, from where, what, outcome | API, CLI |
+| `device_registrations` | box expected: its fleet, when and by whom | `fleet devices register` |
 
 Types are the ones both databases understand (SQLite maps BIGINT to INTEGER, DOUBLE
 PRECISION to REAL); bodies are JSON text, so the two stores read back the same thing. A
@@ -129,5 +130,12 @@ SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("m010_device_retirement", (
         "ALTER TABLE devices ADD COLUMN retired DOUBLE PRECISION",
         "ALTER TABLE devices ADD COLUMN retired_by TEXT",
+    )),
+    # A box an admin expects before it first reports (`fleet devices register`): listed
+    # as never seen until its birth, never selected by a rollout before it.
+    ("m011_device_registrations", (
+        """CREATE TABLE device_registrations (
+            device TEXT PRIMARY KEY, fleet TEXT NOT NULL,
+            registered DOUBLE PRECISION NOT NULL, registered_by TEXT NOT NULL)""",
     )),
 )

@@ -369,6 +369,29 @@ class SQLStore:
             return db.run("UPDATE devices SET retired = ?, retired_by = ? WHERE device = ?",
                           [None if by is None else now, by, device]) > 0
 
+    def register(self, devices: Sequence[str], *, fleet: str, by: str,
+                 now: float) -> list[str]:
+        """Boxes expected in `fleet` (`by`: who); returns those not registered before (a
+        registration already there is kept as it was, its fleet too)."""
+        with self._tx() as db:
+            return [device for device in devices if db.run(
+                "INSERT INTO device_registrations (device, fleet, registered, registered_by) "
+                "VALUES (?, ?, ?, ?) ON CONFLICT (device) DO NOTHING",
+                [device, fleet, now, by]) > 0]
+
+    def unregister(self, device: str) -> bool:
+        """The registration gone (the device's history, if it reported, stays)."""
+        with self._tx() as db:
+            return db.run("DELETE FROM device_registrations WHERE device = ?", [device]) > 0
+
+    def registrations(self) -> dict[str, dict[str, Any]]:
+        """Every registration: device -> {"fleet", "at", "by"}."""
+        with self._read() as db:
+            return {device: {"fleet": fleet, "at": at, "by": by}
+                    for device, fleet, at, by in db.rows(
+                        "SELECT device, fleet, registered, registered_by FROM "
+                        "device_registrations ORDER BY device")}
+
     def death(self, fleet: str, device: str, message: Mapping[str, Any], received: float) -> bool:
         """Offline only if the death's bdseq is the current session's (a stale Will from an
         older session leaves a newer one online); True if it marked the device offline."""

@@ -156,9 +156,9 @@ def test_a_route_without_a_rule_is_unreachable(store: SQLiteStore, tmp_path: Pat
     http = TestClient(app)
     assert http.get("/new").json() == {"error": "no route /new"} and not reached
     assert http.get("/nothing-here").status_code == 404
-    refused = http.post("/devices")
-    assert refused.status_code == 405 and refused.headers["allow"] == "GET"
-    assert refused.json() == {"error": "POST is not allowed here (only GET)"}
+    refused = http.put("/devices")
+    assert refused.status_code == 405 and refused.headers["allow"] == "GET, POST"
+    assert refused.json() == {"error": "PUT is not allowed here (only GET, POST)"}
 
 
 def test_the_token_is_checked_before_the_body_is_read(store: SQLiteStore,

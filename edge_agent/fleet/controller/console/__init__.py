@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from edge_agent import __version__
 from edge_agent.config import ConfigError
 from edge_agent.errors import EdgeAgentError, ModelNotFound
-from edge_agent.fleet.controller import rollout_ops
+from edge_agent.fleet.controller import registrations, rollout_ops
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.console.session import (
     close_session,
@@ -135,13 +135,12 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
     @router.get("/")
     def fleet(request: Request, prefix: str = "", state: str = "") -> Response:
         devices = []
-        for d in store.devices():
+        for d in registrations.listed(store):
             if prefix and not d["device"].startswith(prefix):
                 continue
             if state in ("online", "offline") and d["online"] != (state == "online"):
                 continue
-            devices.append({**d, "loss": store.loss(d["device"]),
-                            "last_error": store.last_error(d["device"])})
+            devices.append({**d, "last_error": store.last_error(d["device"])})
         # A box says which digest is active; the repository says which release that is.
         versions = {e["sha256"]: e["version"] for e in _releases()}
         return page(request, "fleet", devices=devices, prefix=prefix, state=state,
