@@ -224,8 +224,7 @@ def release_add(keys_dir: Path | None, file: Path, name: str, version: str,
 @release.command("push")
 @client_options
 @_manifest_options
-@click.option("--keys", "keys_dir", required=True,
-              type=click.Path(path_type=Path, file_okay=False, exists=True),
+@click.option("--keys", "keys_dir", required=True, type=click.Path(path_type=Path),
               help="The desk's key dir holding targets.pem and targets.pub.pem.")
 @click.option("--root", "root_file", required=True,
               type=click.Path(path_type=Path, dir_okay=False, exists=True),
