@@ -428,7 +428,8 @@ def _registries(scratch: Path) -> list[tuple[CollectorRegistry, object]]:
     store = types.SimpleNamespace(devices=lambda: [
         {"device": "d", "fleet": "f", "online": True, "last_seen": 0.0}],
         registrations=lambda: {"d": {}})
-    controller = ControllerMetrics(store)  # type: ignore[arg-type]
+    leadership = types.SimpleNamespace(controller_id="c", is_leader=lambda: True)
+    controller = ControllerMetrics(store, leadership=leadership)  # type: ignore[arg-type]
     return [(box_registry(scratch), Metrics(lambda: [])),
             (controller.registry, controller)]
 

@@ -190,7 +190,9 @@ class LinkFleet(_LinkFleet):
 
     def __init__(self, broker: Mosquitto, public_key: Path, devices: Iterable[str],
                  root: Path, *, outcomes: dict[str, str] | None = None,
-                 step_s: float = 0.05, slow_step_s: float | None = None) -> None:
+                 step_s: float = 0.05, slow_step_s: float | None = None,
+                 ack_timeout_s: float = 60.0) -> None:
         super().__init__(broker.url, fleet=FLEET, password_file=broker.password_file,
                          public_key=load_public(public_key), devices=devices, root=root,
-                         outcomes=outcomes, step_s=step_s, slow_step_s=slow_step_s)
+                         outcomes=outcomes, step_s=step_s, slow_step_s=slow_step_s,
+                         ack_timeout_s=ack_timeout_s)

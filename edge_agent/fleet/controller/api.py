@@ -3,7 +3,8 @@ desk or on the controller host itself), `/metrics` for Prometheus and `/releases
 boxes.
 
     GET /metrics                  Prometheus text (the controller's own registry)
-    GET /healthz                  {"broker_connected": bool, "store": "ok"|"error"}
+    GET /healthz                  {"broker_connected": bool, "store": "ok"|"error",
+                                   "controller": {"controller", "leader", "since", "store"}}
     GET /devices                  {"devices": [device, ...]} each with its loss accounting
     GET /latest-metrics           {"devices": [{"device": id, "metrics": latest}, ...]}
     GET /devices/{id}             one device (404 if unknown), with its loss accounting
@@ -77,7 +78,8 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
                state_dir: Path | None = None, loopback: bool = True,
                metrics_open: bool | None = None,
                commands: CommandSender | None = None,
-               local: Operator | None = None) -> FastAPI:
+               local: Operator | None = None,
+               leadership: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
     """`state_dir`: the controller's; its signed release repository is served under
     /releases/ (metadata and model files, with Range, for the boxes' `fleet.artifacts_url`)
     and rollouts are started from it. `loopback`: whether
@@ -119,7 +121,8 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
             state = "ok"
         except Exception:  # the answer is the health check's point, not an error page
             state = "error"
-        body = {"broker_connected": broker_connected(), "store": state}
+        body = {"broker_connected": broker_connected(), "store": state,
+                **({} if leadership is None else {"controller": leadership()})}
         return JSONResponse(body, status_code=200 if state == "ok" else 503)
 
     @app.get("/devices")

@@ -168,7 +168,11 @@ class Ingest:
     def start(self) -> None:
         b = self._settings.broker
         props = Properties(PacketTypes.CONNECT)
-        props.SessionExpiryInterval = b.session_expiry_s
+        # Beside other controllers, the session ends with the connection: the broker would
+        # go on giving a dead member its share of the reports, held for nobody. What it held
+        # when it died its boxes send again (unacknowledged after their ack timeout), to
+        # the living.
+        props.SessionExpiryInterval = 0 if b.shared_group is not None else b.session_expiry_s
         props.ReceiveMaximum = b.receive_maximum
         self._writer = threading.Thread(target=self._write_loop, name="fleet-ingest",
                                         daemon=True)
@@ -195,8 +199,19 @@ class Ingest:
                  "resumed" if flags.session_present else "new")
         # noLocal: our own acks and commands do not come back to us. Retained statuses only
         # for a new subscription: a resumed session already queued every change for us.
-        client.subscribe(topics.CONTROLLER_FILTER, options=SubscribeOptions(
-            qos=1, noLocal=True, retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB))
+        group = self._settings.broker.shared_group
+        if group is None:
+            client.subscribe(topics.CONTROLLER_FILTER, options=SubscribeOptions(
+                qos=1, noLocal=True, retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB))
+            return
+        # Beside other controllers: each report to one of the group (MQTT 5 shared
+        # subscription; noLocal is not allowed there, so this one's own acks come back and
+        # are counted as ignored), and every birth and death to each (a shared subscription
+        # gets no retained message; a status stored twice is stored the same).
+        client.subscribe([
+            (f"$share/{group}/{topics.CONTROLLER_FILTER}", SubscribeOptions(qos=1)),
+            (topics.STATUS_FILTER, SubscribeOptions(
+                qos=1, noLocal=True, retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB))])
 
     def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any,
                       properties: Any) -> None:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from edge_agent.fleet.controller.leadership import Leadership
 from edge_agent.fleet.controller.store import ControllerStore
 
 log = logging.getLogger(__name__)
@@ -23,9 +24,15 @@ AGE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 15.0, 60.0, 300.0, 3600.0, 8
 
 
 class ControllerMetrics:
-    def __init__(self, store: ControllerStore | None = None) -> None:
+    def __init__(self, store: ControllerStore | None = None, *,
+                 leadership: Leadership | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        if leadership is not None:
+            leader = Gauge("edge_fleet_leader", "1 while this controller leads (runs the "
+                           "rollout engine and retention)", ["controller"], registry=r)
+            leader.labels(leadership.controller_id).set_function(
+                lambda: 1.0 if leadership.is_leader() else 0.0)
         self.ingested = Counter("edge_fleet_messages_ingested", "Messages stored (first copy)",
                                 ["kind"], registry=r)
         self.duplicates = Counter("edge_fleet_messages_duplicate",

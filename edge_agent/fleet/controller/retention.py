@@ -97,10 +97,12 @@ class Retention:
     """`start()` the thread, `stop()` it; `run_once()` is one pass (tests call it)."""
 
     def __init__(self, settings: RetentionSettings, store: Purger, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 leading: Callable[[], bool] = lambda: True) -> None:
         self.settings = settings
         self.store = store
         self.clock = clock
+        self.leading = leading  # beside other controllers: only the leader purges
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -118,7 +120,8 @@ class Retention:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.run_once()
+                if self.leading():
+                    self.run_once()
             except Exception:  # the next pass tries again; the ingest goes on meanwhile
                 log.exception("fleet retention: this pass failed; trying again in %.0f s",
                               self.settings.every_s)

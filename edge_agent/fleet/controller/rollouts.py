@@ -14,7 +14,9 @@ Each tick, for each rollout the store says is not settled:
    per-stream seqs) before they are published, then published; a rollout.start is
    recorded only while the rollout is RUNNING and only once per device.
 
-Everything lives in the store, so a restarted `fleet serve` carries on where it stopped.
+Everything lives in the store, so a restarted `fleet serve` carries on where it stopped,
+and so does another controller of the same store when it takes the lead (`leadership`:
+only the leader ticks).
 A rollout.start lives as long as the rollout's device timeout: a box offline at its wave
 gets it from its broker session when it reconnects, and one arriving after the controller
 counted the box as timed out is refused by the box as expired. Must never: publish
@@ -52,8 +54,10 @@ class RolloutEngine:
     def __init__(self, settings: ControllerSettings, store: ControllerStore,
                  key: Ed25519PrivateKey | None, *, metrics: ControllerMetrics | None = None,
                  publisher: commands.Publisher | None = None,
-                 clock: Callable[[], float] = time.time, tick_s: float | None = None) -> None:
+                 clock: Callable[[], float] = time.time, tick_s: float | None = None,
+                 leading: Callable[[], bool] = lambda: True) -> None:
         self.settings = settings
+        self.leading = leading  # beside other controllers: only the leader drives rollouts
         self.store = store
         self.key = key
         self.metrics = metrics
@@ -86,6 +90,8 @@ class RolloutEngine:
         """One pass over the unsettled rollouts; the plan carried out for each (a rollout
         another writer changed meanwhile, or whose pass failed, has none)."""
         done: dict[str, Plan] = {}
+        if not self.leading():
+            return done
         try:
             pending = self.store.rollouts(unsettled=True, limit=1000)
         except Exception:

@@ -1,6 +1,7 @@
-"""`fleet serve` put together: the store, the ingest session, the rollout engine, the
-retention and the HTTP API in one process, started in that order and stopped in the
-reverse one.
+"""`fleet serve` put together: the store, its leadership (`leadership`: the rollout engine
+and retention act only while this controller leads; a second controller on a SQLite store
+stops here), the ingest session, the rollout engine, the retention and the HTTP API in
+one process, started in that order and stopped in the reverse one.
 
 The HTTP server runs in the calling thread (uvicorn handles SIGINT/SIGTERM); the ingest,
 the rollout engine (`rollouts`, which signs with `command_signing_key_file`) and the retention
@@ -33,6 +34,7 @@ from edge_agent.config import ConfigError
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.commands import CommandSender
 from edge_agent.fleet.controller.ingest import Ingest
+from edge_agent.fleet.controller.leadership import Leadership, leadership_for
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.retention import Retention
 from edge_agent.fleet.controller.rollouts import RolloutEngine
@@ -56,18 +58,23 @@ class Controller:
     retention: Retention | None = None
 
     commands: CommandSender | None = None
+    leadership: Leadership | None = None  # None: the ingest alone (tests of the ingest)
 
     @classmethod
     def open(cls, settings: ControllerSettings) -> Controller:
         key = command_key(settings)  # a bad key file stops the start, not a rollout later
         store = open_store(settings.db, settings.state_dir)
-        metrics = ControllerMetrics(store)
+        leadership = leadership_for(settings.db, settings.state_dir, settings.broker.client_id)
+        metrics = ControllerMetrics(store, leadership=leadership)
         return cls(settings, store, metrics, Ingest(settings, store, metrics, key=key),
-                   RolloutEngine(settings, store, key, metrics=metrics),
-                   Retention(settings.retention, store),
-                   None if key is None else CommandSender(settings, key))
+                   RolloutEngine(settings, store, key, metrics=metrics,
+                                 leading=leadership.is_leader),
+                   Retention(settings.retention, store, leading=leadership.is_leader),
+                   None if key is None else CommandSender(settings, key), leadership)
 
     def start(self) -> None:
+        if self.leadership is not None:
+            self.leadership.start()  # a second controller on a SQLite store stops here
         self.ingest.start()
         if self.rollouts is not None:
             self.rollouts.start()
@@ -79,6 +86,8 @@ class Controller:
         tls = exposure_checked(self.settings, self.store)
         app = create_app(self.store, self.metrics,
                          broker_connected=lambda: self.ingest.connected,
+                         leadership=None if self.leadership is None else
+                         self.leadership.state,
                          state_dir=self.settings.state_dir,
                          loopback=is_loopback(self.settings.http.host),
                          metrics_open=self.settings.http.metrics_open,
@@ -100,6 +109,8 @@ class Controller:
         if self.rollouts is not None:
             self.rollouts.stop()
         self.ingest.stop()
+        if self.leadership is not None:
+            self.leadership.stop()
         self.store.close()
 
 

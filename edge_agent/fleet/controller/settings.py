@@ -65,6 +65,11 @@ class BrokerSettings(_Section):
     session_expiry_s: int = Field(
         3600, ge=0, description="How long the broker keeps the controller's queue while it "
         "is away (MQTT 5 session expiry).")
+    shared_group: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Beside other controllers of "
+        "the same PostgreSQL store: the MQTT 5 shared subscription group they take the "
+        "boxes' reports through (each report to one of them). Each controller needs a "
+        "client_id of its own.")
     keepalive_s: int = Field(30, ge=5, le=65535)
     receive_maximum: int = Field(
         1000, ge=1, le=65535, description="Messages the broker may have in flight to the "
@@ -179,6 +184,14 @@ class ControllerSettings(LayeredSettings):
         if url is not None and urlsplit(url).scheme not in ("postgresql", "postgres", "sqlite"):
             raise ValueError("db must be postgresql://… or sqlite:///path")
         return url
+
+    @model_validator(mode="after")
+    def _shared(self) -> ControllerSettings:
+        if self.broker.shared_group is not None and not (
+                self.db or "").startswith(("postgresql://", "postgres://")):
+            raise ValueError("broker.shared_group is for two or more controllers on one "
+                             "PostgreSQL store (db = postgresql://…); a SQLite store has one")
+        return self
 
     def broker_password(self) -> str | None:
         """The first line of broker.password_file; ConfigError if it cannot be read."""

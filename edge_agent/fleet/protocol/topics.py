@@ -69,3 +69,4 @@ def device_filter(fleet: str, device: str) -> list[str]:
 
 
 CONTROLLER_FILTER = f"{PREFIX}/+/+/#"
+STATUS_FILTER = f"{PREFIX}/+/+/{STATUS}"

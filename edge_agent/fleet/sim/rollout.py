@@ -32,6 +32,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from edge_agent.fleet.device.link.core import LinkOptions
 from edge_agent.fleet.protocol.command import Command
 from edge_agent.fleet.protocol.envelope import AUDIT
 from edge_agent.fleet.sim.device import SimDevice
@@ -166,13 +167,14 @@ class LinkFleet:
     def __init__(self, broker_url: str, *, fleet: str, password_file: Callable[[str], Path],
                  public_key: Ed25519PublicKey, devices: Iterable[str], root: Path,
                  outcomes: dict[str, str] | None = None, step_s: float = 0.05,
-                 slow_step_s: float | None = None) -> None:
+                 slow_step_s: float | None = None, ack_timeout_s: float = 60.0) -> None:
         names = list(devices)
         self.sim = Simulator(broker_url, fleet=fleet, devices=names,
                              password_file=password_file, root=root,
                              script=self._script, public_key=public_key,
                              options=SimOptions(reconnect_min_s=0.2, reconnect_max_s=1.0,
-                                                sweep_s=2.0, stop_wait_s=3.0))
+                                                sweep_s=2.0, stop_wait_s=3.0,
+                                                link=LinkOptions(ack_timeout_s=ack_timeout_s)))
         self.boxes = {d: BoxRollouts((outcomes or {}).get(d, "active"), step_s,
                                      self._emitter(self.sim.devices[d]), self.sim.call_later,
                                      slow_step_s=slow_step_s)

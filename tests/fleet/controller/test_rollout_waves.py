@@ -13,11 +13,7 @@ reconnecting, a silent one times out, and a restarted controller carries on.
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 from click.testing import CliRunner
 
@@ -38,6 +33,7 @@ from tests.conftest import free_port
 from tests.ggufgen import write_tiny_gguf
 from tests.support.brokers import Mosquitto
 from tests.support.fleetkit import wait_until
+from tests.support.fleetserve import FleetServe
 from tests.support.releasekit import make_repo
 from tests.support.rolloutsim import LinkFleet, SimFleet
 
@@ -48,51 +44,11 @@ NAME = "simmodel:1b"
 WAVES = "1,10%,50%,100%"
 
 
-class Serve:
-    """`python -m edge_agent fleet serve --config …`, stopped with SIGTERM."""
-
-    def __init__(self, config: Path, port: int, log: Path) -> None:
-        self.config, self.port, self.log = config, port, log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Serve:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "edge_agent", "fleet", "serve", "--config",
-                 str(self.config), "--log-level", "info"],
-                env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                stdout=subprocess.DEVNULL, stderr=out)
-        assert wait_until(self._healthy, 60, 0.2), self.log.read_text()[-3000:]
-        return self
-
-    def _healthy(self) -> bool:
-        try:
-            r = httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=2)
-            return r.status_code == 200 and bool(r.json()["broker_connected"])
-        except httpx.HTTPError:
-            return False
-
-    def cpu_s(self) -> float:
-        assert self.proc is not None
-        t = psutil.Process(self.proc.pid).cpu_times()
-        return float(t.user + t.system)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
-
-
 @dataclass
 class Central:
     state: Path
     config: Path
-    serve: Serve
+    serve: FleetServe
     broker: Mosquitto
     public_key: Path
     devices: list[str]
@@ -140,7 +96,7 @@ def central_for(mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path
             f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
             f'password_file = "{broker.password_file("controller")}"\n'
             f"[http]\nport = {port}\n")
-        serve = Serve(config, port, tmp_path / "serve.log").start()
+        serve = FleetServe(config, port, tmp_path / "serve.log").start()
         central = Central(state, config, serve, broker, repo.keys.public_file("command"),
                           devices)
         made.append(central)
