@@ -206,6 +206,26 @@ def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix, json.dumps(value) if isinstance(value, (list, type(None))) else value)]
 
 
+@fleet.command("controllers")
+@client_options
+@json_option()
+def fleet_controllers(as_json: bool) -> None:
+    """Every `fleet serve` of the store: which leads (runs the rollout engine and
+    retention) and since when, which follow, which stopped answering."""
+    with controller_client() as api:
+        found = api.get("/controllers")["controllers"]
+    if as_json:
+        echo_json(found)
+        return
+    table([("CONTROLLER", "<24"), ("STATE", "<9"), ("SINCE", "<10"), ("LAST SEEN", "<10"),
+           ("HOST", "<16"), ("PID", "")],
+          ([c["controller"], c["state"],
+            _ago(c["leader_since"] if c["state"] == "leader" else c["started"]),
+            _ago(c["last_seen"]), c["host"] or "-", c["pid"] or "-"] for c in found))
+    if not found:
+        click.echo("no controller has run on this store yet (fleet serve)")
+
+
 @fleet.command("metrics")
 @client_options
 @click.argument("device", required=False)

@@ -57,6 +57,7 @@ RULES: Mapping[tuple[str, str], str] = {
     ("GET", "/openapi.json"): "viewer",
     ("HEAD", "/openapi.json"): "viewer",
     ("GET", "/devices"): "viewer",
+    ("GET", "/controllers"): "viewer",
     ("GET", "/devices/{device_id}"): "viewer",
     ("GET", "/devices/{device_id}/metrics"): "viewer",
     ("POST", "/devices/{device_id}/retire"): "admin",

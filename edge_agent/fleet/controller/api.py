@@ -6,6 +6,8 @@ boxes.
     GET /healthz                  {"broker_connected": bool, "store": "ok"|"error",
                                    "controller": {"controller", "leader", "since", "store"}}
     GET /devices                  {"devices": [device, ...]} each with its loss accounting
+    GET /controllers              {"controllers": [...]}: each `fleet serve` of the store, its
+                                  state (leader, follower, gone) and since when
     GET /latest-metrics           {"devices": [{"device": id, "metrics": latest}, ...]}
     GET /devices/{id}             one device (404 if unknown), with its loss accounting
     GET /devices/{id}/metrics     {"device": id, "metrics": [newest first]} (?limit=1..1000)
@@ -49,6 +51,7 @@ from edge_agent.fleet.controller.audit import audited
 from edge_agent.fleet.controller.command_api import command_router
 from edge_agent.fleet.controller.commands import CommandSender
 from edge_agent.fleet.controller.console import console_router
+from edge_agent.fleet.controller.leadership import presence_state
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.operator_api import operator_router
 from edge_agent.fleet.controller.operators import Operator
@@ -152,6 +155,12 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
             if not store.unregister(device_id):
                 raise ModelNotFound(f"device {device_id!r} is not registered")
         return {"device": device_id, "registered": None}
+
+    @app.get("/controllers")
+    def controllers() -> dict[str, Any]:
+        now = time.time()
+        return {"controllers": [{**row, "state": presence_state(row, now)}
+                                for row in store.controllers()]}
 
     @app.get("/latest-metrics")
     def latest_metrics() -> dict[str, Any]:

@@ -21,6 +21,10 @@ controller's API is stored; the leader acts on it at its next tick.
   `<state>/controller.lock` for the process's life; a second `fleet serve` on the same
   store is refused at start, naming PostgreSQL as the way to run two.
 
+Each controller also says it is there (`Presence`: a row of `controllers` every
+`BEAT_S`), so `fleet controllers`, `GET /controllers` and any controller's console show
+every one of them, which leads and since when, and which stopped answering.
+
 Never: act on a stale belief (every `is_leader()` checks the lease), or hold the store's
 own connection (its transactions come and go; the lock must not).
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LEADER_KEY = 0x6564676C64  # pg_advisory_lock key of the controllers' leader ("edgld")
+BEAT_S = 2.0  # a controller's presence row, refreshed this often
+GONE_AFTER_S = 15.0  # a row older than this: that controller stopped answering
 LOCK_FILE = "controller.lock"
 
 
@@ -190,6 +197,58 @@ class AdvisoryLeadership:
         if was:
             log.warning("fleet: this controller (%s) no longer leads: %s", self.controller_id,
                         why)
+
+
+class Presence:
+    """This controller's row in `controllers`, every `beat_s`, from a thread of its own."""
+
+    def __init__(self, store: PresenceStore, leadership: Leadership, *,
+                 beat_s: float = BEAT_S) -> None:
+        self.store, self.leadership, self.beat_s = store, leadership, beat_s
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._said = False
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="fleet-presence", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def beat(self) -> None:
+        state = self.leadership.state()
+        self.store.controller_seen(self.leadership.controller_id, leader=bool(state["leader"]),
+                                   leader_since=state["since"], started=self.started,
+                                   now=time.time(), pid=os.getpid(), host=socket.gethostname())
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.beat()
+                self._said = False
+            except Exception:  # the store away: the next beat says it again
+                if not self._said:
+                    log.warning("fleet: could not record this controller's presence",
+                                exc_info=True)
+                    self._said = True
+            if self._stop.wait(self.beat_s):
+                return
+
+
+class PresenceStore(Protocol):
+    def controller_seen(self, controller: str, *, leader: bool, leader_since: float | None,
+                        started: float, now: float, pid: int, host: str) -> None: ...
+
+
+def presence_state(row: dict[str, Any], now: float) -> str:
+    """leader, follower, or gone (no beat for GONE_AFTER_S)."""
+    if now - float(row["last_seen"]) > GONE_AFTER_S:
+        return "gone"
+    return "leader" if row["leader"] else "follower"
 
 
 def leadership_for(db: str | None, state_dir: Path, controller_id: str) -> Leadership:

@@ -20,6 +20,7 @@ messages, commands), `rollout_sql.RolloutQueries` (rollouts) and
 | `operators` | operator token: name, role, its hash, revoked or not | `fleet operators` |
 | `operator_actions` | operator action: who, role, from where, what, outcome | API, CLI |
 | `device_registrations` | box expected: its fleet, when and by whom | `fleet devices register` |
+| `controllers` | `fleet serve` of the store: leading or not, since when, last seen | itself |
 
 Types are the ones both databases understand (SQLite maps BIGINT to INTEGER, DOUBLE
 PRECISION to REAL); bodies are JSON text, so the two stores read back the same thing. A
@@ -137,5 +138,12 @@ SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
         """CREATE TABLE device_registrations (
             device TEXT PRIMARY KEY, fleet TEXT NOT NULL,
             registered DOUBLE PRECISION NOT NULL, registered_by TEXT NOT NULL)""",
+    )),
+    # Each `fleet serve` of the store, as it last said (`leadership`: `fleet controllers`).
+    ("m012_controllers", (
+        """CREATE TABLE controllers (
+            controller TEXT PRIMARY KEY, leader INTEGER NOT NULL,
+            leader_since DOUBLE PRECISION, started DOUBLE PRECISION NOT NULL,
+            last_seen DOUBLE PRECISION NOT NULL, pid BIGINT, host TEXT)""",
     )),
 )

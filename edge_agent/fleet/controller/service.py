@@ -34,7 +34,7 @@ from edge_agent.config import ConfigError
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.commands import CommandSender
 from edge_agent.fleet.controller.ingest import Ingest
-from edge_agent.fleet.controller.leadership import Leadership, leadership_for
+from edge_agent.fleet.controller.leadership import Leadership, Presence, leadership_for
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.retention import Retention
 from edge_agent.fleet.controller.rollouts import RolloutEngine
@@ -59,6 +59,7 @@ class Controller:
 
     commands: CommandSender | None = None
     leadership: Leadership | None = None  # None: the ingest alone (tests of the ingest)
+    presence: Presence | None = None
 
     @classmethod
     def open(cls, settings: ControllerSettings) -> Controller:
@@ -70,11 +71,14 @@ class Controller:
                    RolloutEngine(settings, store, key, metrics=metrics,
                                  leading=leadership.is_leader),
                    Retention(settings.retention, store, leading=leadership.is_leader),
-                   None if key is None else CommandSender(settings, key), leadership)
+                   None if key is None else CommandSender(settings, key), leadership,
+                   Presence(store, leadership))
 
     def start(self) -> None:
         if self.leadership is not None:
             self.leadership.start()  # a second controller on a SQLite store stops here
+        if self.presence is not None:
+            self.presence.start()
         self.ingest.start()
         if self.rollouts is not None:
             self.rollouts.start()
@@ -104,6 +108,8 @@ class Controller:
                     f"{config.host}:{config.port}")
 
     def close(self) -> None:
+        if self.presence is not None:
+            self.presence.stop()
         if self.retention is not None:
             self.retention.stop()
         if self.rollouts is not None:

@@ -379,6 +379,26 @@ class SQLStore:
                 "VALUES (?, ?, ?, ?) ON CONFLICT (device) DO NOTHING",
                 [device, fleet, now, by]) > 0]
 
+    def controller_seen(self, controller: str, *, leader: bool, leader_since: float | None,
+                        started: float, now: float, pid: int, host: str) -> None:
+        """A controller's heartbeat (`fleet serve`, every few seconds)."""
+        with self._tx() as db:
+            db.run("INSERT INTO controllers (controller, leader, leader_since, started, "
+                   "last_seen, pid, host) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT "
+                   "(controller) DO UPDATE SET leader = excluded.leader, leader_since = "
+                   "excluded.leader_since, started = excluded.started, last_seen = "
+                   "excluded.last_seen, pid = excluded.pid, host = excluded.host",
+                   [controller, int(leader), leader_since, started, now, pid, host])
+
+    def controllers(self) -> list[dict[str, Any]]:
+        """Every controller that ever ran on this store, as it last said, by name."""
+        with self._read() as db:
+            return [{"controller": c, "leader": bool(leader), "leader_since": since,
+                     "started": started, "last_seen": seen, "pid": pid, "host": host}
+                    for c, leader, since, started, seen, pid, host in db.rows(
+                        "SELECT controller, leader, leader_since, started, last_seen, pid, "
+                        "host FROM controllers ORDER BY controller")]
+
     def unregister(self, device: str) -> bool:
         """The registration gone (the device's history, if it reported, stays)."""
         with self._tx() as db:

@@ -13,7 +13,9 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import psycopg
 import pytest
 from click.testing import CliRunner
@@ -139,6 +141,12 @@ def test_a_leader_that_cannot_confirm_gives_up_within_its_lease(postgres_url: st
 Pair = tuple[list[FleetServe], Mosquitto, Path, list[str]]
 
 
+def _controllers(serve: FleetServe) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = httpx.get(
+        f"http://127.0.0.1:{serve.port}/controllers", timeout=5).json()["controllers"]
+    return found
+
+
 @pytest.fixture
 def pair_for(mosquitto_factory: Callable[..., Mosquitto], postgres_url: str, tmp_path: Path,
              ) -> Iterator[Callable[[int], Pair]]:
@@ -218,8 +226,16 @@ def test_the_other_controller_finishes_a_rollout_when_the_leader_is_killed(
                               "device, boot_id, seq HAVING COUNT(*) > 1").fetchall()
             assert seqs == []  # every report stored once, whichever controller took it
         health = b.health()
-        assert health is not None and health["controller"]["controller"] == \
-            "edge-fleet-ctl-b"  # type: ignore[index]
+        assert health is not None and health["controller"]["controller"] == "edge-fleet-ctl-b"
+        # Every controller of the store, as `fleet controllers` prints them: the killed
+        # one stops answering, the other leads since the takeover.
+        assert wait_until(lambda: {c["controller"]: c["state"] for c in _controllers(b)} == {
+            "edge-fleet-ctl-a": "gone", "edge-fleet-ctl-b": "leader"}, 30, 0.5), \
+            _controllers(b)
+        shown = CliRunner().invoke(main, ["fleet", "controllers", "--config", str(b.config)])
+        assert shown.exit_code == 0, shown.output
+        rows = {line.split()[0]: line.split()[1] for line in shown.stdout.splitlines()[1:]}
+        assert rows == {"edge-fleet-ctl-a": "gone", "edge-fleet-ctl-b": "leader"}
         print(f"\n[figures] leader killed during a soak: the other led after "
               f"{takeover:.2f} s; rollout of {len(devices)} boxes completed")
     finally:
