@@ -286,17 +286,34 @@ def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
               help="Seconds between Mosquitto's saves of its queues.")
 @click.option("--conf-dir", type=click.Path(path_type=Path, file_okay=False),
               help="Where passwd and acl will be on the broker host (default: --out).")
+@click.option("--region", "regions", multiple=True, metavar="USER=DEVICES_FILE",
+              help="The central broker: a region's bridge user and its devices (they "
+                   "connect to the region's broker, bridged here). Repeatable.")
+@click.option("--uplink", metavar="URL", help="A region's broker: the central broker "
+              "(mqtt://HOST:PORT or mqtts://…) to bridge to.")
+@click.option("--uplink-user", help="The bridge's user on the central broker (its --region).")
+@click.option("--uplink-password-file", type=click.Path(path_type=Path, dir_okay=False,
+                                                        exists=True),
+              help="Its password (credentials/USER.txt of the central broker's run).")
+@click.option("--uplink-ca", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="The central broker's CA for mqtts:// (default: the system's).")
 @json_option()
 def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller_user: str,
                         tls_cert: Path | None, tls_key: Path | None, ca: Path | None,
                         bind: str, port: int, tls_bind: str, tls_port: int, data_dir: Path,
-                        autosave_interval: int, conf_dir: Path | None, as_json: bool) -> None:
-    """Write a Mosquitto passwd, ACL and config for a fleet, and each device's password."""
+                        autosave_interval: int, conf_dir: Path | None,
+                        regions: tuple[str, ...], uplink: str | None, uplink_user: str | None,
+                        uplink_password_file: Path | None, uplink_ca: Path | None,
+                        as_json: bool) -> None:
+    """Write a Mosquitto passwd, ACL and config for a fleet, and each device's password;
+    for a central broker, its regions' bridge users (--region); for a region's broker, its
+    bridge to the central one (--uplink)."""
     from edge_agent.fleet.controller.broker import (
         BrokerPlan,
         TLSFiles,
         check_plan,
         read_devices,
+        uplink_of,
         write_broker_config,
     )
 
@@ -306,11 +323,23 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
         raise BadUsage("--ca needs --tls-cert and --tls-key")
     tls = None if tls_cert is None or tls_key is None else TLSFiles(
         tls_cert.absolute(), tls_key.absolute(), ca.absolute() if ca else None)
+    bridged = []
+    for region in regions:
+        user, sep, devices_path = region.partition("=")
+        if not sep or not user or not devices_path:
+            raise BadUsage(f"--region {region!r}: USER=DEVICES_FILE")
+        bridged.append((user, read_devices(Path(devices_path))))
+    up = None
+    if uplink is not None or uplink_user is not None or uplink_password_file is not None:
+        if uplink is None or uplink_user is None or uplink_password_file is None:
+            raise BadUsage("--uplink, --uplink-user and --uplink-password-file go together")
+        up = uplink_of(uplink, uplink_user, uplink_password_file, uplink_ca)
     plan = BrokerPlan(fleet=fleet_id, devices=read_devices(devices_file),
                       controller_user=controller_user, bind=bind, port=port, tls=tls,
                       tls_bind=tls_bind, tls_port=tls_port, data_dir=data_dir.absolute(),
                       autosave_interval=autosave_interval,
-                      conf_dir=conf_dir.absolute() if conf_dir else None)
+                      conf_dir=conf_dir.absolute() if conf_dir else None,
+                      regions=tuple(bridged), uplink=up)
     check_plan(plan)  # before anything is written
     files = write_broker_config(plan, out)
     summary = {"fleet": fleet_id, "devices": list(plan.devices), "passwd": str(files.passwd),
@@ -322,6 +351,12 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
         return
     click.echo(f"fleet {fleet_id}: {len(plan.devices)} devices and user {controller_user}; "
                f"{len(files.new_passwords)} new passwords")
+    for user, devices in plan.regions:
+        click.echo(f"region bridge user {user}: {len(devices)} devices, through its "
+                   "region's broker (fleet broker-config there with --uplink)")
+    if up is not None:
+        click.echo(f"bridged to {uplink} as {up.user} (mosquitto.conf holds its password: "
+                   "mode 0600)")
     for path in (files.passwd, files.acl, files.conf):
         click.echo(f"wrote {path}")
     click.echo(f"wrote {out.absolute() / 'credentials'}/<user>.txt (mode 0600): copy each "

@@ -18,7 +18,18 @@ user the ACL does not name can do nothing.
 Passwords: generated (URL-safe random) unless `credentials/<user>.txt` already holds one,
 so re-running after adding a device does not change everyone's password (delete a file to
 rotate it). Hashed with `mosquitto_passwd -U` when it is installed, else in the same
-PBKDF2-SHA512 `$7$` format Mosquitto 2 writes. Every file is written atomically; the
+PBKDF2-SHA512 `$7$` format Mosquitto 2 writes.
+
+Past one broker, a region's broker is bridged to the central one. The central broker's
+plan names each region (`regions`: its bridge user and the region's devices): the bridge
+user may write the device kinds and read the controller kinds of exactly those devices,
+and the fleet's `all/cmd` — the same rights as its boxes together, never more, so nothing
+through a bridge can publish another region's topics or an ack. The region's plan names its
+`uplink` (the central broker, the bridge user and its password): its `mosquitto.conf` gets
+the bridge (MQTT 3.1.1 with `cleansession false`: each side queues for the other while
+the uplink is down), forwarding the device kinds out and the controller kinds in. Its boxes connect
+to it with the same per-device ACL; a box that moves region needs only its broker URL
+changed (and its password, which each broker keeps). Every file is written atomically; the
 password file and the credentials are mode 0600 when first written, and a re-run keeps the
 owner, group and mode of `passwd`, `acl` and `mosquitto.conf` as it finds them (the broker's
 user must go on reading them). This module never starts a broker.
@@ -36,6 +47,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from edge_agent.config import ConfigError
 from edge_agent.files import atomic_write
@@ -54,6 +66,18 @@ class TLSFiles:
     cert: Path
     key: Path
     ca: Path | None = None  # for client certificates; unset: passwords only
+
+
+@dataclass(frozen=True)
+class Uplink:
+    """A region's bridge to the central broker."""
+
+    host: str
+    port: int
+    user: str  # its user on the central broker (a `regions` entry there)
+    password: str
+    tls: bool = False
+    ca: Path | None = None  # the central broker's CA for mqtts:// (unset: the system's)
 
 
 @dataclass(frozen=True)
@@ -77,9 +101,12 @@ class BrokerPlan:
     # which caps a backlog's drain at one round trip per 20 messages).
     max_inflight_messages: int = 1000
     conf_dir: Path | None = None  # where passwd/acl will be on the broker host; default out
+    # The central broker's bridged regions: (bridge user, the region's devices).
+    regions: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    uplink: Uplink | None = None  # a region's broker: its bridge to the central one
 
     def users(self) -> tuple[str, ...]:
-        return (*self.devices, self.controller_user)
+        return (*self.devices, self.controller_user, *(user for user, _ in self.regions))
 
 
 @dataclass
@@ -127,6 +154,26 @@ def check_plan(plan: BrokerPlan) -> None:
         raise ConfigError(str(exc)) from None
     if plan.controller_user in plan.devices:
         raise ConfigError(f"the controller user {plan.controller_user!r} is also a device id")
+    seen = {d: "this broker's devices" for d in plan.devices}
+    seen[plan.controller_user] = "the controller user"
+    for user, devices in plan.regions:
+        try:
+            check_id("bridge user", user)
+            for device in devices:
+                check_id("device", device)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if not devices:
+            raise ConfigError(f"region {user!r} lists no device")
+        for name in (user, *devices):
+            if name in seen:
+                raise ConfigError(f"{name!r} of region {user!r} is also in {seen[name]}")
+            seen[name] = f"region {user!r}"
+    if plan.uplink is not None:
+        try:
+            check_id("bridge user", plan.uplink.user)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def hash_password(password: str, *, salt: bytes | None = None) -> str:
@@ -147,6 +194,15 @@ def acl_text(plan: BrokerPlan) -> str:
                   for kind in sorted(topics.DEVICE_KINDS)]
         lines += [f"topic read {topics.topic(plan.fleet, device, kind)}"
                   for kind in sorted(topics.CONTROLLER_KINDS)]
+        lines += [f"topic read {everyone}", ""]
+    for user, devices in plan.regions:
+        # A region's bridge: its boxes' rights together, nothing more.
+        lines.append(f"user {user}")
+        for device in devices:
+            lines += [f"topic write {topics.topic(plan.fleet, device, kind)}"
+                      for kind in sorted(topics.DEVICE_KINDS)]
+            lines += [f"topic read {topics.topic(plan.fleet, device, kind)}"
+                      for kind in sorted(topics.CONTROLLER_KINDS)]
         lines += [f"topic read {everyone}", ""]
     return "\n".join(lines)
 
@@ -173,7 +229,51 @@ def conf_text(plan: BrokerPlan, conf_dir: Path) -> str:
                   f"certfile {plan.tls.cert}", f"keyfile {plan.tls.key}"]
         if plan.tls.ca is not None:
             lines.append(f"cafile {plan.tls.ca}")
+    if plan.uplink is not None:
+        lines += ["", *bridge_lines(plan.fleet, plan.uplink)]
     return "\n".join(lines) + "\n"
+
+
+def uplink_of(url: str, user: str, password_file: Path, ca: Path | None) -> Uplink:
+    """The `--uplink` options as an Uplink; ConfigError for a URL or file that will not do."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+        raise ConfigError(f"--uplink {url!r}: mqtt://HOST:PORT or mqtts://HOST:PORT")
+    try:
+        password = password_file.read_text(encoding="utf-8").splitlines()[0].strip()
+    except (OSError, IndexError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read --uplink-password-file {password_file}: {exc}") from exc
+    tls = parts.scheme == "mqtts"
+    return Uplink(parts.hostname, parts.port or (8883 if tls else 1883), user, password, tls,
+                  ca.absolute() if ca is not None else None)
+
+
+def bridge_lines(fleet: str, up: Uplink) -> list[str]:
+    """A region's bridge to the central broker (module docstring)."""
+    lines = [
+        "# The region's uplink: its boxes' reports out, the controller's acks and commands in;",
+        "# cleansession false: while the uplink is down, this broker queues both ways.",
+        f"connection edge-uplink-{up.user}",
+        f"address {up.host}:{up.port}",
+        # 3.1.1: its persistent session never expires at the centre, so what the controller
+        # sends while the uplink is down waits there (a 5.0 bridge's session ends with its
+        # connection). The link carries everything in its payloads: nothing is lost.
+        "bridge_protocol_version mqttv311",
+        f"remote_clientid {up.user}",
+        f"local_clientid {up.user}-local",
+        f"remote_username {up.user}",
+        f"remote_password {up.password}",
+        "cleansession false",
+        "restart_timeout 1 15",
+    ]
+    if up.tls:
+        lines.append(f"bridge_cafile {up.ca}" if up.ca is not None
+                     else "bridge_capath /etc/ssl/certs")
+    lines += [f"topic {topics.PREFIX}/{fleet}/+/{kind} out 1"
+              for kind in sorted(topics.DEVICE_KINDS)]
+    lines += [f"topic {topics.PREFIX}/{fleet}/+/{kind} in 1"
+              for kind in sorted(topics.CONTROLLER_KINDS)]
+    return lines
 
 
 def _passwd_lines(passwords: dict[str, str], out: Path, tool: str | None) -> str:
@@ -221,7 +321,9 @@ def write_broker_config(plan: BrokerPlan, out: Path, *,
     tool = (passwd_tool or find_passwd_tool()) if use_tool else None
     _rewrite(files.passwd, _passwd_lines(passwords, out, tool).encode(), SECRET_MODE)
     _rewrite(files.acl, acl_text(plan).encode(), PUBLIC_MODE)
-    _rewrite(files.conf, conf_text(plan, plan.conf_dir or out).encode(), PUBLIC_MODE)
+    # With an uplink the file holds the bridge's password: owner-only at its first write.
+    _rewrite(files.conf, conf_text(plan, plan.conf_dir or out).encode(),
+             SECRET_MODE if plan.uplink is not None else PUBLIC_MODE)
     return files
 
 

@@ -34,7 +34,12 @@ from typing import IO, Any
 
 import httpx
 
-from edge_agent.fleet.controller.broker import BrokerPlan, TLSFiles, write_broker_config
+from edge_agent.fleet.controller.broker import (
+    BrokerPlan,
+    TLSFiles,
+    Uplink,
+    write_broker_config,
+)
 
 MOSQUITTO_PATHS = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/usr/bin/mosquitto")
 
@@ -176,6 +181,8 @@ class Broker:
     # Connections and disconnections are `notice`: thousands of lines for a large fleet.
     log_types: tuple[str, ...] = ("error", "warning", "notice")
     autosave_interval: int = 1
+    regions: tuple[tuple[str, tuple[str, ...]], ...] = ()  # the central one's bridged regions
+    uplink: Uplink | None = None  # a region's: its bridge to the central one
 
     def __post_init__(self) -> None:
         binary = find_mosquitto()
@@ -196,7 +203,8 @@ class Broker:
         self.plan = BrokerPlan(
             fleet=self.fleet, devices=self.devices, controller_user=self.controller_user,
             port=self.port, tls=tls, tls_bind="127.0.0.1", tls_port=self.tls_port,
-            data_dir=self.data, autosave_interval=self.autosave_interval)
+            data_dir=self.data, autosave_interval=self.autosave_interval,
+            regions=self.regions, uplink=self.uplink)
         self.files = write_broker_config(self.plan, self.out, use_tool=self.passwd_tool)
         # The generated file as it is, plus what a private run needs: stay the current user
         # (as root Mosquitto would switch to `mosquitto`, who cannot read a 0600 passwd)

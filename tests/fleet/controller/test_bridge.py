@@ -1,0 +1,155 @@
+"""A region's broker bridged to the central one (`broker.Uplink`, `BrokerPlan.regions`):
+boxes on the regional broker, the controller on the central one. A rollout goes through the
+bridge and completes; the central broker killed while the boxes report: nothing lost once
+it is back, and a rollback goes out through the bridge again; the bridge's user cannot
+publish what its region's boxes could not."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from edge_agent.cli import main
+from edge_agent.fleet.controller.broker import Uplink, acl_text, conf_text
+from edge_agent.fleet.controller.store import SQLiteStore
+from edge_agent.fleet.protocol import topics
+from tests.conftest import free_port
+from tests.ggufgen import write_tiny_gguf
+from tests.support.brokers import FLEET, Mosquitto, MQTTClient
+from tests.support.fleetkit import wait_until
+from tests.support.fleetserve import FleetServe
+from tests.support.releasekit import make_repo
+from tests.support.rolloutsim import LinkFleet
+
+NAME = "simmodel:1b"
+BOXES = tuple(f"sim-{i:03d}" for i in range(6))
+
+
+def test_the_bridge_user_has_its_regions_rights_and_no_more() -> None:
+    from edge_agent.fleet.controller.broker import BrokerPlan
+
+    central = BrokerPlan(fleet=FLEET, devices=("direct-1",),
+                         regions=(("bridge-eu", ("eu-1", "eu-2")),))
+    acl = acl_text(central).split("user bridge-eu\n", 1)[1]
+    assert f"topic write {topics.topic(FLEET, 'eu-1', topics.STATUS)}" in acl
+    assert f"topic read {topics.topic(FLEET, 'eu-2', topics.ACK)}" in acl
+    assert f"topic read {topics.topic(FLEET, topics.ALL, topics.CMD)}" in acl
+    assert "direct-1" not in acl and "#" not in acl and "+" not in acl
+    assert not any(line.startswith("topic write") and line.endswith(("/ack", "/cmd"))
+                   for line in acl.splitlines())
+    region = BrokerPlan(fleet=FLEET, devices=("eu-1", "eu-2"),
+                        uplink=Uplink("central.example", 8883, "bridge-eu", "pw", tls=True))
+    conf = conf_text(region, Path("/etc/mosquitto/edge"))
+    assert "address central.example:8883" in conf and "cleansession false" in conf
+    assert f"topic edge/v1/{FLEET}/+/status out 1" in conf
+    assert f"topic edge/v1/{FLEET}/+/ack in 1" in conf
+    assert "bridge_capath /etc/ssl/certs" in conf
+
+
+def test_broker_config_writes_the_centre_and_the_regions_side(tmp_path: Path) -> None:
+    (tmp_path / "central.txt").write_text("direct-1\n")
+    (tmp_path / "eu.txt").write_text("eu-1\neu-2\n")
+    run = CliRunner().invoke
+    centre = run(main, ["fleet", "broker-config", "--devices", str(tmp_path / "central.txt"),
+                        "--out", str(tmp_path / "centre"), "--fleet", FLEET,
+                        "--region", f"bridge-eu={tmp_path / 'eu.txt'}"])
+    assert centre.exit_code == 0, centre.output
+    assert "region bridge user bridge-eu: 2 devices" in centre.output
+    password = tmp_path / "centre" / "credentials" / "bridge-eu.txt"
+    assert "user bridge-eu" in (tmp_path / "centre" / "acl").read_text()
+    region = run(main, ["fleet", "broker-config", "--devices", str(tmp_path / "eu.txt"),
+                        "--out", str(tmp_path / "eu"), "--fleet", FLEET,
+                        "--uplink", "mqtts://central.example:8883", "--uplink-user",
+                        "bridge-eu", "--uplink-password-file", str(password)])
+    assert region.exit_code == 0, region.output
+    conf = tmp_path / "eu" / "mosquitto.conf"
+    assert conf.stat().st_mode & 0o777 == 0o600  # it holds the bridge's password
+    text = conf.read_text()
+    assert "address central.example:8883" in text and "remote_username bridge-eu" in text
+    assert f"remote_password {password.read_text().strip()}" in text
+    overlap = run(main, ["fleet", "broker-config", "--devices", str(tmp_path / "eu.txt"),
+                         "--out", str(tmp_path / "bad"), "--region",
+                         f"bridge-eu={tmp_path / 'eu.txt'}"])
+    assert overlap.exit_code == 2 and "is also in this broker's devices" in overlap.output
+    half = run(main, ["fleet", "broker-config", "--devices", str(tmp_path / "eu.txt"),
+                      "--out", str(tmp_path / "bad"), "--uplink", "mqtt://c:1883"])
+    assert half.exit_code == 2 and "go together" in half.output
+
+
+def test_a_rollout_goes_through_the_bridge_and_a_cut_uplink_loses_nothing(
+        mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path) -> None:
+    central = mosquitto_factory(devices=("direct-1",), regions=(("bridge-eu", BOXES),),
+                                passwd_tool=False).start()
+    regional = mosquitto_factory(devices=BOXES, passwd_tool=False, uplink=Uplink(
+        "127.0.0.1", central.port, "bridge-eu", central.password("bridge-eu"))).start()
+    repo = make_repo(tmp_path)
+    repo.add(write_tiny_gguf(tmp_path / "model.gguf"), NAME, "2")
+    port, config = free_port(), tmp_path / "controller.toml"
+    config.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n'
+        f'command_signing_key_file = "{repo.keys.private("command")}"\n'
+        "rollout_tick_s = 0.5\n"
+        f'[broker]\nurl = "{central.url}"\nusername = "controller"\n'
+        f'password_file = "{central.password_file("controller")}"\n[http]\nport = {port}\n')
+    serve = FleetServe(config, port, tmp_path / "serve.log").start()
+    sim = LinkFleet(regional, repo.keys.public_file("command"), BOXES, tmp_path / "sim",
+                    step_s=0.05, ack_timeout_s=5).connect()
+    store = SQLiteStore(tmp_path / "state" / "controller.db")
+
+    def rollout(*args: str) -> None:
+        done = CliRunner().invoke(main, ["fleet", "rollout", *args, "--config", str(config)])
+        assert done.exit_code == 0, done.output
+
+    def settled(rid: str, state: str, boxes: str) -> bool:
+        """The engine done, and every box's report of `boxes` stored (a settled rollout
+        has nothing left to send: the boxes' answers may still be on their way)."""
+        found = store.rollout(rid)
+        return found is not None and found.state == state and found.settled and all(
+            d.state == boxes for d in store.rollout_devices(rid))
+
+    try:
+        # Births through the bridge: the controller knows every box of the region.
+        assert wait_until(lambda: len(store.devices()) == len(BOXES), 60, 0.2), \
+            store.devices()
+        rollout("start", f"{NAME}@2", "--id", "r-bridge", "--waves", "1,100%", "--soak", "1s")
+        assert wait_until(lambda: settled("r-bridge", "COMPLETED", "ACTIVE"), 90, 0.2), \
+            store.rollout("r-bridge")
+        assert all(sim[d].state("r-bridge") == "ACTIVE" for d in BOXES)
+
+        # The uplink cut: the central broker killed while the boxes report.
+        sim.sim.produce(0.5)
+        assert wait_until(lambda: min(d.ticks for d in sim.sim.devices.values()) >= 2, 30)
+        central.kill()
+        mark = {name: d.ticks for name, d in sim.sim.devices.items()}
+        assert wait_until(lambda: all(d.ticks >= mark[n] + 4
+                                      for n, d in sim.sim.devices.items()), 30)
+        central.start()
+        assert wait_until(lambda: serve.health() is not None, 60, 0.2)
+        rollout("rollback", "r-bridge")  # commands go in through the bridge again
+        assert wait_until(lambda: settled("r-bridge", "ROLLED_BACK", "ROLLED_BACK"), 90,
+                          0.2), \
+            store.rollout("r-bridge")
+        assert all(sim[d].state("r-bridge") == "ROLLED_BACK" for d in BOXES)
+        sim.sim.pause()
+        assert sim.sim.wait_drained(120), f"{sim.sim.depth()} messages still in outboxes"
+        for name, (boot, last) in sim.sim.expected().items():
+            assert store.stored_ranges(name, boot) == [[1, last]], name
+
+        # The bridge's user on the central broker: its region's boxes' rights, no more.
+        rogue = MQTTClient(central, "bridge-eu")
+        assert not rogue.connect().is_failure
+        try:
+            assert rogue.publish(topics.topic(FLEET, "direct-1", topics.STATUS), b"{}") == 135
+            assert rogue.publish(topics.topic(FLEET, BOXES[0], topics.ACK), b"{}") == 135
+            assert rogue.publish(topics.topic(FLEET, BOXES[0], topics.CMD), b"{}") == 135
+        finally:
+            rogue.client.loop_stop()
+            rogue.client.disconnect()
+    finally:
+        store.close()
+        sim.close()
+        serve.stop()
+    log = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
