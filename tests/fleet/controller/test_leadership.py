@@ -236,6 +236,9 @@ def test_the_other_controller_finishes_a_rollout_when_the_leader_is_killed(
         assert shown.exit_code == 0, shown.output
         rows = {line.split()[0]: line.split()[1] for line in shown.stdout.splitlines()[1:]}
         assert rows == {"edge-fleet-ctl-a": "gone", "edge-fleet-ctl-b": "leader"}
+        console = httpx.get(f"http://127.0.0.1:{b.port}/", timeout=10).text
+        assert "edge-fleet-ctl-b (leader since" in console and \
+            "edge-fleet-ctl-a (gone, last seen" in console
         print(f"\n[figures] leader killed during a soak: the other led after "
               f"{takeover:.2f} s; rollout of {len(devices)} boxes completed")
     finally:

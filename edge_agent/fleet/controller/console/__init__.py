@@ -41,6 +41,7 @@ from edge_agent.fleet.controller.console.session import (
     open_session,
     session_token,
 )
+from edge_agent.fleet.controller.leadership import presence_state
 from edge_agent.fleet.controller.operators import Operator, may
 from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
 from edge_agent.fleet.controller.rollout_api import RolloutStart, act_on_rollout, start_rollout
@@ -143,7 +144,10 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
             devices.append({**d, "last_error": store.last_error(d["device"])})
         # A box says which digest is active; the repository says which release that is.
         versions = {e["sha256"]: e["version"] for e in _releases()}
+        now = time.time()
+        controllers = [{**c, "state": presence_state(c, now)} for c in store.controllers()]
         return page(request, "fleet", devices=devices, prefix=prefix, state=state,
+                    controllers=controllers,
                     online=sum(1 for d in devices if d["online"]),
                     version_of=lambda digest: versions.get(
                         str(digest or "").removeprefix("sha256:")))
