@@ -124,13 +124,16 @@ class Repository:
 
 
 def controller_config(path: Path, *, state: Path, key: Path, broker: Mosquitto,
-                      http: str) -> Path:
+                      http: str, db: str | None = None, broker_lines: str = "") -> Path:
     """A controller.toml for `fleet serve` on `broker`, its rollout engine quick (0.3 s
-    ticks); `http`: the lines of its [http] section."""
+    ticks); `http`: the lines of its [http] section; `db`: a store other than SQLite;
+    `broker_lines`: more of its [broker] section."""
     path.write_text(
         f'state_dir = "{state}"\ncommand_signing_key_file = "{key}"\nrollout_tick_s = 0.3\n'
-        f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
-        f'password_file = "{broker.password_file("controller")}"\n[http]\n{http}\n')
+        + (f'db = "{db}"\n' if db is not None else "")
+        + f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
+        f'password_file = "{broker.password_file("controller")}"\n{broker_lines}'
+        f'[http]\n{http}\n')
     return path
 
 

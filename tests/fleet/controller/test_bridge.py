@@ -21,6 +21,7 @@ from tests.support.brokers import FLEET, Mosquitto, MQTTClient
 from tests.support.fleetkit import wait_until
 from tests.support.fleetserve import FleetServe
 from tests.support.releasekit import make_repo
+from tests.support.rolloutkit import controller_config
 from tests.support.rolloutsim import LinkFleet
 
 NAME = "simmodel:1b"
@@ -86,13 +87,10 @@ def test_a_rollout_goes_through_the_bridge_and_a_cut_uplink_loses_nothing(
         "127.0.0.1", central.port, "bridge-eu", central.password("bridge-eu"))).start()
     repo = make_repo(tmp_path)
     repo.add(write_tiny_gguf(tmp_path / "model.gguf"), NAME, "2")
-    port, config = free_port(), tmp_path / "controller.toml"
-    config.write_text(
-        f'state_dir = "{tmp_path / "state"}"\n'
-        f'command_signing_key_file = "{repo.keys.private("command")}"\n'
-        "rollout_tick_s = 0.5\n"
-        f'[broker]\nurl = "{central.url}"\nusername = "controller"\n'
-        f'password_file = "{central.password_file("controller")}"\n[http]\nport = {port}\n')
+    port = free_port()
+    config = controller_config(tmp_path / "controller.toml", state=tmp_path / "state",
+                               key=repo.keys.private("command"), broker=central,
+                               http=f"port = {port}")
     serve = FleetServe(config, port, tmp_path / "serve.log").start()
     sim = LinkFleet(regional, repo.keys.public_file("command"), BOXES, tmp_path / "sim",
                     step_s=0.05, ack_timeout_s=5).connect()

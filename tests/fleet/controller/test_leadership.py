@@ -39,6 +39,7 @@ from tests.support.brokers import FLEET, Mosquitto
 from tests.support.fleetkit import wait_until
 from tests.support.fleetserve import FleetServe
 from tests.support.releasekit import make_repo
+from tests.support.rolloutkit import controller_config
 from tests.support.rolloutsim import LinkFleet
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -161,16 +162,12 @@ def pair_for(mosquitto_factory: Callable[..., Mosquitto], postgres_url: str, tmp
         repo.add(write_tiny_gguf(tmp_path / "model.gguf"), NAME, "2")
         for name in ("ctl-a", "ctl-b"):
             port = free_port()
-            config = tmp_path / f"{name}.toml"
             # One store, one release repository (the state dir), a client id each.
-            config.write_text(
-                f'state_dir = "{tmp_path / "state"}"\ndb = "{postgres_url}"\n'
-                f'command_signing_key_file = "{repo.keys.private("command")}"\n'
-                "rollout_tick_s = 0.5\n"
-                f'[broker]\nurl = "{broker.url}"\nusername = "controller"\n'
-                f'password_file = "{broker.password_file("controller")}"\n'
-                f'client_id = "edge-fleet-{name}"\nshared_group = "controllers"\n'
-                f"[http]\nport = {port}\n")
+            config = controller_config(
+                tmp_path / f"{name}.toml", state=tmp_path / "state",
+                key=repo.keys.private("command"), broker=broker, http=f"port = {port}",
+                db=postgres_url,
+                broker_lines=f'client_id = "edge-fleet-{name}"\nshared_group = "controllers"\n')
             serves.append(FleetServe(config, port, tmp_path / f"{name}.log"))
         serves[0].start()
         assert wait_until(serves[0].leads, 10, 0.1)

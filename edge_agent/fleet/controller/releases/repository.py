@@ -232,9 +232,6 @@ class ReleaseRepository:
             self._publish_targets(state, signers, expiry)
         return self._entry(tf)
 
-    def targets_version(self) -> int:
-        return int(self._load().targets.signed.version)
-
     def publish_signed(self, md: Metadata[Targets], keys: KeyDir) -> list[ReleaseEntry]:
         """Publish targets metadata signed elsewhere (a desk's `fleet release push`): it
         must be the next version, signed by the targets key(s) root trusts, keep every
