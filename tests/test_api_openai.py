@@ -288,17 +288,20 @@ def test_a_client_that_disconnects_stops_its_generation(idle_server: LiveServer)
     with httpx.stream("POST", f"{live_server.openai_url}/chat/completions", json=body,
                       timeout=60) as r:
         seen = []
-        for line in r.iter_lines():
+        lines = r.iter_lines()  # one iterator: httpx streams a response once
+        for line in lines:
             seen.append(line)
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get(
                     "content"):
                 break  # generation is under way
         if worker.running != 1:  # say how it ended, to tell a lost job from a stray one
-            rest = list(r.iter_lines())
+            running = worker.running
+            rest = list(lines)
             loaded = [(m.info.name, m.info.digest[:12], m.worker is worker)
                       for m in registry.loaded()]
-            pytest.fail(f"the generation was not running: {worker.stats}, loaded (name, "
-                        f"digest, this worker) {loaded}, stream {seen[-2:]} … {rest[-4:]}")
+            pytest.fail(f"the generation was not running ({running}): {worker.stats}, "
+                        f"loaded (name, digest, this worker) {loaded}, "
+                        f"stream {seen[-2:]} … {rest[-4:]}")
     # 1,500 tokens would take over ten seconds; a cancelled job ends within a few steps.
     deadline = time.monotonic() + 3
     while worker.running and time.monotonic() < deadline:

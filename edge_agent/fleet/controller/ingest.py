@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import re
 import threading
 import time
@@ -36,7 +37,7 @@ from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
 from edge_agent.fleet.controller.records import Acks, Inbound
 from edge_agent.fleet.controller.settings import ControllerSettings
-from edge_agent.fleet.controller.store import ControllerStore
+from edge_agent.fleet.controller.store import ControllerStore, StoreConflict
 from edge_agent.fleet.protocol import envelope, topics
 from edge_agent.fleet.protocol.envelope import MAX_SEQ
 
@@ -299,6 +300,11 @@ class Ingest:
                         if item.status is not None and item.topic is not None:
                             self._apply_status(item.topic, item.status, item.received)
                 break
+            except StoreConflict as exc:  # crossed another controller's batch: again, now
+                self._metrics.store_conflicts.inc()
+                log.warning("fleet: a batch of %d crossed another writer's; trying it again "
+                            "(%s)", len(batch), exc.__cause__ or exc)
+                time.sleep(random.uniform(0.0, 0.05))  # not in step with the other writer
             except Exception:  # the database is away: keep the batch, ack nothing, retry
                 failures += 1
                 self._metrics.store_errors.inc()

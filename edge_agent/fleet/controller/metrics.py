@@ -50,6 +50,10 @@ class ControllerMetrics:
         self.store_errors = Counter("edge_fleet_store_errors",
                                     "Batches the store failed (retried, nothing acked)",
                                     registry=r)
+        self.store_conflicts = Counter(
+            "edge_fleet_store_conflicts",
+            "Batches rolled back because another writer's transaction crossed theirs (two "
+            "controllers on one PostgreSQL), tried again at once", registry=r)
         self.batch_seconds = Histogram("edge_fleet_batch_seconds", "Time to commit one batch",
                                        buckets=BATCH_BUCKETS, registry=r)
         self.lag = Gauge("edge_fleet_ingest_lag_seconds",

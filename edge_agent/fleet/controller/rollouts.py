@@ -39,7 +39,7 @@ from edge_agent.fleet.controller import commands
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.rollout_records import RolloutRecord
 from edge_agent.fleet.controller.settings import ControllerSettings
-from edge_agent.fleet.controller.store import ControllerStore
+from edge_agent.fleet.controller.store import ControllerStore, StoreConflict
 from edge_agent.fleet.controller.waves import RUNNING, Plan, decide
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,10 @@ class RolloutEngine:
             except ServiceUnavailable as exc:
                 self._once("broker", "fleet rollouts: %s; publishing again at the next tick",
                            exc)
+                continue
+            except StoreConflict as exc:  # another writer's transaction crossed this pass
+                log.warning("fleet rollouts: rollout %s: %s; again at the next tick",
+                            record.id, exc)
                 continue
             except Exception:
                 log.exception("fleet rollouts: rollout %s: this pass failed", record.id)

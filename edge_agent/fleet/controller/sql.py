@@ -198,6 +198,10 @@ class SQLStore:
         acks = Acks()
         if not batch:
             return acks
+        # Rows are locked in one order, the boxes': two controllers each taking part of
+        # the same boxes' messages (a shared subscription) then wait on each other, never
+        # in a circle.
+        batch = sorted(batch, key=lambda m: (m.device, m.boot_id, m.seq))
         groups: dict[tuple[str, str], list[Inbound]] = defaultdict(list)
         for msg in batch:
             groups[(msg.device, msg.boot_id)].append(msg)

@@ -38,6 +38,21 @@ class FleetStoreError(EdgeAgentError):
     """The store cannot be opened or written (the database is down, unreadable or newer)."""
 
 
+class StoreConflict(FleetStoreError):
+    """Another writer's transaction crossed this one (PostgreSQL's deadlock or
+    serialization failure: two controllers, or the leader's engine beside an ingest) and
+    this one was rolled back whole. Nothing is wrong with the store or the data: the same
+    transaction, tried again, goes through (an operator's request is answered 503 with a
+    Retry-After, as for a server too busy to answer)."""
+
+    status_code = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"the store refused a transaction that crossed another writer's: "
+                         f"{message}", retry_after=1.0)
+
+
 class ControllerStore(RolloutRecordStore, OperatorStore, AuditStore, Protocol):
     def ingest(self, batch: Sequence[Inbound]) -> Acks: ...
 
@@ -283,10 +298,20 @@ class PostgresStore(SQLStore):
 
     @contextmanager
     def _tx(self) -> Iterator[Exec]:
+        import psycopg
+
         with self._lock:
             conn = self._live()
-            with conn.transaction():
-                yield _PostgresExec(conn)
+            try:
+                with conn.transaction():
+                    yield _PostgresExec(conn)
+            except psycopg.Error as exc:
+                # SQLSTATE class 40, "transaction rollback": a deadlock (40P01) or a
+                # serialization failure (40001). psycopg files the deadlock under its
+                # OperationalError, so the class is read from the code, not the type.
+                if (exc.sqlstate or "").startswith("40"):
+                    raise StoreConflict(str(exc).strip().splitlines()[0]) from exc
+                raise
 
     @contextmanager
     def _read(self) -> Iterator[Exec]:

@@ -5,6 +5,7 @@ conditional decisions, the migrations."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,12 @@ from edge_agent.fleet.controller.rollout_records import (
     RolloutConflict,
 )
 from edge_agent.fleet.controller.schema import SCHEMA
-from edge_agent.fleet.controller.store import ControllerStore, PostgresStore, SQLiteStore
+from edge_agent.fleet.controller.store import (
+    ControllerStore,
+    PostgresStore,
+    SQLiteStore,
+    StoreConflict,
+)
 from edge_agent.fleet.controller.waves import (
     ABORTED,
     PAUSED,
@@ -33,6 +39,7 @@ from edge_agent.fleet.controller.waves import (
     Policy,
     parse_waves,
 )
+from tests.support.fleetkit import wait_until
 
 BOOT = "b" * 32
 POLICY = Policy(parse_waves("1,100%"), abort_above=0.1, min_executed=2, soak_s=5,
@@ -344,3 +351,88 @@ def test_a_store_without_the_progress_columns_gains_them_and_keeps_its_rollouts(
                                                                    11.0)
     finally:
         again.close()
+
+
+@pytest.mark.postgres
+def test_a_deadlock_with_another_writer_is_a_conflict_that_leaves_nothing_behind(
+        postgres_url: str) -> None:
+    """The circle is closed by hand: another session holds d1's row, the ingest takes d0's
+    and waits for d1's, the other session then asks for d0's. PostgreSQL rolls the ingest
+    back whole; the store says so as a `StoreConflict`, and the same batch, tried again,
+    goes through once."""
+    import psycopg
+
+    store = PostgresStore(postgres_url)
+    other = psycopg.connect(postgres_url)
+    watcher = psycopg.connect(postgres_url, autocommit=True)
+    try:
+        store.create_rollout(new(devices=2), now=1.0)
+        batch = [transition("d0", "RECEIVED", 10), transition("d1", "RECEIVED", 10)]
+        # This side waits long before looking for a circle: the ingest is the one it ends.
+        other.execute("SET deadlock_timeout = '60s'")
+        other.execute("UPDATE rollout_devices SET reason = 'held' WHERE device = 'd1'")
+        failed: list[Exception] = []
+
+        def ingest() -> None:
+            try:
+                store.ingest(batch)
+            except Exception as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=ingest)
+        thread.start()
+        assert wait_until(lambda: watcher.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND datname = current_database()").fetchone() == (1,), timeout=10)
+        other.execute("UPDATE rollout_devices SET reason = 'held' WHERE device = 'd0'")
+        thread.join(timeout=30)
+        other.rollback()
+        assert len(failed) == 1 and isinstance(failed[0], StoreConflict), failed
+        assert failed[0].status_code == 503 and failed[0].retry_after == 1.0
+        assert "deadlock detected" in str(failed[0])
+        assert store.messages("d0") == [] and store.counts() == (0, 0)
+        assert {d.state for d in store.rollout_devices("r1")} == {PENDING}
+        acks = store.ingest(batch)
+        assert (acks.stored, acks.duplicates) == (2, 0)
+        assert {d.state for d in store.rollout_devices("r1")} == {"RECEIVED"}
+    finally:
+        other.close()
+        watcher.close()
+        store.close()
+
+
+@pytest.mark.postgres
+def test_two_controllers_taking_the_same_boxes_messages_in_either_order_never_deadlock(
+        postgres_url: str) -> None:
+    """A shared subscription hands each controller some of every box's messages, in no
+    particular order: the ingest locks rows in the boxes' order, so two batches over the
+    same boxes wait on each other and never in a circle."""
+    stores = [PostgresStore(postgres_url), PostgresStore(postgres_url)]
+    try:
+        stores[0].create_rollout(new(devices=20), now=1.0)
+        boxes = [f"d{i}" for i in range(20)]
+        batches = [[[transition(d, "DOWNLOADING", 10 + n) for d in order] for n in range(40)]
+                   for order in (boxes, boxes[::-1])]
+        errors: list[Exception] = []
+        start = threading.Barrier(2)
+
+        def feed(store: ControllerStore, mine: list[list[Inbound]]) -> None:
+            start.wait()
+            for batch in mine:
+                try:
+                    store.ingest(batch)
+                except Exception as exc:
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=feed, args=pair) for pair in zip(stores, batches,
+                                                                              strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert errors == []
+        rows = devices_of(stores[0])
+        assert {(d.state, d.reported_ts) for d in rows.values()} == {("DOWNLOADING", 49)}
+    finally:
+        for store in stores:
+            store.close()
