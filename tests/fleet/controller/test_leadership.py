@@ -184,8 +184,12 @@ def pair_for(mosquitto_factory: Callable[..., Mosquitto], postgres_url: str, tmp
 
 @pytest.mark.broker
 @pytest.mark.postgres
+@pytest.mark.parametrize("moment", ["during a soak", "as a wave starts"])
 def test_the_other_controller_finishes_a_rollout_when_the_leader_is_killed(
-        pair_for: Callable[[int], Pair], postgres_url: str, tmp_path: Path) -> None:
+        pair_for: Callable[[int], Pair], postgres_url: str, tmp_path: Path, moment: str) -> None:
+    """Killed during wave 1's soak, the leader leaves wave 2 to the other to start; killed
+    the moment it has stored wave 2's start, it leaves commands recorded that it may not
+    have published: the other publishes those, and signs none anew."""
     (a, b), broker, public_key, devices = pair_for(12)
     assert a.leads() and not b.leads()
     sim = LinkFleet(broker, public_key, devices, tmp_path / "sim", step_s=0.05,
@@ -201,8 +205,15 @@ def test_the_other_controller_finishes_a_rollout_when_the_leader_is_killed(
         assert started.exit_code == 0, started.output
         first = [d for d, w in waves.items() if w == 1]
         assert wait_until(lambda: all(sim[d].state(rid) == "ACTIVE" for d in first), 30, 0.05)
-        a.kill()  # during wave 1's soak: wave 2 is the other controller's to start
+        if moment == "as a wave starts":
+            assert wait_until(lambda: (r := store.rollout(rid)) is not None and r.wave >= 2,
+                              30, 0.002)
+        a.kill()
         killed = time.monotonic()
+        with psycopg.connect(postgres_url, autocommit=True) as db:
+            row = db.execute("SELECT COUNT(*) FROM rollout_commands WHERE rollout_id = %s "
+                             "AND published_at IS NULL", [rid]).fetchone()
+            unpublished = row[0] if row else 0
         assert wait_until(b.leads, 15, 0.05)
         takeover = time.monotonic() - killed
         assert wait_until(lambda: (r := store.rollout(rid)) is not None and r.settled, 90,
@@ -236,8 +247,9 @@ def test_the_other_controller_finishes_a_rollout_when_the_leader_is_killed(
         console = httpx.get(f"http://127.0.0.1:{b.port}/", timeout=10).text
         assert "edge-fleet-ctl-b (leader since" in console and \
             "edge-fleet-ctl-a (gone, last seen" in console
-        print(f"\n[figures] leader killed during a soak: the other led after "
-              f"{takeover:.2f} s; rollout of {len(devices)} boxes completed")
+        print(f"\n[figures] leader killed {moment}: the other led after "
+              f"{takeover:.2f} s ({unpublished} command(s) it had recorded and not "
+              f"published); rollout of {len(devices)} boxes completed")
     finally:
         store.close()
         sim.close()
