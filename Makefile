@@ -78,7 +78,7 @@ docs: $(VENV)/.test-deps
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 test: check docs system-deps
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=30
 
 unit: $(VENV)/.test-deps
 	$(BIN)/pytest -m "not integration"

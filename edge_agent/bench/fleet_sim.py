@@ -35,12 +35,12 @@ FLEET = "bench"
 CONNECT_RATE = 500.0  # connects a second, at most (the simulator paces a reconnect storm)
 
 
-def _cpu(proc: psutil.Process) -> float:
+def cpu_s(proc: psutil.Process) -> float:
     times = proc.cpu_times()
     return float(times.user + times.system)
 
 
-def _received(metrics: dict[str, float]) -> float:
+def received(metrics: dict[str, float]) -> float:
     return (metrics.get("edge_fleet_messages_ingested_total", 0.0)
             + metrics.get("edge_fleet_messages_duplicate_total", 0.0))
 
@@ -54,16 +54,26 @@ def _until(predicate: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
+STORED = "SELECT device, boot_id, COUNT(*), MAX(seq) FROM messages GROUP BY device, boot_id"
+
+
 def check_store(db: Path, expected: dict[str, tuple[str, int]]) -> dict[str, int]:
-    """The controller's store against what each device gave: `stored` rows, `lost` seqs
-    (given, absent), `gap_devices`, `unknown` rows (a seq or boot no device gave)."""
+    """The controller's SQLite store against what each device gave (`tally`)."""
     conn = sqlite3.connect(f"{db.absolute().as_uri()}?mode=ro", uri=True)
     try:
-        rows = {(device, boot): (int(count), int(high)) for device, boot, count, high in
-                conn.execute("SELECT device, boot_id, COUNT(*), MAX(seq) FROM messages "
-                             "GROUP BY device, boot_id")}
+        rows = {(device, boot): (int(count), int(high))
+                for device, boot, count, high in conn.execute(STORED)}
     finally:
         conn.close()
+    return tally(rows, expected)
+
+
+def tally(rows: dict[tuple[str, str], tuple[int, int]],
+          expected: dict[str, tuple[str, int]]) -> dict[str, int]:
+    """A store's (device, boot) -> (rows, highest seq) against what each device gave:
+    `stored` rows, `lost` seqs (given, absent), `gap_devices`, `unknown` rows (a seq or
+    boot no device gave). The store's key holds each seq once, so a duplicate cannot be
+    a row: what the controllers removed is their counter."""
     out = {"stored": sum(c for c, _ in rows.values()), "lost": 0, "gap_devices": 0,
            "unknown": 0}
     known = set()
@@ -113,11 +123,11 @@ def bench_simulated_fleet(root: Path, devices: int, *, interval_s: float, durati
         window = duration_s / 2 if broker_restart else duration_s
         procs = {"controller": psutil.Process(controller.pid), "broker": psutil.Process(broker.pid),
                  "simulator": me}
-        m0, c0, t0 = controller.metrics(), {k: _cpu(p) for k, p in procs.items()}, time.monotonic()
+        m0, c0, t0 = controller.metrics(), {k: cpu_s(p) for k, p in procs.items()}, time.monotonic()
         time.sleep(window)
-        m1, c1, t1 = controller.metrics(), {k: _cpu(p) for k, p in procs.items()}, time.monotonic()
+        m1, c1, t1 = controller.metrics(), {k: cpu_s(p) for k, p in procs.items()}, time.monotonic()
         out["window_s"] = t1 - t0
-        out["ingest_per_s"] = (_received(m1) - _received(m0)) / (t1 - t0)
+        out["ingest_per_s"] = (received(m1) - received(m0)) / (t1 - t0)
         out["cpu_percent"] = {k: (c1[k] - c0[k]) / (t1 - t0) * 100 for k in procs}
         out["rss_mb"] = {k: p.memory_info().rss / 2**20 for k, p in procs.items()}
         out["simulator_fds"] = me.num_fds()
@@ -126,7 +136,7 @@ def bench_simulated_fleet(root: Path, devices: int, *, interval_s: float, durati
             time.sleep(down_s)
             broker.start()
             back = time.monotonic()
-            r0, k0 = _received(controller.metrics()), _cpu(procs["controller"])
+            r0, k0 = received(controller.metrics()), cpu_s(procs["controller"])
             reconnected = sim.wait_connected(120 + 2 * devices / CONNECT_RATE)
             out["reconnect_s"] = time.monotonic() - back if reconnected else None
             _until(controller.connected, 120)
@@ -144,8 +154,8 @@ def bench_simulated_fleet(root: Path, devices: int, *, interval_s: float, durati
             spent = time.monotonic() - back
             out["recovery"] = {
                 "seconds": spent,
-                "received_per_s": (_received(controller.metrics()) - r0) / spent,
-                "controller_cpu_percent": (_cpu(procs["controller"]) - k0) / spent * 100}
+                "received_per_s": (received(controller.metrics()) - r0) / spent,
+                "controller_cpu_percent": (cpu_s(procs["controller"]) - k0) / spent * 100}
         out["undelivered"] = sim.depth()
         expected = sim.expected()
         out["duplicates"] = int(controller.metric("edge_fleet_messages_duplicate_total"))

@@ -114,6 +114,12 @@ TARGETS: tuple[Target, ...] = (
            "<=", 0.5, "%"),
     Target("fleet.lost", "{devices:,} devices: messages lost (broker restart: {restart})",
            "<=", 0, ""),
+    Target("fleet.scale_lost", "{devices:,} devices, {regions} regions, the leading "
+           "controller killed: messages lost", "<=", 0, ""),
+    Target("fleet.scale_duplicated", "{devices:,} devices, {regions} regions, the leading "
+           "controller killed: messages stored twice", "<=", 0, ""),
+    Target("fleet.failover_s", "the other controller leads, after the leader's SIGKILL",
+           "<=", 5, " s"),
     # `edge-agent bench rollout`: one box, its controller and broker on loopback.
     Target("rollout.download_vs_curl",
            "release download to the last byte, edge-agent / curl (median of {runs})", ">=", 0.9),

@@ -135,6 +135,42 @@ def bench_fleet(sizes: list[int], interval: float, duration: float, broker_resta
         echo_json(result)
 
 
+@bench.command("fleet-scale")
+@click.option("--devices", type=click.IntRange(2), default=10_000, show_default=True,
+              help="Simulated devices, dealt out over the regions.")
+@click.option("--regions", type=click.IntRange(1, 16), default=2, show_default=True,
+              help="Regional brokers, each bridged to the central one.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds between a simulated device's metrics messages.")
+@click.option("--duration", type=click.FloatRange(min=2), default=60.0, show_default=True,
+              help="Seconds the fleet produces: half with both controllers, half after "
+              "the leader's SIGKILL.")
+@click.option("--runs", type=click.IntRange(1), default=3, show_default=True,
+              help="Runs, each on fresh servers (medians printed).")
+@click.option("--ack-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Seconds a simulated device waits for the controller's ack before it "
+              "sends a message again (what the killed controller held comes back then).")
+@json_option("Print the figures as JSON on stdout (the report goes to stderr).")
+def bench_fleet_scale(devices: int, regions: int, interval: float, duration: float,
+                      runs: int, ack_timeout: float, as_json: bool) -> None:
+    """Measure a fleet past one machine: regional brokers bridged to a central one, two
+    controllers on one PostgreSQL, the leader killed halfway (ingest per controller,
+    failover time, messages lost and duplicated)."""
+    from edge_agent.bench.fleet_scale import run_fleet_scale
+
+    def echo(line: str) -> None:
+        click.echo(line, err=as_json)
+
+    try:
+        result = run_fleet_scale(devices=devices, regions=regions, interval_s=interval,
+                                 duration_s=duration, runs=runs, echo=echo,
+                                 ack_timeout_s=ack_timeout)
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        echo_json(result)
+
+
 @bench.command("llama-server")
 @common_options
 @click.argument("binary", type=click.Path(exists=True, dir_okay=False, path_type=Path))

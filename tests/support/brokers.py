@@ -5,20 +5,14 @@ broker configuration `fleet broker-config` writes (passwd, acl, mosquitto.conf w
 persistence in its own temp dir), as the current user, on a free port, optionally with a
 TLS listener whose CA and server certificate are made with `cryptography`. It can be killed
 with SIGKILL and started again on the same port and data dir (the outage tests).
-`Postgres` is `initdb` + `pg_ctl start` in a temp dir (unix socket there too, trust auth,
-no fsync); as root it runs as the `postgres` user, since PostgreSQL refuses to run as root.
+`Postgres` is the testbed's too: `initdb` + `pg_ctl start` in a temp dir.
 """
 
 from __future__ import annotations
 
-import glob
 import os
-import pwd
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +20,9 @@ from edge_agent.fleet.sim.testbed import (
     MOSQUITTO_PATHS,
     Broker,
     LocalCA,
+    Postgres,
     find_mosquitto,
+    find_postgres_bin,
     free_port,
     make_tls,
     wait_port,
@@ -48,95 +44,6 @@ class Mosquitto(Broker):
 
     fleet: str = FLEET
     devices: tuple[str, ...] = DEVICES
-
-
-# -- PostgreSQL ----------------------------------------------------------------------------
-
-def find_postgres_bin() -> Path | None:
-    """The folder holding initdb and pg_ctl: PATH, /usr/local/bin, then Debian's
-    /usr/lib/postgresql/<version>/bin (newest first)."""
-    found = shutil.which("initdb")
-    candidates = [Path(found).parent] if found else []
-    candidates.append(Path("/usr/local/bin"))
-    candidates += [Path(p) for p in sorted(glob.glob("/usr/lib/postgresql/*/bin"),
-                                           key=lambda p: int(Path(p).parent.name)
-                                           if Path(p).parent.name.isdigit() else 0,
-                                           reverse=True)]
-    for folder in candidates:
-        if (folder / "initdb").exists() and (folder / "pg_ctl").exists():
-            return folder
-    return None
-
-
-@dataclass
-class Postgres:
-    bindir: Path
-    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="edge-pg-")))
-    port: int = field(default_factory=free_port)
-    superuser: str = "postgres"
-    _user: str | None = None
-    _made: int = 0
-
-    def __post_init__(self) -> None:
-        self.data = self.root / "data"
-        if os.geteuid() == 0:  # PostgreSQL will not run as root
-            self._user = next(u for u in ("postgres", "nobody") if _user_exists(u))
-            info = pwd.getpwnam(self._user)
-            os.chown(self.root, info.pw_uid, info.pw_gid)
-        self.root.chmod(0o700)
-
-    def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(list(args), capture_output=True, text=True, timeout=120,
-                              user=self._user, cwd=self.root, check=False)
-
-    def start(self) -> Postgres:
-        if not self.data.exists():
-            done = self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust",
-                             "-U", self.superuser, "-E", "UTF8", "--no-sync")
-            if done.returncode:
-                raise RuntimeError(f"initdb failed: {done.stderr or done.stdout}")
-        log = self.root / "postgres.log"
-        for attempt in range(5):
-            options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -F "
-                       "-c synchronous_commit=off -c full_page_writes=off")
-            log.unlink(missing_ok=True)
-            done = self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",
-                             str(log), "-o", options, "-w", "-t", "60", "start")
-            if not done.returncode:
-                return self
-            text = log.read_text() if log.exists() else ""
-            if "already in use" not in text or attempt == 4:
-                raise RuntimeError(f"pg_ctl start failed: {done.stderr or done.stdout}\n{text}")
-            self.port = free_port()  # taken between free_port() and the bind: another one
-        return self
-
-    def stop(self, mode: str = "fast") -> None:
-        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
-
-    def url(self, database: str = "postgres") -> str:
-        return f"postgresql://{self.superuser}@127.0.0.1:{self.port}/{database}"
-
-    def create_database(self) -> str:
-        """A fresh, empty database; its URL."""
-        import psycopg
-
-        self._made += 1
-        name = f"t{os.getpid()}_{self._made}"
-        with psycopg.connect(self.url(), autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
-        return self.url(name)
-
-    def remove(self) -> None:
-        self.stop("immediate")
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _user_exists(name: str) -> bool:
-    try:
-        pwd.getpwnam(name)
-    except KeyError:
-        return False
-    return True
 
 
 # -- A plain paho client for tests (a device stand-in, an eavesdropper) ---------------------

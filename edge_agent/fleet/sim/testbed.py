@@ -7,8 +7,11 @@ data dir; it can be killed with SIGKILL and started again on the same port and d
 outage scenarios), optionally with a TLS listener whose CA and server certificate are made
 here. `ControllerProcess` is `python -m edge_agent fleet serve` with that broker's
 controller credentials; its store is `<root>/controller.db`, read directly by the caller
-once it has stopped. `raise_nofile` lifts this process's descriptor limit (children inherit
-it): a broker or a simulator of thousands of devices needs one descriptor per connection.
+once it has stopped. `Postgres` is `initdb` + `pg_ctl start` in a temp dir (unix socket
+there too, trust auth, no fsync; as root it runs as the `postgres` user, since PostgreSQL
+refuses to run as root), for two or more controllers on one store. `raise_nofile` lifts
+this process's descriptor limit (children inherit it): a broker or a simulator of thousands
+of devices needs one descriptor per connection.
 
 Must never: touch a system broker, its files or port 1883; leave a process running after
 `stop()`; import anything from tests/.
@@ -17,6 +20,7 @@ Must never: touch a system broker, its files or port 1883; leave a process runni
 from __future__ import annotations
 
 import datetime
+import glob
 import ipaddress
 import os
 import pwd
@@ -26,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -286,9 +291,13 @@ class Broker:
 class ControllerProcess:
     """`edge-agent fleet serve` against `broker`, state in `root`, /metrics on a free port."""
 
-    def __init__(self, broker: Broker, root: Path, *, log_level: str = "warning") -> None:
+    def __init__(self, broker: Broker, root: Path, *, log_level: str = "warning",
+                 db: str | None = None, shared_group: str | None = None,
+                 client_id: str | None = None) -> None:
         self.broker = broker
         self.root = root
+        # Two or more controllers: one PostgreSQL store, a shared subscription, an id each.
+        self.db_url, self.shared_group, self.client_id = db, shared_group, client_id
         self.state_dir = root / "controller"
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -304,9 +313,13 @@ class ControllerProcess:
     def start(self, timeout: float = 60.0) -> ControllerProcess:
         """Starts and waits until it is subscribed at the broker."""
         self._log = (self.root / "controller.log").open("ab")
-        # An empty config file: never /etc/edge-agent-fleet/controller.toml of this machine.
+        # A config file of its own: never /etc/edge-agent-fleet/controller.toml of this machine.
         config = self.root / "controller.toml"
-        config.touch()
+        broker = [f'{key} = "{value}"' for key, value in (
+            ("shared_group", self.shared_group), ("client_id", self.client_id))
+            if value is not None]
+        config.write_text((f'db = "{self.db_url}"\n' if self.db_url else "")
+                          + ("[broker]\n" + "\n".join(broker) + "\n" if broker else ""))
         argv = [sys.executable, "-m", "edge_agent", "fleet", "serve", "--config", str(config),
                 "--state-dir", str(self.state_dir), "--broker", self.broker.url,
                 "--username", self.broker.controller_user,
@@ -326,6 +339,20 @@ class ControllerProcess:
             return self.metric("edge_fleet_broker_connected") == 1.0
         except (httpx.HTTPError, ValueError):
             return False
+
+    def leads(self) -> bool:
+        """Whether this controller runs the engine and retention (`/healthz`)."""
+        try:
+            body = httpx.get(f"{self.url}/healthz", timeout=5).json()
+            return bool(body["controller"]["leader"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL, the way a host dies: what it held unacknowledged goes to the others."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
 
     def metrics(self) -> dict[str, float]:
         """/metrics, every sample summed over its labels (name -> value)."""
@@ -368,3 +395,92 @@ class ControllerProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+# -- PostgreSQL ----------------------------------------------------------------------------
+
+def find_postgres_bin() -> Path | None:
+    """The folder holding initdb and pg_ctl: PATH, /usr/local/bin, then Debian's
+    /usr/lib/postgresql/<version>/bin (newest first)."""
+    found = shutil.which("initdb")
+    candidates = [Path(found).parent] if found else []
+    candidates.append(Path("/usr/local/bin"))
+    candidates += [Path(p) for p in sorted(glob.glob("/usr/lib/postgresql/*/bin"),
+                                           key=lambda p: int(Path(p).parent.name)
+                                           if Path(p).parent.name.isdigit() else 0,
+                                           reverse=True)]
+    for folder in candidates:
+        if (folder / "initdb").exists() and (folder / "pg_ctl").exists():
+            return folder
+    return None
+
+
+@dataclass
+class Postgres:
+    bindir: Path
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="edge-pg-")))
+    port: int = field(default_factory=free_port)
+    superuser: str = "postgres"
+    _user: str | None = None
+    _made: int = 0
+
+    def __post_init__(self) -> None:
+        self.data = self.root / "data"
+        if os.geteuid() == 0:  # PostgreSQL will not run as root
+            self._user = next(u for u in ("postgres", "nobody") if _user_exists(u))
+            info = pwd.getpwnam(self._user)
+            os.chown(self.root, info.pw_uid, info.pw_gid)
+        self.root.chmod(0o700)
+
+    def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=120,
+                              user=self._user, cwd=self.root, check=False)
+
+    def start(self) -> Postgres:
+        if not self.data.exists():
+            done = self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust",
+                             "-U", self.superuser, "-E", "UTF8", "--no-sync")
+            if done.returncode:
+                raise RuntimeError(f"initdb failed: {done.stderr or done.stdout}")
+        log = self.root / "postgres.log"
+        for attempt in range(5):
+            options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -F "
+                       "-c synchronous_commit=off -c full_page_writes=off")
+            log.unlink(missing_ok=True)
+            done = self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",
+                             str(log), "-o", options, "-w", "-t", "60", "start")
+            if not done.returncode:
+                return self
+            text = log.read_text() if log.exists() else ""
+            if "already in use" not in text or attempt == 4:
+                raise RuntimeError(f"pg_ctl start failed: {done.stderr or done.stdout}\n{text}")
+            self.port = free_port()  # taken between free_port() and the bind: another one
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://{self.superuser}@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self) -> str:
+        """A fresh, empty database; its URL."""
+        import psycopg
+
+        self._made += 1
+        name = f"t{os.getpid()}_{self._made}"
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+        return self.url(name)
+
+    def remove(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True

@@ -215,6 +215,44 @@ def test_what_went_to_nobody_goes_again_once_the_controller_is_there(
         ctl.close()
 
 
+def test_a_message_lost_with_its_controller_goes_again_though_the_box_has_nothing_more(
+        broker: Mosquitto, links: Callable[..., Link], tmp_path: Path) -> None:
+    """A controller that received a message and died before storing it (one of two
+    controllers, killed) acknowledged the box's later one: the controller was up after the
+    first was sent, so the first was lost on the way, and it goes again once overdue —
+    even when the box sends nothing more, so that its last ack is older than the timeout
+    by then (which once read as "the controller is away": a resend ten timeouts later)."""
+    spy = MQTTClient(broker, "controller")  # subscribed, so the broker delivers; never stores
+    assert not spy.connect().is_failure
+    # Every topic the box publishes on: a PUBACK "no matching subscribers" would make
+    # the next ack resend everything at once.
+    spy.subscribe(*(f"edge/v1/{FLEET}/{DEV}/{kind}" for kind in ("metrics", "events",
+                                                                 "status")))
+    metrics = f"edge/v1/{FLEET}/{DEV}/metrics"
+    link = links(broker, tmp_path / "state", options=fast_options(ack_timeout_s=2.0))
+    try:
+        assert link.wait_connected(10)
+        link.emit("metrics", "metrics", {"i": 1})
+        link.emit("metrics", "metrics", {"i": 2})
+        assert spy.wait(lambda: len(spy.received(metrics)) == 2)
+        first, second = (json.loads(payload)["seq"] for _, payload, _ in spy.received(metrics))
+        depth = link.outbox_stats().depth  # type: ignore[union-attr]
+        # The other controller stores and acknowledges the second only.
+        spy.publish(f"edge/v1/{FLEET}/{DEV}/ack", json.dumps(
+            {"v": 1, "device": DEV, "acks": {link.boot_id: [[second, second]]}}))
+        assert wait_until(lambda: link.outbox_stats().depth == depth - 1,  # type: ignore[union-attr]
+                          5)
+        acked = time.monotonic()
+        # Overdue 2 s after it was sent; checked every 0.5 s: well before ten timeouts.
+        assert spy.wait(lambda: len(spy.received(metrics)) == 3, timeout=8), link.counts
+        assert time.monotonic() - acked < 5
+        again = json.loads(spy.received(metrics)[-1][1])
+        assert (again["seq"], again["body"]["i"]) == (first, 1)
+        assert link.counts.get("resent", 0) >= 1
+    finally:
+        spy.close()
+
+
 def test_a_command_stored_but_never_run_runs_at_the_next_start(
         broker: Mosquitto, controller: Controller, links: Callable[..., Link],
         tmp_path: Path) -> None:

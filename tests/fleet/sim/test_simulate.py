@@ -242,3 +242,22 @@ def test_bench_fleet_prints_its_figures(model_cache: Path, tmp_path: Path) -> No
         assert _finite(fleet[name]), name
     assert all(_finite(v) for v in fleet["cpu_percent"].values())
     assert "outbox to controller ack" in result.stderr and "messages lost" in result.stderr
+
+
+@pytest.mark.broker
+@pytest.mark.postgres
+def test_bench_fleet_scale_prints_its_figures() -> None:
+    """Two regions, two controllers, the leader killed: every message stored once (the
+    bench's own check of the store), the failover timed, each controller's rate given."""
+    result = CliRunner().invoke(main, [
+        "bench", "fleet-scale", "--devices", "24", "--regions", "2", "--interval", "0.5",
+        "--duration", "4", "--runs", "1", "--ack-timeout", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    [run] = json.loads(result.stdout)["runs"]
+    assert (run["devices"], run["regions"]) == (24, 2)
+    assert (run["lost"], run["unknown"], run["undelivered"], run["gap_devices"]) == (0, 0, 0, 0)
+    assert run["stored"] > 24 and run["drain_s"] is not None
+    assert _finite(run["failover_s"])
+    assert [_finite(c["ingest_per_s"]) for c in run["both"]["controllers"]] == [True, True]
+    assert _finite(run["survivor"]["controllers"][0]["ingest_per_s"])
+    assert "the other led after" in result.stderr and "messages lost" in result.stderr

@@ -39,6 +39,7 @@ throughput).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -222,18 +223,25 @@ class Outbox:
                     f"UPDATE outbox SET sent_at = ? WHERE id IN ({','.join('?' * len(chunk))})",
                     [now, *chunk])
 
-    def resend_all(self, older_than_s: float | None = None) -> int:
+    def now(self) -> float:
+        """This outbox's clock (its rows' `sent_at`)."""
+        return self._clock()
+
+    def resend_all(self, older_than_s: float | None = None, *,
+                   sent_before: float | None = None) -> int:
         """Offers sent-but-unacknowledged rows again (all, or those sent more than
-        `older_than_s` ago): after a reconnect, and when an ack is overdue — the broker may
-        have acknowledged a message it never delivered. Done at open by itself."""
+        `older_than_s` ago, and before `sent_before` on `now()`'s clock): after a
+        reconnect, and when an ack is overdue — the broker may have acknowledged a message
+        it never delivered. Done at open by itself."""
         with self._lock, self._db.atomic():
-            if older_than_s is None:
+            if older_than_s is None and sent_before is None:
                 cur = self._db.conn.execute(
                     "UPDATE outbox SET sent_at = NULL WHERE sent_at IS NOT NULL")
             else:
+                cutoff = min(self._clock() - (older_than_s or 0.0),
+                             math.inf if sent_before is None else sent_before)
                 cur = self._db.conn.execute(
-                    "UPDATE outbox SET sent_at = NULL WHERE sent_at < ?",
-                    [self._clock() - older_than_s])
+                    "UPDATE outbox SET sent_at = NULL WHERE sent_at < ?", [cutoff])
             return int(cur.rowcount)
 
     def ack(self, acks: Mapping[str, Sequence[Sequence[int]]]) -> int:

@@ -49,6 +49,7 @@ class SendWindow:
         # some brokers disconnect for.
         self.window = link.options.window
         self.last_ack = time.monotonic()
+        self.last_ack_stamp: float | None = None  # the last ack on the outbox's clock
         # A PUBACK said nobody subscribed (the controller never connected, or its session
         # expired): what was sent went nowhere, so it all goes again at the next ack.
         self.unheard = False
@@ -89,6 +90,7 @@ class SendWindow:
         if merged:
             self.link.count("acked_rows", self.outbox.ack(merged))  # one transaction
             self.last_ack = time.monotonic()
+            self.last_ack_stamp = self.outbox.now()
             if self.unheard:  # the controller is back: what went to nobody goes again
                 self.unheard = False
                 self.ready.clear()  # offered again by `pending`, in order
@@ -121,22 +123,25 @@ class SendWindow:
             self.link.count("published", sent)
 
     def check_overdue(self, now: float) -> None:
-        """Rows sent more than `ack_timeout_s` ago and not acknowledged go again — when acks
-        are flowing (the controller is up, so such a row was lost on the way). With no acks
-        at all the controller is away and its broker session holds what was sent: then only
-        every tenth timeout, not a second backlog each time."""
+        """Rows sent more than `ack_timeout_s` ago and not acknowledged go again when the
+        controller acknowledged something after they were sent: it was up, so they were
+        lost on the way (one of two controllers killed holding them). That holds for a box
+        with nothing more to send as well, whose last ack is older than the timeout. With
+        no ack since they were sent the controller is away and its broker session holds
+        them: then only every tenth timeout, not a second backlog each time."""
         timeout = self.options.ack_timeout_s
         if now - self.checked < min(5.0, timeout / 4):
             return
         self.checked = now
-        if now - self.last_ack >= timeout:
-            if now - self.forced < 10 * timeout:
-                return
+        if now - self.last_ack >= timeout and now - self.forced >= 10 * timeout:
             self.forced = now
-        self.step(self._resend_overdue)
+            self.step(self._resend_overdue)
+        elif self.last_ack_stamp is not None:
+            self.step(lambda: self._resend_overdue(sent_before=self.last_ack_stamp))
 
-    def _resend_overdue(self) -> None:
-        n = self.outbox.resend_all(older_than_s=self.options.ack_timeout_s)
+    def _resend_overdue(self, sent_before: float | None = None) -> None:
+        n = self.outbox.resend_all(older_than_s=self.options.ack_timeout_s,
+                                   sent_before=sent_before)
         if n:
             self.link.count("resent", n)
             log.info("fleet: %d messages unacknowledged for %.0f s; sending them again", n,
