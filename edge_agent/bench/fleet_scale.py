@@ -31,7 +31,15 @@ from typing import Any
 
 import psutil
 
-from edge_agent.bench.fleet_sim import CONNECT_RATE, FLEET, STORED, cpu_s, received, tally
+from edge_agent.bench.fleet_sim import (
+    CONNECT_RATE,
+    FLEET,
+    STORED,
+    cpu_s,
+    drain_line,
+    received,
+    tally,
+)
 from edge_agent.bench.targets import report
 from edge_agent.fleet.controller.broker import Uplink
 from edge_agent.fleet.device.link.core import LinkOptions
@@ -223,11 +231,7 @@ def _print(echo: Echo, out: dict[str, Any]) -> None:
     alone = out["survivor"]["controllers"][0]
     echo(f"  the survivor alone, {out['survivor']['seconds']:.0f} s: ingest "
          f"{alone['ingest_per_s']:,.0f} msg/s at {alone['cpu_percent']:.0f}% of a core")
-    drain = out.get("drain_s")
-    drained = f"in {drain:.1f} s" if drain is not None else "NOT within the timeout"
-    echo(f"  drained {drained}; stored {out['stored']:,} messages, duplicates removed "
-         f"{out['duplicates']:,}, devices with a gap {out['gap_devices']}, still in "
-         f"outboxes {out['undelivered']}")
+    echo(drain_line(out))
     where = {"devices": out["devices"], "regions": out["regions"]}
     report(echo, "fleet.scale_lost", out["lost"] + out["undelivered"], **where)
     # Stored twice: more rows than seqs given (the store's key makes it impossible; this

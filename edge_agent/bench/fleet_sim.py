@@ -189,10 +189,15 @@ def _print(echo: Echo, out: dict[str, Any]) -> None:
             echo(f"  from the restart to the last ack ({rec['seconds']:.0f} s): controller "
                  f"received {rec['received_per_s']:,.0f} msg/s at "
                  f"{rec['controller_cpu_percent']:.1f}% of a core")
-    drain = out.get("drain_s")
-    drained = f"in {drain:.1f} s" if drain is not None else "NOT within the timeout"
-    echo(f"  drained {drained}; "
-         f"stored {out['stored']:,} messages, duplicates removed {out['duplicates']:,}, "
-         f"devices with a gap {out['gap_devices']}, still in outboxes {out['undelivered']}")
+    echo(drain_line(out))
     report(echo, "fleet.lost", out["lost"], devices=out["devices"],
            restart="yes" if out["broker_restart"] else "no")
+
+
+def drain_line(out: dict[str, Any]) -> str:
+    """How the outboxes drained and what the store holds, as the report prints it."""
+    drain = out.get("drain_s")
+    drained = f"in {drain:.1f} s" if drain is not None else "NOT within the timeout"
+    return (f"  drained {drained}; stored {out['stored']:,} messages, duplicates removed "
+            f"{out['duplicates']:,}, devices with a gap {out['gap_devices']}, still in "
+            f"outboxes {out['undelivered']}")
