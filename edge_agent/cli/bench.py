@@ -140,9 +140,10 @@ def bench_fleet(sizes: list[int], interval: float, duration: float, broker_resta
               help="Simulated devices, dealt out over the regions.")
 @click.option("--regions", type=click.IntRange(1, 16), default=2, show_default=True,
               help="Regional brokers, each bridged to the central one.")
-@click.option("--interval", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
-              help="Seconds between a simulated device's metrics messages.")
-@click.option("--duration", type=click.FloatRange(min=2), default=60.0, show_default=True,
+@click.option("--interval", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              help="Seconds between a simulated device's metrics messages (10,000 devices "
+              "every 10 s saturate two cores: see the manual's bench page).")
+@click.option("--duration", type=click.FloatRange(min=2), default=90.0, show_default=True,
               help="Seconds the fleet produces: half with both controllers, half after "
               "the leader's SIGKILL.")
 @click.option("--runs", type=click.IntRange(1), default=3, show_default=True,

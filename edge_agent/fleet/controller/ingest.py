@@ -206,11 +206,14 @@ class Ingest:
                 qos=1, noLocal=True, retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB))
             return
         # Beside other controllers: each report to one of the group (MQTT 5 shared
-        # subscription; noLocal is not allowed there, so this one's own acks come back and
-        # are counted as ignored), and every birth and death to each (a shared subscription
-        # gets no retained message; a status stored twice is stored the same).
+        # subscription), a filter per kind a box reports: noLocal is not allowed there, so
+        # one filter for everything would bring every controller's acks and commands back
+        # through the broker, as many messages again as the reports. Every birth and death
+        # to each (a shared subscription gets no retained message; a status stored twice is
+        # stored the same).
         client.subscribe([
-            (f"$share/{group}/{topics.CONTROLLER_FILTER}", SubscribeOptions(qos=1)),
+            *((f"$share/{group}/{topics.PREFIX}/+/+/{kind}", SubscribeOptions(qos=1))
+              for kind in sorted(topics.OUTBOX_KINDS)),
             (topics.STATUS_FILTER, SubscribeOptions(
                 qos=1, noLocal=True, retainHandling=SubscribeOptions.RETAIN_SEND_IF_NEW_SUB))])
 

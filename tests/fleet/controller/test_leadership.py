@@ -289,6 +289,10 @@ def test_a_controller_killed_mid_flood_loses_nothing_and_stores_nothing_twice(
             stored = db.execute("SELECT COUNT(*) FROM messages").fetchone()
         assert stored is not None and stored[0] == sum(
             last for _, last in sim.expected().values())
+        # A filter per kind a box reports: the survivor got none of the acks it and the
+        # other sent back through the shared subscription.
+        metrics = httpx.get(f"http://127.0.0.1:{b.port}/metrics", timeout=5).text
+        assert "\nedge_fleet_messages_ignored_total 0.0\n" in metrics
         print(f"\n[figures] 200 boxes at 2 msg/s, one of two controllers killed: "
               f"{stored[0]} messages stored once each, outboxes empty {drained:.1f} s after "
               "the flood stopped")
