@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -67,3 +68,53 @@ def test_a_broken_contract_fails(copy: Path, module: str, line: str, contract: s
     assert result.returncode != 0
     broken = result.stdout.split("Broken contracts")[-1]
     assert contract in broken, result.stdout
+
+
+def circles(package: Path) -> list[list[str]]:
+    """The package's import circles: modules that reach themselves through their imports,
+    those under `if TYPE_CHECKING:` included (a circle a type hides still ties the modules
+    together). Each circle once, as its sorted module names."""
+    modules = {".".join(p.relative_to(package.parent).with_suffix("").parts)
+               .removesuffix(".__init__"): p for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    whole = f"{node.module}.{alias.name}"
+                    target = whole if whole in modules else node.module
+                    if target in modules:
+                        graph[name].add(target)
+            elif isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names if a.name in modules}
+    reach = {m: _reached(graph, m) for m in graph}
+    found: list[list[str]] = []
+    for name in sorted(graph):
+        # What `name` reaches and what reaches it back: its circle (itself alone: none).
+        circle = sorted(m for m in reach[name] if name in reach[m])
+        if len(circle) > 1 and circle not in found:
+            found.append(circle)
+    return found
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    reach, todo = {start}, [start]
+    while todo:
+        for nxt in graph[todo.pop()] - reach:
+            reach.add(nxt)
+            todo.append(nxt)
+    return reach
+
+
+def test_the_package_has_no_import_circles() -> None:
+    assert circles(ROOT / "edge_agent") == []
+
+
+def test_an_import_circle_is_found(copy: Path) -> None:
+    # The store's shared type importing the store back, as it once sat inside it.
+    path = copy / "edge_agent" / "fleet" / "controller" / "transaction.py"
+    path.write_text(path.read_text() + "\nif TYPE_CHECKING:\n"
+                    "    from edge_agent.fleet.controller.sql import SQLStore\n")
+    found = circles(copy / "edge_agent")
+    assert any({"edge_agent.fleet.controller.sql", "edge_agent.fleet.controller.transaction"}
+               <= set(c) for c in found), found

@@ -78,7 +78,7 @@ def run_fleet_scale(*, devices: int, regions: int, interval_s: float, duration_s
     finally:
         quiet.setLevel(level)
     out: dict[str, Any] = {"runs": done}
-    if runs > 1:
+    if len(done) > 1:
         failovers = [r["failover_s"] for r in done if r["failover_s"] is not None]
         out["median"] = {
             "failover_s": statistics.median(failovers) if failovers else None,

@@ -3,7 +3,8 @@ into a store, acknowledge what is stored, track who is online, sign and send com
 rollouts in waves, and publish signed releases.
 
 Owns: the store and every table it keeps (`schema` lists them; `store`, `sql`,
-`rollout_sql`, `retention`, `operators`, `audit` read and write them), the ingest session
+`rollout_sql`, `retention`, `operators`, `audit` read and write them, each through
+`transaction.Exec`), the ingest session
 (`ingest`), signed commands (`commands`), the rollout engine and its wave policy
 (`rollouts`, `waves`, `rollout_ops`, `rollout_records`), the release repository, its keys
 and the artifact server (`releases/`), the broker's provisioning (`broker`), its HTTP API,

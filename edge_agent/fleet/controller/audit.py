@@ -23,12 +23,10 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from edge_agent.errors import EdgeAgentError
-
-if TYPE_CHECKING:
-    from edge_agent.fleet.controller.sql import Exec
+from edge_agent.fleet.controller.transaction import Exec
 
 _COLUMNS = "id, at, operator, role, source, action, target, request, status, outcome"
 REQUEST_LIMIT = 16_384  # characters of a request's JSON kept on the trail

@@ -26,12 +26,10 @@ import secrets
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from edge_agent.errors import Conflict
-
-if TYPE_CHECKING:
-    from edge_agent.fleet.controller.sql import Exec
+from edge_agent.fleet.controller.transaction import Exec
 
 ROLES: tuple[str, ...] = ("viewer", "operator", "admin")  # each may do what those before it may
 # Not a token's role: whoever runs `edge-agent fleet …` on the controller host with the store

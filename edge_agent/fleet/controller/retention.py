@@ -25,11 +25,11 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
+from edge_agent.fleet.controller.transaction import Exec
 from edge_agent.fleet.protocol.envelope import AUDIT, METRICS
 
 if TYPE_CHECKING:
     from edge_agent.fleet.controller.settings import RetentionSettings
-    from edge_agent.fleet.controller.sql import Exec
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from edge_agent.errors import ModelNotFound
 from edge_agent.fleet.controller.records import Inbound
@@ -40,6 +40,7 @@ from edge_agent.fleet.controller.rollout_records import (
     RolloutRecord,
     rollout_from_row,
 )
+from edge_agent.fleet.controller.transaction import Exec
 from edge_agent.fleet.controller.waves import LIVE, PENDING, REFUSED, SENT
 from edge_agent.fleet.protocol.rollout_states import (
     ACTIVE,
@@ -49,9 +50,6 @@ from edge_agent.fleet.protocol.rollout_states import (
     STATES,
     describe,
 )
-
-if TYPE_CHECKING:
-    from edge_agent.fleet.controller.sql import Exec
 
 _ROLLOUT_COLUMNS = ("id, name, version, selector, waves, abort_above, min_executed, soak_s, "
                     "device_timeout_s, rollback_on_abort, state, live, settled, wave, "

@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any
 
 from edge_agent.fleet.controller.audit import AuditEntry, AuditQueries
 from edge_agent.fleet.controller.operators import Operator, OperatorQueries, OperatorRecord
@@ -24,6 +24,7 @@ from edge_agent.fleet.controller.records import Acks, Inbound
 from edge_agent.fleet.controller.retention import RetentionQueries
 from edge_agent.fleet.controller.rollout_records import DeviceRecord, NewRollout, RolloutRecord
 from edge_agent.fleet.controller.rollout_sql import RolloutQueries
+from edge_agent.fleet.controller.transaction import Exec
 from edge_agent.fleet.protocol.envelope import (
     Ranges,
     check_ranges,
@@ -49,21 +50,6 @@ _NEWER_MODELS = ("models = CASE WHEN devices.models_ts IS NULL OR excluded.model
 # last_seen only moves forward (GREATEST is PostgreSQL's, max() SQLite's: CASE is both's).
 _LATER = "CASE WHEN excluded.last_seen > devices.last_seen THEN excluded.last_seen " \
          "ELSE devices.last_seen END"
-
-
-class Exec(Protocol):
-    """A connection inside a transaction, with `?` placeholders."""
-
-    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
-
-    def run(self, sql: str, params: Sequence[Any] = ()) -> int: ...
-
-    def many(self, sql: str, params: Sequence[Sequence[Any]]) -> None: ...
-
-    def inserted(self, sql: str, params: Sequence[Sequence[Any]]) -> list[bool]:
-        """Run an `INSERT … ON CONFLICT DO NOTHING RETURNING …` per row; for each row,
-        whether it was inserted."""
-        ...
 
 
 def _dumps(value: Any) -> str:

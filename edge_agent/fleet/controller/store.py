@@ -24,7 +24,8 @@ from edge_agent.fleet.controller.operators import OperatorStore
 from edge_agent.fleet.controller.records import Acks, Inbound
 from edge_agent.fleet.controller.rollout_records import RolloutRecordStore
 from edge_agent.fleet.controller.schema import SCHEMA
-from edge_agent.fleet.controller.sql import Exec, SQLStore
+from edge_agent.fleet.controller.sql import SQLStore
+from edge_agent.fleet.controller.transaction import Exec
 from edge_agent.fleet.protocol.envelope import Ranges
 
 if TYPE_CHECKING:

@@ -313,13 +313,19 @@ class ControllerProcess:
     def start(self, timeout: float = 60.0) -> ControllerProcess:
         """Starts and waits until it is subscribed at the broker."""
         self._log = (self.root / "controller.log").open("ab")
-        # A config file of its own: never /etc/edge-agent-fleet/controller.toml of this machine.
+        # A config file of its own: never /etc/edge-agent-fleet/controller.toml of this
+        # machine. One the caller wrote there is kept as it is (the rollout bench's).
         config = self.root / "controller.toml"
         broker = [f'{key} = "{value}"' for key, value in (
             ("shared_group", self.shared_group), ("client_id", self.client_id))
             if value is not None]
-        config.write_text((f'db = "{self.db_url}"\n' if self.db_url else "")
-                          + ("[broker]\n" + "\n".join(broker) + "\n" if broker else ""))
+        ours = ((f'db = "{self.db_url}"\n' if self.db_url else "")
+                + ("[broker]\n" + "\n".join(broker) + "\n" if broker else ""))
+        if config.exists() and config.read_text().strip():
+            if ours:
+                raise ValueError(f"{config} exists: db, shared_group and client_id go in it")
+        else:
+            config.write_text(ours)
         argv = [sys.executable, "-m", "edge_agent", "fleet", "serve", "--config", str(config),
                 "--state-dir", str(self.state_dir), "--broker", self.broker.url,
                 "--username", self.broker.controller_user,

@@ -18,7 +18,7 @@ import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from edge_agent.config import FleetSettings
 from edge_agent.fleet.device.link import birth
@@ -28,12 +28,16 @@ from edge_agent.fleet.protocol import topics
 from edge_agent.fleet.protocol.command import Command, Result
 from edge_agent.fleet.protocol.envelope import AUDIT
 
-if TYPE_CHECKING:
-    from edge_agent.fleet.device.link.owner import Owner
-
 log = logging.getLogger("edge_agent.fleet.device.link.link")
 # After these succeed the birth is sent again: its config fingerprint changed.
 REBIRTH_AFTER = frozenset({"config.patch"})
+
+
+class BirthCounter(Protocol):
+    """What the core reads of its owner: the birth/death sequence of its connection. Only
+    this, so the core does not import the owner, which imports the core."""
+
+    bdseq: int
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class LinkCore:
                                               **(handlers or {})}
         self._connected = threading.Event()
         self._rebirth = threading.Event()
-        self._owner: Owner | None = None
+        self._owner: BirthCounter | None = None  # the subclass's `owner.Owner`
         self._logged: set[str] = set()
         self._count_lock = threading.Lock()
         self.counts: dict[str, int] = {}
