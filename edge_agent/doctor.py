@@ -22,8 +22,8 @@ from typing import Literal
 import httpx
 
 from edge_agent.config import Settings
-from edge_agent.engine import native
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
+from edge_agent.engine.runtime import native
 from edge_agent.errors import EdgeAgentError
 from edge_agent.names import ModelName
 from edge_agent.netaddr import is_loopback
@@ -223,7 +223,11 @@ def _ledger(path: Path) -> Check:
 
 
 def _llama_and_gpu(settings: Settings) -> list[Check]:
-    from edge_agent.engine.runtime import gpu_offload_supported, resolve_gpu_layers, system_info
+    from edge_agent.engine.runtime.llama import (
+        gpu_offload_supported,
+        resolve_gpu_layers,
+        system_info,
+    )
     from edge_agent.telemetry.hardware import NvmlReader
 
     info = system_info()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import sqlite3
 import ssl
 import threading
 import time
@@ -24,7 +25,7 @@ from fastapi import FastAPI
 
 from edge_agent.app import create_app
 from edge_agent.config import Settings, load_settings
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.server import uvicorn_config
 from tests.support.brokers import Mosquitto, Postgres, find_mosquitto, find_postgres_bin
 
@@ -93,6 +94,21 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+    def ledger_row(self, trace_id: str) -> dict[str, Any]:
+        """A request's ledger row, once written (a row is queued after the last byte)."""
+        deadline = time.monotonic() + 10
+        while True:
+            assert self.app.state.parts.ledger.flush()
+            db = sqlite3.connect(self.settings.state_dir / "ledger.db")
+            db.row_factory = sqlite3.Row
+            row = db.execute("SELECT * FROM requests WHERE trace_id = ?",
+                             [trace_id]).fetchone()
+            db.close()
+            if row is not None:
+                return dict(row)
+            assert time.monotonic() < deadline, f"no ledger row for {trace_id}"
+            time.sleep(0.05)
 
 
 def start_server(settings: Settings, *, wait_for_model: str | None = DEFAULT_MODEL,

@@ -21,7 +21,7 @@ from edge_agent.bench.peers import Completion, HttpPeer, Sample
 from edge_agent.bench.run import request_scaling, run_levels
 from edge_agent.bench.structured import ask_order
 from edge_agent.bench.targets import BY_KEY, TARGETS, report
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
 from tests.conftest import DEFAULT_MODEL, LiveServer
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.errors import ModelFileError, ModelNotFound
 from edge_agent.names import ModelName
 from tests.conftest import DEFAULT_MODEL, clone_state
@@ -95,7 +95,7 @@ def test_a_moved_import_takes_the_file_by_rename_and_still_hashes_what_it_keeps(
     import hashlib
     import os
 
-    from edge_agent.engine import catalog
+    from edge_agent.engine.models import catalog
 
     store = ModelStore(tmp_path / "state")
     src = write_tiny_gguf(tmp_path / "dl.gguf")

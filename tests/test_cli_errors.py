@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from edge_agent.cli import EdgeAgentGroup, common, main
 from edge_agent.config import ConfigError
+from edge_agent.config import controller as controller_settings
 from edge_agent.errors import EdgeAgentError, ModelFileError
-from edge_agent.fleet.controller import settings as controller_settings
 from edge_agent.netaddr import is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,6 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +39,8 @@ import pytest
 from pydantic import BaseModel
 
 from edge_agent.api.ollama import IGNORED_HEADER, TOP_LEVEL_OPTIONS
-from edge_agent.engine.json_grammar import schema_to_grammar
-from edge_agent.engine.structured import tool_call_schema, tool_instructions
+from edge_agent.engine.constrained.json_grammar import schema_to_grammar
+from edge_agent.engine.constrained.tool_calls import tool_call_schema, tool_instructions
 from edge_agent.ledger.store import open_ledger, pending_migrations
 from tests.conftest import DEFAULT_MODEL, LiveServer
 
@@ -279,21 +278,6 @@ def _chat(live: LiveServer, body: dict[str, Any], path: str = "/api/chat",
                       json={"model": DEFAULT_MODEL, **stream, **body})
 
 
-def _ledger_row(live: LiveServer, trace_id: str) -> dict[str, Any]:
-    """The request's ledger row, once written (a row is queued after the last byte)."""
-    deadline = time.monotonic() + 10
-    while True:
-        assert live.app.state.parts.ledger.flush()
-        db = sqlite3.connect(live.settings.state_dir / "ledger.db")
-        db.row_factory = sqlite3.Row
-        row = db.execute("SELECT * FROM requests WHERE trace_id = ?", [trace_id]).fetchone()
-        db.close()
-        if row is not None:
-            return dict(row)
-        assert time.monotonic() < deadline, f"no ledger row for {trace_id}"
-        time.sleep(0.05)
-
-
 FRUITS = [{"role": "user", "content": "List five fruits."}]
 
 
@@ -336,7 +320,7 @@ def test_unknown_top_level_fields_are_ignored_and_named(live_server: LiveServer)
     assert r.status_code == 200, r.text
     # tool_choice without tools has nothing to choose; a name that is no identifier is counted
     assert r.headers["x-edge-ignored"] == "bogus,user,tool_choice,+1"
-    assert _ledger_row(live_server, "ignored-chat")["ignored_fields"] == \
+    assert live_server.ledger_row("ignored-chat")["ignored_fields"] == \
         "bogus,user,tool_choice,+1"
     r = _chat(live_server, {"prompt": "hi", "max_tokens": 1, "tools": [WEATHER]},
               "/api/generate", headers={"X-Request-Id": "ignored-generate"})
@@ -351,7 +335,7 @@ def test_unknown_top_level_fields_are_ignored_and_named(live_server: LiveServer)
                             "options": {"num_predict": 1}},
               headers={"X-Request-Id": "ignored-none"})
     assert "x-edge-ignored" not in r.headers
-    assert _ledger_row(live_server, "ignored-none")["ignored_fields"] is None
+    assert live_server.ledger_row("ignored-none")["ignored_fields"] is None
 
 
 def test_the_manual_names_every_top_level_field_that_means_an_option() -> None:

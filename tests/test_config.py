@@ -134,7 +134,7 @@ def test_the_old_and_the_new_name_together_are_refused(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("fresh_warnings")
 def test_the_controllers_command_key_is_its_signing_key_file(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from edge_agent.fleet.controller.settings import load_controller_settings
+    from edge_agent.config.controller import load_controller_settings
 
     cfg = tmp_path / "controller.toml"
     cfg.write_text('command_signing_key_file = "/keys/command.pem"\n')

@@ -28,7 +28,6 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import click
@@ -38,6 +37,7 @@ import yaml
 
 from edge_agent.cli import main as cli_main
 from edge_agent.config import Settings
+from tests.support.reference_tool import load_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -46,15 +46,7 @@ PAGES = [README, *sorted(DOCS.rglob("*.md"))]
 FENCE = re.compile(r"^(`{3,})([\w-]*)[^\n]*\n(.*?)^\1[ \t]*$", re.S | re.M)
 
 
-def _reference() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("reference", ROOT / "tools" / "reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-reference = _reference()
+reference = load_reference()
 
 
 def _name(page: Path) -> str:
@@ -609,7 +601,7 @@ def test_every_command_the_first_pages_name_exists(page: Path) -> None:
 def _setting(key: str) -> Any:
     """The field a page names by its key: the box's (`runtime.parallel`, `state_dir`), else
     the controller's, at its top level or in any of its tables (`metrics_days`)."""
-    from edge_agent.fleet.controller.settings import ControllerSettings
+    from edge_agent.config.controller import ControllerSettings
 
     field = reference.settings_field("", key) or reference.settings_field("controller", key)
     for section in ControllerSettings.model_fields:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from edge_agent.cli import main
 from edge_agent.config import load_settings
 from edge_agent.doctor import _tls
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
 from tests.conftest import DEFAULT_MODEL, clone_state, free_port
 from tests.support.certs import StoreCA
 

@@ -19,11 +19,11 @@ import httpx
 import pytest
 
 from edge_agent.config import ConfigError, load_settings
-from edge_agent.engine.catalog import ModelStore
-from edge_agent.engine.draftmodel import vocabulary_difference
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.request import SamplingParams
-from edge_agent.engine.runtime import LlamaModel
-from edge_agent.engine.scheduler import ModelScheduler
+from edge_agent.engine.runtime.llama import LlamaModel
+from edge_agent.engine.scheduling.draftmodel import vocabulary_difference
+from edge_agent.engine.scheduling.scheduler import ModelScheduler
 from tests.conftest import DEFAULT_MODEL, LiveServer, clone_state, free_port, start_server
 from tests.test_speculation import QUOTE, STORY, _counter, _run
 
@@ -90,7 +90,7 @@ def test_a_guess_that_fails_is_no_guess(fresh: Callable[..., ModelScheduler],
     _run(sched, STORY, None, max_tokens=32)
     drafter._held = [[] for _ in drafter._held]  # the cells stay: position 0 is taken
     accepted = sched.stats.draft_accepted
-    with caplog.at_level(logging.ERROR, logger="edge_agent.engine.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="edge_agent.engine.scheduling.scheduler"):
         spec = _run(sched, STORY, None, max_tokens=32)
     assert spec.context == plain.context and sched.stats.failures == 0
     failed = [r for r in caplog.records if "failed to guess" in r.getMessage()]

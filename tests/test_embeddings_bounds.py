@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from edge_agent.engine.request import EmbeddingResult
-from edge_agent.engine.runtime import EmbeddingContext, LlamaModel
-from edge_agent.engine.scheduler import EmbeddingJob, ModelScheduler
+from edge_agent.engine.runtime.llama import EmbeddingContext, LlamaModel
+from edge_agent.engine.scheduling.scheduler import EmbeddingJob, ModelScheduler
 from edge_agent.errors import EdgeAgentError, ServiceUnavailable
 from tests.conftest import DEFAULT_MODEL, LiveServer
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from edge_agent.fleet.controller.settings import load_controller_settings
+from edge_agent.config.controller import load_controller_settings
 from tests.test_ansible_role import render
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.engine.gguf_probe import precheck, probe
+from edge_agent.engine.models.gguf_probe import precheck, probe
 from edge_agent.errors import ModelFileError
 from tests.ggufgen import write_tiny_gguf
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from edge_agent.engine import prompt
-from edge_agent.engine.grammar_cache import RequestGrammars
-from edge_agent.engine.grammar_check import CheckedGrammar
+from edge_agent.engine.constrained.grammar_cache import RequestGrammars
+from edge_agent.engine.constrained.grammar_check import CheckedGrammar
 from edge_agent.engine.request import GenerationRequest
 from edge_agent.errors import InvalidRequest, UnsupportedParameter
 

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from edge_agent.engine import grammar_check
-from edge_agent.engine.grammar_check import CheckedGrammar, audit, check
-from edge_agent.engine.json_grammar import (
+from edge_agent.engine.constrained import grammar_check
+from edge_agent.engine.constrained.grammar_check import CheckedGrammar, audit, check
+from edge_agent.engine.constrained.json_grammar import (
     MAX_PROPERTIES,
     MAX_REPETITION,
     MAX_SCHEMA_DEPTH,
@@ -23,10 +23,10 @@ from edge_agent.engine.json_grammar import (
     convert,
     schema_to_grammar,
 )
+from edge_agent.engine.constrained.sampler import Sampler
+from edge_agent.engine.constrained.schema_limits import MAX_STRING_LENGTH
+from edge_agent.engine.constrained.tool_calls import tool_call_schema
 from edge_agent.engine.request import SamplingParams
-from edge_agent.engine.sampler import Sampler
-from edge_agent.engine.schema_limits import MAX_STRING_LENGTH
-from edge_agent.engine.structured import tool_call_schema
 from edge_agent.errors import EdgeAgentError, InvalidRequest
 from tests.conftest import DEFAULT_MODEL, LiveServer
 
@@ -140,7 +140,7 @@ def test_beside_a_pattern_a_long_bound_meets_the_automatons_limit() -> None:
 _HUGE = """
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-from edge_agent.engine.json_grammar import convert
+from edge_agent.engine.constrained.json_grammar import convert
 start = time.perf_counter()
 grammar = convert({"type": "string", "minLength": 1000000000}, param="format")
 print(json.dumps({"bytes": len(grammar), "seconds": time.perf_counter() - start}))

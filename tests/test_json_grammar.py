@@ -11,8 +11,8 @@ import jsonschema
 import llama_cpp as ll
 import pytest
 
-from edge_agent.engine.json_grammar import _int_range, schema_to_grammar
-from edge_agent.engine.runtime import LlamaModel
+from edge_agent.engine.constrained.json_grammar import _int_range, schema_to_grammar
+from edge_agent.engine.runtime.llama import LlamaModel
 from edge_agent.errors import UnsupportedParameter
 from tests.support.grammar_engine import grammar_sampler, takes, walk
 

@@ -25,9 +25,9 @@ from typing import Any
 import llama_cpp as ll
 import pytest
 
-from edge_agent.engine.grammar_check import CheckedGrammar, audit
-from edge_agent.engine.json_grammar import convert
-from edge_agent.engine.runtime import LlamaModel
+from edge_agent.engine.constrained.grammar_check import CheckedGrammar, audit
+from edge_agent.engine.constrained.json_grammar import convert
+from edge_agent.engine.runtime.llama import LlamaModel
 from edge_agent.errors import EdgeAgentError
 from tests.support.grammar_engine import grammar_sampler, takes
 

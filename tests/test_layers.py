@@ -44,11 +44,20 @@ def test_the_code_keeps_every_contract() -> None:
     ("doctor.py", "import edge_agent.bench.run", "cli -> app"),
     # the fleet link reaching the scheduler, here through the registry (indirect counts)
     ("fleet/protocol/topics.py", "import edge_agent.engine.registry", "never the scheduler"),
+    # the fleet building grammars itself, reaching past ModelOps into constrained decoding
+    ("fleet/device/link/handlers.py", "import edge_agent.engine.constrained.json_grammar",
+     "never the scheduler"),
+    # a lower room of the engine reaching up: constrained decoding into the scheduler
+    ("engine/constrained/json_grammar.py", "import edge_agent.engine.scheduling.admission",
+     "the engine's rooms"),
+    # the scheduler reading the model store (below it, but not its business)
+    ("engine/scheduling/admission.py", "import edge_agent.engine.models.entries",
+     "never touch the model store"),
     # the wire reaching into one side of it
     ("fleet/protocol/envelope.py", "import edge_agent.fleet.device.link.outbox",
      "sim -> controller | device -> protocol"),
     # the controller borrowing a fact from the box's modules instead of the protocol
-    ("fleet/controller/waves.py", "import edge_agent.fleet.device.rollout.store",
+    ("fleet/controller/rollouts/waves.py", "import edge_agent.fleet.device.rollout.store",
      "sim -> controller | device -> protocol"),
     # the box using the simulator
     ("fleet/device/link/link.py", "import edge_agent.fleet.sim.testbed",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edge_agent.engine.lookup import PromptLookup
+from edge_agent.engine.scheduling.prompt_lookup import PromptLookup
 
 
 def test_the_tokens_after_the_last_ngram_where_it_occurred_before() -> None:

@@ -14,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from edge_agent.cli import main
-from edge_agent.engine import gguf_probe
-from edge_agent.engine.catalog import ModelStore
-from edge_agent.engine.gguf_probe import precheck, probe
+from edge_agent.engine.models import gguf_probe
+from edge_agent.engine.models.catalog import ModelStore
+from edge_agent.engine.models.gguf_probe import precheck, probe
 from edge_agent.errors import ModelFileError
 from tests.ggufgen import write_tiny_gguf
 

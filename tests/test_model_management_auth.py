@@ -16,7 +16,7 @@ from sqlite_utils import Database
 
 from edge_agent.cli import main
 from edge_agent.config import load_settings
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.registry import FOREVER
 from edge_agent.governance.keys import MIGRATIONS, KeyStore
 from edge_agent.governance.tenants import Governor

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from edge_agent.cli import main
-from edge_agent.engine.catalog import MAX_NAME_CHARS, ModelStore
+from edge_agent.engine.models.catalog import MAX_NAME_CHARS, ModelStore
 from edge_agent.errors import InvalidRequest
 from edge_agent.names import ModelName
 from tests.conftest import DEFAULT_MODEL, LiveServer

@@ -18,8 +18,8 @@ import pytest
 
 from edge_agent.bench.rollout import variant
 from edge_agent.config import load_settings
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.fleet.device.rollout.store import RolloutStore
 from edge_agent.fleet.protocol.rollout_states import CANCELLED, STAGED
 from edge_agent.governance.keys import KeyStore

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from edge_agent.config import ConfigError, load_settings
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
-from edge_agent.engine.records import ManifestExtras
+from edge_agent.engine.models.catalog import ModelStore
+from edge_agent.engine.models.entries import ManifestExtras
 from edge_agent.errors import (
     Conflict,
     InvalidRequest,
@@ -276,7 +276,7 @@ def test_keep_previous_sits_beside_the_per_model_tables(tmp_path: Path) -> None:
 _SWITCHER = """
 import sys
 from pathlib import Path
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
 store = ModelStore(Path(sys.argv[1]))
 a, b = sys.argv[2], sys.argv[3]
 store.activate("m:1", a, by="loop")
@@ -322,7 +322,7 @@ def test_modelops_imports_neither_the_scheduler_nor_llama_cpp() -> None:
     """The fleet link imports ModelOps in processes that never load a model."""
     code = ("import sys, edge_agent.engine.modelops; "
             "print(sorted(m for m in sys.modules if m in ('llama_cpp', "
-            "'edge_agent.engine.scheduler', 'edge_agent.engine.runtime', "
+            "'edge_agent.engine.scheduling.scheduler', 'edge_agent.engine.runtime.llama', "
             "'edge_agent.engine.registry')))")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

@@ -1,4 +1,4 @@
-"""`edge_agent.engine.native`: llama.cpp's libraries and CPU features, asked of a child.
+"""`edge_agent.engine.runtime.native`: llama.cpp's libraries and CPU features, asked of a child.
 
 The real wheel is checked as it is installed here. The failures are made for real too: a
 shared library compiled here that links a library which is then removed (the dynamic
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.engine import native
+from edge_agent.engine.runtime import native
 
 INFO = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | FMA = 1 | AVX512 = 1 | OPENMP = 1 | "
 
@@ -57,7 +57,7 @@ def test_the_installed_wheel_loads_and_runs_on_this_cpu() -> None:
     found = native.check()
     assert found.ok, [p.line() for p in found.problems]
     assert found.version and ("AVX" in found.system_info or "NEON" in found.system_info)
-    done = subprocess.run([sys.executable, "-m", "edge_agent.engine.native"],
+    done = subprocess.run([sys.executable, "-m", "edge_agent.engine.runtime.native"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("llama.cpp runtime: ok (llama-cpp-python ")
@@ -71,7 +71,7 @@ def test_a_library_the_box_lacks_is_named_with_its_package(tmp_path: Path) -> No
     found = native.check(python)
     assert [p.detail for p in found.problems] == ["libedgeprobe.so.1 missing"]
     assert "apt-file search libedgeprobe.so.1" in found.problems[0].fix
-    done = subprocess.run([sys.executable, "-m", "edge_agent.engine.native", python],
+    done = subprocess.run([sys.executable, "-m", "edge_agent.engine.runtime.native", python],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stdout.splitlines() == [found.problems[0].line()]

@@ -22,7 +22,7 @@ import pytest
 
 from edge_agent.api.pull import CatalogInstalls
 from edge_agent.config import load_settings
-from edge_agent.engine.catalog import ModelStore, packaged_catalog_dir
+from edge_agent.engine.models.catalog import ModelStore, packaged_catalog_dir
 from edge_agent.errors import ModelFileError, ModelNotFound
 from tests.conftest import DEFAULT_MODEL, LiveServer, free_port, start_server
 

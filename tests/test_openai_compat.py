@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from edge_agent.engine.request import SamplingParams
-from edge_agent.engine.scheduler import GenerationJob, ModelScheduler, _Slot
+from edge_agent.engine.scheduling.scheduler import GenerationJob, ModelScheduler, _Slot
 from tests.conftest import DEFAULT_MODEL, LiveServer
 
 HELLO = [{"role": "user", "content": "Say hello."}]

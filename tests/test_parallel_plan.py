@@ -7,8 +7,8 @@ import httpx
 import pytest
 
 from edge_agent.config import ConfigError, load_settings
-from edge_agent.engine.parallel_plan import auto_parallel, hardware_cap
-from edge_agent.engine.runtime import default_threads
+from edge_agent.engine.runtime.llama import default_threads
+from edge_agent.engine.runtime.parallel_plan import auto_parallel, hardware_cap
 from tests.conftest import DEFAULT_MODEL, LiveServer
 
 MiB = 2**20

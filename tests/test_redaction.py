@@ -70,8 +70,8 @@ def test_nothing_raw_is_stored_and_the_redaction_log_has_the_spans(
     import httpx
 
     from edge_agent.config import load_settings
-    from edge_agent.engine.catalog import ModelStore
-    from edge_agent.engine.runtime import LlamaModel
+    from edge_agent.engine.models.catalog import ModelStore
+    from edge_agent.engine.runtime.llama import LlamaModel
     from tests.conftest import DEFAULT_MODEL, clone_state, free_port, start_server
 
     caplog.set_level(logging.DEBUG)

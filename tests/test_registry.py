@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from edge_agent.config import load_settings
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.registry import FOREVER, parse_keep_alive
 from edge_agent.errors import InvalidRequest
 from tests.conftest import DEFAULT_MODEL, clone_state, free_port, start_server

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from edge_agent.config import ConfigError, load_settings
-from edge_agent.engine.runtime import cpu_has_amx, resolve_extra_buffers, resolve_flash_attn
+from edge_agent.engine.runtime.llama import cpu_has_amx, resolve_extra_buffers, resolve_flash_attn
 
 
 def test_flash_attention_maps_to_llamas_switch() -> None:

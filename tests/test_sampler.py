@@ -15,15 +15,15 @@ import llama_cpp as ll
 import numpy as np
 import pytest
 
-from edge_agent.engine import sampler as sampler_module
-from edge_agent.engine.grammar_cache import ParsedGrammars
-from edge_agent.engine.grammar_check import CheckedGrammar
-from edge_agent.engine.json_grammar import schema_to_grammar
+from edge_agent.engine.constrained import sampler as sampler_module
+from edge_agent.engine.constrained.grammar_cache import ParsedGrammars
+from edge_agent.engine.constrained.grammar_check import CheckedGrammar
+from edge_agent.engine.constrained.json_grammar import schema_to_grammar
+from edge_agent.engine.constrained.sampler import Candidates, Sampler
+from edge_agent.engine.constrained.token_prefixes import TokenPrefixes, Utf8Tail, decode_utf8
+from edge_agent.engine.constrained.tool_calls import tool_call_schema
 from edge_agent.engine.request import SamplingParams
-from edge_agent.engine.runtime import BatchContext, LlamaModel
-from edge_agent.engine.sampler import Candidates, Sampler
-from edge_agent.engine.structured import tool_call_schema
-from edge_agent.engine.token_prefixes import TokenPrefixes, Utf8Tail, decode_utf8
+from edge_agent.engine.runtime.llama import BatchContext, LlamaModel
 
 pytestmark = pytest.mark.integration
 

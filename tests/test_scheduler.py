@@ -15,11 +15,11 @@ import llama_cpp as ll
 import numpy as np
 import pytest
 
-from edge_agent.engine.admission import AdmissionQueue
-from edge_agent.engine.json_grammar import schema_to_grammar
+from edge_agent.engine.constrained.json_grammar import schema_to_grammar
 from edge_agent.engine.request import DoneEvent, ErrorEvent, Event, SamplingParams, TokenEvent
-from edge_agent.engine.runtime import BatchContext, LlamaModel
-from edge_agent.engine.scheduler import GenerationJob, ModelScheduler
+from edge_agent.engine.runtime.llama import BatchContext, LlamaModel
+from edge_agent.engine.scheduling.admission import AdmissionQueue
+from edge_agent.engine.scheduling.scheduler import GenerationJob, ModelScheduler
 from edge_agent.errors import QueueFull, ServiceUnavailable
 from edge_agent.telemetry.metrics import rejection_reason
 

@@ -13,8 +13,8 @@ import llama_cpp as ll
 import pytest
 
 from edge_agent.engine.request import DoneEvent, ErrorEvent, Event, SamplingParams
-from edge_agent.engine.runtime import LlamaModel
-from edge_agent.engine.scheduler import GenerationJob, ModelScheduler, _Slot
+from edge_agent.engine.runtime.llama import LlamaModel
+from edge_agent.engine.scheduling.scheduler import GenerationJob, ModelScheduler, _Slot
 from edge_agent.errors import EdgeAgentError
 
 pytestmark = pytest.mark.integration

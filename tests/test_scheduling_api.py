@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from edge_agent.config import load_settings
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
 from tests.conftest import (
     DEFAULT_MODEL,
     NO_EOS,

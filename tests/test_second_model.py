@@ -7,7 +7,7 @@ import ollama
 import openai
 import pytest
 
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
 from tests.conftest import DEFAULT_MODEL, LiveServer
 
 pytestmark = pytest.mark.integration

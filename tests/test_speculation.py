@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from edge_agent.config import ConfigError, load_settings
-from edge_agent.engine.json_grammar import schema_to_grammar
+from edge_agent.engine.constrained.json_grammar import schema_to_grammar
 from edge_agent.engine.request import DoneEvent, ErrorEvent, Event, SamplingParams
-from edge_agent.engine.runtime import LlamaModel
-from edge_agent.engine.scheduler import GenerationJob, ModelScheduler
+from edge_agent.engine.runtime.llama import LlamaModel
+from edge_agent.engine.scheduling.scheduler import GenerationJob, ModelScheduler
 from tests.conftest import DEFAULT_MODEL, LiveServer, clone_state, free_port, start_server
 
 pytestmark = pytest.mark.integration

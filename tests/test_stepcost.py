@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge_agent.engine.stepcost import DEFAULT_TOKEN_S, PrefillCost
+from edge_agent.engine.scheduling.stepcost import DEFAULT_TOKEN_S, PrefillCost
 
 
 def test_before_any_measurement_it_uses_the_default() -> None:

@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from edge_agent.engine.stepcost import DEFAULT_TOKEN_S, PrefillCost
-from edge_agent.engine.steppolicy import (
+from edge_agent.engine.scheduling.stepcost import DEFAULT_TOKEN_S, PrefillCost
+from edge_agent.engine.scheduling.steppolicy import (
     JOIN_COST_TOKENS,
     MIN_COPY_TOKENS,
     MIN_EMBED_CHUNK,

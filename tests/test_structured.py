@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from edge_agent.engine.structured import (
+from edge_agent.engine.constrained.tool_calls import (
     parse_tool_output,
     tool_call_schema,
     with_tool_messages,

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.engine.catalog import ModelStore
-from edge_agent.engine.templates import ChatTemplate
+from edge_agent.engine.models.catalog import ModelStore
+from edge_agent.engine.text.templates import ChatTemplate
 from edge_agent.errors import InvalidRequest
 from tests.conftest import DEFAULT_MODEL
 

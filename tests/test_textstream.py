@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from edge_agent.engine.textstream import TextStream
+from edge_agent.engine.text.textstream import TextStream
 
 
 def test_multibyte_characters_split_across_tokens_come_out_whole() -> None:

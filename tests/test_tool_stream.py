@@ -1,9 +1,15 @@
 """Tool calls read while they are generated: streamed as OpenAI-style deltas as soon as the
-name is known, and never leaked as the internal JSON when the output limit cuts them."""
+name is known, and never leaked as the internal JSON when the output limit cuts them.
+
+The cuts are made on a server of this module's own with `runtime.structured_close_tokens`
+off: by default the budget's last tokens would close most of these calls instead
+(tests/test_closing.py), and what is tested here is the answer the limit does cut."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,9 +17,10 @@ import ollama
 import openai
 import pytest
 
+from edge_agent.config import load_settings
+from edge_agent.engine.constrained.tool_calls import ToolAnswerReader
 from edge_agent.engine.request import ToolCallEvent
-from edge_agent.engine.structured import ToolAnswerReader
-from tests.conftest import DEFAULT_MODEL, LiveServer
+from tests.conftest import DEFAULT_MODEL, LiveServer, clone_state, free_port, start_server
 
 STORY: Any = {"type": "function", "function": {
     "name": "write_story", "description": "Publish a long story",
@@ -84,6 +91,18 @@ def client(live_server: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=live_server.openai_url, api_key="unused", max_retries=0)
 
 
+@pytest.fixture(scope="module")
+def cutting(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[LiveServer]:
+    """A server that lets the output limit cut a call (closing within the budget off)."""
+    state = clone_state(model_cache, tmp_path_factory.mktemp("cutting") / "state")
+    live = start_server(load_settings(None, state_dir=state, **{
+        "server.port": free_port(), "runtime.context_length": 2048,
+        "runtime.structured_close_tokens": 0}))
+    yield live
+    live.stop()
+
+
 def _named(tool: Any) -> Any:
     return {"type": "function", "function": {"name": tool["function"]["name"]}}
 
@@ -94,7 +113,8 @@ def _named(tool: Any) -> Any:
     ([STORY], TELL, 24),  # the model rambles inside a string argument
 ])
 def test_openai_cut_tool_call_gives_empty_content_and_length(
-        client: openai.OpenAI, tools: Any, messages: Any, max_tokens: int) -> None:
+        cutting: LiveServer, tools: Any, messages: Any, max_tokens: int) -> None:
+    client = openai.OpenAI(base_url=cutting.openai_url, api_key="unused", max_retries=0)
     r = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, tools=tools,
                                        tool_choice=_named(tools[0]), temperature=0,
                                        max_tokens=max_tokens)
@@ -126,10 +146,10 @@ def test_openai_streamed_call_arrives_as_deltas_once_the_name_is_known(
 
 
 @pytest.mark.integration
-def test_openai_streamed_cut_call_ends_with_length_and_done(live_server: LiveServer) -> None:
+def test_openai_streamed_cut_call_ends_with_length_and_done(cutting: LiveServer) -> None:
     body = {"model": DEFAULT_MODEL, "messages": TELL, "tools": [STORY],
             "tool_choice": _named(STORY), "temperature": 0, "max_tokens": 24, "stream": True}
-    with httpx.stream("POST", f"{live_server.openai_url}/chat/completions", json=body,
+    with httpx.stream("POST", f"{cutting.openai_url}/chat/completions", json=body,
                       timeout=60) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
@@ -143,8 +163,8 @@ def test_openai_streamed_cut_call_ends_with_length_and_done(live_server: LiveSer
 
 
 @pytest.mark.integration
-def test_ollama_cut_call_never_shows_the_internal_json(live_server: LiveServer) -> None:
-    client = ollama.Client(host=live_server.ollama_url)
+def test_ollama_cut_call_never_shows_the_internal_json(cutting: LiveServer) -> None:
+    client = ollama.Client(host=cutting.ollama_url)
     r = client.chat(model=DEFAULT_MODEL, messages=TELL, tools=[STORY],
                     options={"temperature": 0, "num_predict": 8})
     assert r.done_reason == "length" and not r.message.tool_calls

@@ -12,7 +12,8 @@ What it writes:
   metrics (the Prometheus registries of the box and of the controller, as built);
 - regions inside hand-written pages, between `<!-- generated: NAME -->` and
   `<!-- end generated: NAME -->`, where a table belongs beside its prose (the topics, the
-  refusals, and the Ansible role's variables from its argument spec).
+  refusals, the command types from their registry, and the Ansible role's variables from
+  its argument spec).
 
 `tests/test_docs.py` runs the check, so `make test` fails when the code changes and the
 manual does not. It also uses `settings_field` to hold the settings tables written by hand
@@ -43,8 +44,9 @@ from pydantic_core import PydanticUndefined  # noqa: E402
 
 from edge_agent.cli import main as cli_main  # noqa: E402
 from edge_agent.config import ModelOverride, ModelsSettings, Settings, TenantPolicy  # noqa: E402
+from edge_agent.config.controller import ControllerSettings  # noqa: E402
 from edge_agent.fleet.controller.metrics import ControllerMetrics  # noqa: E402
-from edge_agent.fleet.controller.settings import ControllerSettings  # noqa: E402
+from edge_agent.fleet.protocol import command_types as fleet_commands  # noqa: E402
 from edge_agent.fleet.protocol import refusals as fleet_refusals  # noqa: E402
 from edge_agent.fleet.protocol import topics as fleet_topics  # noqa: E402
 from edge_agent.fleet.protocol.envelope import class_of as envelope_class  # noqa: E402
@@ -342,6 +344,17 @@ def refusals_page() -> str:
         refusals_table(), ""])
 
 
+def command_types_table() -> str:
+    """Every command type as `protocol.command_types` registers it."""
+    rows = ["| type | args | result (`result` field) | sent by | changes the box | what it does |",
+            "|---|---|---|---|---|---|"]
+    for t in fleet_commands.COMMAND_TYPES.values():
+        args, result = (_cell(fleet_commands.shape(m)) for m in (t.args, t.result))
+        rows.append(f"| `{t.name}` | `{args}` | `{result}` | {t.role} or above | "
+                    f"{'yes' if t.mutating else 'no'} | {_cell(t.description)} |")
+    return "\n".join(rows)
+
+
 # -- metrics ---------------------------------------------------------------------------------
 
 def _fake_nvml() -> Any:
@@ -519,6 +532,7 @@ PAGES: dict[str, Callable[[], str]] = {
 REGIONS: dict[str, Callable[[], str]] = {
     "topics": topics_table,
     "refusals": refusals_table,
+    "command-types": command_types_table,
     "role-variables": role_variables_table,
 }
 REGION = re.compile(r"(<!-- generated: (\S+) -->\n)(.*?)(<!-- end generated: \2 -->)", re.S)

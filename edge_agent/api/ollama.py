@@ -33,6 +33,7 @@ from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.openapi import request_body
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.config import MAX_DRAFT
+from edge_agent.engine.constrained.tool_calls import ANY_JSON_OBJECT
 from edge_agent.engine.registry import parse_keep_alive
 from edge_agent.engine.request import (
     DoneEvent,
@@ -42,7 +43,6 @@ from edge_agent.engine.request import (
     TokenEvent,
     ToolChoice,
 )
-from edge_agent.engine.structured import ANY_JSON_OBJECT
 from edge_agent.errors import (
     InvalidRequest,
     UnsupportedParameter,

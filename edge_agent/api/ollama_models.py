@@ -23,7 +23,7 @@ from edge_agent.api.ollama import NDJSON, StrictBody
 from edge_agent.api.openapi import request_body
 from edge_agent.api.pull import catalog_installs, pull_progress
 from edge_agent.api.state import AppParts, Parts
-from edge_agent.engine.catalog import InstalledModel
+from edge_agent.engine.models.catalog import InstalledModel
 from edge_agent.engine.registry import FOREVER, LoadedModel
 from edge_agent.errors import EdgeAgentError, InvalidRequest
 from edge_agent.names import ModelName

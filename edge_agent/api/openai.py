@@ -29,7 +29,8 @@ from edge_agent.api.body import apply_controls, read_json, validate
 from edge_agent.api.errors import openai_body
 from edge_agent.api.openapi import request_body
 from edge_agent.api.state import Parts
-from edge_agent.engine.catalog import InstalledModel
+from edge_agent.engine.constrained.tool_calls import ANY_JSON_OBJECT
+from edge_agent.engine.models.catalog import InstalledModel
 from edge_agent.engine.request import (
     DoneEvent,
     EmbeddingRequest,
@@ -38,7 +39,6 @@ from edge_agent.engine.request import (
     TokenEvent,
     ToolCallEvent,
 )
-from edge_agent.engine.structured import ANY_JSON_OBJECT
 from edge_agent.errors import EdgeAgentError, InvalidRequest, UnsupportedParameter
 from edge_agent.gateway.service import PreparedGeneration
 from edge_agent.names import ModelName

@@ -22,8 +22,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from edge_agent.engine.catalog import InstalledModel, ModelStore
 from edge_agent.engine.modelops import ModelOps
+from edge_agent.engine.models.catalog import InstalledModel, ModelStore
 from edge_agent.errors import ModelNotFound
 from edge_agent.names import ModelName
 

@@ -10,8 +10,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from edge_agent.config import Settings
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.tenants import Governor

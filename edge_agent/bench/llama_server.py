@@ -43,7 +43,7 @@ from edge_agent.bench.lookup import quote_prompt
 from edge_agent.bench.peers import Completion, EdgeAgentPeer, HttpPeer, LlamaServerPeer, Sample
 from edge_agent.bench.structured import ORDER_SCHEMA, ask_order, schema_body
 from edge_agent.bench.targets import report
-from edge_agent.engine.structured import tool_call_schema, tool_instructions
+from edge_agent.engine.constrained.tool_calls import tool_call_schema, tool_instructions
 
 Echo = Callable[[str], None]
 KINDS = ("plain", "schema")

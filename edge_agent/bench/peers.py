@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from edge_agent.engine.runtime import resolve_extra_buffers
+from edge_agent.engine.runtime.llama import resolve_extra_buffers
 
 
 @dataclass

@@ -30,8 +30,8 @@ from edge_agent.bench.peers import (
 from edge_agent.bench.schema_coverage import bench_schema_coverage
 from edge_agent.bench.structured import bench_structured
 from edge_agent.bench.targets import report, target
-from edge_agent.engine.catalog import ModelStore
-from edge_agent.engine.runtime import BatchContext, LlamaModel, resolve_flash_attn
+from edge_agent.engine.models.catalog import ModelStore
+from edge_agent.engine.runtime.llama import BatchContext, LlamaModel, resolve_flash_attn
 from edge_agent.names import ModelName
 
 Echo = Callable[[str], None]

@@ -57,7 +57,7 @@ def bench(ctx: click.Context, model: str | None, levels: list[int], requests: in
     if ctx.invoked_subcommand is not None:
         return
     from edge_agent.bench.run import run_bench
-    from edge_agent.engine.runtime import default_threads
+    from edge_agent.engine.runtime.llama import default_threads
 
     settings = load()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -107,8 +107,8 @@ def bench_fleet(sizes: list[int], interval: float, duration: float, broker_resta
     """Measure the fleet link (outbox throughput vs plain paho, TTFT with the link on vs
     off, idle CPU) and a simulated fleet against a private broker and controller."""
     from edge_agent.bench.fleet import run_fleet_bench
-    from edge_agent.engine.catalog import ModelStore
-    from edge_agent.engine.runtime import default_threads
+    from edge_agent.engine.models.catalog import ModelStore
+    from edge_agent.engine.runtime.llama import default_threads
 
     settings = load()
     name: ModelName | None = None
@@ -184,7 +184,7 @@ def bench_llama_server(binary: Path, model: str | None, rounds: int, as_json: bo
     the llama.cpp that llama-cpp-python vendors): plain, JSON-schema and tool-call output,
     a long shared prefix and a burst of 8, each ratio against its target."""
     from edge_agent.bench.run import run_llama_server_bench
-    from edge_agent.engine.runtime import default_threads
+    from edge_agent.engine.runtime.llama import default_threads
 
     settings = load()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -223,7 +223,7 @@ def bench_structured_coverage(model: str | None, llama_server: Path | None,
     llama.cpp's own server."""
     from edge_agent.bench.run import run_schema_coverage_bench
     from edge_agent.bench.schema_coverage import load_sample
-    from edge_agent.engine.runtime import default_threads
+    from edge_agent.engine.runtime.llama import default_threads
 
     known = load_sample().categories
     unknown = sorted(set(categories) - set(known))
@@ -264,7 +264,7 @@ def bench_rollout(model: str | None, runs: int, before_s: float, boxes: int, soa
     the serving gap while it switches; then a rollout in waves over simulated boxes:
     the controller's CPU and message rate."""
     from edge_agent.bench.rollout import run_rollout_bench
-    from edge_agent.engine.runtime import default_threads
+    from edge_agent.engine.runtime.llama import default_threads
 
     settings = load()
     settings.state_dir.mkdir(parents=True, exist_ok=True)

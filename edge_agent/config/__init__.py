@@ -2,8 +2,10 @@
 
 Built once at the entry point (`load_settings`) and passed down; nothing reads the
 environment or the file anywhere else. The sections live here, but [fleet] and the broker
-and window parsers (`config.fleet`) and the shared base (`config.base`); every name is
-imported from `edge_agent.config`.
+and window parsers (`config.fleet`) and the shared base (`config.base`); every name of the
+box's settings is imported from `edge_agent.config`. The fleet controller's settings (its
+own file, `/etc/edge-agent-fleet/controller.toml`) are `config.controller`, built on the same
+base; only `edge-agent fleet …` imports them, so this module does not.
 """
 
 from __future__ import annotations
@@ -238,6 +240,14 @@ class RuntimeSettings(_Section):
         "(0: off). The answer is the same; a stream that quotes its prompt gets it faster. "
         "Only a stream decoding alone drafts on a CPU (up to 4 together on a GPU). A request "
         "may set its own (`options.prompt_lookup`, `X-Edge-Prompt-Lookup`).")
+    structured_close_tokens: int = Field(
+        48, ge=0, le=4096,
+        description="A JSON-schema or tool-call answer's last tokens of max_tokens, at most "
+        "(at most a quarter of it, but 8 for a small one), spent closing the document: from "
+        "there on, where the model's token would go on writing, a token that ends the open "
+        "string, object or array is taken if the grammar allows one, so the answer ends "
+        "whole with `stop` instead of cut with `length` (0: off; counted in "
+        "edge_agent_structured_closed_total, `closed` in the ledger).")
 
 
 class ModelOverride(_Section):

@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from edge_agent.config import Settings
-from edge_agent.engine.catalog import (
+from edge_agent.engine.models.catalog import (
     CatalogEntry,
     InstalledModel,
     ManifestExtras,
     ModelStore,
     Progress,
 )
-from edge_agent.engine.versions import HistoryEntry, Version
+from edge_agent.engine.models.versions import HistoryEntry, Version
 from edge_agent.errors import (
     EdgeAgentError,
     InvalidRequest,

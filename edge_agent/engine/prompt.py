@@ -12,11 +12,15 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
-from edge_agent.engine.grammar_cache import RequestGrammars
-from edge_agent.engine.json_grammar import schema_to_grammar
+from edge_agent.engine.constrained.grammar_cache import RequestGrammars
+from edge_agent.engine.constrained.json_grammar import schema_to_grammar
+from edge_agent.engine.constrained.tool_calls import (
+    tool_call_schema,
+    tool_instructions,
+    with_tool_messages,
+)
 from edge_agent.engine.request import GenerationRequest, SamplingParams
-from edge_agent.engine.structured import tool_call_schema, tool_instructions, with_tool_messages
-from edge_agent.engine.templates import Piece
+from edge_agent.engine.text.templates import Piece
 from edge_agent.errors import ContextLengthExceeded, InvalidRequest
 
 if TYPE_CHECKING:

@@ -42,25 +42,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_agent.config import DRAFT_MODEL_TOKENS, Settings
-from edge_agent.engine.catalog import InstalledModel, ModelStore
-from edge_agent.engine.draftmodel import vocabulary_difference
-from edge_agent.engine.gguf_probe import GGUFInfo, probe
-from edge_agent.engine.parallel_plan import auto_parallel
+from edge_agent.engine.models.catalog import InstalledModel, ModelStore
+from edge_agent.engine.models.gguf_probe import GGUFInfo, probe
 from edge_agent.engine.request import EmbeddingResult, Event, Generation, GenerationSpec
-from edge_agent.engine.runtime import (
+from edge_agent.engine.runtime.llama import (
     LlamaModel,
     default_threads,
     resolve_extra_buffers,
     resolve_flash_attn,
     resolve_gpu_layers,
 )
-from edge_agent.engine.scheduler import (
+from edge_agent.engine.runtime.parallel_plan import auto_parallel
+from edge_agent.engine.scheduling.draftmodel import vocabulary_difference
+from edge_agent.engine.scheduling.scheduler import (
     EmbeddingJob,
     GenerationJob,
     ModelScheduler,
     ThreadEmitter,
 )
-from edge_agent.engine.templates import ChatTemplate
+from edge_agent.engine.text.templates import ChatTemplate
 from edge_agent.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
 from edge_agent.names import ModelName, as_given
 from edge_agent.priority import BACKGROUND_NICE, run_niced
@@ -611,7 +611,8 @@ class ModelRegistry:
                 prefill_chunk=rt.prefill_chunk, max_step_stall=rt.max_step_stall,
                 aging_s=rt.aging_s, deterministic=rt.deterministic,
                 flash_attn=resolve_flash_attn(rt.flash_attn), nice=rt.compute_nice,
-                prompt_lookup=lookup, draft_model=draft)
+                prompt_lookup=lookup, draft_model=draft,
+                close_tokens=rt.structured_close_tokens)
         except BaseException:
             model.close()
             raise

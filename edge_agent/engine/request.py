@@ -140,6 +140,9 @@ class DoneEvent:
     text: str = ""  # the whole text, for non-streamed responses
     tool_calls: tuple[ToolCall, ...] = ()
     context: tuple[int, ...] = ()  # prompt + completion tokens (Ollama `context`)
+    # A JSON answer the budget's last tokens closed (`constrained.closing`): it ends with
+    # `stop` and is whole, but the model was steered to end it.
+    closed: bool = False
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ class Observer:
              ttft_ms=round(ttft * 1000, 1), tpot_ms=round(tpot, 2),
              queue_ms=round(t.queue_ns / 1e6, 1), prompt_tokens=u.prompt_tokens,
              cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
-             done_reason=event.reason, structured_failure=int(failed))
+             done_reason="closed" if event.closed else event.reason,
+             structured_failure=int(failed))
         if self.metrics is not None:
             self.metrics.observe_done(served.model, served.dialect, event, ttft)
         self.privacy.keep_answer(event.text)

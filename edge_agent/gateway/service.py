@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from edge_agent.engine.constrained.tool_calls import ToolAnswerReader
 from edge_agent.engine.prompt import grammar_for, sampling_for, stops_for, tool_mode
 from edge_agent.engine.registry import LoadedModel, ModelRegistry
 from edge_agent.engine.request import (
@@ -29,7 +30,6 @@ from edge_agent.engine.request import (
     GenerationSpec,
     TokenEvent,
 )
-from edge_agent.engine.structured import ToolAnswerReader
 from edge_agent.errors import EdgeAgentError, RequestTimeout, ShuttingDown
 from edge_agent.gateway import embeddings
 from edge_agent.gateway.limits import Fit, fit, requested_output, window_for

@@ -90,6 +90,10 @@ class Metrics:
                                   ["reason"], registry=r)
         self.cached = Counter("edge_agent_cached_prompt_tokens",
                               "Prompt tokens reused from the KV cache", ["model"], registry=r)
+        self.structured_closed = Counter(
+            "edge_agent_structured_closed", "JSON answers closed within their max_tokens by "
+            "the last tokens of the budget (runtime.structured_close_tokens), instead of cut",
+            ["model"], registry=r)
         r.register(_LiveCollector(loaded, hardware, ledger or (lambda: None)))
 
     def observe_done(self, model: str, dialect: str, done: DoneEvent, ttft_s: float) -> None:
@@ -105,6 +109,8 @@ class Metrics:
         self.e2e.labels(model, dialect).observe(t.total_ns / 1e9)
         self.queue_wait.labels(model, dialect).observe(t.queue_ns / 1e9)
         self.requests.labels(model, dialect, "200", "").inc()
+        if done.closed:
+            self.structured_closed.labels(model).inc()
 
     def observe_error(self, model: str, dialect: str, exc: EdgeAgentError) -> None:
         """Counts a request that ended in `exc`, once: the request path counts it with its

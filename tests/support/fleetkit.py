@@ -18,13 +18,13 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edge_agent.config import FleetSettings
-from edge_agent.fleet.controller.ingest import Ingest
-from edge_agent.fleet.controller.metrics import ControllerMetrics
-from edge_agent.fleet.controller.settings import (
+from edge_agent.config.controller import (
     BrokerSettings,
     ControllerSettings,
     IngestSettings,
 )
+from edge_agent.fleet.controller.ingest import Ingest
+from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.store import SQLiteStore
 from edge_agent.fleet.device.link.link import LinkOptions
 from edge_agent.fleet.protocol.signing import generate_keypair, load_private, sign

@@ -10,9 +10,9 @@ from typing import Any
 import llama_cpp as ll
 import numpy as np
 
-from edge_agent.engine.grammar_cache import ParsedGrammars
-from edge_agent.engine.grammar_check import CheckedGrammar
-from edge_agent.engine.runtime import LlamaModel
+from edge_agent.engine.constrained.grammar_cache import ParsedGrammars
+from edge_agent.engine.constrained.grammar_check import CheckedGrammar
+from edge_agent.engine.runtime.llama import LlamaModel
 
 
 def grammar_sampler(model: LlamaModel, grammar: CheckedGrammar) -> Any:

@@ -23,12 +23,12 @@ from gguf import GGUFWriter
 
 from edge_agent.config import Settings, load_settings
 from edge_agent.fleet.controller.releases.artifacts import artifacts_router
-from edge_agent.fleet.controller.releases.keys import KeyDir, keygen
 from edge_agent.fleet.controller.releases.repository import (
     ReleaseEntry,
     ReleaseRepository,
     manifest_for,
 )
+from edge_agent.fleet.controller.releases.signing_keys import KeyDir, keygen
 from tests.conftest import free_port
 
 Scope = MutableMapping[str, Any]

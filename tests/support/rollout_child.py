@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from edge_agent.config import Settings
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.device.rollout.store import Rollout
 from tests.support.rollout_support import DirReleases, PaperLoader, ScriptedProbe

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge_agent.engine.catalog import ModelStore
-from edge_agent.engine.gguf_probe import open_regular, precheck_open
 from edge_agent.engine.modelops import ModelOps
-from edge_agent.engine.records import InstalledModel, ManifestExtras
+from edge_agent.engine.models.catalog import ModelStore
+from edge_agent.engine.models.entries import InstalledModel, ManifestExtras
+from edge_agent.engine.models.gguf_probe import open_regular, precheck_open
 from edge_agent.engine.request import GenerationRequest
 from edge_agent.errors import ModelFileError, ServiceUnavailable
 from edge_agent.fleet.device.rollout.outcomes import ReleaseFailed, ReleaseRejected

@@ -371,7 +371,20 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
                f"  password_file = \"/etc/edge-agent/fleet/password\"")
 
 
-@fleet.command("send")
+class _ListsCommandTypes(click.Command):
+    """`fleet send`'s help ends with the command types, read from their registry when the
+    help is shown (so a type added there is listed, and `edge-agent` starts no slower)."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from edge_agent.fleet.protocol.command_types import COMMAND_TYPES, shape
+
+        with formatter.section("Types (args; the least role that may send it)"):
+            formatter.write_dl([
+                (t.name, f"{t.description} Args {shape(t.args)}; {t.role}.")
+                for t in COMMAND_TYPES.values()])
+
+
+@fleet.command("send", cls=_ListsCommandTypes)
 @client_options
 @click.argument("words", nargs=-1, required=True, metavar="DEVICE|--all TYPE")
 @click.option("--all", "all_devices", is_flag=True,
@@ -396,9 +409,9 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
                fleet_id: str | None, args: tuple[str, ...], args_json: str | None,
                key_file: Path | None, wait_s: float, broker: str | None,
                username: str | None, password_file: Path | None, as_json: bool) -> None:
-    """Sign a command (ping, rebirth, config.patch, ledger.purge, keys.revoke …), publish it
-    to DEVICE (or --all) and print the results the boxes send back (exit 1 unless every
-    awaited box answered ok). Results are stored by the running `fleet serve`."""
+    """Sign a command of TYPE, publish it to DEVICE (or --all) and print the results the
+    boxes send back (exit 1 unless every awaited box answered ok). Results are stored by the
+    running `fleet serve`. The types are listed below."""
     client = _sending_client(key_file, broker, username, password_file)  # settings first
     if len(words) != (1 if all_devices else 2):
         raise BadUsage("name one DEVICE (or --all), then the command's TYPE")

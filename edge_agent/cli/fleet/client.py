@@ -34,8 +34,8 @@ from edge_agent.cli.common import BadUsage, CheckFailed, F
 from edge_agent.cli.fleet.options import controller_options, controller_settings, open_existing
 
 if TYPE_CHECKING:
+    from edge_agent.config.controller import ControllerSettings
     from edge_agent.fleet.controller.commands import CommandSender
-    from edge_agent.fleet.controller.settings import ControllerSettings
     from edge_agent.fleet.controller.store import ControllerStore
 
 _META = "edge_agent.fleet.client."

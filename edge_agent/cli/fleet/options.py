@@ -15,7 +15,7 @@ import click
 from edge_agent.cli.common import CheckFailed, F
 
 if TYPE_CHECKING:
-    from edge_agent.fleet.controller.settings import ControllerSettings
+    from edge_agent.config.controller import ControllerSettings
     from edge_agent.fleet.controller.store import ControllerStore
 
 _META = "edge_agent.fleet."
@@ -53,7 +53,7 @@ def files_options(fn: F) -> F:
 
 
 def controller_settings(**flags: Any) -> ControllerSettings:
-    from edge_agent.fleet.controller.settings import load_controller_settings
+    from edge_agent.config.controller import load_controller_settings
 
     meta = click.get_current_context().meta
     return load_controller_settings(meta.get(f"{_META}config"),

@@ -44,8 +44,8 @@ from edge_agent.cli.output import echo_json, json_option, progress, table
 if TYPE_CHECKING:
     from tuf.api.metadata import Metadata, Targets
 
-    from edge_agent.fleet.controller.releases.keys import KeyDir
     from edge_agent.fleet.controller.releases.repository import ReleaseEntry, ReleaseRepository
+    from edge_agent.fleet.controller.releases.signing_keys import KeyDir
     from edge_agent.fleet.protocol.manifest import ReleaseManifest
 
 _DURATION = re.compile(r"(\d+)([smhd]?)")
@@ -73,7 +73,7 @@ def _repo() -> ReleaseRepository:
 
 
 def _keys(repo: ReleaseRepository, keys_dir: Path | None) -> KeyDir:
-    from edge_agent.fleet.controller.releases.keys import KeyDir
+    from edge_agent.fleet.controller.releases.signing_keys import KeyDir
 
     return KeyDir(keys_dir) if keys_dir is not None else repo.default_keys()
 
@@ -89,7 +89,7 @@ def _keys(repo: ReleaseRepository, keys_dir: Path | None) -> KeyDir:
               help="Root signatures a new root version needs.")
 def keygen(out: Path | None, root_keys: int, root_threshold: int) -> None:
     """Make the controller's keys: command signing, and the release (TUF) role keys."""
-    from edge_agent.fleet.controller.releases.keys import keygen as make
+    from edge_agent.fleet.controller.releases.signing_keys import keygen as make
 
     out = out if out is not None else _state_dir() / "keys"
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -130,8 +130,8 @@ def release() -> None:
 def release_init(keys_dir: Path | None, root_key_dir: Path | None,
                  root_threshold: int | None, expires: tuple[str, ...]) -> None:
     """Create the repository: root metadata signed by the root keys, empty targets."""
-    from edge_agent.fleet.controller.releases.keys import KeyDir
     from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
+    from edge_agent.fleet.controller.releases.signing_keys import KeyDir
 
     state = _state_dir()
     keys = KeyDir(keys_dir if keys_dir is not None else state / "keys")
@@ -241,12 +241,12 @@ def release_push(file: Path, name: str, version: str, template: Path | None,
     uploaded through the controller's API, verified from the release root."""
     import tempfile
 
-    from edge_agent.fleet.controller.releases.keys import KeyDir
     from edge_agent.fleet.controller.releases.push import (
         file_target,
         next_targets,
         trusted_targets,
     )
+    from edge_agent.fleet.controller.releases.signing_keys import KeyDir
 
     if not remote():
         raise BadUsage("release push publishes through a controller's API: --controller "

@@ -14,7 +14,7 @@ boxes.
     POST /devices/{id}/retire     (admin) out of service: kept, left out of rollouts; /restore
     POST /devices                 (admin) {"devices": [id, ...], "fleet": F}: expected before
                                   they report (listed as never seen); /devices/{id}/unregister
-    …/rollouts                    read, start, pause, resume, abort, roll back: `rollout_api`
+    …/rollouts                    read, start, pause, resume, abort, roll back: `rollouts.api`
     …/commands                    `fleet send`: `command_api`
     …/operators, GET /audit       tokens (admin) and who did what: `operator_api`
     PUT /release-files/, POST /releases   a release signed at a desk: `release_api`
@@ -58,7 +58,7 @@ from edge_agent.fleet.controller.operators import Operator
 from edge_agent.fleet.controller.release_api import release_router
 from edge_agent.fleet.controller.releases.artifacts import artifacts_router
 from edge_agent.fleet.controller.releases.repository import releases_dir
-from edge_agent.fleet.controller.rollout_api import rollout_router
+from edge_agent.fleet.controller.rollouts.api import rollout_router
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol.ids import check_id
 

@@ -5,7 +5,10 @@
                      → {"command": signed, "results": [...], "missing": [...]}
     GET  /commands/{id}  {"command": signed, "results": [...]} as stored so far
 
-The controller signs with its own command key (`command_signing_key_file`, which never
+The type, the operator's role and the args are checked against the registry of command
+types (`protocol.command_types`) first: an unknown type or args that do not fit its schema
+are refused 400 and a role below the type's 403, before anything is signed. The
+controller then signs with its own command key (`command_signing_key_file`, which never
 leaves its host), records the command and publishes it, then waits up to `wait_s` (at most
 60) for the boxes' results, as `fleet send --json` does and prints. Without a key it
 answers 503. Each send is on the audit trail with its operator, done or refused.
@@ -18,11 +21,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from edge_agent.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
+from edge_agent.errors import Forbidden, InvalidRequest, ModelNotFound, ServiceUnavailable
 from edge_agent.fleet.controller import commands
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
+from edge_agent.fleet.controller.operators import Operator, may
 from edge_agent.fleet.controller.store import ControllerStore
+from edge_agent.fleet.protocol import command_types
 from edge_agent.fleet.protocol.ids import check_id
 
 MAX_WAIT_S = 60.0
@@ -57,6 +62,7 @@ def command_router(store: ControllerStore, sender: commands.CommandSender | None
                         check_id(kind, value)
                     except ValueError as exc:
                         raise InvalidRequest(str(exc), param=kind) from None
+            _check_command(body.type, body.args, request.state.operator)
             if sender is None:
                 raise ServiceUnavailable("this controller has no command_signing_key_file: "
                                          "it cannot sign commands")
@@ -75,3 +81,19 @@ def command_router(store: ControllerStore, sender: commands.CommandSender | None
         return {"command": found, "results": store.command_results(command_id)}
 
     return router
+
+
+def _check_command(type_: str, args: dict[str, Any], operator: Operator | None) -> None:
+    """The type is registered, `operator` may send it and `args` fit its schema; the
+    refusal names what does not, as the body's own checks do (`args.prefix: …`)."""
+    try:
+        spec = command_types.lookup(type_)
+    except command_types.UnknownType as exc:
+        raise InvalidRequest(f"type: {exc}", param="type") from None
+    if operator is not None and not may(operator.role, spec.role):
+        raise Forbidden(f"operator {operator.name!r} is a {operator.role}: {spec.name} "
+                        f"needs {spec.role}")
+    try:
+        spec.check_args(args)
+    except command_types.BadArgs as exc:
+        raise InvalidRequest(str(exc), param="args") from None

@@ -20,9 +20,9 @@ import paho.mqtt.client as mqtt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from paho.mqtt.enums import CallbackAPIVersion
 
+from edge_agent.config.controller import ControllerSettings
 from edge_agent.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
 from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
-from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol import topics
 from edge_agent.fleet.protocol.command import MAX_COMMAND_BYTES

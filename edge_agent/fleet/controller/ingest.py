@@ -33,10 +33,10 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from edge_agent.config.controller import ControllerSettings
+from edge_agent.fleet.controller.inbound import Acks, Inbound
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
-from edge_agent.fleet.controller.records import Acks, Inbound
-from edge_agent.fleet.controller.settings import ControllerSettings
 from edge_agent.fleet.controller.store import ControllerStore, StoreConflict
 from edge_agent.fleet.protocol import envelope, topics
 from edge_agent.fleet.protocol.envelope import MAX_SEQ

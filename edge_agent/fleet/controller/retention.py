@@ -29,7 +29,7 @@ from edge_agent.fleet.controller.transaction import Exec
 from edge_agent.fleet.protocol.envelope import AUDIT, METRICS
 
 if TYPE_CHECKING:
-    from edge_agent.fleet.controller.settings import RetentionSettings
+    from edge_agent.config.controller import RetentionSettings
 
 log = logging.getLogger(__name__)
 

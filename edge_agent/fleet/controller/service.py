@@ -31,14 +31,14 @@ import uvicorn
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edge_agent.config import ConfigError
+from edge_agent.config.controller import ControllerSettings
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.commands import CommandSender
 from edge_agent.fleet.controller.ingest import Ingest
 from edge_agent.fleet.controller.leadership import Leadership, Presence, leadership_for
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.retention import Retention
-from edge_agent.fleet.controller.rollouts import RolloutEngine
-from edge_agent.fleet.controller.settings import ControllerSettings
+from edge_agent.fleet.controller.rollouts.driver import RolloutEngine
 from edge_agent.fleet.controller.store import ControllerStore, open_store
 from edge_agent.fleet.protocol.signing import load_private
 from edge_agent.netaddr import is_loopback

@@ -19,11 +19,11 @@ from functools import cached_property
 from typing import Any
 
 from edge_agent.fleet.controller.audit import AuditEntry, AuditQueries
+from edge_agent.fleet.controller.inbound import Acks, Inbound
 from edge_agent.fleet.controller.operators import Operator, OperatorQueries, OperatorRecord
-from edge_agent.fleet.controller.records import Acks, Inbound
 from edge_agent.fleet.controller.retention import RetentionQueries
-from edge_agent.fleet.controller.rollout_records import DeviceRecord, NewRollout, RolloutRecord
-from edge_agent.fleet.controller.rollout_sql import RolloutQueries
+from edge_agent.fleet.controller.rollouts.queries import RolloutQueries
+from edge_agent.fleet.controller.rollouts.records import DeviceRecord, NewRollout, RolloutRecord
 from edge_agent.fleet.controller.transaction import Exec
 from edge_agent.fleet.protocol.envelope import (
     Ranges,
@@ -227,7 +227,7 @@ class SQLStore:
 
     def _side_effects(self, db: Exec, msg: Inbound) -> None:
         """What a new message means beyond itself: a dropped-metrics report, a command's
-        result, a rollout's report (`rollout_sql`). Bad shapes are logged, never fatal:
+        result, a rollout's report (`rollouts.queries`). Bad shapes are logged, never fatal:
         the message itself is stored."""
         body = msg.body
         try:

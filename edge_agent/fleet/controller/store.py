@@ -20,9 +20,9 @@ from urllib.parse import urlsplit
 
 from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.controller.audit import AuditStore
+from edge_agent.fleet.controller.inbound import Acks, Inbound
 from edge_agent.fleet.controller.operators import OperatorStore
-from edge_agent.fleet.controller.records import Acks, Inbound
-from edge_agent.fleet.controller.rollout_records import RolloutRecordStore
+from edge_agent.fleet.controller.rollouts.records import RolloutRecordStore
 from edge_agent.fleet.controller.schema import SCHEMA
 from edge_agent.fleet.controller.sql import SQLStore
 from edge_agent.fleet.controller.transaction import Exec

@@ -113,9 +113,11 @@ class FleetDevice:
             return None
 
     def _start_link(self, extra_handlers: Mapping[str, Any] | None) -> Link | None:
-        """The link with this box's command handlers, started."""
+        """The link with this box's command handlers, held to the registry of command
+        types (`link.dispatch`), started."""
         try:
             from edge_agent.fleet.device.link.birth import facts_source
+            from edge_agent.fleet.device.link.dispatch import box_dispatch, unhandled
             from edge_agent.fleet.device.link.handlers import box_handlers, copy_patched
 
             settings = self.settings
@@ -146,11 +148,16 @@ class FleetDevice:
                                             ledger_s=settings.fleet.ledger_interval_s)
                 return done
 
+            handlers = box_dispatch(box_handlers(settings, settings.state_dir, purge=purge,
+                                                 revoke=revoke, apply_live=apply_live),
+                                    extra_handlers or {})
+            missing = unhandled(handlers)
+            if missing:
+                log.warning("fleet: no handler for %s on this box: refused as unknown_type",
+                            ", ".join(missing))
             link = Link(settings.fleet, settings.state_dir,
                         facts=facts_source(lambda: settings, self.modelops, gpus=self.gpus),
-                        handlers={**box_handlers(settings, settings.state_dir, purge=purge,
-                                                 revoke=revoke, apply_live=apply_live),
-                                  **(extra_handlers or {})})
+                        handlers=handlers)
             link.start()
             return link
         except Exception:

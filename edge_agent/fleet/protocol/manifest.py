@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from edge_agent.engine.records import ManifestExtras
+from edge_agent.engine.models.entries import ManifestExtras
 from edge_agent.engine.request import SamplingParams
 from edge_agent.errors import InvalidRequest
 from edge_agent.names import ModelName

@@ -21,7 +21,8 @@ This module builds the devices and is the API, callable from any thread.
 
 Scripted outcomes (`simdevice.Script`): `script(device, command)` returns the result
 (status ok), raises `CommandRefused(reason)` (refused) or anything else (failed); called
-once per command id for the types in `script_types` (ping and rebirth are the link's own).
+once per command id for the types in `script_types`: by default every registered type
+(`protocol.command_types`) but those the link answers itself (ping and rebirth).
 It may `device.emit(kind, cls, body)` (e.g. `rollout` transitions) or schedule later ones
 with `sim.call_later(delay_s, fn)` (fn runs on the loop thread and must not block).
 
@@ -40,6 +41,8 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from edge_agent.config import FleetSettings
+from edge_agent.fleet.device.link.core import OWN_TYPES
+from edge_agent.fleet.protocol.command_types import COMMAND_TYPES
 from edge_agent.fleet.sim.device import Facts, Script, SimDevice, default_facts, default_metrics
 from edge_agent.fleet.sim.loop import MetricsBody, SimLoop, SimOptions
 from edge_agent.fleet.sim.testbed import raise_nofile, wait_until
@@ -47,8 +50,7 @@ from edge_agent.fleet.sim.testbed import raise_nofile, wait_until
 __all__ = ["SCRIPT_TYPES", "Facts", "MetricsBody", "Script", "SimDevice", "SimOptions",
            "Simulator"]
 RESERVED_FDS = 256  # the process's own: stdio, logs, a controller or broker client, slack
-SCRIPT_TYPES = frozenset({"config.patch", "ledger.purge", "keys.revoke", "rollout.start",
-                          "rollout.cancel", "rollout.rollback"})
+SCRIPT_TYPES = frozenset(COMMAND_TYPES) - OWN_TYPES
 
 
 class Simulator(SimLoop):

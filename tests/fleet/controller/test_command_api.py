@@ -15,10 +15,10 @@ from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
 from edge_agent.cli import main
+from edge_agent.config.controller import load_controller_settings
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.commands import CommandSender
 from edge_agent.fleet.controller.metrics import ControllerMetrics
-from edge_agent.fleet.controller.settings import load_controller_settings
 from edge_agent.fleet.controller.store import SQLiteStore
 from edge_agent.fleet.protocol.signing import load_public, verify
 from tests.support.brokers import FLEET, Mosquitto, MQTTClient

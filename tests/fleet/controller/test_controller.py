@@ -22,12 +22,12 @@ from fastapi.testclient import TestClient
 
 from edge_agent.cli import main
 from edge_agent.config import ConfigError
+from edge_agent.config.controller import ControllerSettings, load_controller_settings
 from edge_agent.fleet.controller.api import create_app
+from edge_agent.fleet.controller.inbound import Inbound
 from edge_agent.fleet.controller.ingest import Ingest, Rejected, inbound, status
 from edge_agent.fleet.controller.metrics import ControllerMetrics
-from edge_agent.fleet.controller.records import Inbound
 from edge_agent.fleet.controller.service import Controller
-from edge_agent.fleet.controller.settings import ControllerSettings, load_controller_settings
 from edge_agent.fleet.controller.store import SQLiteStore
 from edge_agent.fleet.protocol.envelope import merge_ranges
 from edge_agent.fleet.protocol.topics import Topic

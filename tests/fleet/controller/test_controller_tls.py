@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from edge_agent.config import ConfigError
+from edge_agent.config.controller import load_controller_settings
 from edge_agent.fleet.controller.audit import local_operator
 from edge_agent.fleet.controller.service import exposure_checked
-from edge_agent.fleet.controller.settings import load_controller_settings
 from edge_agent.fleet.controller.store import SQLiteStore
 from edge_agent.fleet.sim.testbed import make_tls
 from edge_agent.tls import fingerprint, served_certificate

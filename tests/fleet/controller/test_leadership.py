@@ -22,14 +22,14 @@ from click.testing import CliRunner
 
 from edge_agent.cli import main
 from edge_agent.config import ConfigError
+from edge_agent.config.controller import load_controller_settings
 from edge_agent.fleet.controller.leadership import (
     LEADER_KEY,
     AdvisoryLeadership,
     FileLeadership,
 )
-from edge_agent.fleet.controller.settings import load_controller_settings
+from edge_agent.fleet.controller.rollouts.waves import assign_waves, parse_waves
 from edge_agent.fleet.controller.store import PostgresStore
-from edge_agent.fleet.controller.waves import assign_waves, parse_waves
 from edge_agent.fleet.device.link.core import LinkOptions
 from edge_agent.fleet.protocol.signing import load_public
 from edge_agent.fleet.sim.fleet import SimOptions, Simulator

@@ -18,9 +18,9 @@ from tuf.api.metadata import Metadata, Targets
 
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.metrics import ControllerMetrics
-from edge_agent.fleet.controller.releases.keys import KeyDir
 from edge_agent.fleet.controller.releases.push import file_target, next_targets
 from edge_agent.fleet.controller.releases.repository import manifest_for
+from edge_agent.fleet.controller.releases.signing_keys import KeyDir
 from edge_agent.fleet.controller.store import SQLiteStore
 from tests.support.releasekit import Repo, make_repo, sized_gguf
 

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 from tuf.api.metadata import Metadata, Targets
 
 from edge_agent.cli import main
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.errors import ModelNotFound
 from edge_agent.fleet.device.release import source as rel
 from edge_agent.fleet.device.release import transfer

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 
 from edge_agent.bench.rollout import variant
 from edge_agent.cli import main
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.fleet.controller.store import SQLiteStore
 from tests.conftest import clone_state
 from tests.support.brokers import Mosquitto

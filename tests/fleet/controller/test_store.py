@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from edge_agent.fleet.controller.records import Inbound
+from edge_agent.fleet.controller.inbound import Inbound
 from edge_agent.fleet.controller.store import (
     ControllerStore,
     FleetStoreError,
@@ -277,8 +277,8 @@ def test_retention_removes_old_messages_in_batches_and_keeps_loss_accounting(
         store: ControllerStore) -> None:
     """Metrics older than their retention go, audit messages by their own; what went is
     accounted for (no gap), a loss above it still shows, and nothing younger is touched."""
+    from edge_agent.config.controller import RetentionSettings
     from edge_agent.fleet.controller.retention import Retention, cutoffs
-    from edge_agent.fleet.controller.settings import RetentionSettings
 
     old, new = 1_000.0, 1_000.0 + 40 * 86400
     store.ingest([msg(s, received=old) for s in range(1, 8)]  # 7 old metrics
@@ -300,8 +300,8 @@ def test_retention_removes_old_messages_in_batches_and_keeps_loss_accounting(
 
 
 def test_the_retention_thread_survives_a_failed_pass(caplog: pytest.LogCaptureFixture) -> None:
+    from edge_agent.config.controller import RetentionSettings
     from edge_agent.fleet.controller.retention import Retention
-    from edge_agent.fleet.controller.settings import RetentionSettings
 
     calls: list[dict[str, float]] = []
     done = threading.Event()

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from edge_agent.config import Settings
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
-from edge_agent.engine.records import ManifestExtras
+from edge_agent.engine.models.catalog import ModelStore
+from edge_agent.engine.models.entries import ManifestExtras
 from edge_agent.fleet.device.rollout import health_gate
 from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.device.rollout.store import Rollout

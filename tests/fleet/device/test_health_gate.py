@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from edge_agent.app import create_app
 from edge_agent.bench.rollout import variant
 from edge_agent.config import Settings, load_settings
-from edge_agent.engine.catalog import ModelStore
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.request import GenerationRequest
 from edge_agent.fleet.device.rollout import health_gate
 from edge_agent.fleet.device.rollout.health_gate import Check, GateReport, parse_spec

@@ -27,8 +27,8 @@ from click.testing import CliRunner
 from edge_agent.cli import main
 from edge_agent.cli.output import TransferBar, duration, transfer_figures
 from edge_agent.config import Settings
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.fleet.device.release import source as rel
 from edge_agent.fleet.device.release import transfer
 from edge_agent.fleet.device.release.pull import pull

@@ -21,8 +21,8 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from tuf.api.metadata import TargetFile
 
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.files import EscapesDirectory, inside
 from edge_agent.fleet.device.release import source as rel
 from edge_agent.fleet.device.release import transfer

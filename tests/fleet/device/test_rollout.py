@@ -25,8 +25,8 @@ from click.testing import CliRunner
 
 from edge_agent.cli import main as cli
 from edge_agent.config import Settings
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.fleet.device.rollout.outcomes import ReleaseFailed, ReleaseRejected
 from edge_agent.fleet.device.rollout.rules import backoff_s, hold_reason
 from edge_agent.fleet.device.rollout.runner import RolloutManager

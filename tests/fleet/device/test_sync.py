@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from edge_agent.engine.catalog import ModelStore
 from edge_agent.engine.modelops import ModelOps
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.request import DoneEvent, Timings, Usage
 from edge_agent.errors import RateLimited
 from edge_agent.fleet.device.link.outbox import Outbox

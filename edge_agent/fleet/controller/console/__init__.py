@@ -10,7 +10,7 @@ labelled, usable from the keyboard.
 
 Who may see and do what is the API's rule (`access.RULES`: pages as reads, forms as
 writes); a viewer's page has no action buttons, and the route refuses the action anyway.
-A form's action is the API's own (`rollout_api.start_rollout`, `act_on_rollout`): the same
+A form's action is the API's own (`rollouts.api.start_rollout`, `act_on_rollout`): the same
 checks, error text and audit trail. Sign-in is a token (`session`); forms carry the CSRF
 token.
 """
@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from edge_agent import __version__
 from edge_agent.config import ConfigError
 from edge_agent.errors import EdgeAgentError, ModelNotFound
-from edge_agent.fleet.controller import registrations, rollout_ops
+from edge_agent.fleet.controller import registrations
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.console.session import (
     close_session,
@@ -44,7 +44,8 @@ from edge_agent.fleet.controller.console.session import (
 from edge_agent.fleet.controller.leadership import presence_state
 from edge_agent.fleet.controller.operators import Operator, may
 from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
-from edge_agent.fleet.controller.rollout_api import RolloutStart, act_on_rollout, start_rollout
+from edge_agent.fleet.controller.rollouts import operations as rollout_ops
+from edge_agent.fleet.controller.rollouts.api import RolloutStart, act_on_rollout, start_rollout
 from edge_agent.fleet.controller.store import ControllerStore
 
 HERE = Path(__file__).resolve().parent

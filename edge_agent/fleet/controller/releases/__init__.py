@@ -1,5 +1,5 @@
 """The controller's release repository: The Update Framework's metadata (`repository`),
-its keys (`keys`) and the HTTP server that hands metadata and model files to boxes
+its signing keys (`signing_keys`) and the HTTP server that hands metadata and model files to boxes
 (`artifacts`).
 
 Never: a key in the repository's served folder. Next: `device.release.source`, the box's

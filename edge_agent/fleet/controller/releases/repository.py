@@ -60,9 +60,9 @@ from tuf.api.metadata import (
 from tuf.api.serialization.json import JSONSerializer
 
 from edge_agent.config import ConfigError
-from edge_agent.engine.catalog import packaged_catalog_dir, read_catalog
-from edge_agent.engine.gguf_probe import GGUFInfo, open_regular, precheck_open, probe
-from edge_agent.engine.staging import Progress, hash_copy
+from edge_agent.engine.models.catalog import packaged_catalog_dir, read_catalog
+from edge_agent.engine.models.gguf_probe import GGUFInfo, open_regular, precheck_open, probe
+from edge_agent.engine.models.staging import Progress, hash_copy
 from edge_agent.errors import (
     Conflict,
     EdgeAgentError,
@@ -73,7 +73,7 @@ from edge_agent.errors import (
     ServiceUnavailable,
 )
 from edge_agent.files import atomic_write, locked
-from edge_agent.fleet.controller.releases.keys import KeyDir, root_keys, root_signers
+from edge_agent.fleet.controller.releases.signing_keys import KeyDir, root_keys, root_signers
 from edge_agent.fleet.protocol.manifest import (
     ManifestError,
     ReleaseManifest,

@@ -26,11 +26,14 @@ from edge_agent.fleet.device.link.command_gate import Handler, ping
 from edge_agent.fleet.device.link.state import OK
 from edge_agent.fleet.protocol import topics
 from edge_agent.fleet.protocol.command import Command, Result
+from edge_agent.fleet.protocol.command_types import COMMAND_TYPES
 from edge_agent.fleet.protocol.envelope import AUDIT
 
 log = logging.getLogger("edge_agent.fleet.device.link.link")
-# After these succeed the birth is sent again: its config fingerprint changed.
-REBIRTH_AFTER = frozenset({"config.patch"})
+# After these succeed the birth is sent again: its facts (the config fingerprint) changed.
+REBIRTH_AFTER = frozenset(t.name for t in COMMAND_TYPES.values() if t.rebirth_after)
+# The types every link answers itself, a box's and a simulated device's alike.
+OWN_TYPES = frozenset({"ping", "rebirth"})
 
 
 class BirthCounter(Protocol):
@@ -69,8 +72,12 @@ class LinkCore:
         self.options = options or LinkOptions()
         self.boot_id = boot_id or uuid.uuid4().hex
         self.facts = facts
-        self._handlers: dict[str, Handler] = {"ping": ping, "rebirth": self._rebirth_handler,
-                                              **(handlers or {})}
+        own: dict[str, Handler] = {"ping": ping, "rebirth": self._rebirth_handler}
+        given = handlers or {}
+        twice = sorted(t for t in set(own) & set(given) if given[t] is not own[t])
+        if twice:  # one handler per type: a second one would silently win
+            raise ValueError(f"the link answers {', '.join(twice)} itself")
+        self._handlers: dict[str, Handler] = {**own, **given}
         self._connected = threading.Event()
         self._rebirth = threading.Event()
         self._owner: BirthCounter | None = None  # the subclass's `owner.Owner`

@@ -10,7 +10,6 @@ start. Handlers run on the link's `fleet-commands` thread, never on the owner th
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,8 @@ from edge_agent.config import Settings
 from edge_agent.fleet.device.link.command_gate import Handler
 from edge_agent.fleet.device.link.overlay import config_patch_handler
 from edge_agent.fleet.protocol.command import Command, is_finite_number
+from edge_agent.fleet.protocol.command_types import KEY_PREFIX
 from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
-
-KEY_PREFIX = re.compile(r"[A-Za-z0-9]{1,64}")
 
 
 def ledger_purge_handler(purge: Callable[[float | None], int]) -> Handler:

@@ -48,6 +48,7 @@ from edge_agent.config import Settings
 from edge_agent.files import atomic_write
 from edge_agent.fleet.device.link.command_gate import Handler
 from edge_agent.fleet.protocol.command import Command, is_finite_number
+from edge_agent.fleet.protocol.command_types import MAX_PATCH_KEYS as MAX_KEYS
 from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,6 @@ KEYS = frozenset({"telemetry.interval_s", "fleet.metrics_interval_s", "fleet.led
                   "fleet.rollout_nice"})
 NULLABLE = frozenset({"fleet.max_download_bytes_per_s"})  # null: no cap
 TENANT_KEYS = frozenset({"requests_per_minute", "tokens_per_minute", "tokens_per_day"})
-MAX_KEYS = 64
 
 
 def _path(settings: Settings, key: Any) -> list[str]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from edge_agent.config import ConfigError, Settings
 from edge_agent.engine.modelops import ModelOps
-from edge_agent.engine.records import InstalledModel
+from edge_agent.engine.models.entries import InstalledModel
 from edge_agent.fleet.device.release import source as signed
 from edge_agent.fleet.device.release import transfer
 from edge_agent.fleet.device.rollout.name_claim import name_claim, refuse_live_rollout

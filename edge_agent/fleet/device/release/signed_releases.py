@@ -13,7 +13,7 @@ from typing import Any
 
 from edge_agent.config import FleetSettings
 from edge_agent.engine.modelops import ModelOps
-from edge_agent.engine.records import blobs_dir
+from edge_agent.engine.models.entries import blobs_dir
 from edge_agent.fleet.device.release import source as signed
 from edge_agent.fleet.device.release import transfer
 

@@ -84,7 +84,7 @@ from edge_agent.names import ModelName
 
 if TYPE_CHECKING:
     from edge_agent.engine.modelops import ModelOps
-    from edge_agent.engine.records import InstalledModel
+    from edge_agent.engine.models.entries import InstalledModel
 
 # Rejected (never retried)
 NOT_CONFIGURED = "not_configured"

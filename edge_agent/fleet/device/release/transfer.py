@@ -63,7 +63,7 @@ from typing import BinaryIO
 import urllib3
 
 from edge_agent import __version__
-from edge_agent.engine.gguf_probe import probe
+from edge_agent.engine.models.gguf_probe import probe
 from edge_agent.errors import ModelFileError
 from edge_agent.files import EscapesDirectory, inside, locked
 from edge_agent.fleet.device.release.cutoff import Cutoff

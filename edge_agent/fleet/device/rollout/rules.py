@@ -6,7 +6,6 @@ the `rollout.*` commands. Pure: no I/O, no state.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -14,11 +13,10 @@ from typing import Any, Protocol
 from edge_agent.config import parse_window
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import InvalidRequest
+from edge_agent.fleet.protocol.command_types import ROLLOUT_ID, VERSION
 from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
 from edge_agent.names import ModelName
 
-ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 MAX_BACKOFF_S = 3600.0
 
 

@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 from pydantic import ValidationError
 
-from edge_agent.engine.records import InstalledModel
+from edge_agent.engine.models.entries import InstalledModel
 from edge_agent.owner_only import private_dir
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from edge_agent.engine.json_grammar import convert
+from edge_agent.engine.constrained.json_grammar import convert
 from edge_agent.engine.request import ToolCall, ToolCallEvent, ToolChoice
 from edge_agent.errors import InvalidRequest
 

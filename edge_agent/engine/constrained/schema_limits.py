@@ -16,8 +16,8 @@ from typing import Any
 from edge_agent.errors import InvalidRequest, UnsupportedParameter
 
 MAX_REPETITION = 1_000  # minItems, maxItems, min/maxProperties, a pattern's {m,n}
-# A string's bounds are written in binary (engine/repetition.py): rules grow with the log of
-# the count, so the limit only keeps the numbers sane. Beside a pattern or a format, the
+# A string's bounds are written in binary (`repetition`): rules grow with the log of the
+# count, so the limit only keeps the numbers sane. Beside a pattern or a format, the
 # automaton's own state limit applies.
 MAX_STRING_LENGTH = 2**32
 MAX_PROPERTIES = 256  # per object, allOf parts together (optional ones convert in n² time)

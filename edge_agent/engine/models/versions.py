@@ -25,7 +25,7 @@ from pathlib import Path
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
-from edge_agent.engine.records import InstalledModel
+from edge_agent.engine.models.entries import InstalledModel
 from edge_agent.errors import ModelNotFound
 from edge_agent.owner_only import private_file
 

@@ -40,6 +40,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from edge_agent.config.controller import BUSY_RETRY_S
 from edge_agent.errors import InvalidRequest
 from edge_agent.fleet.protocol.rollout_states import (
     ACTIVATING,
@@ -79,7 +80,6 @@ WAITING, IN_FLIGHT, SUCCEEDED, FAILED_PHASE, CANCELLED_PHASE = (
 PHASES = (WAITING, IN_FLIGHT, SUCCEEDED, FAILED_PHASE, CANCELLED_PHASE)
 
 MAX_WAVES = 32
-BUSY_RETRY_S = 30.0  # the controller's rollout_busy_retry_s by default
 _STEP = re.compile(r"(\d+(?:\.\d+)?)(%?)")
 _SHARE = re.compile(r"(\d+(?:\.\d+)?)%")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_agent.config import MAX_DRAFT
-from edge_agent.engine.admission import AdmissionQueue, Priority
-from edge_agent.engine.draftmodel import DraftModel
-from edge_agent.engine.grammar_cache import ParsedGrammars
-from edge_agent.engine.lookup import PromptLookup
+from edge_agent.engine.constrained.closing import ClosingTokens
+from edge_agent.engine.constrained.grammar_cache import ParsedGrammars
+from edge_agent.engine.constrained.sampler import Candidates, Sampler
+from edge_agent.engine.constrained.token_prefixes import TokenPrefixes
 from edge_agent.engine.request import (
     DoneEvent,
     DoneReason,
@@ -42,15 +42,17 @@ from edge_agent.engine.request import (
     TokenEvent,
     Usage,
 )
-from edge_agent.engine.runtime import (
+from edge_agent.engine.runtime.llama import (
     BatchContext,
     EmbeddingContext,
     LlamaModel,
     normalised_mean,
 )
-from edge_agent.engine.sampler import Candidates, Sampler
-from edge_agent.engine.stepcost import PrefillCost
-from edge_agent.engine.steppolicy import (
+from edge_agent.engine.scheduling.admission import AdmissionQueue, Priority
+from edge_agent.engine.scheduling.draftmodel import DraftModel
+from edge_agent.engine.scheduling.prompt_lookup import PromptLookup
+from edge_agent.engine.scheduling.stepcost import PrefillCost
+from edge_agent.engine.scheduling.steppolicy import (
     DETERMINISTIC_MAX_ROWS,
     MIN_COPY_TOKENS,
     MIN_PREFILL_CHUNK,
@@ -62,8 +64,7 @@ from edge_agent.engine.steppolicy import (
     prefill_spans,
     shortest_short,
 )
-from edge_agent.engine.textstream import TextStream
-from edge_agent.engine.token_prefixes import TokenPrefixes
+from edge_agent.engine.text.textstream import TextStream
 from edge_agent.errors import EdgeAgentError, QueueFull, ServiceUnavailable
 from edge_agent.priority import lower_thread_priority
 
@@ -179,8 +180,12 @@ class ModelScheduler:
         nice: int = 0,
         prompt_lookup: int = 0,
         draft_model: LlamaModel | None = None,
+        close_tokens: int = 0,
     ) -> None:
         self.model = model
+        # A JSON answer's last tokens of max_tokens, at most, spent closing it
+        # (`constrained.closing`; `_close_reserve`). 0: never.
+        self.close_tokens = close_tokens
         self.prompt_lookup = prompt_lookup  # draft tokens a step, for jobs that set none
         # Sequences a pass may hold for their drafts to be decoded. On a CPU every row
         # costs ~0.4 of a one-row pass (smollm2, 2 cores): beside other rows, guesses
@@ -206,6 +211,7 @@ class ModelScheduler:
         self._candidates = Candidates(model.n_vocab)
         self.grammars = ParsedGrammars(model.vocab)
         self.prefixes: TokenPrefixes | None = None  # built on the first grammar job
+        self.closing_tokens: ClosingTokens | None = None  # built with it
         self._prefix_builder: threading.Thread | None = None
         self._closing = threading.Event()
         self.queue: AdmissionQueue[GenerationJob, EmbeddingJob] = AdmissionQueue(
@@ -487,6 +493,7 @@ class ModelScheduler:
                     return
                 pieces.append(model.grammar_piece(token))
                 eog.append(model.is_eog(token))
+            self.closing_tokens = ClosingTokens(pieces, eog)
             self.prefixes = TokenPrefixes(pieces, eog)
         except Exception:  # the samplers go on filtering the whole vocabulary
             log.exception("building the vocabulary's prefix forest failed")
@@ -717,6 +724,10 @@ class ModelScheduler:
     def _sampled(self, slot: _Slot) -> None:
         job, sampler = slot.job, slot.sampler
         assert job is not None and sampler is not None
+        if sampler.grammar is not None and not sampler.closing \
+                and self.closing_tokens is not None \
+                and job.max_tokens - len(slot.completion) <= self._close_reserve(job.max_tokens):
+            sampler.start_closing(self.closing_tokens, slot.completion)
         token = sampler.sample(self.ctx, slot.row)
         slot.last_token_at = time.perf_counter()
         if self.model.is_eog(token):
@@ -736,6 +747,14 @@ class ModelScheduler:
         else:
             slot.next_token = token
 
+    def _close_reserve(self, max_tokens: int) -> int:
+        """The last tokens of a JSON answer's budget spent closing it: the setting, at most
+        a quarter of the budget, but 8 (or half of a smaller budget) whatever the quarter
+        is, enough for a quote, a bracket or two and the end."""
+        if self.close_tokens <= 0:
+            return 0
+        return max(min(self.close_tokens, max_tokens // 4), min(8, max_tokens // 2))
+
     def _finish(self, slot: _Slot, reason: DoneReason) -> None:
         job = slot.job
         assert job is not None
@@ -754,7 +773,9 @@ class ModelScheduler:
                                 eval_ns=end - prompt_done,
                                 total_ns=end - job.submitted_ns + job.load_ns),
                 text="".join(slot.parts),
-                context=tuple(job.prompt + slot.completion)))
+                context=tuple(job.prompt + slot.completion),
+                closed=reason == "stop" and slot.sampler is not None
+                and slot.sampler.closed_tokens > 0))
         # A cancelled job's cells are freed; a finished one's stay for prefix reuse.
         self._release(slot, keep_cells=reason != "cancelled")
 

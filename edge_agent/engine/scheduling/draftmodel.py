@@ -26,8 +26,8 @@ from __future__ import annotations
 import llama_cpp as ll
 import numpy as np
 
-from edge_agent.engine.runtime import BatchContext, LlamaModel
-from edge_agent.engine.steppolicy import common_prefix
+from edge_agent.engine.runtime.llama import BatchContext, LlamaModel
+from edge_agent.engine.scheduling.steppolicy import common_prefix
 from edge_agent.errors import EdgeAgentError
 
 

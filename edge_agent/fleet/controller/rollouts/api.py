@@ -7,7 +7,7 @@ roll one back (operator).
     POST /rollouts                    start: `fleet rollout start`'s options as JSON fields
     POST /rollouts/{id}/pause|resume|abort|rollback
 
-A write is checked by the same rules as the CLI's (`rollout_ops`, the same error text),
+A write is checked by the same rules as the CLI's (`rollouts.operations`, the same error text),
 answers the JSON `fleet rollout start|pause|… --json` prints, and is on the audit trail
 with its operator, done or refused. Like the CLI, it only writes the store: the rollout
 engine (on the leader) signs and publishes the commands.
@@ -25,10 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from edge_agent.config import ConfigError
 from edge_agent.errors import ModelNotFound, ServiceUnavailable
-from edge_agent.fleet.controller import rollout_ops
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
-from edge_agent.fleet.controller.rollout_records import RolloutRecord
+from edge_agent.fleet.controller.rollouts import operations as rollout_ops
+from edge_agent.fleet.controller.rollouts.records import RolloutRecord
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.names import ModelName
 

@@ -374,7 +374,7 @@ def probe(path: Path, label: Path | None = None) -> GGUFInfo:
         precheck_open(fh, label)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "edge_agent.engine.gguf_probe", str(path)],
+            [sys.executable, "-m", "edge_agent.engine.models.gguf_probe", str(path)],
             capture_output=True,
             timeout=_CHILD_TIMEOUT_S,
             preexec_fn=_limit_child,

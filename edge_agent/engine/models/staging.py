@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from edge_agent.engine.gguf_probe import open_regular
-from edge_agent.engine.records import PackageSource
+from edge_agent.engine.models.entries import PackageSource
+from edge_agent.engine.models.gguf_probe import open_regular
 from edge_agent.errors import ModelFileError
 
 Progress = Callable[[int, int], None]

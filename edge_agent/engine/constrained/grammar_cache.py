@@ -26,7 +26,7 @@ from typing import Any
 
 import llama_cpp as ll
 
-from edge_agent.engine.grammar_check import CheckedGrammar
+from edge_agent.engine.constrained.grammar_check import CheckedGrammar
 from edge_agent.errors import EdgeAgentError
 
 REQUEST_GRAMMARS = 256  # distinct schemas / tool sets remembered (a digest and a grammar each)

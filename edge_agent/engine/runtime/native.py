@@ -16,9 +16,9 @@ build has); those are compared with /proc/cpuinfo. The libraries are also read w
 where it exists, for one loaded later than at import. This module never imports llama_cpp
 itself.
 
-`python -m edge_agent.engine.native [PYTHON]` prints one line per problem and exits 1, or one
-`ok` line and exits 0: what the Ansible role's preflight runs with the new venv's Python, as
-the service user, before anything is started.
+`python -m edge_agent.engine.runtime.native [PYTHON]` prints one line per problem and exits
+1, or one `ok` line and exits 0: what the Ansible role's preflight runs with the new venv's
+Python, as the service user, before anything is started.
 """
 
 from __future__ import annotations

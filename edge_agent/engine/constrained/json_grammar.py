@@ -53,9 +53,9 @@ from llama_cpp.llama_grammar import (
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
 
-from edge_agent.engine import string_language as sl
-from edge_agent.engine.grammar_check import MAX_GRAMMAR_BYTES, CheckedGrammar, check
-from edge_agent.engine.numeric_range import (
+from edge_agent.engine.constrained import string_language as sl
+from edge_agent.engine.constrained.grammar_check import MAX_GRAMMAR_BYTES, CheckedGrammar, check
+from edge_agent.engine.constrained.numeric_range import (
     FRACTION_RULE,
     INT_CAP,
     NONZERO_FRACTION_RULE,
@@ -63,8 +63,8 @@ from edge_agent.engine.numeric_range import (
     int_range,
     number_range,
 )
-from edge_agent.engine.repetition import repeat
-from edge_agent.engine.schema_limits import (
+from edge_agent.engine.constrained.repetition import repeat
+from edge_agent.engine.constrained.schema_limits import (
     BOUNDS,
     MAX_PATTERN_CHARS,
     MAX_PROPERTIES,
@@ -72,8 +72,12 @@ from edge_agent.engine.schema_limits import (
     check_node,
     check_pattern,
 )
-from edge_agent.engine.schema_merge import ANNOTATIONS, Unmergeable, merge, types_of
-from edge_agent.engine.schema_width import MAX_ALTERNATIVES, MAX_PARSE_STATES, WidthOracle
+from edge_agent.engine.constrained.schema_merge import ANNOTATIONS, Unmergeable, merge, types_of
+from edge_agent.engine.constrained.schema_width import (
+    MAX_ALTERNATIVES,
+    MAX_PARSE_STATES,
+    WidthOracle,
+)
 from edge_agent.errors import EdgeAgentError, InvalidRequest, UnsupportedParameter
 
 MAX_SCHEMA_NODES = 4_096  # schemas converted, counting each use of a $ref
@@ -998,7 +1002,7 @@ class _Converter(SchemaConverter):  # type: ignore[misc]
 
     def _repeat(self, item: str, lo: int, hi: int | None, *, lead_comma: bool = False) -> str:
         """lo to hi of `item` separated by commas (each after a comma, with `lead_comma`),
-        in rules that grow with the log of the count (engine/repetition.py)."""
+        in rules that grow with the log of the count (engine/constrained/repetition.py)."""
         if hi == 0:
             return ""
         after = self._add_rule(f"{item}-next", f'"," space {item}')

@@ -22,16 +22,16 @@ import threading
 import time
 from pathlib import Path
 
-from edge_agent.engine import manifests
-from edge_agent.engine.gguf_probe import GGUFInfo, open_regular, precheck_open, probe
-from edge_agent.engine.records import (
+from edge_agent.engine.models import manifests
+from edge_agent.engine.models.entries import (
     CatalogEntry,
     InstalledModel,
     ManifestExtras,
     PackageSource,
     blobs_dir,
 )
-from edge_agent.engine.staging import (
+from edge_agent.engine.models.gguf_probe import GGUFInfo, open_regular, precheck_open, probe
+from edge_agent.engine.models.staging import (
     Progress,
     Staging,
     copy_hashing,
@@ -39,7 +39,7 @@ from edge_agent.engine.staging import (
     materialize,
     sha256_file,
 )
-from edge_agent.engine.versions import (
+from edge_agent.engine.models.versions import (
     ACTIVATE,
     COPY,
     MODELS_DB,
@@ -75,7 +75,7 @@ def packaged_catalog_dir() -> Path:
     packaged = Path(str(importlib.resources.files("edge_agent"))) / "catalog_models"
     if packaged.is_dir():
         return packaged
-    return Path(__file__).resolve().parents[2] / "models"
+    return Path(__file__).resolve().parents[3] / "models"
 
 
 class ModelStore:

@@ -38,8 +38,10 @@ from edge_agent.config import (
     parse_broker,
     renamed_key,
 )
-from edge_agent.fleet.controller.waves import BUSY_RETRY_S
 
+# How long a box that answered "busy" waits before the controller sends it the rollout again
+# (the wave policy, `fleet.controller.rollouts.waves`, reads it from here).
+BUSY_RETRY_S = 30.0
 DEFAULT_CONFIG_FILE = Path("/etc/edge-agent-fleet/controller.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/edge-agent-fleet")
 

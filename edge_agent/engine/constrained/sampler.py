@@ -43,11 +43,12 @@ from dataclasses import dataclass
 import llama_cpp as ll
 import numpy as np
 
-from edge_agent.engine.grammar_cache import ParsedGrammars
-from edge_agent.engine.grammar_check import CheckedGrammar
+from edge_agent.engine.constrained.closing import ClosingTokens, JsonLexer
+from edge_agent.engine.constrained.grammar_cache import ParsedGrammars
+from edge_agent.engine.constrained.grammar_check import CheckedGrammar
+from edge_agent.engine.constrained.token_prefixes import TokenPrefixes, Utf8Tail
 from edge_agent.engine.request import SamplingParams
-from edge_agent.engine.runtime import BatchContext, LlamaModel
-from edge_agent.engine.token_prefixes import TokenPrefixes, Utf8Tail
+from edge_agent.engine.runtime.llama import BatchContext, LlamaModel
 from edge_agent.errors import EdgeAgentError
 
 # Refused greedy choices checked one by one before the allowed tokens are looked for: a
@@ -99,6 +100,11 @@ class Candidates:
         self.array.selected = -1
         self.array.sorted = False
 
+    @property
+    def raw_logits(self) -> np.ndarray:
+        """After `load`: the row's logits in vocabulary order, before any sampler."""
+        return self._logits
+
     def keep_only(self, allowed: np.ndarray) -> None:
         """After `load`: every token but `allowed` at -inf (what the grammar's filter of the
         whole vocabulary leaves)."""
@@ -125,6 +131,26 @@ class Sampler:
     greedy: bool = False
     refusals: int = 0  # chosen tokens the grammar refused
     filtered: int = 0  # of them, those that took llama.cpp's whole-vocabulary filter
+    # Closing a JSON answer within its budget (`closing`): the vocabulary's closing tokens,
+    # where the text is, whether the budget's last tokens have begun, and how many tokens
+    # were chosen for closing.
+    closers: ClosingTokens | None = None
+    lexer: JsonLexer | None = None
+    closed_tokens: int = 0
+
+    @property
+    def closing(self) -> bool:
+        return self.lexer is not None
+
+    def start_closing(self, closers: ClosingTokens, completion: list[int]) -> None:
+        """From the next token on, close the answer (`constrained.closing`): `completion` is
+        what the sequence wrote so far, read once to know whether it ends in a string."""
+        if self.grammar is None:
+            return
+        lexer = JsonLexer()
+        for token in completion:
+            lexer.feed(closers.pieces[token])
+        self.closers, self.lexer = closers, lexer
 
     @classmethod
     def build(cls, model: LlamaModel, params: SamplingParams, grammar: str | None, *,
@@ -172,10 +198,20 @@ class Sampler:
             self.refusals += 1
             found = self._next_best(token) if self.greedy else None
             token = self._filtered(ctx, row) if found is None else found
+        if self.lexer is not None and self.closers is not None \
+                and not self.closers.closes(token, self.lexer):
+            # The model's own choice goes on writing: end what is open instead, where the
+            # grammar allows it here.
+            found = self.closers.best(self.grammar, self.lexer, c.raw_logits)
+            if found is not None:
+                token = found
+                self.closed_tokens += 1
         ll.llama_sampler_accept(self.grammar, token)
         ll.llama_sampler_accept(self.ptr, token)
         if self.tail is not None and self.prefixes is not None:
             self.tail.accept(token, bool(self.prefixes.clean_end[token]))
+        if self.lexer is not None and self.closers is not None:
+            self.lexer.feed(self.closers.pieces[token])
         return token
 
     def _allows(self, token: int) -> bool:

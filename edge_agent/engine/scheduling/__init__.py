@@ -1,0 +1,13 @@
+"""Where a request waits for a slot and how its steps are batched.
+
+Owns the admission queue in front of each model (`admission`: two priority classes,
+bounded, 503 when full), the worker thread that owns a model's context and decodes every
+running sequence in one batch per step (`scheduler`), the step policy's arithmetic
+(`steppolicy`) and the cost of a prompt chunk it sizes steps with (`stepcost`), and the two
+ways of guessing tokens ahead: prompt lookup (`prompt_lookup`) and a draft model
+(`draftmodel`).
+
+Never: the model store (`engine.models`); a model reaches it already loaded. A token is
+chosen by `constrained.sampler`, text cut by `text.textstream`. Next:
+`scheduler.ModelScheduler.submit`.
+"""

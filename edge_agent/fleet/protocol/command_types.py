@@ -1,0 +1,289 @@
+"""Every type of signed command a box takes, in one table: its name, the schema of its
+`args`, the least operator role that may send it, whether it changes the box, the shape of
+its result and one line on what it does. `protocol.command` is the envelope around it.
+
+Everything that names a command type reads it from here, so that they cannot drift apart:
+
+- the box's dispatch (`device.link.dispatch`) holds its handlers to this table: each type
+  exactly one handler, and no handler for a type not in it;
+- the controller's `POST /commands` (`fleet send`) refuses an unknown type, an operator
+  below the type's role and `args` that do not fit its schema, before anything is signed;
+- the simulator scripts every type but the link's own (`sim.fleet.SCRIPT_TYPES`);
+- `fleet send --help` lists the types, and the manual's table of commands is generated
+  from this one (`tools/reference.py`, region `command-types` of docs/fleet/commands.md).
+
+So adding a command type is one entry in `COMMAND_TYPES` and one handler on the box.
+
+An args schema is the shape the controller can check without the box (its fields, their
+types and patterns). The box's handler stays the authority on what the values mean (a
+`config.patch` key's bounds need the box's own settings; a rollout's name its models) and
+refuses what it cannot run (`malformed`); where the two check the same rule they share the
+constant defined here. A result model describes what the handler returns, for the manual
+and the tests; nothing refuses a result on its shape.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from edge_agent.errors import InvalidRequest
+from edge_agent.names import ModelName
+
+__all__ = ["COMMAND_TYPES", "KEY_PREFIX", "MAX_PATCH_KEYS", "ROLES", "ROLLOUT_ID", "VERSION",
+           "BadArgs", "CommandType", "UnknownType", "lookup", "shape"]
+
+# The controller's operator roles, least first (`controller.operators.ROLES`, which a test
+# holds to these): the protocol names them but cannot import the controller.
+ROLES = ("viewer", "operator", "admin")
+KEY_PREFIX = re.compile(r"[A-Za-z0-9]{1,64}")  # an API key's public part (`keys list`)
+ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+MAX_PATCH_KEYS = 64  # keys in one config.patch
+
+
+class UnknownType(ValueError):
+    """A command type this table does not hold."""
+
+
+class BadArgs(ValueError):
+    """`args` that do not fit a type's schema; the message names the field, as the
+    controller's other refusals do (`args.prefix: Field required`)."""
+
+
+# -- the args' schemas ---------------------------------------------------------------------
+
+class _Args(BaseModel):
+    """Exactly the fields named, each of its JSON type: a bool is not a number, and a
+    string is never read as one."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class IgnoredArgs(BaseModel):
+    """A type that reads no args: any object is taken and ignored, so a controller may
+    send fields a later handler reads."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class PatchArgs(_Args):
+    set: dict[str, float | None] = Field(min_length=1, max_length=MAX_PATCH_KEYS)
+
+
+class PurgeArgs(_Args):
+    before: float | None = None
+
+
+class RevokeArgs(_Args):
+    prefix: str = Field(pattern=f"^{KEY_PREFIX.pattern}$")
+
+
+def _rollout_id(value: Any) -> Any:
+    if not isinstance(value, str) or not ROLLOUT_ID.fullmatch(value):
+        raise ValueError("1-64 of [A-Za-z0-9_-]")
+    return value
+
+
+def _model_name(value: Any) -> Any:
+    try:
+        if not isinstance(value, str):
+            raise InvalidRequest("not a string")
+        ModelName.parse(value)
+    except InvalidRequest as exc:
+        raise ValueError(exc.message[:100]) from None
+    return value
+
+
+class StartArgs(_Args):
+    rollout_id: str
+    name: str
+    version: int | str  # a whole number, or a version's text
+
+    _id = field_validator("rollout_id", mode="before")(_rollout_id)
+    _name = field_validator("name", mode="before")(_model_name)
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        if not isinstance(value, str) or not VERSION.fullmatch(value):
+            raise ValueError("a number or 1-64 of [A-Za-z0-9._+-]")
+        return value
+
+
+def _one_of(schema: dict[str, Any]) -> None:
+    """The schema says what the check says: one field or the other."""
+    fields = schema.pop("properties")
+    schema.pop("type", None)
+    schema.pop("additionalProperties", None)
+    schema["anyOf"] = [{"type": "object", "properties": {name: {"type": "string"}},
+                        "required": [name], "additionalProperties": False}
+                       for name in fields]
+
+
+class TargetArgs(_Args):
+    """`{"rollout_id": …}` or `{"name": …}`: one of the two, never both."""
+
+    model_config = ConfigDict(json_schema_extra=_one_of)
+    rollout_id: str | None = None
+    name: str | None = None
+
+    _id = field_validator("rollout_id", mode="before")(_rollout_id)
+    _name = field_validator("name", mode="before")(_model_name)
+
+    @model_validator(mode="after")
+    def _one(self) -> TargetArgs:
+        if len(self.model_fields_set) != 1:
+            raise ValueError("give rollout_id or name, one of them")
+        return self
+
+
+# -- the results' shapes -------------------------------------------------------------------
+
+class _Result(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Pong(_Result):
+    pong: bool
+    ts: float
+
+
+class Reborn(_Result):
+    bdseq: int
+
+
+class Patched(_Result):
+    set: dict[str, float | None]
+    live: list[str]  # the keys applied to the running box
+    on_restart: list[str]  # the keys that wait for the next start
+
+
+class Purged(_Result):
+    removed: int  # request rows
+    before: float | None
+
+
+class Revoked(_Result):
+    prefix: str
+    revoked: bool  # False: unknown or revoked already (the same end state)
+
+
+class RolloutAnswer(BaseModel):
+    """Whether the box took it (`refused` says why not) and the rollout's summary."""
+
+    model_config = ConfigDict(extra="allow")
+    accepted: bool
+    refused: str = ""  # busy, unknown, activating, superseded: only when not accepted
+
+
+# -- the table -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CommandType:
+    name: str
+    description: str  # one line: the help of `fleet send` and the manual's table
+    args: type[BaseModel]
+    result: type[BaseModel]
+    role: str = "operator"  # the least controller role that may send it
+    mutating: bool = True  # whether it changes the box (settings, keys, ledger, models)
+    rebirth_after: bool = False  # once it succeeded the birth goes again (its facts moved)
+    example: Mapping[str, Any] = field(default_factory=dict)  # args that fit, for the tests
+
+    def check_args(self, args: Any) -> None:
+        """BadArgs naming the first field that breaks this type's schema."""
+        try:
+            self.args.model_validate(args)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(["args", *(str(p) for p in err["loc"])])
+            message = str(err["ctx"]["error"]) if err["type"] == "value_error" \
+                and "ctx" in err else err["msg"]
+            raise BadArgs(f"{where}: {message} ({self.name} takes {shape(self.args)})"
+                          ) from None
+
+
+_TYPES = (
+    CommandType("ping", "Answers at once, with the box's clock: is its link alive.",
+                IgnoredArgs, Pong, mutating=False),
+    CommandType("rebirth", "Publishes the birth again (the box's facts, models and "
+                "config fingerprint).", IgnoredArgs, Reborn, mutating=False),
+    CommandType("config.patch", "Changes settings from the allow-list, at once where they "
+                "can, and keeps them over the config file.", PatchArgs, Patched,
+                rebirth_after=True, example={"set": {"telemetry.interval_s": 10}}),
+    CommandType("ledger.purge", "Deletes what retention says now; with `before`, also "
+                "every request row older than that unix time.", PurgeArgs, Purged,
+                example={"before": 1764500000}),
+    CommandType("keys.revoke", "Revokes the API key with that prefix; it stops working at "
+                "once.", RevokeArgs, Revoked, example={"prefix": "1a2b3c4d"}),
+    CommandType("rollout.start", "Starts a rollout of a signed release: download, verify, "
+                "stage, switch, health gate.", StartArgs, RolloutAnswer,
+                example={"rollout_id": "r1", "name": "gemma3:270m", "version": 2}),
+    CommandType("rollout.cancel", "Cancels a rollout before its switch (from ACTIVATING on, "
+                "only a rollback goes back).", TargetArgs, RolloutAnswer,
+                example={"rollout_id": "r1"}),
+    CommandType("rollout.rollback", "Switches back to the previous version, or cancels a "
+                "rollout not yet active.", TargetArgs, RolloutAnswer,
+                example={"name": "gemma3:270m"}),
+)
+COMMAND_TYPES: Mapping[str, CommandType] = MappingProxyType({t.name: t for t in _TYPES})
+
+
+def lookup(name: str) -> CommandType:
+    """The type called `name`; UnknownType listing the ones there are."""
+    found = COMMAND_TYPES.get(name)
+    if found is None:
+        raise UnknownType(f"no command type {name[:64]!r} (one of "
+                          f"{', '.join(COMMAND_TYPES)})")
+    return found
+
+
+# -- shapes, for the help and the manual ------------------------------------------------------
+
+def shape(model: type[BaseModel]) -> str:
+    """A model as one line of JSON-like text: `{"before"?: number or null}` (`?`: may be
+    left out), `{key: number or null}` for a map, `…` for fields beyond those named, `any
+    (ignored)` for args a type does not read."""
+    schema = model.model_json_schema()
+    return _shape(schema, schema.get("$defs", {}))
+
+
+_SCALARS = {"string": "string", "integer": "integer", "number": "number",
+            "boolean": "boolean", "null": "null"}
+
+
+def _shape(node: Mapping[str, Any], defs: Mapping[str, Any]) -> str:
+    if "$ref" in node:
+        return _shape(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+    if "anyOf" in node:
+        return " or ".join(dict.fromkeys(_shape(n, defs) for n in node["anyOf"]))
+    kind = node.get("type")
+    if kind == "array":
+        return f"[{_shape(node.get('items', {}), defs)}]"
+    if kind == "object":
+        if not node.get("properties") and node.get("additionalProperties", True) is True:
+            return "any (ignored)"
+        required = set(node.get("required", ()))
+        parts = [f'"{name}"{"" if name in required else "?"}: {_shape(field, defs)}'
+                 for name, field in node.get("properties", {}).items()]
+        extra = node.get("additionalProperties", True)
+        if isinstance(extra, Mapping):
+            parts.append(f"key: {_shape(extra, defs)}")
+        elif extra is not False:
+            parts.append("…")
+        return "{" + ", ".join(parts) + "}"
+    return _SCALARS.get(str(kind), "any")
