@@ -30,8 +30,8 @@ def test_the_lexer_knows_when_the_text_ends_inside_a_string() -> None:
 
 
 def test_closing_tokens_end_what_is_open_and_nothing_else() -> None:
-    pieces = [b'"', b'"}', b'" ]}', b'}', b' }\n', b']}', b'",', b'x', b'}x', b' ', b'<eos>',
-              b'', b'{']
+    pieces = [b'"', b'"}', b'" ]}', b'}', b' }\n', b']}', b'",', b'x', b'},{', b' ', b'<eos>',
+              b'', b'{', b'":']
     eog = [p == b"<eos>" for p in pieces]
     closers = ClosingTokens(pieces, eog)
     inside, outside = JsonLexer(), JsonLexer()
@@ -40,11 +40,11 @@ def test_closing_tokens_end_what_is_open_and_nothing_else() -> None:
     # What is chosen for closing: nothing after the closers but closers and whitespace.
     assert {pieces[t] for t in closers.in_string_ids} == {b'"', b'"}', b'" ]}', b"<eos>"}
     assert {pieces[t] for t in closers.outside_ids} == {b"}", b" }\n", b"]}", b"<eos>"}
-    # The model's own choice stands when it starts by ending what is open.
+    # The model's own choice stands when it ends what is open and starts nothing new.
     assert {pieces[t] for t in range(len(pieces)) if closers.closes(t, inside)} == {
-        b'"', b'"}', b'" ]}', b'",', b"<eos>"}
+        b'"', b'"}', b'" ]}', b'":', b"<eos>"}
     assert {pieces[t] for t in range(len(pieces)) if closers.closes(t, outside)} == {
-        b"}", b" }\n", b"]}", b"}x", b"<eos>"}
+        b"}", b" }\n", b"]}", b"<eos>"}
 
 
 # -- on a live server ------------------------------------------------------------------------

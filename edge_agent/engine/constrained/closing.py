@@ -28,6 +28,7 @@ import numpy as np
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 _SPACE = frozenset(b" \t\n\r")
 _CLOSERS = frozenset(b"}]")
+_OPENERS = frozenset(b",{[\"")  # what starts another value or property
 
 
 class ClosingTokens:
@@ -50,15 +51,15 @@ class ClosingTokens:
                     and any(b in _CLOSERS for b in piece):
                 self.outside[token] = True
 
-        # What the model may choose itself and still be closing: a token that ends the
-        # string, whatever follows its quote; outside one, a token that starts by ending an
-        # object or array. (The grammar holds what follows either way.)
-        self.ends_string = np.zeros(n, dtype=bool)
-        self.ends_value = np.zeros(n, dtype=bool)
+        # What the model may choose itself and still be closing: inside a string, a token
+        # that ends it and opens nothing new after (`"`, `"}`, a key's `":`, but not `",`);
+        # outside one, a closing token as above. A token that ends one value to start the
+        # next (`},{`) does not count: it writes on.
+        self.ends_string = self.in_string.copy()
         for token, piece in enumerate(pieces):
-            stripped = piece.lstrip(b" \t\n\r")
-            self.ends_string[token] = eog[token] or piece[:1] == b'"'
-            self.ends_value[token] = eog[token] or stripped[:1] in (b"}", b"]")
+            if piece[:1] == b'"' and not any(b in _OPENERS for b in piece[1:]):
+                self.ends_string[token] = True
+        self.ends_value = self.outside
         self.in_string_ids = np.flatnonzero(self.in_string).astype(np.int32)
         self.outside_ids = np.flatnonzero(self.outside).astype(np.int32)
         size = max(self.in_string_ids.size, self.outside_ids.size, 1)
