@@ -22,6 +22,7 @@ from edge_agent.fleet.controller.access import RULES
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.operators import ROLES, may
+from edge_agent.fleet.controller.rollouts import driver
 from edge_agent.fleet.controller.store import SQLiteStore
 from edge_agent.fleet.device.link.command_gate import Handler, ping
 from edge_agent.fleet.device.link.core import OWN_TYPES, REBIRTH_AFTER, LinkCore
@@ -199,6 +200,12 @@ def test_the_simulator_scripts_every_type_the_link_does_not_answer_itself(
         assert set(sim.devices["sim-1"].gate.handlers) == set(COMMAND_TYPES)
     finally:
         sim.stop()
+
+
+def test_the_controllers_rollout_engine_sends_only_registered_types() -> None:
+    assert {driver.START, driver.CANCEL, driver.ROLLBACK} <= set(COMMAND_TYPES)
+    assert all(COMMAND_TYPES[t].mutating for t in (driver.START, driver.CANCEL,
+                                                   driver.ROLLBACK))
 
 
 @pytest.fixture
