@@ -89,22 +89,26 @@ def _closed_count(live: LiveServer) -> float:
 @pytest.mark.integration
 def test_an_answer_that_would_be_cut_ends_whole_within_its_budget(
         closing: LiveServer, model_cache: Path, tmp_path: Path) -> None:
+    before = _closed_count(closing)  # the module's other test closes one too
     raw = _ask(closing, "closing-on")
+    assert raw.headers["x-edge-closed"] == "max_tokens"
     answer = raw.parse()
     choice = answer.choices[0]
     assert choice.finish_reason == "stop", choice
     assert answer.usage.completion_tokens <= MAX_TOKENS
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-    assert _closed_count(closing) == 1.0
+    assert _closed_count(closing) == before + 1
     row = closing.ledger_row("closing-on")
     assert row["done_reason"] == "closed" and row["structured_failure"] == 0
 
     # The same request on a box with closing off runs into the limit: not a document.
     off = _server(model_cache, tmp_path, 0)
     try:
-        cut = _ask(off, "closing-off").parse()
+        raw_cut = _ask(off, "closing-off")
     finally:
         off.stop()
+    assert "x-edge-closed" not in raw_cut.headers
+    cut = raw_cut.parse()
     assert cut.choices[0].finish_reason == "length"
     assert cut.usage.completion_tokens == MAX_TOKENS
     with pytest.raises(json.JSONDecodeError):
@@ -112,3 +116,13 @@ def test_an_answer_that_would_be_cut_ends_whole_within_its_budget(
     # What closing changed is only the end: the two answers share their beginning.
     whole = choice.message.content
     assert cut.choices[0].message.content[:len(whole) // 2] == whole[:len(whole) // 2]
+
+
+@pytest.mark.integration
+def test_the_ollama_dialect_closes_the_same_answer(closing: LiveServer) -> None:
+    r = httpx.post(f"{closing.base_url}/api/chat", timeout=120, json={
+        "model": DEFAULT_MODEL, "messages": ASK, "format": SCHEMA, "stream": False,
+        "options": {"temperature": 0, "num_predict": MAX_TOKENS}})
+    assert r.status_code == 200 and r.headers["x-edge-closed"] == "max_tokens"
+    assert r.json()["done_reason"] == "stop"
+    jsonschema.validate(json.loads(r.json()["message"]["content"]), SCHEMA)

@@ -376,7 +376,7 @@ async def _run(request: Request, parts: AppParts, req: GenerationRequest,
     if not stream:
         done = await parts.service.complete(prepared)
         return JSONResponse(final(done, done.text),
-                            headers={**prepared.headers(), **extra_headers})
+                            headers={**prepared.headers(done), **extra_headers})
 
     async def lines() -> AsyncIterator[bytes]:
         async for event in parts.service.stream(prepared):

@@ -292,7 +292,7 @@ async def chat_completions(request: Request, parts: Parts) -> Response:
             message["content"] = done.text
         return JSONResponse({**head, "object": "chat.completion", "choices": [
             {"index": 0, "message": message, "logprobs": None, "finish_reason": done.reason}],
-            "usage": _usage(done)}, headers=prepared.headers())
+            "usage": _usage(done)}, headers=prepared.headers(done))
 
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
 

@@ -53,14 +53,17 @@ class PreparedGeneration:
     fit: Fit
     released: bool = False
 
-    def headers(self) -> dict[str, str]:
+    def headers(self, done: DoneEvent | None = None) -> dict[str, str]:
         """The context served, and where governance made the request smaller than asked,
-        that too (both dialects)."""
+        that too (both dialects); with the answer (`done`, a non-streamed response), whether
+        the last tokens of its budget closed it (`X-Edge-Closed`)."""
         out = {"X-Edge-Context": str(self.fit.window)} if self.fit.window else {}
         if self.fit.truncated_tokens:
             out["X-Edge-Truncated"] = str(self.fit.truncated_tokens)
         if self.fit.clamped:
             out["X-Edge-Clamped"] = str(self.fit.max_tokens)
+        if done is not None and done.closed:
+            out["X-Edge-Closed"] = "max_tokens"
         return out
 
 
