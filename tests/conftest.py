@@ -29,6 +29,20 @@ from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.server import uvicorn_config
 from tests.support.brokers import Mosquitto, Postgres, find_mosquitto, find_postgres_bin
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """How `make test` shares the work between its two workers (`-n 2 --dist loadgroup`):
+    each module is one unit, so its module-scoped servers start once; the provisioning
+    modules are one unit together, first in line. They spend most of their time waiting
+    on a container's systemd (boots, restart delays, watchdog timeouts) and use about 0.8
+    of a core, so the other worker takes every other module meanwhile. Without xdist the
+    marks do nothing; the order is the collection's, provisioning first."""
+    for item in items:
+        group = "provision" if item.get_closest_marker("provision") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("provision") is None)
+
+
 DEFAULT_MODEL = "smollm2:135m"
 # The default model's end-of-generation tokens, biased away where a test needs a long output.
 NO_EOS = {"0": -100, "2": -100, "4": -100}
