@@ -77,12 +77,12 @@ system-deps:
 docs: $(VENV)/.test-deps
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-# Two workers, one module at a time each (the provisioning modules together, first): see
-# tests/conftest.py. `make test WORKERS=0` runs everything in this process, in order.
+# Two workers, a module at a time each, the provisioning modules first (tests/conftest.py).
+# `make test WORKERS=0` runs everything in this process, in order.
 WORKERS ?= 2
 
 test: check docs system-deps
-	$(BIN)/pytest $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup) --durations=30
+	$(BIN)/pytest $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile --no-loadscope-reorder) --durations=30
 
 unit: $(VENV)/.test-deps
 	$(BIN)/pytest -m "not integration"

@@ -31,15 +31,12 @@ from tests.support.brokers import Mosquitto, Postgres, find_mosquitto, find_post
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """How `make test` shares the work between its two workers (`-n 2 --dist loadgroup`):
-    each module is one unit, so its module-scoped servers start once; the provisioning
-    modules are one unit together, first in line. They spend most of their time waiting
-    on a container's systemd (boots, restart delays, watchdog timeouts) and use about 0.8
-    of a core, so the other worker takes every other module meanwhile. Without xdist the
-    marks do nothing; the order is the collection's, provisioning first."""
-    for item in items:
-        group = "provision" if item.get_closest_marker("provision") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+    """The provisioning modules first. `make test` runs on two workers, a module at a time
+    each (`-n 2 --dist loadfile --no-loadscope-reorder`: a module's servers start once, its
+    tests keep their order, and the modules keep this one). These modules are the longest
+    and spend most of their time waiting on a container's systemd (boots, restart delays,
+    watchdog timeouts) at well under a core: started first, they end with the rest rather
+    than after it."""
     items.sort(key=lambda item: item.get_closest_marker("provision") is None)
 
 

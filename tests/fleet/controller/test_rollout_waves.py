@@ -210,8 +210,20 @@ def test_a_fifth_failing_aborts_inside_the_wave_that_crosses_the_threshold(
         for device in waves[1] + waves[2] + waves[3]:
             assert len(sim[device].got("rollout.start")) == 1 or device in busy
         assert {rows[d].state for d in waves[1] + waves[2]} == {"ACTIVE"}
-        assert {rows[d].state for d in failing if d in waves[3]} == {
-            "ROLLED_BACK", "REJECTED", "FAILED"}
+        # Each of wave 3's failing boxes ends in its own failure state, unless the abort's
+        # cancel reached it still on its way (on a loaded machine their paths spread out
+        # past the tick that crosses the threshold): then CANCELLED, and told so. Two
+        # failures are what cross 10% beside the ten clean boxes.
+        ends = {"rolled_back": "ROLLED_BACK", "rejected": "REJECTED", "failed": "FAILED"}
+        failed = []
+        for device in (d for d in failing if d in waves[3]):
+            assert rows[device].state in (ends[failing[device]], "CANCELLED"), \
+                (device, failing[device], rows[device].state)
+            if rows[device].state == "CANCELLED":
+                assert sim[device].got("rollout.cancel")
+            else:
+                failed.append(device)
+        assert len(failed) >= 2, {d: rows[d].state for d in failing}
         assert {(rows[d].state, rows[d].outcome) for d in busy} == {("REFUSED", "skipped")}
         # Inside the wave: its sound boxes were still on their way, and were cancelled.
         sound = [d for d in waves[3] if d not in failing and d not in busy]
@@ -222,7 +234,8 @@ def test_a_fifth_failing_aborts_inside_the_wave_that_crosses_the_threshold(
             if rows[device].state == "CANCELLED":
                 assert sim[device].got("rollout.cancel")
             assert sim[device].got("rollout.rollback") == []  # no --rollback-on-abort
-        assert report["phases"]["failed"] == 8 and report["phases"]["cancelled"] >= 50
+        assert report["phases"]["failed"] == len(failed)
+        assert report["phases"]["cancelled"] >= 50
         text = central.cli("status", rid)
         assert "ABORTED" in text and "wave 3/4" in text
     finally:
