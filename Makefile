@@ -77,12 +77,20 @@ system-deps:
 docs: $(VENV)/.test-deps
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-# Two workers, a module at a time each, the provisioning modules first (tests/conftest.py).
-# `make test WORKERS=0` runs everything in this process, in order.
+# Two workers, a module at a time each, the provisioning modules first (tests/conftest.py);
+# then the schemathesis module on its own: it names each operation's test alike, and xdist
+# hands tests out by name. `make test WORKERS=0` runs everything in this process, in order.
 WORKERS ?= 2
+FUZZ_MODULE = tests/test_fuzz_schemathesis.py
 
 test: check docs system-deps
-	$(BIN)/pytest $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile --no-loadscope-reorder) --durations=30
+ifeq ($(WORKERS),0)
+	$(BIN)/pytest --durations=30
+else
+	$(BIN)/pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder \
+		--ignore=$(FUZZ_MODULE) --durations=30
+	$(BIN)/pytest $(FUZZ_MODULE) --durations=5
+endif
 
 unit: $(VENV)/.test-deps
 	$(BIN)/pytest -m "not integration"

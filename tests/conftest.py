@@ -13,6 +13,7 @@ import sqlite3
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,14 +31,33 @@ from edge_agent.server import uvicorn_config
 from tests.support.brokers import Mosquitto, Postgres, find_mosquitto, find_postgres_bin
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The provisioning modules first. `make test` runs on two workers, a module at a time
     each (`-n 2 --dist loadfile --no-loadscope-reorder`: a module's servers start once, its
     tests keep their order, and the modules keep this one). These modules are the longest
     and spend most of their time waiting on a container's systemd (boots, restart delays,
     watchdog timeouts) at well under a core: started first, they end with the rest rather
-    than after it."""
+    than after it.
+
+    xdist hands tests out by node id, so of several tests with one id only the first would
+    run, silently. schemathesis gives every operation of a document the same id, which is
+    why `make test` runs tests/test_fuzz_schemathesis.py on its own; a worker that collects
+    such ids fails the one test of them it runs, saying so."""
     items.sort(key=lambda item: item.get_closest_marker("provision") is None)
+    if hasattr(config, "workerinput"):
+        ids = Counter(item.nodeid for item in items)
+        for item in items:
+            if ids[item.nodeid] > 1:
+                item.add_marker(pytest.mark.shared_nodeid(ids[item.nodeid]))
+
+
+@pytest.fixture(autouse=True)
+def _one_test_per_nodeid(request: pytest.FixtureRequest) -> None:
+    shared = request.node.get_closest_marker("shared_nodeid")
+    if shared is not None:
+        pytest.fail(f"{shared.args[0]} tests share the node id {request.node.nodeid}, and on "
+                    "pytest-xdist's workers only the first of them runs: run this module "
+                    "without -n", pytrace=False)
 
 
 DEFAULT_MODEL = "smollm2:135m"
