@@ -13,6 +13,12 @@
     ├── RateLimited                      429 (Retry-After)
     ├── ServiceUnavailable               503 (Retry-After): model loading, switching …
     │   ├── QueueFull                    503 the model's queue (or embedding queue) is full
+    │   ├── MemoryShort                  503 no room to load the model: every loaded one serves
+    │   ├── DeadlineUnmet                503 the request's deadline ends before its turn
+    │   ├── NotDegraded                  503 saturated, and the request's risk tier forbids
+    │   │   │                                what else the box could do (a fallback model)
+    │   │   └── Deferrable               503 … unless the API turns the request into a
+    │   │                                    one-line batch (202): low tier, X-Edge-Defer
     │   └── ShuttingDown                 503 a stream still running when the stop's drain
     │                                        grace ran out: ended with this, not cut silently
     ├── RequestTimeout                   504
@@ -111,6 +117,39 @@ class ServiceUnavailable(EdgeAgentError):
 class QueueFull(ServiceUnavailable):
     """A model's queue (or its embedding queue) is full: the metrics count it apart from
     the other reasons a model cannot take a request now."""
+
+
+class MemoryShort(ServiceUnavailable):
+    """The model is not loaded and cannot be now: the memory it needs is held by models
+    serving requests. Like a full queue, it is saturation, which a risk tier may answer
+    with a degraded service; a model too big for the budget at all is not."""
+
+
+class DeadlineUnmet(ServiceUnavailable):
+    """Requests already wait for the model and the request's own deadline ends before its
+    turn would come (by the queue's estimate): refused at once rather than queued to time
+    out, and, like a full queue, saturation that a risk tier may answer otherwise."""
+
+
+class NotDegraded(ServiceUnavailable):
+    """The box is saturated and the request's risk tier (or the policy for it) allows no
+    degraded answer: refused with the tier and the cause in words an app can show, never
+    answered by another model than the one asked."""
+
+    code = "risk_not_degraded"
+
+
+class Deferrable(NotDegraded):
+    """A low-tier request on a saturated box that accepts a later answer: the API layer,
+    which holds the request as sent, queues it as a one-line batch and answers 202; where
+    it cannot (no batch queue for the endpoint), the refusal stands as a 503."""
+
+    def __init__(self, message: str, *, tier: str, reason: str, model: str,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.tier = tier
+        self.reason = reason
+        self.model = model
 
 
 class ShuttingDown(ServiceUnavailable):

@@ -142,8 +142,10 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
 def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | None = None
                    ) -> None:
     """Scheduling controls common to both dialects: `X-Priority: interactive|batch`, a
-    deadline from `X-Timeout-Ms` (or the OpenAI body's `timeout_ms`; the smaller wins), and
-    `X-Edge-Prompt-Lookup` (draft tokens a step; OpenAI's body has no field for it)."""
+    deadline from `X-Timeout-Ms` (or the OpenAI body's `timeout_ms`; the smaller wins),
+    `X-Edge-Prompt-Lookup` (draft tokens a step; OpenAI's body has no field for it), the
+    risk tier `X-Edge-Risk: low|normal|high` and `X-Edge-Defer: batch` (a low-tier request
+    that may be answered later, as a one-line batch, when the box is saturated)."""
     req.dialect = "openai" if request.url.path.startswith("/v1/") else "ollama"
     priority = request.headers.get("x-priority")
     if priority is not None:
@@ -152,6 +154,20 @@ def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | N
             raise InvalidRequest("X-Priority must be 'interactive' or 'batch'",
                                  param="X-Priority")
         req.priority = priority  # type: ignore[assignment]
+    risk = request.headers.get("x-edge-risk")
+    if risk is not None:
+        risk = risk.strip().lower()
+        if risk not in ("low", "normal", "high"):
+            raise InvalidRequest("X-Edge-Risk must be 'low', 'normal' or 'high'",
+                                 param="X-Edge-Risk")
+        req.risk = risk  # type: ignore[assignment]
+    defer = request.headers.get("x-edge-defer")
+    if defer is not None:
+        if defer.strip().lower() != "batch":
+            raise InvalidRequest("X-Edge-Defer must be 'batch' (answer a low-tier request "
+                                 "later, as a batch, when the box is saturated)",
+                                 param="X-Edge-Defer")
+        req.defer = True
     lookup = request.headers.get("x-edge-prompt-lookup")
     if lookup is not None and req.draft is None:  # an Ollama body's option wins
         if not _DRAFT.fullmatch(lookup.strip()) or int(lookup) > MAX_DRAFT:

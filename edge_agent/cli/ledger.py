@@ -78,7 +78,8 @@ def ledger_tail(count: int, follow: bool, as_json: bool) -> None:
 @ledger.command("stats")
 @common_options
 @since_option("1h")
-@click.option("--by", type=click.Choice(["model", "tenant", "endpoint", "dialect"]),
+@click.option("--by", type=click.Choice(["model", "tenant", "endpoint", "dialect",
+                                         "risk_tier"]),
               default="model", show_default=True, help="What to group the rows by.")
 @json_option()
 def ledger_stats(since: float, by: str, as_json: bool) -> None:
@@ -98,6 +99,34 @@ def ledger_stats(since: float, by: str, as_json: bool) -> None:
            ("p95", ">6"), ("TPOT p50", ">9"), ("p95", ">6")],
           ([r[by], r["requests"], r["errors"], ms(r["ttft_p50_ms"]), ms(r["ttft_p95_ms"]),
             ms(r["tpot_p50_ms"]), ms(r["tpot_p95_ms"])] for r in result))
+
+
+@ledger.command("degraded")
+@common_options
+@since_option("1d")
+@click.option("--tier", type=click.Choice(["low", "normal", "high"]),
+              help="Only requests of this risk tier.")
+@click.option("--action", type=click.Choice(["fallback", "queued", "refused"]),
+              help="Only what the box did: another model answered, queued, refused.")
+@json_option("One JSON object per row.")
+def ledger_degraded(since: float, tier: str | None, action: str | None,
+                    as_json: bool) -> None:
+    """Requests a saturated box served otherwise than asked, by risk tier: what it did,
+    why, and the model asked → the model that answered."""
+    from edge_agent.ledger.store import degraded_since
+
+    rows = degraded_since(_open(), since, tier=tier, action=action)
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+        return
+    table([("TIME", "<19"), ("TIER", "<6"), ("ACTION", "<8"), ("REASON", "<10"),
+           ("STATUS", ">6"), ("MODEL ASKED → ANSWERED", "<40"), ("TRACE", "<32")],
+          ([time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), r["risk_tier"],
+            r["degradation"], r["degradation_reason"], r["status"],
+            f"{r['requested_model']} → "
+            f"{r['model'] if r['degradation'] == 'fallback' else '-'}", r["trace_id"]]
+           for r in rows))
 
 
 @ledger.command("export")

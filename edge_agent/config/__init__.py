@@ -45,7 +45,7 @@ __all__ = ["DEFAULT_CONFIG_FILE", "DRAFT_MODEL_TOKENS", "MAX_DRAFT", "MAX_INTERV
            "MIN_INTERVAL_S", "BrokerAddress",
            "ConfigError", "FleetSettings", "HTTPSFiles", "LayeredSettings", "LedgerSettings",
            "ModelOverride", "ModelsSettings", "RedactionSettings", "RetentionSettings",
-           "RuntimeSettings", "ServerSettings", "Settings", "TelemetrySettings",
+           "RiskSettings", "RuntimeSettings", "ServerSettings", "Settings", "TelemetrySettings",
            "TenantPolicy", "load_layered", "load_settings", "parse_broker", "parse_window",
            "renamed_key"]
 
@@ -119,6 +119,28 @@ class TenantPolicy(_Section):
         False, description="Every key of the tenant may manage models (delete, unload, load "
         "outside `models`), as an operator key does.",
     )
+    risk: Literal["low", "normal", "high"] = Field(
+        "normal", description="The risk tier of the tenant's requests, which decides what "
+        "each gets when the box is saturated ([risk]); a request may raise its own with "
+        "X-Edge-Risk, and lower it only with risk_may_lower.")
+    risk_may_lower: bool = Field(
+        False, description="Requests may ask a tier below `risk` (X-Edge-Risk); without it "
+        "a lower tier is refused (403).")
+
+
+class RiskSettings(_Section):
+    """[risk]: what a saturated box (the model's queue full, no memory to load it) does with
+    a request, by its tier. A high-tier request is never degraded: it gets 503 with a
+    reason and Retry-After, whatever is set here."""
+
+    low: Literal["queue", "refuse"] = Field(
+        "queue", description="A low-tier request that asked for it (X-Edge-Defer: batch) "
+        "becomes a one-line batch (202, answered in its output file); 'refuse': 503.")
+    normal: Literal["fallback", "refuse"] = Field(
+        "fallback", description="A normal-tier request is answered by its model's `fallback` "
+        "([models.\"name\"]) when that is installed and the tenant may use it; 'refuse': 503.")
+    retry_after_s: float = Field(
+        5.0, ge=1, le=3600, description="Retry-After of a refusal by tier, in seconds.")
 
 
 class RedactionSettings(_Section):
@@ -263,6 +285,23 @@ class ModelOverride(_Section):
     # when unset; a request's prompt_lookup option or header bounds it too).
     draft_model: str | None = None
     draft_tokens: int | None = Field(None, ge=1, le=MAX_DRAFT)
+    # The smaller installed model that answers a normal-tier request when this one is
+    # saturated ([risk] normal = "fallback"); never a high-tier one.
+    fallback: str | None = None
+
+    @field_validator("fallback")
+    @classmethod
+    def _fallback_name(cls, name: str | None) -> str | None:
+        """A typo stops the start, not the first saturated minute."""
+        from edge_agent.errors import InvalidRequest
+        from edge_agent.names import ModelName
+
+        if name is not None:
+            try:
+                ModelName.parse(name)
+            except InvalidRequest as exc:
+                raise ValueError(exc.message) from None
+        return name
 
 
 class ModelsSettings(BaseModel):
@@ -352,6 +391,7 @@ class Settings(LayeredSettings):
         default_factory=RetentionSettings)  # type: ignore[arg-type]
     redaction: RedactionSettings = Field(
         default_factory=RedactionSettings)  # type: ignore[arg-type]
+    risk: RiskSettings = Field(default_factory=RiskSettings)  # type: ignore[arg-type]
     fleet: FleetSettings = Field(default_factory=FleetSettings)  # type: ignore[arg-type]
     models: ModelsSettings = Field(default_factory=ModelsSettings)  # type: ignore[arg-type]
     tenants: dict[str, TenantPolicy] = Field(

@@ -61,7 +61,7 @@ from edge_agent.engine.scheduling.scheduler import (
     ThreadEmitter,
 )
 from edge_agent.engine.text.templates import ChatTemplate
-from edge_agent.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
+from edge_agent.errors import InvalidRequest, MemoryShort, ModelNotFound, ServiceUnavailable
 from edge_agent.names import ModelName, as_given
 from edge_agent.priority import BACKGROUND_NICE, run_niced
 
@@ -130,6 +130,9 @@ class LoadedModel:
     @property
     def size(self) -> int:
         return self.memory
+
+    def expected_wait_s(self) -> float:
+        return self.worker.expected_wait_s()
 
     @property
     def size_vram(self) -> int:
@@ -519,7 +522,7 @@ class ModelRegistry:
         ):
             idle = [m for m in self._loaded.values() if m.in_use == 0]
             if not idle:
-                raise ServiceUnavailable(
+                raise MemoryShort(
                     f"no room to load '{key}': every loaded model is serving requests",
                     retry_after=5.0)
             victim = min(idle, key=lambda m: m.last_used)

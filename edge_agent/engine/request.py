@@ -59,6 +59,10 @@ class GenerationRequest:
     cache_key: str | None = None  # a client's prompt-cache hint: prefer the slot it used last
     draft: int | None = None  # prompt-lookup draft tokens a step (None: the model's setting)
     end_user: str | None = None  # a client's end-user id; only its keyed digest is recorded
+    # The risk tier the client asked (X-Edge-Risk; None: the tenant's), and whether it
+    # accepts a deferred answer (X-Edge-Defer: batch) if the box is saturated.
+    risk: Literal["low", "normal", "high"] | None = None
+    defer: bool = False
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """A generation request's way through the box: refuse early, then run and observe.
 
 `prepare` does everything that can refuse a request (scope 403, quota 429, bad parameter
-400, context 400, unknown model 404, queue full 503) before any response starts; `check`
+400, context 400, unknown model 404, queue full 503) before any response starts, and on a
+saturated box degrades it as its risk tier allows (`gateway.degrade`); `check`
 does the part of it that depends on the request alone, for a response made of several
 generations that must all be acceptable before its first byte; `stream`
 yields the events, enforces the deadline, reads tool calls out of a tool-mode answer, and
@@ -30,8 +31,15 @@ from edge_agent.engine.request import (
     GenerationSpec,
     TokenEvent,
 )
-from edge_agent.errors import EdgeAgentError, RequestTimeout, ShuttingDown
+from edge_agent.errors import (
+    DeadlineUnmet,
+    EdgeAgentError,
+    RequestTimeout,
+    ServiceUnavailable,
+    ShuttingDown,
+)
 from edge_agent.gateway import embeddings
+from edge_agent.gateway.degrade import Degradation, RiskPolicy, saturation
 from edge_agent.gateway.limits import Fit, fit, requested_output, window_for
 from edge_agent.gateway.observe import Observer, Served, as_edge_error
 from edge_agent.gateway.privacy import Record, RequestPrivacy
@@ -52,11 +60,13 @@ class PreparedGeneration:
     deadline: float | None  # loop time
     fit: Fit
     released: bool = False
+    degradation: Degradation | None = None  # answered by a fallback model (risk tiers)
 
     def headers(self, done: DoneEvent | None = None) -> dict[str, str]:
         """The context served, and where governance made the request smaller than asked,
         that too (both dialects); with the answer (`done`, a non-streamed response), whether
-        the last tokens of its budget closed it (`X-Edge-Closed`)."""
+        the last tokens of its budget closed it (`X-Edge-Closed`); and where a saturated box
+        answered with a fallback model, that (`X-Edge-Degraded`)."""
         out = {"X-Edge-Context": str(self.fit.window)} if self.fit.window else {}
         if self.fit.truncated_tokens:
             out["X-Edge-Truncated"] = str(self.fit.truncated_tokens)
@@ -64,6 +74,8 @@ class PreparedGeneration:
             out["X-Edge-Clamped"] = str(self.fit.max_tokens)
         if done is not None and done.closed:
             out["X-Edge-Closed"] = "max_tokens"
+        if self.degradation is not None:
+            out["X-Edge-Degraded"] = self.degradation.header()
         return out
 
 
@@ -73,6 +85,8 @@ class GenerationService:
                  redactor: Redactor | None = None, keep_content: bool = False,
                  record: Record | None = None) -> None:
         self.registry = registry
+        self.risk = RiskPolicy(registry.settings, metrics,
+                               lambda name: registry.store.get(name) is not None)
         self.governor = governor
         self.default_timeout_s = default_timeout_s
         self.privacy = RequestPrivacy(redactor, keep_content=keep_content, record=record)
@@ -92,14 +106,34 @@ class GenerationService:
             note(end_user=self.privacy.end_user_digest(req.end_user))
         name = ModelName.parse(req.model)  # the request path's one parse of the name
         self._govern(tenant, name)
+        tier = self.risk.tier(tenant, req.risk)
         req = self.privacy.redact_prompt(req, tenant)
+        try:
+            return await self._start(req, name, tenant, keep_alive, deadline)
+        except ServiceUnavailable as exc:
+            reason = saturation(exc)
+            if reason is None:
+                raise
+            fallback = self.risk.degrade(tier, reason, name, tenant, exc, defer=req.defer)
+        try:
+            prepared = await self._start(req, fallback, tenant, keep_alive, deadline)
+        except ServiceUnavailable as exc:
+            raise self.risk.fallback_failed(tier, reason, name, fallback, exc) from exc
+        prepared.degradation = self.risk.fell_back(tier, reason, name)
+        return prepared
+
+    async def _start(self, req: GenerationRequest, name: ModelName,
+                     tenant: TenantContext | None, keep_alive: float | None,
+                     deadline: float | None) -> PreparedGeneration:
+        """The request queued on the model `name`."""
+        loop = asyncio.get_running_loop()
         model, load_ns = await self.registry.acquire(name, keep_alive)
         try:
             # A new schema's grammar is checked in a child process (0.1-0.3 s): off the loop.
             grammar = await asyncio.to_thread(grammar_for, req)
             spec, fitted = self._plan(req, tenant, model, load_ns, grammar)
-            if deadline is not None and loop.time() >= deadline:
-                raise RequestTimeout("the request timed out before it was queued")
+            if deadline is not None:
+                _check_deadline(model, deadline - loop.time())
             generation = model.generate(spec, loop)
         except BaseException:
             await self.registry.release(model)
@@ -248,6 +282,17 @@ class GenerationService:
         self._govern(tenant, name)
         return await embeddings.embed(self.registry, req, name, keep_alive=keep_alive,
                                       disconnected=disconnected)
+
+
+def _check_deadline(model: LoadedModel, left: float) -> None:
+    if left <= 0:
+        raise RequestTimeout("the request timed out before it was queued")
+    wait = model.expected_wait_s()
+    if wait > left:
+        raise DeadlineUnmet(
+            f"the request's deadline ({left:.1f} s left) ends before model "
+            f"'{model.info.name}' could start it (about {wait:.1f} s: requests wait ahead)",
+            retry_after=wait)
 
 
 def _as_tool_answer(event: DoneEvent, reader: ToolAnswerReader) -> tuple[DoneEvent, bool]:

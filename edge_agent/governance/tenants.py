@@ -25,12 +25,19 @@ from edge_agent.governance.keys import KeyStore, match
 
 OPEN_TENANT = "local"
 _RELOAD_EVERY_S = 5.0
+TIERS = ("low", "normal", "high")  # risk tiers, least cautious first
 
 
 class OperatorKeyRequired(Forbidden):
     """403 for model management without an operator key or tenant flag."""
 
     code = "operator_key_required"
+
+
+class RiskTierNotAllowed(Forbidden):
+    """403 for a request asking a risk tier below its tenant's without `risk_may_lower`."""
+
+    code = "risk_tier_not_allowed"
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,20 @@ class TenantContext:
         """Reading or loading a model: within the scope, or any model for an operator."""
         if not self.manage:
             self.check_model(model)
+
+    def tier(self, asked: str | None) -> str:
+        """The request's risk tier: the tenant's own, or the one it asked (X-Edge-Risk).
+        Asking more caution is always allowed; asking less only where the policy says so,
+        since a lower tier buys a degraded answer instead of a refusal. A header changes
+        its own request only: no tenant reaches another's tier."""
+        own = self.policy.risk
+        if asked is None or asked == own:
+            return own
+        if TIERS.index(asked) < TIERS.index(own) and not self.policy.risk_may_lower:
+            raise RiskTierNotAllowed(
+                f"risk tier '{asked}' is below tenant '{self.name}''s tier '{own}', and the "
+                "tenant may not lower it (risk_may_lower)", param="X-Edge-Risk")
+        return asked
 
     def check_manage(self, action: str, param: str = "model") -> None:
         if not self.manage:

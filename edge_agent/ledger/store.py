@@ -24,7 +24,8 @@ COLUMNS: dict[str, type] = {
     "error_type": str, "prompt_tokens": int, "cached_tokens": int, "completion_tokens": int,
     "queue_ms": float, "ttft_ms": float, "tpot_ms": float, "total_ms": float,
     "done_reason": str, "truncated_tokens": int, "clamped": int, "structured_failure": int,
-    "end_user": str, "ignored_fields": str,
+    "end_user": str, "ignored_fields": str, "risk_tier": str, "degradation": str,
+    "degradation_reason": str, "requested_model": str,
 }
 
 
@@ -102,6 +103,20 @@ def m006_ignored_fields(db: Database) -> None:
         db[REQUESTS].add_column("ignored_fields", str)  # type: ignore[union-attr]
 
 
+RISK_COLUMNS = ("risk_tier", "degradation", "degradation_reason", "requested_model")
+
+
+@MIGRATIONS()
+def m007_risk_tiers(db: Database) -> None:
+    """Each request's risk tier, and where a saturated box served it otherwise than asked,
+    how (fallback, queued, refused), why (queue_full, memory, deadline) and the model asked
+    (`model` is the one that answered)."""
+    for column in RISK_COLUMNS:
+        if column not in db[REQUESTS].columns_dict:
+            db[REQUESTS].add_column(column, str)  # type: ignore[union-attr]
+    db[REQUESTS].create_index(["degradation", "ts"], if_not_exists=True)  # type: ignore[union-attr]
+
+
 # Every table the writer may write, with its columns; rows for other tables are refused.
 TABLE_COLUMNS: dict[str, dict[str, type]] = {
     REQUESTS: COLUMNS, REDACTIONS: REDACTION_COLUMNS, CONTENTS: CONTENT_COLUMNS,
@@ -128,6 +143,18 @@ def pending_migrations(path: Path) -> list[str]:
 
 def rows_since(db: Database, since: float, *, order: str = "ts") -> Iterator[dict[str, Any]]:
     yield from db[REQUESTS].rows_where("ts >= ?", [since], order_by=order)  # type: ignore[union-attr]
+
+
+def degraded_since(db: Database, since: float, *, tier: str | None = None,
+                   action: str | None = None) -> list[dict[str, Any]]:
+    """The requests a saturated box served otherwise than asked, oldest first."""
+    args: list[Any]
+    where, args = ["ts >= ?", "degradation IS NOT NULL"], [since]
+    for column, value in (("risk_tier", tier), ("degradation", action)):
+        if value is not None:
+            where.append(f"{column} = ?")
+            args.append(value)
+    return list(db[REQUESTS].rows_where(" AND ".join(where), args, order_by="ts"))  # type: ignore[union-attr]
 
 
 def tail(db: Database, n: int, after_ts: float | None = None) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from edge_agent.errors import (
     EdgeAgentError,
     Forbidden,
     ModelNotFound,
+    NotDegraded,
     PayloadTooLarge,
     QueueFull,
     RateLimited,
@@ -48,6 +49,8 @@ def rejection_reason(exc: EdgeAgentError) -> str:
         return "limit"
     if isinstance(exc, RateLimited):
         return "quota"
+    if isinstance(exc, NotDegraded):
+        return "saturated"
     if isinstance(exc, QueueFull):
         return "queue_full"
     if isinstance(exc, ServiceUnavailable):
@@ -94,6 +97,11 @@ class Metrics:
             "edge_agent_structured_closed", "JSON answers closed within their max_tokens by "
             "the last tokens of the budget (runtime.structured_close_tokens), instead of cut",
             ["model"], registry=r)
+        self.degradations = Counter(
+            "edge_agent_degradations", "Requests a saturated box served otherwise than asked, "
+            "by risk tier, cause (queue_full, memory, deadline) and what it did (fallback: another "
+            "model answered; queued: a one-line batch; refused: 503)",
+            ["tier", "reason", "action"], registry=r)
         r.register(_LiveCollector(loaded, hardware, ledger or (lambda: None)))
 
     def observe_done(self, model: str, dialect: str, done: DoneEvent, ttft_s: float) -> None:
@@ -111,6 +119,9 @@ class Metrics:
         self.requests.labels(model, dialect, "200", "").inc()
         if done.closed:
             self.structured_closed.labels(model).inc()
+
+    def observe_degradation(self, tier: str, reason: str, action: str) -> None:
+        self.degradations.labels(tier, reason, action).inc()
 
     def observe_error(self, model: str, dialect: str, exc: EdgeAgentError) -> None:
         """Counts a request that ended in `exc`, once: the request path counts it with its

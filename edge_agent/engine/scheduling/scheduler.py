@@ -280,9 +280,17 @@ class ModelScheduler:
                 self.stats.embedding_jobs += 1
             self.queue.put_side(job)
             return
-        # A rough wait: the jobs ahead, each ~128 tokens, run `parallel` at a time.
         waves = (len(self.queue) + 1) / len(self.slots)
         self.queue.put(job, retry_after=max(1.0, waves * 128 * self._step_s))
+
+    def expected_wait_s(self) -> float:
+        """A rough wait before a job submitted now starts, where jobs already wait for a
+        sequence: those ahead, each ~128 tokens, `parallel` at a time (the figure a full
+        queue's Retry-After gives). With nobody waiting it is 0: the next sequence to free
+        may be a moment away (an answer ending, a stream cancelled), and a guess at the
+        running ones' remaining tokens would turn away requests that would have run."""
+        waiting = len(self.queue)
+        return waiting / len(self.slots) * 128 * self._step_s if waiting else 0.0
 
     def _embed_wait(self) -> float:
         """A rough Retry-After for embeddings: the tokens under way, at the measured cost."""
