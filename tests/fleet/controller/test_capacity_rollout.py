@@ -72,9 +72,15 @@ def central(broker: Mosquitto, model_cache: Path, tmp_path_factory: pytest.TempP
 
 
 @pytest.fixture(scope="module")
-def boxes(broker: Mosquitto, central: Controller, model_cache: Path,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Box]]:
-    tmp = tmp_path_factory.mktemp("boxes")
+def box_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("boxes")
+
+
+@pytest.fixture(scope="module")
+def boxes(broker: Mosquitto, central: Controller, model_cache: Path, box_dir: Path
+          ) -> Iterator[dict[str, Box]]:
+    """The two boxes, stopped at the end (a test that restarts one puts it back here)."""
+    tmp = box_dir
     started = {name: start_box(name, broker, central,
                                clone_state(model_cache, tmp / f"state-{name}"), tmp,
                                extra=OWN_CONTEXT if name == A else "")
@@ -118,7 +124,8 @@ def _long_answered(box: Box) -> int:
 
 
 def test_a_capacity_change_goes_active_where_its_gate_passes_and_rolls_back_where_not(
-        central: Controller, boxes: dict[str, Box]) -> None:
+        broker: Mosquitto, central: Controller, boxes: dict[str, Box], box_dir: Path
+        ) -> None:
     before = {name: _served(box) for name, box in boxes.items()}
     assert before[A]["context_length"] == 512 and before[B]["context_length"] == 512
     started = cli("fleet", "rollout", "start", f"{DEFAULT_MODEL}@2", "--id", RID,
@@ -163,6 +170,18 @@ def test_a_capacity_change_goes_active_where_its_gate_passes_and_rolls_back_wher
     assert _served(boxes[B]) == {**_served(boxes[B]), "context_length": 512,
                                  "parallel": before[B]["parallel"]}
     assert _long_answered(boxes[B]) == 200
+    shown = cli("models", "history", DEFAULT_MODEL, "--state-dir", str(boxes[B].state)).stdout
+    assert "capacity  {\"context_length\": 192, \"parallel\": 2}: context_length 512→192" \
+        in shown, shown
+
+    # A restart keeps what passed the gate: the overlay beats the config file.
+    boxes[A].stop()
+    boxes[A] = start_box(A, broker, central, boxes[A].state, box_dir, extra=OWN_CONTEXT)
+    boxes[A].wait_ready(central)
+    assert (_served(boxes[A])["parallel"], _served(boxes[A])["context_length"]) == (2, 512)
+    for name, row in ((A, active), (B, back)):
+        print("checks", name, json.dumps([(c["name"], c["passed"], c["figure"])
+                                          for c in row["checks"]]))
     print("evidence", json.dumps({A: {k: active[k] for k in ("outcome", "reason")},
                                   B: {k: back[k] for k in ("outcome", "reason")}}))
     print("parameters", json.dumps({A: active["parameters"], B: back["parameters"]}))
@@ -171,7 +190,7 @@ def test_a_capacity_change_goes_active_where_its_gate_passes_and_rolls_back_wher
 def test_a_capacity_key_by_config_patch_needs_ungated_and_is_marked(
         central: Controller, boxes: dict[str, Box]) -> None:
     patch = ["fleet", "send", B, "config.patch", "--config", str(central.config), "--json",
-             "--arg", 'set={"runtime.threads": 1}']
+             "--arg", 'set={"runtime.threads": 2}']
     refused = json.loads(cli(*patch, check=False).stdout)["results"][0]
     said = json.dumps(refused["result"])
     assert (refused["status"], refused["reason"]) == ("refused", "malformed"), refused
@@ -184,11 +203,13 @@ def test_a_capacity_key_by_config_patch_needs_ungated_and_is_marked(
     assert taken["status"] == "ok", taken
     assert taken["result"]["ungated"] is True
     assert taken["result"]["on_restart"] == ["runtime.threads"]
-    assert _overlay(boxes[B]) == {"runtime.threads": 1}
+    assert _overlay(boxes[B]) == {"runtime.threads": 2}
     marked = _evidence(boxes[B], f"config.patch:{sent['command']['id']}")
     assert [e["outcome"] for e in marked] == ["UNGATED"], marked
     assert marked[0]["parameters"]["ungated"] is True
-    assert marked[0]["parameters"]["change"] == {"runtime.threads": 1}
+    assert marked[0]["parameters"]["change"] == {"runtime.threads": 2}
+    assert (marked[0]["parameters"]["before"]["threads"],
+            marked[0]["parameters"]["after"]["threads"]) == (1, 2)
 
     store = SQLiteStore(central.ctl / "controller.db")
     try:

@@ -36,6 +36,7 @@ and the comparison checks; it never imports the registry (`ModelOps` is the way)
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -279,7 +280,7 @@ def check_burst(burst: Replay, spec: GateSpec) -> Check:
 # -- an ungated patch's evidence ---------------------------------------------------------------
 
 def ungated_evidence(settings: Settings, command_id: str, before: Settings, after: Settings,
-                     changes: Mapping[str, Any]) -> None:
+                     changes: Mapping[str, Any], hardware: Mapping[str, Any]) -> None:
     """One evidence row per name an ungated `config.patch` of capacity keys changes (the
     default model for `runtime.*` keys): outcome UNGATED, no check, the settings before
     and after."""
@@ -294,8 +295,17 @@ def ungated_evidence(settings: Settings, command_id: str, before: Settings, afte
             "rollout_id": f"config.patch:{command_id}", "attempt": 1, "name": name,
             "version": "", "digest": "", "previous_digest": "", "outcome": "UNGATED",
             "reason": f"config.patch --ungated {', '.join(sorted(changes))}: no gate ran",
-            "agent_version": "", "llama_cpp_version": "", "hardware": {},
+            "agent_version": _version("edge-agent"),
+            "llama_cpp_version": _version("llama-cpp-python"),
+            "hardware": dict(hardware),
             "parameters": {"ungated": True, "change": dict(changes),
                            "before": effective(before, name),
                            "after": effective(after, name)},
             "checks": [], "timings": {}})
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
