@@ -162,6 +162,7 @@ class Replay:
     answers: dict[str, ProbeAnswer]
     errors: dict[str, str]
     checks: list[Check]
+    prefix: str = "prompt"  # "burst": the prompts sent all at once
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -172,7 +173,7 @@ class Replay:
         return max((a.ttft_ms for a in self.answers.values()), default=None)
 
     def passed(self, prompt_id: str) -> bool:
-        prefix = f"prompt:{prompt_id}:"
+        prefix = f"{self.prefix}:{prompt_id}:"
         return prompt_id in self.answers and all(
             c.passed for c in self.checks if c.name.startswith(prefix))
 
@@ -208,7 +209,7 @@ async def replay(spec: GateSpec, model: str, probe: Probe, *, burst: bool = Fals
         for c in health_gate.check_answer(prompt, result.text, result.completion_tokens):
             checks.append(Check(c.name.replace("prompt:", f"{prefix}:", 1), c.passed,
                                 c.figure, c.limit, c.detail))
-    return Replay(answers, errors, checks)
+    return Replay(answers, errors, checks, prefix)
 
 
 def _quote(text: str) -> str:
@@ -267,14 +268,19 @@ def compare_speed(spec: GateSpec, before: Replay, after: Replay) -> list[Check]:
 
 
 def check_burst(burst: Replay, spec: GateSpec) -> Check:
-    """Every golden prompt answered when all are sent at once (the slots the new
-    `parallel` and `context_length` give hold them together)."""
-    answered = len(burst.answers)
-    failed = sorted(burst.errors)
-    return Check("burst", not failed, f"{answered}/{len(spec.prompts)}",
-                 len(spec.prompts), f"not answered: {', '.join(failed)}: "
-                 f"{burst.errors[failed[0]]}"[:DETAIL_CHARS] if failed else
-                 "the golden prompts at once")
+    """Every golden prompt answered, and its own checks met, when all are sent at once
+    (the slots the new `parallel` and `context_length` give hold them together)."""
+    ok = [p.id for p in spec.prompts if burst.passed(p.id)]
+    bad = [p.id for p in spec.prompts if p.id not in ok]
+    if not bad:
+        return Check("burst", True, f"{len(ok)}/{len(spec.prompts)}", len(spec.prompts),
+                     "the golden prompts at once")
+    first = bad[0]
+    why = burst.errors.get(first) or "; ".join(
+        f"{c.name.split(':', 2)[-1]} {c.figure}" for c in burst.checks
+        if c.name.startswith(f"burst:{first}:") and not c.passed)
+    return Check("burst", False, f"{len(ok)}/{len(spec.prompts)}", len(spec.prompts),
+                 f"{', '.join(bad)} not answered or failed: {first}: {why}"[:DETAIL_CHARS])
 
 
 # -- an ungated patch's evidence ---------------------------------------------------------------
