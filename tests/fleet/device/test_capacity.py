@@ -142,15 +142,54 @@ def test_an_operator_rolls_an_active_capacity_release_back(tmp_path: Path) -> No
         answer = manager.rollback("c5")
         assert answer["accepted"] and answer["state"] == ROLLED_BACK, answer
         deadline = time.monotonic() + 10
-        while box.loader.log[-1][0] != "undrain":
+        while not manager.store.get("c5").restored:  # once the model loaded again
             assert time.monotonic() < deadline, box.loader.log
             await asyncio.sleep(0.01)
+        assert box.loader.log[-1][0] == "undrain"
 
     r = asyncio.run(_roll(box, "c5", "1", {"threads": 2, "parallel": 2}, back))
     assert r.state == ACTIVE
     assert manager_row(box, "c5") == ROLLED_BACK
     assert (box.settings.runtime.threads, box.settings.runtime.parallel) == (1, "auto")
     assert load_overlay(box.settings.state_dir) == {"telemetry.interval_s": 9}
+
+
+def test_a_restart_during_the_gate_puts_the_previous_settings_back(tmp_path: Path) -> None:
+    """A kill -9 after the overlay took the new settings but before ACTIVE was committed:
+    the box starts with them (the overlay applies at start); the row says GATING, so the
+    resume converges it to ROLLED_BACK and puts the overlay and the runtime back."""
+    from edge_agent.fleet.device.rollout.store import RolloutStore
+    from edge_agent.fleet.protocol.rollout_states import ACTIVATING, GATING, STAGED
+
+    box = Box(tmp_path)
+    state = box.settings.state_dir
+    store = RolloutStore(state / "rollouts.db")
+    store.create("c6", NAME, "1", config={"parallel": 2})
+    store.transition("c6", STAGED, target_digest=box.digest)
+    store.transition("c6", ACTIVATING, previous_digest=box.digest, config={
+        "change": {"parallel": 2}, "overlay_before": {},
+        "values_before": {"runtime.parallel": "auto"}})
+    store.transition("c6", GATING)
+    store.close()
+    (state / "config.overlay.json").write_text(
+        json.dumps({"v": 1, "set": {"runtime.parallel": 2, "telemetry.interval_s": 9}}))
+    box.settings = apply_overlay(Settings(state_dir=state), state)  # the start
+    assert box.settings.runtime.parallel == 2
+
+    async def restart() -> Any:
+        manager = box.manager()
+        await manager.start()
+        try:
+            return await manager.settled("c6", 10)
+        finally:
+            await manager.stop()
+
+    r = asyncio.run(restart())
+    assert (r.state, r.reason, r.restored) == (ROLLED_BACK, "interrupted during gating", True)
+    assert box.settings.runtime.parallel == "auto"
+    assert load_overlay(state) == {"telemetry.interval_s": 9}
+    # Loaded again with them (nothing was loaded yet here: nothing to unload first).
+    assert [e[0] for e in box.loader.log] == ["drain", "load", "undrain"]
 
 
 def manager_row(box: Box, rid: str) -> str:

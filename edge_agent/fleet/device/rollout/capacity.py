@@ -23,10 +23,12 @@ rollout ends REJECTED, `not_serving`, before anything changes). Then, in the act
     ROLLED_BACK the previous settings copied back and the model loaded with them again;
                 the overlay never held the new ones
 
-A capacity change is never written to the overlay before its gate passed, so a kill -9
-during the gate leaves the previous settings at the next start (the row is converged to
-ROLLED_BACK "interrupted during gating"). An operator's `rollout.rollback` of an ACTIVE
-one puts the overlay back as it was and reloads the model. `runtime.*` keys are the box's:
+A capacity change is written to the overlay only once its gate passed, and a row a
+restart finds ACTIVATING or GATING is converged to ROLLED_BACK ("interrupted during
+gating") with the overlay's keys put back as they were before it and the model loaded
+again with the previous settings if the start took the new ones (a kill -9 between the
+overlay's write and ACTIVE's commit). An operator's `rollout.rollback` of an ACTIVE one
+does the same (`RolloutManager._restore_capacity`). `runtime.*` keys are the box's:
 other models take them at their next load (only the release's name is gated).
 
 This module holds the keys, the settings' effective values, the swap of a name's runtime

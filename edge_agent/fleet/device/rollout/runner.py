@@ -348,11 +348,15 @@ class RolloutManager:
 
     async def _converge(self, r: Rollout) -> None:
         """A rollout a restart found switching, or rolled back with its switch back
-        undone: the previous digest serves again; never the new one without its gate."""
+        undone: the previous digest serves again; never the new one without its gate (a
+        capacity release: the previous settings, `_restore_capacity`)."""
         if r.state in SWITCHING:
             r = await self._move(r, ROLLED_BACK, reason=interrupted(r.state),
                                  expect=r.state, restored=False)
             self.activator.evidence(r, [])
+        if r.config:  # a capacity release: the settings go back, the version never moved
+            await self._restore_capacity(r)
+            return
         await asyncio.to_thread(restore_pointer, self.ops, self.store, r)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -518,40 +522,48 @@ class RolloutManager:
         return {"accepted": True, **r.summary()}
 
     def _capacity_rollback(self, r: Rollout) -> dict[str, Any]:
-        """An ACTIVE capacity release rolled back: committed, the overlay put back as it
-        was for its keys, the previous settings in the live object, and the model loaded
-        with them again on the loop (as the switch back of a model release, at once)."""
-        config = r.config
-        assert config is not None
-        keys = capacity.overlay_changes(r.name, config["change"])
+        """An ACTIVE capacity release rolled back: committed (`restored` 0), then on the
+        loop the overlay put back as it was for its keys and the model loaded with the
+        previous settings (`_restore_capacity`; a restart finishes what a crash cut)."""
         try:
             r = self.store.transition(r.id, ROLLED_BACK, reason="rollback requested",
                                       expect=ACTIVE, restored=False)
         except IllegalTransition:
             return self.rollback(r.id)
         self._published(r, None)
-        before = config.get("overlay_before") or {}
-        restore_keys(self.settings.state_dir,
-                     {k: before.get(k, MISSING) for k in keys})
-        previous = capacity.with_values(self.settings, config.get("values_before") or {})
-        loop, digest = self._loop, r.target_digest
+        loop, back = self._loop, r
 
-        async def reload() -> None:
+        async def finish() -> None:
             try:
-                await capacity.swap_runtime(
-                    self.ops, r.name, digest or "", self.activator.wait_idle,
-                    lambda: capacity.copy_capacity(self.settings, previous, keys))
-            except Exception:
-                capacity.copy_capacity(self.settings, previous, keys)
-                log.exception("rollout %s: reloading %s with its previous settings failed",
-                              r.id, r.name)
+                await self._restore_capacity(back)
+            except Exception:  # left `restored = 0`: the next start finishes it
+                log.exception("rollout %s: restoring the previous settings failed", back.id)
 
         if loop is not None and not self._stopping:
-            loop.call_soon_threadsafe(lambda: loop.create_task(reload()))
-        else:
-            capacity.copy_capacity(self.settings, previous, keys)
-        r = self.store.update(r.id, restored=True)
+            loop.call_soon_threadsafe(lambda: loop.create_task(finish()))
         return {"accepted": True, **r.summary()}
+
+    async def _restore_capacity(self, r: Rollout) -> None:
+        """A capacity release's way back, idempotent: its overlay keys as they were before
+        it (nothing to do if it never wrote them), the live settings as they were, and the
+        model loaded again with them if they had changed; `restored` once done."""
+        config = r.config or {}
+        keys = capacity.overlay_changes(r.name, config.get("change") or {})
+        before = config.get("overlay_before") or {}
+        await asyncio.to_thread(restore_keys, self.settings.state_dir,
+                                {k: before.get(k, MISSING) for k in keys})
+        values = config.get("values_before") or {}
+        if values and capacity.raw_values(self.settings, keys) != values:
+            previous = capacity.with_values(self.settings, values)
+            try:
+                await capacity.swap_runtime(
+                    self.ops, r.name, r.target_digest or "", self.activator.wait_idle,
+                    lambda: capacity.copy_capacity(self.settings, previous, keys))
+            except Exception:  # the settings are back; the next request loads with them
+                capacity.copy_capacity(self.settings, previous, keys)
+                log.exception("rollout %s: loading %s again with its previous settings "
+                              "failed", r.id, r.name)
+        await asyncio.to_thread(self.store.update, r.id, restored=True)
 
     def _find(self, rollout_id: str | None, name: str | None,
               prefer: str | None = None) -> Rollout | None:
