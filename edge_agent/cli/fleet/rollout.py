@@ -155,7 +155,8 @@ def rollout_status(rollout_id: str | None, as_json: bool, watch_arg: str | None)
     if rollout_id is None:
         table([("ID", "<18"), ("RELEASE", "<24"), ("STATE", "<12"), ("WAVE", "<6"),
                ("DEVICES", ">7"), ("ACTIVE", ">7"), ("FAILED", ">7"), ("CREATED", "")],
-              ([r["id"], f"{r['name']}@{r['version']}", r["state"],
+              ([r["id"], f"{r['name']}@{r['version']}{' capacity' if r.get('config') else ''}",
+                r["state"],
                 f"{r['wave']}/{r['waves_total']}", r["devices_total"],
                 r["phases"]["succeeded"], r["phases"]["failed"],
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created_at"]))]

@@ -62,6 +62,7 @@ from edge_agent.fleet.device.rollout.health_gate import (
 from edge_agent.fleet.protocol.command_types import CAPACITY_KEYS
 from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
 from edge_agent.ledger.evidence import record_evidence
+from edge_agent.names import ModelName
 
 NOT_SERVING = "not_serving"  # the release named is not the version this box serves
 
@@ -292,10 +293,10 @@ def ungated_evidence(settings: Settings, command_id: str, before: Settings, afte
     """One evidence row per name an ungated `config.patch` of capacity keys changes (the
     default model for `runtime.*` keys): outcome UNGATED, no check, the settings before
     and after."""
-    names = {key[len("models."):].rpartition(".")[0] for key in changes
+    names = {_name(key[len("models."):].rpartition(".")[0]) for key in changes
              if key.startswith("models.")}
     if any(key.startswith("runtime.") for key in changes):
-        names.add(settings.default_model)
+        names.add(_name(settings.default_model))
     now = time.time()
     for name in sorted(names):
         record_evidence(settings.state_dir / "ledger.db", {
@@ -310,6 +311,14 @@ def ungated_evidence(settings: Settings, command_id: str, before: Settings, afte
                            "before": effective(before, name),
                            "after": effective(after, name)},
             "checks": [], "timings": {}})
+
+
+def _name(given: str) -> str:
+    """A model name as `models history` looks it up (as given, if it does not parse)."""
+    try:
+        return str(ModelName.parse(given))
+    except InvalidRequest:
+        return given
 
 
 def _version(dist: str) -> str:
