@@ -315,6 +315,19 @@ def models_history(name: ModelName, limit: int | None, as_json: bool) -> None:
     _print_evidence(evidence)
 
 
+def _print_capacity(parameters: dict[str, Any]) -> None:
+    """A capacity release's (or an ungated patch's) settings, before → after."""
+    capacity = parameters.get("capacity") or (parameters if parameters.get("ungated") else {})
+    before, after = capacity.get("before") or {}, capacity.get("after") or {}
+    if not capacity:
+        return
+    changed = [f"{k} {before.get(k)}→{after.get(k)}" for k in after
+               if before.get(k) != after.get(k)]
+    label = "UNGATED " if parameters.get("ungated") else "capacity"
+    click.echo(f"  {label}  {json.dumps(capacity.get('change'), sort_keys=True)}: "
+               + (", ".join(changed) or "no effective change for this model"))
+
+
 def _print_evidence(rows: list[dict[str, Any]]) -> None:
     """Each activation attempt: what replaced what, on what, how long each state took,
     and every gate check with its figure."""
@@ -332,6 +345,7 @@ def _print_evidence(rows: list[dict[str, Any]]) -> None:
         click.echo(f"  agent     {ev['agent_version']}, llama.cpp {ev['llama_cpp_version']}, "
                    f"{hw.get('cpu_count')} CPUs, {(hw.get('ram_bytes') or 0) / 2**30:.1f} GiB "
                    f"RAM, {hw.get('machine', '')}")
+        _print_capacity(ev.get("parameters") or {})
         timings = ev.get("timings") or {}
         if timings:  # in the order the states come
             order = {state: i for i, state in enumerate(STATES)}

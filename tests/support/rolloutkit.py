@@ -181,10 +181,11 @@ class Box:
 
 
 def start_box(name: str, broker: Mosquitto, central: Controller, state: Path,
-              tmp_path: Path, env: Mapping[str, str] | None = None) -> Box:
+              tmp_path: Path, env: Mapping[str, str] | None = None, extra: str = "") -> Box:
     """`edge-agent serve` on `state` as device `name`, its link on: the controller's
     command key and TUF root provisioned, its releases fetched from `fleet serve`.
-    `env`: more settings (EDGE_AGENT_…) for this box."""
+    `env`: more settings (EDGE_AGENT_…) for this box; `extra`: more tables of its config
+    file, after its [fleet] (`[models."name"]` …)."""
     root = tmp_path / f"root-{name}.json"  # what the technician put on the box
     shutil.copyfile(central.ctl / "releases" / "metadata" / "1.root.json", root)
     config = tmp_path / f"{name}.toml"
@@ -194,7 +195,8 @@ def start_box(name: str, broker: Mosquitto, central: Controller, state: Path,
         f'password_file = "{broker.password_file(name)}"\n'
         f'command_public_key_file = "{central.keys / "command.pub.pem"}"\n'
         f'tuf_root_file = "{root}"\nartifacts_url = "{central.releases}"\n'
-        "download_headroom_bytes = 0\nreconnect_min_s = 0.2\nreconnect_max_s = 1.0\n")
+        "download_headroom_bytes = 0\nreconnect_min_s = 0.2\nreconnect_max_s = 1.0\n"
+        + extra)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "edge_agent", "serve", "--config",
                              str(config), "--state-dir", str(state), "--port", str(port)],

@@ -393,6 +393,11 @@ class _ListsCommandTypes(click.Command):
 @click.option("--arg", "args", multiple=True, metavar="KEY=VALUE",
               help="A command argument; VALUE is read as JSON when it parses, else text.")
 @click.option("--args-json", help="All arguments as one JSON object.")
+@click.option("--ungated", is_flag=True,
+              help="config.patch only: let it set capacity settings (parallel, "
+                   "context_length, …) outside the release gate; marked so in the box's "
+                   "evidence and the audit trail. Without it they are refused: ship them "
+                   "with fleet rollout start --capacity.")
 @click.option("--key", "key_file", type=click.Path(path_type=Path, dir_okay=False),
               help="The signing key (default: command_signing_key_file in the controller "
                    "config); on the controller host only: through --controller, the "
@@ -407,7 +412,7 @@ class _ListsCommandTypes(click.Command):
 @click.pass_context
 def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
                fleet_id: str | None, args: tuple[str, ...], args_json: str | None,
-               key_file: Path | None, wait_s: float, broker: str | None,
+               ungated: bool, key_file: Path | None, wait_s: float, broker: str | None,
                username: str | None, password_file: Path | None, as_json: bool) -> None:
     """Sign a command of TYPE, publish it to DEVICE (or --all) and print the results the
     boxes send back (exit 1 unless every awaited box answered ok). Results are stored by the
@@ -416,8 +421,13 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
     if len(words) != (1 if all_devices else 2):
         raise BadUsage("name one DEVICE (or --all), then the command's TYPE")
     device, type_ = (None, words[0]) if all_devices else (words[0], words[1])
+    command_args = _command_args(args, args_json)
+    if ungated:
+        if type_ != "config.patch":
+            raise BadUsage("--ungated is for config.patch only")
+        command_args["ungated"] = True
     body = {"device": device, "all": all_devices, "type": type_,
-            "args": _command_args(args, args_json), "fleet": fleet_id, "wait_s": 0}
+            "args": command_args, "fleet": fleet_id, "wait_s": 0}
     with client as api:
         sent = api.post("/commands", body)
         results = _results(api, sent, wait_s)

@@ -3,6 +3,7 @@
     fleet rollout start NAME@VERSION [--devices SELECTOR] --waves 1,10%,50%,100%
                         [--abort-above 10%] [--min-executed 3] [--soak 10m]
                         [--device-timeout 2h] [--rollback-on-abort] [--id ID]
+                        [--capacity parallel=8,context_length=2048]
     fleet rollout status [ID] [--json] [--watch [SECONDS]]
     fleet rollout pause|resume|abort|rollback ID
 
@@ -73,23 +74,30 @@ def _when(ts: float | None) -> str:
 @click.option("--rollback-on-abort", is_flag=True,
               help="On abort, also roll back the devices that switched already.")
 @click.option("--id", "rollout_id", help="The rollout's id (default: ro-<random>).")
+@click.option("--capacity", metavar="KEY=VALUE,...",
+              help="A capacity release: these runtime settings (parallel, context_length, "
+                   "threads, prompt_lookup, draft_model, draft_tokens), staged on the boxes "
+                   "that serve NAME@VERSION and gated by its golden set against their own "
+                   "baseline; a failing gate restores the previous settings.")
 @json_option()
 def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_executed: int,
                   soak: str, device_timeout: str, rollback_on_abort: bool,
-                  rollout_id: str | None, as_json: bool) -> None:
-    """Start rolling NAME@VERSION out: written to the store, driven by `fleet serve`."""
+                  rollout_id: str | None, capacity: str | None, as_json: bool) -> None:
+    """Start rolling NAME@VERSION out (with --capacity: a capacity change gated by it):
+    written to the store, driven by `fleet serve`."""
     from edge_agent.fleet.controller.rollouts.waves import parse_waves, wave_sizes
 
     with controller_client() as api:
         record = api.post("/rollouts", {
             "release": ref, "devices": selector, "waves": waves, "abort_above": abort_above,
             "min_executed": min_executed, "soak": soak, "device_timeout": device_timeout,
-            "rollback_on_abort": rollback_on_abort, "id": rollout_id})
+            "rollback_on_abort": rollback_on_abort, "id": rollout_id, "capacity": capacity})
     if as_json:
         echo_json(record)
         return
     sizes = wave_sizes(parse_waves(waves), record["devices_total"])
-    click.echo(f"rollout {record['id']}: {record['name']}@{record['version']} to "
+    click.echo(f"rollout {record['id']}: {record['name']}@{record['version']}"
+               f"{_capacity(record)} to "
                f"{record['devices_total']} device(s) in {len(sizes)} wave(s) "
                f"({', '.join(str(n) for n in sizes)}); RUNNING")
     if not remote() and controller_settings().command_signing_key_file is None:
@@ -147,7 +155,8 @@ def rollout_status(rollout_id: str | None, as_json: bool, watch_arg: str | None)
     if rollout_id is None:
         table([("ID", "<18"), ("RELEASE", "<24"), ("STATE", "<12"), ("WAVE", "<6"),
                ("DEVICES", ">7"), ("ACTIVE", ">7"), ("FAILED", ">7"), ("CREATED", "")],
-              ([r["id"], f"{r['name']}@{r['version']}", r["state"],
+              ([r["id"], f"{r['name']}@{r['version']}{' capacity' if r.get('config') else ''}",
+                r["state"],
                 f"{r['wave']}/{r['waves_total']}", r["devices_total"],
                 r["phases"]["succeeded"], r["phases"]["failed"],
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created_at"]))]
@@ -176,10 +185,18 @@ def _watch(api: ControllerClient, rollout_id: str, every_s: float, *, redraw: bo
         time.sleep(every_s)
 
 
+def _capacity(r: dict[str, Any]) -> str:
+    """` capacity parallel=8,context_length=2048` for a capacity release, else nothing."""
+    config = r.get("config")
+    if not config:
+        return ""
+    return " capacity " + ",".join(f"{k}={v}" for k, v in config.items())
+
+
 def _show(r: dict[str, Any]) -> None:
     p = r["policy"]
     why = (r["waiting_for"] or r["reason"]) if r["state"] == "RUNNING" else r["reason"]
-    click.echo(f"rollout {r['id']}: {r['name']}@{r['version']}  {r['state']}  wave "
+    click.echo(f"rollout {r['id']}: {r['name']}@{r['version']}{_capacity(r)}  {r['state']}  wave "
                f"{r['wave']}/{r['waves_total']}" + (f"  ({why})" if why else ""))
     click.echo(f"  devices {r['devices_total']} ({r['selector']}); waves {p['waves']}; "
                f"succeeds unless more than {p['abort_above']} of the finished devices fail "

@@ -52,7 +52,10 @@ def command_router(store: ControllerStore, sender: commands.CommandSender | None
     @router.post("/commands")
     def send(body: CommandSend, request: Request) -> dict[str, Any]:
         target = commands.ALL if body.all else body.device
-        with audited(store, action="command.send", target=target,
+        # Capacity settings outside the release gate: marked on the trail as such.
+        ungated = body.type == "config.patch" and body.args.get("ungated") is True
+        with audited(store, action="command.send.ungated" if ungated else "command.send",
+                     target=target,
                      request=body.model_dump(), **actor(request)):
             if (body.device is None) != body.all:
                 raise InvalidRequest("name one device, or all", param="device")

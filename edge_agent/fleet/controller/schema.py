@@ -146,4 +146,9 @@ SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
             leader_since DOUBLE PRECISION, started DOUBLE PRECISION NOT NULL,
             last_seen DOUBLE PRECISION NOT NULL, pid BIGINT, host TEXT)""",
     )),
+    # A capacity release (`fleet rollout start … --capacity parallel=8`): the settings it
+    # ships, as JSON text; NULL for a model release.
+    ("m013_capacity_rollouts", (
+        "ALTER TABLE rollouts ADD COLUMN config TEXT",
+    )),
 )

@@ -148,8 +148,17 @@ class FleetDevice:
                                             ledger_s=settings.fleet.ledger_interval_s)
                 return done
 
+            def ungated(command: Any, before: Settings, after: Settings,
+                        changes: dict[str, Any]) -> None:
+                from edge_agent.fleet.device.rollout.activation import hardware_summary
+                from edge_agent.fleet.device.rollout.capacity import ungated_evidence
+
+                ungated_evidence(settings, command.id, before, after, changes,
+                                 hardware_summary())
+
             handlers = box_dispatch(box_handlers(settings, settings.state_dir, purge=purge,
-                                                 revoke=revoke, apply_live=apply_live),
+                                                 revoke=revoke, apply_live=apply_live,
+                                                 ungated=ungated),
                                     extra_handlers or {})
             missing = unhandled(handlers)
             if missing:

@@ -42,8 +42,8 @@ from pydantic import (
 from edge_agent.errors import InvalidRequest
 from edge_agent.names import ModelName
 
-__all__ = ["COMMAND_TYPES", "KEY_PREFIX", "MAX_PATCH_KEYS", "ROLES", "ROLLOUT_ID", "VERSION",
-           "BadArgs", "CommandType", "UnknownType", "lookup", "shape"]
+__all__ = ["CAPACITY_KEYS", "COMMAND_TYPES", "KEY_PREFIX", "MAX_PATCH_KEYS", "ROLES",
+           "ROLLOUT_ID", "VERSION", "BadArgs", "CommandType", "UnknownType", "lookup", "shape"]
 
 # The controller's operator roles, least first (`controller.operators.ROLES`, which a test
 # holds to these): the protocol names them but cannot import the controller.
@@ -52,6 +52,13 @@ KEY_PREFIX = re.compile(r"[A-Za-z0-9]{1,64}")  # an API key's public part (`keys
 ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 MAX_PATCH_KEYS = 64  # keys in one config.patch
+# A capacity change: the runtime settings that change a model's speed *and* its answers. A
+# `rollout.start` with `config` ships them as a gated release (`device.rollout.capacity`);
+# a `config.patch` of them is refused unless it says `ungated` (`device.link.overlay`).
+# `kv_cache_type` is not among them: the runtime has no such setting (llama.cpp's KV cache
+# runs at f16 here).
+CAPACITY_KEYS = ("parallel", "context_length", "threads", "prompt_lookup", "draft_model",
+                 "draft_tokens")
 
 
 class UnknownType(ValueError):
@@ -81,6 +88,7 @@ class IgnoredArgs(BaseModel):
 
 class PatchArgs(_Args):
     set: dict[str, float | None] = Field(min_length=1, max_length=MAX_PATCH_KEYS)
+    ungated: bool = False  # capacity keys outside the gate: marked so in the evidence
 
 
 class PurgeArgs(_Args):
@@ -107,10 +115,29 @@ def _model_name(value: Any) -> Any:
     return value
 
 
+def _capacity(value: Any) -> Any:
+    if value is None:
+        return value
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"an object of capacity settings ({', '.join(CAPACITY_KEYS)})")
+    for key, item in value.items():
+        if key not in CAPACITY_KEYS:
+            raise ValueError(f"{str(key)[:64]!r} is not a capacity setting (one of "
+                             f"{', '.join(CAPACITY_KEYS)})")
+        if isinstance(item, bool) or not isinstance(item, int | str):
+            raise ValueError(f"{key}: a whole number or a string")
+    return value
+
+
 class StartArgs(_Args):
     rollout_id: str
     name: str
     version: int | str  # a whole number, or a version's text
+    # A capacity release: these settings, gated with the release's golden set on the
+    # version the box serves (the release's own); absent: a model release.
+    config: dict[str, int | str] | None = None
+
+    _config = field_validator("config", mode="before")(_capacity)
 
     _id = field_validator("rollout_id", mode="before")(_rollout_id)
     _name = field_validator("name", mode="before")(_model_name)
@@ -171,6 +198,7 @@ class Patched(_Result):
     set: dict[str, float | None]
     live: list[str]  # the keys applied to the running box
     on_restart: list[str]  # the keys that wait for the next start
+    ungated: bool = False  # capacity keys were set outside the gate
 
 
 class Purged(_Result):
@@ -223,7 +251,8 @@ _TYPES = (
     CommandType("rebirth", "Publishes the birth again (the box's facts, models and "
                 "config fingerprint).", IgnoredArgs, Reborn, mutating=False),
     CommandType("config.patch", "Changes settings from the allow-list, at once where they "
-                "can, and keeps them over the config file.", PatchArgs, Patched,
+                "can, and keeps them over the config file; capacity settings only with "
+                "`ungated` (else they ship as a gated release).", PatchArgs, Patched,
                 rebirth_after=True, example={"set": {"telemetry.interval_s": 10}}),
     CommandType("ledger.purge", "Deletes what retention says now; with `before`, also "
                 "every request row older than that unix time.", PurgeArgs, Purged,
@@ -231,7 +260,8 @@ _TYPES = (
     CommandType("keys.revoke", "Revokes the API key with that prefix; it stops working at "
                 "once.", RevokeArgs, Revoked, example={"prefix": "1a2b3c4d"}),
     CommandType("rollout.start", "Starts a rollout of a signed release: download, verify, "
-                "stage, switch, health gate.", StartArgs, RolloutAnswer,
+                "stage, switch, health gate; with `config`, a capacity release (those "
+                "runtime settings, gated on the version served).", StartArgs, RolloutAnswer,
                 example={"rollout_id": "r1", "name": "gemma3:270m", "version": 2}),
     CommandType("rollout.cancel", "Cancels a rollout before its switch (from ACTIVATING on, "
                 "only a rollback goes back).", TargetArgs, RolloutAnswer,

@@ -47,13 +47,19 @@ class RolloutStart(BaseModel):
     device_timeout: str = Field("2h", max_length=40)
     rollback_on_abort: bool = False
     id: str | None = Field(None, max_length=64)
+    capacity: str | None = Field(None, max_length=1000,
+                                 description="A capacity release: KEY=VALUE,… of "
+                                 "parallel, context_length, threads, prompt_lookup, "
+                                 "draft_model, draft_tokens.")
 
 
 def start_rollout(store: ControllerStore, state_dir: Path | None, body: RolloutStart,
                   who: Mapping[str, str]) -> RolloutRecord:
     """A rollout started by `who` (`access.actor`) and put on the audit trail, done or
     refused: the API's and the console's one way."""
-    with audited(store, action="rollout.start", target=body.id, request=body.model_dump(),
+    # A model release's trail as before; a capacity release's names its settings.
+    request = body.model_dump(exclude=set() if body.capacity else {"capacity"})
+    with audited(store, action="rollout.start", target=body.id, request=request,
                  **who) as action:
         if state_dir is None:
             raise ModelNotFound("this controller has no release repository")
@@ -61,9 +67,12 @@ def start_rollout(store: ControllerStore, state_dir: Path | None, body: RolloutS
             body.waves, abort_above=body.abort_above, min_executed=body.min_executed,
             soak=body.soak, device_timeout=body.device_timeout,
             rollback_on_abort=body.rollback_on_abort)
+        capacity = rollout_ops.parse_capacity(body.capacity) \
+            if body.capacity is not None else None
         try:
             record = rollout_ops.start(store, state_dir, body.release, body.devices, policy,
-                                       now=time.time(), rollout_id=body.id)
+                                       now=time.time(), rollout_id=body.id,
+                                       capacity=capacity)
         except ConfigError as exc:  # the repository is not there: the controller's to fix
             raise ServiceUnavailable(str(exc)) from exc
         action.target = record.id

@@ -143,7 +143,9 @@ class RolloutEngine:
         self._said.discard("broker")
         fleets = {d.device: d.fleet for d in devices}
         ttl = max(r.device_timeout_s, 1.0)
-        start = {"rollout_id": r.id, "name": r.name, "version": r.version}
+        start: dict[str, Any] = {"rollout_id": r.id, "name": r.name, "version": r.version}
+        if r.config:  # a capacity release: the settings, gated on the version served
+            start["config"] = dict(r.config)
         self._send(r, START, plan.start, fleets, start, ttl, require_state=RUNNING)
         first = {d.device: d.started_at for d in devices}
         for device in plan.retry:  # what is left of its device timeout, at least a second

@@ -45,6 +45,7 @@ from edge_agent.fleet.controller.rollouts.waves import (
     tally,
 )
 from edge_agent.fleet.controller.store import ControllerStore
+from edge_agent.fleet.protocol.command_types import CAPACITY_KEYS, BadArgs, lookup
 from edge_agent.fleet.protocol.ids import check_id
 from edge_agent.fleet.protocol.rollout_states import ROLLED_BACK
 from edge_agent.names import ModelName
@@ -118,10 +119,38 @@ def policy(waves: str, *, abort_above: str = "10%", min_executed: int = 3, soak:
                   rollback_on_abort)
 
 
+def parse_capacity(text: str) -> dict[str, int | str]:
+    """`parallel=8,context_length=2048` → {"parallel": 8, "context_length": 2048}: the
+    capacity settings a capacity release ships (`protocol.command_types.CAPACITY_KEYS`), a
+    whole number read as one; their bounds are the box's to check."""
+    out: dict[str, int | str] = {}
+    for item in (p.strip() for p in text.split(",")):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise InvalidRequest(f"--capacity {text!r}: KEY=VALUE,… such as "
+                                 "parallel=8,context_length=2048", param="capacity")
+        if key not in CAPACITY_KEYS:
+            raise InvalidRequest(f"--capacity: {key!r} is not a capacity setting (one of "
+                                 f"{', '.join(CAPACITY_KEYS)})", param="capacity")
+        if key in out:
+            raise InvalidRequest(f"--capacity: {key} given twice", param="capacity")
+        out[key] = int(value) if re.fullmatch(r"\d{1,12}", value) else value
+    try:
+        lookup("rollout.start").check_args({"rollout_id": "r", "name": "m", "version": "1",
+                                            "config": out})
+    except BadArgs as exc:
+        raise InvalidRequest(f"--capacity: {exc}", param="capacity") from None
+    return out
+
+
 def start(store: ControllerStore, state_dir: Path, ref: str, selector: str, policy: Policy, *,
-          now: float, rollout_id: str | None = None) -> RolloutRecord:
+          now: float, rollout_id: str | None = None,
+          capacity: Mapping[str, Any] | None = None) -> RolloutRecord:
     """A new RUNNING rollout of a published release (ModelNotFound if the controller's
-    repository does not list it; RolloutConflict while another of the name is live)."""
+    repository does not list it; RolloutConflict while another of the name is live);
+    with `capacity`, a capacity release of those settings, gated by that release's
+    golden set on the boxes that serve it."""
     name, version = parse_ref(ref)
     ReleaseRepository(releases_dir(state_dir)).get(name, version)
     rid = rollout_id or f"ro-{uuid.uuid4().hex[:12]}"
@@ -131,7 +160,8 @@ def start(store: ControllerStore, state_dir: Path, ref: str, selector: str, poli
     waves = assign_waves(rid, devices, policy.steps)
     return store.create_rollout(NewRollout(
         rid, name, version, selector,
-        policy, {d: (fleet, waves[d]) for d, fleet in devices.items()}), now)
+        policy, {d: (fleet, waves[d]) for d, fleet in devices.items()},
+        dict(capacity) if capacity else None), now)
 
 
 def act(store: ControllerStore, rollout_id: str, action: str, *, now: float,

@@ -54,7 +54,7 @@ from edge_agent.fleet.protocol.rollout_states import (
 _ROLLOUT_COLUMNS = ("id, name, version, selector, waves, abort_above, min_executed, soak_s, "
                     "device_timeout_s, rollback_on_abort, state, live, settled, wave, "
                     "waves_total, devices_total, reason, wave_started_at, created_at, "
-                    "updated_at")
+                    "updated_at, config")
 _DEVICE_COLUMNS = ("device, fleet, wave, state, retrying, reason, command_id, started_at, "
                    "active_at, finished_at, outcome, reported_ts, updated_at, progress_bytes, "
                    "progress_total, progress_rate_bps, progress_eta_s, progress_ts")
@@ -133,11 +133,12 @@ class RolloutQueries:
             with self._tx() as db:
                 self._refuse_taken(db, new.id, new.name)
                 db.run(f"INSERT INTO rollouts ({_ROLLOUT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, "
-                       "?, ?, ?, ?, 'RUNNING', 1, 0, 0, ?, ?, NULL, NULL, ?, ?)",
+                       "?, ?, ?, ?, 'RUNNING', 1, 0, 0, ?, ?, NULL, NULL, ?, ?, ?)",
                        [new.id, new.name, new.version, new.selector,
                         ",".join(str(s) for s in p.steps), p.abort_above, p.min_executed,
                         p.soak_s, p.device_timeout_s, int(p.rollback_on_abort), waves_total,
-                        len(new.devices), now, now])
+                        len(new.devices), now, now,
+                        json.dumps(dict(new.config)) if new.config else None])
                 db.many("INSERT INTO rollout_devices (rollout_id, device, fleet, wave, state, "
                         "updated_at) VALUES (?, ?, ?, ?, ?, ?)",
                         [(new.id, device, fleet, wave, PENDING, now)

@@ -5,6 +5,7 @@ write, the conflict error, and the store interface for them (`RolloutRecordStore
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -41,6 +42,7 @@ class RolloutRecord:
     wave_started_at: float | None
     created_at: float
     updated_at: float
+    config: dict[str, Any] | None = None  # a capacity release's settings (None: a model's)
 
     def policy(self) -> Policy:
         return Policy(parse_waves(self.waves), self.abort_above, self.min_executed,
@@ -113,6 +115,7 @@ class NewRollout:
     selector: str
     policy: Policy
     devices: Mapping[str, tuple[str, int]]  # device -> (fleet, wave)
+    config: Mapping[str, Any] | None = None  # a capacity release: the settings it ships
 
 
 class RolloutRecordStore(Protocol):
@@ -148,8 +151,9 @@ class RolloutRecordStore(Protocol):
 def rollout_from_row(row: Sequence[Any]) -> RolloutRecord:
     (id_, name, version, selector, waves, abort_above, min_executed, soak_s, timeout_s,
      rollback, state, live, settled, wave, waves_total, devices_total, reason,
-     wave_started_at, created_at, updated_at) = row
+     wave_started_at, created_at, updated_at, config) = row
     return RolloutRecord(id_, name, version, selector, waves, float(abort_above),
                          int(min_executed), float(soak_s), float(timeout_s), bool(rollback),
                          state, bool(live), bool(settled), int(wave), int(waves_total),
-                         int(devices_total), reason, wave_started_at, created_at, updated_at)
+                         int(devices_total), reason, wave_started_at, created_at, updated_at,
+                         json.loads(config) if config else None)

@@ -16,7 +16,7 @@ from typing import Any
 
 from edge_agent.config import Settings
 from edge_agent.fleet.device.link.command_gate import Handler
-from edge_agent.fleet.device.link.overlay import config_patch_handler
+from edge_agent.fleet.device.link.overlay import Ungated, config_patch_handler
 from edge_agent.fleet.protocol.command import Command, is_finite_number
 from edge_agent.fleet.protocol.command_types import KEY_PREFIX
 from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
@@ -84,10 +84,12 @@ def copy_patched(live: Settings, new: Settings, keys: Iterable[str]) -> list[str
 
 def box_handlers(settings: Settings, state_dir: Path, *,
                  purge: Callable[[float | None], int], revoke: Callable[[str], bool],
-                 apply_live: Callable[[Settings, dict[str, Any]], Iterable[str]]
-                 ) -> Mapping[str, Handler]:
+                 apply_live: Callable[[Settings, dict[str, Any]], Iterable[str]],
+                 ungated: Ungated | None = None) -> Mapping[str, Handler]:
     """The handlers a serving box registers besides ping and rebirth. `settings` is the
-    live object `config.patch` validates against and `apply_live` updates."""
-    return {"config.patch": config_patch_handler(lambda: settings, state_dir, apply_live),
+    live object `config.patch` validates against and `apply_live` updates; `ungated`
+    records an ungated capacity patch (`overlay.config_patch_handler`)."""
+    return {"config.patch": config_patch_handler(lambda: settings, state_dir, apply_live,
+                                                 ungated),
             "ledger.purge": ledger_purge_handler(purge),
             "keys.revoke": keys_revoke_handler(revoke)}

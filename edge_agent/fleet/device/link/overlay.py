@@ -19,8 +19,20 @@ refused; this table copies them and a test holds the two (and docs/fleet/command
     tenants.<name>.tokens_per_minute     1 … 1_000_000_000, or null
     tenants.<name>.tokens_per_day        1 … 1_000_000_000_000, or null
 
+Capacity keys (a model's speed *and* its answers: `protocol.command_types.CAPACITY_KEYS`)
+are gated: they ship as a capacity release (`fleet rollout start NAME@VERSION --config
+parallel=…`, `device.rollout.capacity`), which writes them here once its gate passed. A
+`config.patch` of one is refused unless its args say `"ungated": true`; then it is taken
+at the next load of the model (the next start), and marked as ungated in the release
+evidence. Bounds as in `[runtime]` and `[models."name"]`:
+
+    runtime.parallel | context_length | threads | prompt_lookup
+    models.<name>.parallel | context_length | threads | prompt_lookup | draft_model
+                 | draft_tokens                        (null: back to [runtime]'s)
+
 A tenant's keys need the tenant in the config file (a patch never creates one). Values are
-JSON numbers; null where the table says so: no cap, no ceiling. They are validated by
+JSON numbers; null where the table says so: no cap, no ceiling (a model's `draft_model`, a
+name, and `parallel = "auto"` ship only through a capacity release). They are validated by
 building the whole Settings with the patch applied, before anything is written, so the
 model's own bounds apply. A refused patch changes nothing, neither the overlay file nor
 the running box (CommandRefused `malformed`, the message naming the key and the bound it
@@ -48,6 +60,7 @@ from edge_agent.config import Settings
 from edge_agent.files import atomic_write
 from edge_agent.fleet.device.link.command_gate import Handler
 from edge_agent.fleet.protocol.command import Command, is_finite_number
+from edge_agent.fleet.protocol.command_types import CAPACITY_KEYS
 from edge_agent.fleet.protocol.command_types import MAX_PATCH_KEYS as MAX_KEYS
 from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
 
@@ -60,14 +73,48 @@ KEYS = frozenset({"telemetry.interval_s", "fleet.metrics_interval_s", "fleet.led
                   "fleet.rollout_nice"})
 NULLABLE = frozenset({"fleet.max_download_bytes_per_s"})  # null: no cap
 TENANT_KEYS = frozenset({"requests_per_minute", "tokens_per_minute", "tokens_per_day"})
+RUNTIME_CAPACITY = frozenset({"parallel", "context_length", "threads", "prompt_lookup"})
+TEXT_KEYS = frozenset({"draft_model", "parallel"})  # a name; "auto"
 
 
-def _path(settings: Settings, key: Any) -> list[str]:
-    """Where `key` lives in the settings, if the allow-list has it; else CommandRefused."""
+class Gated(CommandRefused):
+    """A capacity key in a `config.patch` that did not say `ungated`."""
+
+
+def capacity_key(key: str) -> bool:
+    """Whether `key` is a capacity setting (gated): `runtime.parallel`,
+    `models.<name>.draft_model`, …"""
+    head, _, rest = key.partition(".")
+    if head == "runtime":
+        return rest in RUNTIME_CAPACITY
+    return head == "models" and rest.rpartition(".")[2] in CAPACITY_KEYS \
+        and bool(rest.rpartition(".")[0])
+
+
+def capacity_overlay_key(name: str, key: str) -> str:
+    """Where a rollout's `--config` key lives: the runtime's where it has one (the box's
+    `[runtime]`), else the rolled-out model's own table (`draft_model`, `draft_tokens`)."""
+    return f"runtime.{key}" if key in RUNTIME_CAPACITY else f"models.{name}.{key}"
+
+
+def _path(settings: Settings, key: Any, capacity: bool = False) -> list[str]:
+    """Where `key` lives in the settings, if the allow-list has it; else CommandRefused
+    (`Gated` for a capacity key unless `capacity`)."""
     if not isinstance(key, str):
         raise CommandRefused(MALFORMED, "a key is not text")
     if key in KEYS:
         return key.split(".")
+    if capacity_key(key):
+        if not capacity:
+            leaf = key.rpartition(".")[2]
+            raise Gated(MALFORMED, f"{_shown(key)} is a capacity setting: it ships through "
+                        f"the release gate (edge-agent fleet rollout start NAME@VERSION "
+                        f"--capacity {leaf}=...), or outside it only as an ungated patch "
+                        "(fleet send ... config.patch --ungated)")
+        if key.startswith("runtime."):
+            return key.split(".")
+        name, _, leaf = key[len("models."):].rpartition(".")
+        return ["models", name, leaf]
     head, _, rest = key.partition(".")
     name, _, leaf = rest.rpartition(".")  # a tenant's name may hold dots
     if head == "tenants" and name and leaf in TENANT_KEYS:
@@ -82,8 +129,11 @@ def _shown(text: str) -> str:
     return shown + "..." if len(text) > 80 else shown
 
 
-def _check_value(key: str, path: list[str], value: Any) -> None:
-    if value is None and (path[0] == "tenants" or key in NULLABLE):
+def _check_value(key: str, path: list[str], value: Any, texts: bool = False) -> None:
+    if value is None and (path[0] in ("tenants", "models") or key in NULLABLE):
+        return
+    if texts and isinstance(value, str) and path[0] in ("runtime", "models") \
+            and path[-1] in TEXT_KEYS:
         return
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise CommandRefused(MALFORMED, f"{_shown(key)} must be a number, not "
@@ -92,20 +142,23 @@ def _check_value(key: str, path: list[str], value: Any) -> None:
         raise CommandRefused(MALFORMED, f"{_shown(key)} must be a finite number")
 
 
-def patched(settings: Settings, changes: Mapping[str, Any]) -> Settings:
+def patched(settings: Settings, changes: Mapping[str, Any], *,
+            capacity: bool = False, texts: bool = False) -> Settings:
     """`settings` with `changes` applied and validated; CommandRefused (`malformed`, the key
-    named) if a key is not allowed or a value is not valid. `settings` is not changed."""
+    named) if a key is not allowed (a capacity key only with `capacity`: a gated release,
+    or an ungated patch) or a value is not valid (text only with `texts`: a capacity
+    release's `draft_model`, `parallel = "auto"`). `settings` is not changed."""
     if not isinstance(changes, Mapping) or not changes:
         raise CommandRefused(MALFORMED, "nothing to set")
     if len(changes) > MAX_KEYS:
         raise CommandRefused(MALFORMED, f"{len(changes)} keys; at most {MAX_KEYS}")
     data = settings.model_dump()
     for key, value in changes.items():
-        path = _path(settings, key)
-        _check_value(key, path, value)
+        path = _path(settings, key, capacity)
+        _check_value(key, path, value, texts)
         node = data
         for part in path[:-1]:
-            node = node[part]
+            node = node.setdefault(part, {})  # a model with no table of its own yet
         node[path[-1]] = value
     try:
         return Settings.model_validate(data)
@@ -142,12 +195,40 @@ def _save(state_dir: Path, values: Mapping[str, Any]) -> None:
     atomic_write(state_dir / OVERLAY_FILE, data, sync_dir=True)
 
 
-def apply_patch(settings: Settings, state_dir: Path, changes: Mapping[str, Any]) -> Settings:
+def apply_patch(settings: Settings, state_dir: Path, changes: Mapping[str, Any], *,
+                capacity: bool = False, texts: bool = False) -> Settings:
     """Validates `changes` against `settings`, then persists them merged into the overlay;
     the new settings. A refused patch persists nothing."""
-    new = patched(settings, changes)
+    new = patched(settings, changes, capacity=capacity, texts=texts)
     _save(state_dir, {**load_overlay(state_dir), **changes})
     return new
+
+
+def restore_keys(state_dir: Path, previous: Mapping[str, Any]) -> None:
+    """Puts keys of the overlay back as they were (`previous[key]`: its value then, or
+    `MISSING`: it was not in the overlay) — a capacity release rolled back after it was
+    written."""
+    values = load_overlay(state_dir)
+    for key, value in previous.items():
+        if value is MISSING:
+            values.pop(key, None)
+        else:
+            values[key] = value
+    _save(state_dir, values)
+
+
+def overlay_values(state_dir: Path, keys: Iterable[str]) -> dict[str, Any]:
+    """What the overlay holds for `keys` now (`MISSING` where it holds nothing)."""
+    values = load_overlay(state_dir)
+    return {key: values.get(key, MISSING) for key in keys}
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()
 
 
 def apply_overlay(settings: Settings, state_dir: Path) -> Settings:
@@ -155,30 +236,53 @@ def apply_overlay(settings: Settings, state_dir: Path) -> Settings:
     longer fits (its tenant left the config file, a bound changed) is skipped with a
     warning and stays in the file — the box starts either way."""
     for key, value in load_overlay(state_dir).items():
-        try:
-            settings = patched(settings, {key: value})
+        try:  # a capacity key here passed its gate, or was sent ungated
+            settings = patched(settings, {key: value}, capacity=True, texts=True)
         except CommandRefused as exc:
             log.warning("config overlay: %s not applied (%s)", _shown(str(key)), exc.message)
     return settings
 
 
+Ungated = Callable[[Command, Settings, Settings, dict[str, Any]], None]
+
+
 def config_patch_handler(
         current: Callable[[], Settings], state_dir: Path,
         apply_live: Callable[[Settings, dict[str, Any]], Iterable[str]] | None = None,
+        ungated: Ungated | None = None,
 ) -> Handler:
-    """The `config.patch` handler: args `{"set": {key: value, ...}}`. `current()` gives the
-    effective settings; `apply_live(new_settings, changes)` applies what it can to the
-    running box and returns those keys — the rest take effect at the next start. Result:
-    `{"set": {...}, "live": [keys], "on_restart": [keys]}`."""
+    """The `config.patch` handler: args `{"set": {key: value, ...}}` (and `"ungated":
+    true` for capacity keys). `current()` gives the effective settings; `apply_live(
+    new_settings, changes)` applies what it can to the running box and returns those keys
+    — the rest take effect at the next start (capacity keys always: at the model's next
+    load). `ungated(command, before, after, capacity_changes)` records an ungated capacity
+    patch (its evidence row). Result: `{"set": {...}, "live": [keys], "on_restart":
+    [keys]}`, with `"ungated": true` when capacity keys were set."""
 
     def handle(command: Command) -> dict[str, Any]:
         args = command.args
-        if set(args) != {"set"} or not isinstance(args["set"], dict):
-            raise CommandRefused(MALFORMED, 'args must be {"set": {key: value, ...}}')
+        if not set(args) <= {"set", "ungated"} or "set" not in args \
+                or not isinstance(args["set"], dict) \
+                or not isinstance(args.get("ungated", False), bool):
+            raise CommandRefused(MALFORMED, 'args must be {"set": {key: value, ...}, '
+                                            '"ungated"?: true|false}')
         changes = dict(args["set"])
-        new = apply_patch(current(), state_dir, changes)
-        live = set(apply_live(new, changes)) if apply_live is not None else set()
+        open_gate = bool(args.get("ungated", False))
+        before = current()
+        new = apply_patch(before, state_dir, changes, capacity=open_gate)
+        gated = {k: v for k, v in changes.items() if capacity_key(k)}
+        if gated and ungated is not None:
+            try:
+                ungated(command, before, new, gated)
+            except Exception:  # the patch stands; its log line says the row is missing
+                log.exception("config.patch %s: ungated evidence not recorded", command.id)
+        if gated:
+            log.warning("config.patch %s: capacity settings %s changed UNGATED (no release "
+                        "gate ran); they apply at the model's next load", command.id,
+                        ", ".join(sorted(gated)))
+        rest = {k: v for k, v in changes.items() if k not in gated}
+        live = set(apply_live(new, rest)) if apply_live is not None and rest else set()
         return {"set": changes, "live": sorted(live & set(changes)),
-                "on_restart": sorted(set(changes) - live)}
+                "on_restart": sorted(set(changes) - live), **({"ungated": True} if gated else {})}
 
     return handle

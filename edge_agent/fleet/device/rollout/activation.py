@@ -23,6 +23,9 @@ Requests already running when the pointer moves finish on the weights they start
 (the registry resolves the pointer per request), so a client sees no failed request.
 Every attempt ends with one evidence row (`ledger.evidence`), also sent as `audit`.
 
+A capacity release (a rollout with `config`) takes the same states on the version served,
+its runtime staged instead of a new version: `fleet.device.rollout.capacity`.
+
 Runs on the server's event loop; blocking work goes to threads. Must never import the
 registry, the scheduler, the runtime or the request path's service (`ModelOps` and the
 injected probe are the only ways to the models).
@@ -45,7 +48,8 @@ import psutil
 from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError
-from edge_agent.fleet.device.rollout import health_gate
+from edge_agent.fleet.device.link.overlay import MISSING, apply_patch, overlay_values
+from edge_agent.fleet.device.rollout import capacity, health_gate
 from edge_agent.fleet.device.rollout.health_gate import Check, GateReport, GateSpec, Probe
 from edge_agent.fleet.device.rollout.store import Rollout, RolloutStore
 from edge_agent.fleet.protocol.rollout_states import (
@@ -126,6 +130,8 @@ class Activator:
         spec = health_gate.parse_spec(((r.release or {}).get("manifest") or {}).get("gate"))
         target = r.target_digest
         assert target is not None
+        if r.capacity is not None:
+            return await self._run_capacity(r, spec, target, abort)
         previous = self.ops.active_digest(r.name)
         r = await self.move(r, ACTIVATING, expect=STAGED, previous_digest=previous)
         if previous == target:
@@ -183,6 +189,129 @@ class Activator:
         r = await self.move(r, ACTIVE, expect=GATING, gate={"checks": report.as_list()},
                             details={"checks": len(report.checks)})
         await self._release(r, held, keep=target)
+        self.evidence(r, report.checks)
+        return r
+
+    # -- a capacity release ----------------------------------------------------------------
+    async def _run_capacity(self, r: Rollout, spec: GateSpec, target: str,
+                            abort: Callable[[], bool]) -> Rollout:
+        """STAGED → ACTIVATING (baseline, staged runtime) → GATING → ACTIVE | ROLLED_BACK,
+        on the version served (`capacity`'s docstring)."""
+        change = r.capacity
+        assert change is not None
+        keys = capacity.overlay_changes(r.name, change)
+        live = self.settings
+        was = live.model_copy(deep=True)
+        config = {"change": change, "before": capacity.effective(was, r.name),
+                  "values_before": capacity.raw_values(was, keys),
+                  "overlay_before": {k: v for k, v in
+                                     overlay_values(live.state_dir, keys).items()
+                                     if v is not MISSING}}
+        previous = self.ops.active_digest(r.name)
+        r = await self.move(r, ACTIVATING, expect=STAGED, previous_digest=previous,
+                            config=config)
+        checks: list[Check] = []
+        if previous != target:
+            checks.append(Check("serving_version", False, (previous or "none")[:12],
+                                target[:12], "a capacity release is gated on the version "
+                                "the box serves; this box serves another"))
+            return await self._capacity_back(r, checks, was, keys, swapped=False)
+        try:
+            staged = capacity.staged_settings(was, r.name, change)
+        except EdgeAgentError as exc:
+            checks.append(Check("config", False, "invalid", None, exc.message[:200]))
+            return await self._capacity_back(r, checks, was, keys, swapped=False)
+        config["after"] = capacity.effective(staged, r.name)
+        r = await asyncio.to_thread(self.store.update, r.id, config=config)
+        if self.ops.loader is not None:  # the baseline: the serving runtime, as it is
+            await self.ops.load(r.name)
+        baseline = await capacity.replay(spec, r.name, self.probe)
+        swapped = False
+        try:
+            if abort():
+                checks.append(_requested())
+            else:
+                swapped = True
+                await capacity.swap_runtime(
+                    self.ops, r.name, target, self.wait_idle,
+                    lambda: capacity.copy_capacity(live, staged, keys))
+                self._tell("switched", r)
+        except RetryLater:
+            if swapped:  # drained too long: nothing changed, the old settings stand
+                capacity.copy_capacity(live, was, keys)
+            raise
+        except EdgeAgentError as exc:
+            checks.append(Check("load", False, type(exc).__name__, None, exc.message[:200]))
+        except Exception as exc:  # a bug must still end on the previous settings
+            log.exception("rollout %s: staging the runtime failed", r.id)
+            checks.append(Check("activation", False, type(exc).__name__, None, str(exc)[:200]))
+        if checks:
+            return await self._capacity_back(r, checks, was, keys, swapped=swapped)
+        switched_at = self.clock()
+        r = await self.move(r, GATING, expect=ACTIVATING)
+        report = await self._capacity_gate(r, spec, baseline, switched_at, abort)
+        if not report.passed:
+            return await self._capacity_back(r, report.checks, was, keys, swapped=True)
+        await asyncio.to_thread(apply_patch, was, live.state_dir, keys, capacity=True,
+                                texts=True)
+        r = await self.move(r, ACTIVE, expect=GATING, gate={"checks": report.as_list()},
+                            details={"checks": len(report.checks), "config": change})
+        self.evidence(r, report.checks)
+        return r
+
+    async def _capacity_gate(self, r: Rollout, spec: GateSpec, baseline: capacity.Replay,
+                             switched_at: float, abort: Callable[[], bool]) -> GateReport:
+        assert r.target_digest is not None
+        report = GateReport()
+        if spec.memory_headroom_bytes is not None:
+            available = psutil.virtual_memory().available
+            report.checks.append(health_gate.check_memory(available, spec.memory_headroom_bytes))
+        staged = await capacity.replay(spec, r.name, self.probe)
+        report.checks.extend(staged.checks)
+        report.checks.extend(capacity.compare(spec, baseline, staged))
+        if staged.answers:
+            report.checks.append(health_gate.check_served(list(staged.answers.values()),
+                                                          r.target_digest))
+        if spec.prompts:
+            speed = capacity.compare_speed(spec, baseline, staged)
+            if not all(c.passed for c in speed) and not abort():
+                # One more pass before a verdict on speed (a burst of the store's own
+                # traffic must not roll a sound change back): the better pass counts.
+                again = await capacity.replay(spec, r.name, self.probe)
+                better = capacity.compare_speed(spec, baseline, again)
+                if sum(c.passed for c in better) > sum(c.passed for c in speed):
+                    speed = better
+            report.checks.extend(speed)
+            burst = await capacity.replay(spec, r.name, self.probe, burst=True)
+            report.checks.append(capacity.check_burst(burst, spec))
+        if spec.ttft_ms_max is not None and staged.answers:
+            report.checks.append(health_gate.check_ttft(list(staged.answers.values()),
+                                                        spec.ttft_ms_max))
+        if report.passed and spec.soak_requests and not abort():
+            report.checks.append(await self._soak(r, spec, switched_at, abort))
+        if abort():
+            report.checks.append(_requested())
+        return report
+
+    async def _capacity_back(self, r: Rollout, checks: list[Check], was: Settings,
+                             keys: Mapping[str, Any], *, swapped: bool) -> Rollout:
+        """ROLLED_BACK committed, then the previous settings copied back and the model
+        loaded with them again (the overlay never held the new ones)."""
+        report = GateReport(list(checks))
+        reason = report.reason() or "rolled back"
+        r = await self.move(r, ROLLED_BACK, reason=reason,
+                            details={"failed": [c.name for c in report.failed]},
+                            gate={"checks": report.as_list()}, restored=False)
+        if swapped:
+            try:
+                await capacity.swap_runtime(
+                    self.ops, r.name, r.target_digest or "", self.wait_idle,
+                    lambda: capacity.copy_capacity(self.settings, was, keys))
+            except Exception as exc:  # the settings are back; the next request loads
+                capacity.copy_capacity(self.settings, was, keys)
+                log.error("rollout %s: loading %s again with its previous settings failed: "
+                          "%s", r.id, r.name, exc)
+        r = await asyncio.to_thread(self.store.update, r.id, restored=True)
         self.evidence(r, report.checks)
         return r
 
@@ -264,6 +393,10 @@ class Activator:
         while self.ops.busy(name, previous) > 0 and self.clock() < deadline:
             await asyncio.sleep(min(self.poll_s, 0.05))
 
+    async def wait_idle(self, name: str) -> None:
+        """Returns once no request holds `name` (RetryLater past the drain timeout)."""
+        await self._wait_idle(ModelName.parse(name))
+
     async def _wait_idle(self, name: ModelName) -> None:
         deadline = self.clock() + self.drain_timeout_s
         while (busy := self.ops.busy(name)) > 0:
@@ -312,7 +445,14 @@ class Activator:
 
     def _parameters(self, r: Rollout) -> dict[str, Any]:
         """What the release runs with here: its default sampling parameters and the
-        box's runtime plan for the name."""
+        box's runtime plan for the name; for a capacity release, the change with the
+        name's settings before and after it."""
+        if r.config:
+            return {"capacity": {"change": r.config.get("change"),
+                                 "before": r.config.get("before"),
+                                 "after": r.config.get("after")},
+                    "quantization": ((r.release or {}).get("manifest") or {})
+                    .get("quantization")}
         manifest = (r.release or {}).get("manifest") or {}
         rt = self.settings.runtime
         override = self.settings.model_override(r.name)

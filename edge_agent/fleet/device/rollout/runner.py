@@ -54,7 +54,8 @@ from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError, InvalidRequest
 from edge_agent.fleet.device.link.command_gate import Handler
-from edge_agent.fleet.device.rollout import health_gate
+from edge_agent.fleet.device.link.overlay import MISSING, restore_keys
+from edge_agent.fleet.device.rollout import capacity, health_gate
 from edge_agent.fleet.device.rollout.activation import (
     SETTLE_S,
     Activator,
@@ -240,6 +241,14 @@ class RolloutManager:
                 raise ReleaseRejected("bad_gate", error=str(exc)[:300]) from None
             if r.target_digest is not None and r.target_digest != digest:
                 raise ReleaseRejected("release_changed", was=r.target_digest, now=digest)
+            if r.capacity is not None:  # gated on the version served: nothing to fetch
+                serving = self.ops.active_digest(r.name)
+                if serving != digest:
+                    raise ReleaseRejected(
+                        capacity.NOT_SERVING, f"a capacity release is gated on the version "
+                        f"served: {r.name}@{r.version} is sha256:{digest[:12]}, this box "
+                        f"serves {'sha256:' + serving[:12] if serving else 'none'}",
+                        release=digest, serving=serving)
             facts = {"length": release.length, "sha256": digest,
                      "manifest": dict(release.manifest or {})}
             if self._installed(r.name, digest):
@@ -339,11 +348,15 @@ class RolloutManager:
 
     async def _converge(self, r: Rollout) -> None:
         """A rollout a restart found switching, or rolled back with its switch back
-        undone: the previous digest serves again; never the new one without its gate."""
+        undone: the previous digest serves again; never the new one without its gate (a
+        capacity release: the previous settings, `_restore_capacity`)."""
         if r.state in SWITCHING:
             r = await self._move(r, ROLLED_BACK, reason=interrupted(r.state),
                                  expect=r.state, restored=False)
             self.activator.evidence(r, [])
+        if r.config:  # a capacity release: the settings go back, the version never moved
+            await self._restore_capacity(r)
+            return
         await asyncio.to_thread(restore_pointer, self.ops, self.store, r)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -410,10 +423,14 @@ class RolloutManager:
 
     def _start_handler(self, command: Command) -> dict[str, Any]:
         args = command.args
-        if set(args) != {"rollout_id", "name", "version"}:
-            raise CommandRefused(MALFORMED, "args must be {rollout_id, name, version}")
+        if not {"rollout_id", "name", "version"} <= set(args) \
+                <= {"rollout_id", "name", "version", "config"}:
+            raise CommandRefused(MALFORMED, "args must be {rollout_id, name, version, "
+                                            "config?}")
         rid, name, version = check_id(args["rollout_id"]), args["name"], args["version"]
-        return self.begin(rid, check_name(name), check_version(version), command.id)
+        config = capacity.check_config(args["config"]) if "config" in args else None
+        return self.begin(rid, check_name(name), check_version(version), command.id,
+                          config=config)
 
     def _cancel_handler(self, command: Command) -> dict[str, Any]:
         return self.cancel(**target(command.args))
@@ -422,17 +439,19 @@ class RolloutManager:
         return self.rollback(**target(command.args))
 
     def begin(self, rollout_id: str, name: str, version: str,
-              command_id: str | None = None) -> dict[str, Any]:
+              command_id: str | None = None, *,
+              config: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """A new rollout (RECEIVED, committed) and its task; the same id again reports
         it; refused while another rollout of the name is live, or a `models pull` of it
-        runs (its row is created under the name's claim: `fleet.device.rollout.name_claim`)."""
+        runs (its row is created under the name's claim: `fleet.device.rollout.name_claim`).
+        `config`: a capacity release of those settings (`fleet.device.rollout.capacity`)."""
         key = ModelName.parse(name)
         claim = name_claim(self.settings.state_dir, key, {"rollout_id": rollout_id}) \
             if self.store.get(rollout_id) is None else nullcontext()
         try:
             with claim:
                 r, created = self.store.create(rollout_id, key, version,
-                                               command_id=command_id)
+                                               command_id=command_id, config=config)
         except NameBusy as busy:
             return self._busy(rollout_id, busy.live.name, busy.live.summary())
         except NameHeld as held:
@@ -489,6 +508,8 @@ class RolloutManager:
             return self.cancel(r.id)
         if r.state != ACTIVE:
             return {"accepted": r.state == ROLLED_BACK, **r.summary()}
+        if r.config:
+            return self._capacity_rollback(r)
         if self.ops.active_digest(r.name) != r.target_digest:
             return {"accepted": False, "refused": "superseded", **r.summary()}
         try:
@@ -499,6 +520,50 @@ class RolloutManager:
         self._published(r, None)
         r = restore_pointer(self.ops, self.store, r)
         return {"accepted": True, **r.summary()}
+
+    def _capacity_rollback(self, r: Rollout) -> dict[str, Any]:
+        """An ACTIVE capacity release rolled back: committed (`restored` 0), then on the
+        loop the overlay put back as it was for its keys and the model loaded with the
+        previous settings (`_restore_capacity`; a restart finishes what a crash cut)."""
+        try:
+            r = self.store.transition(r.id, ROLLED_BACK, reason="rollback requested",
+                                      expect=ACTIVE, restored=False)
+        except IllegalTransition:
+            return self.rollback(r.id)
+        self._published(r, None)
+        loop, back = self._loop, r
+
+        async def finish() -> None:
+            try:
+                await self._restore_capacity(back)
+            except Exception:  # left `restored = 0`: the next start finishes it
+                log.exception("rollout %s: restoring the previous settings failed", back.id)
+
+        if loop is not None and not self._stopping:
+            loop.call_soon_threadsafe(lambda: loop.create_task(finish()))
+        return {"accepted": True, **r.summary()}
+
+    async def _restore_capacity(self, r: Rollout) -> None:
+        """A capacity release's way back, idempotent: its overlay keys as they were before
+        it (nothing to do if it never wrote them), the live settings as they were, and the
+        model loaded again with them if they had changed; `restored` once done."""
+        config = r.config or {}
+        keys = capacity.overlay_changes(r.name, config.get("change") or {})
+        before = config.get("overlay_before") or {}
+        await asyncio.to_thread(restore_keys, self.settings.state_dir,
+                                {k: before.get(k, MISSING) for k in keys})
+        values = config.get("values_before") or {}
+        if values and capacity.raw_values(self.settings, keys) != values:
+            previous = capacity.with_values(self.settings, values)
+            try:
+                await capacity.swap_runtime(
+                    self.ops, r.name, r.target_digest or "", self.activator.wait_idle,
+                    lambda: capacity.copy_capacity(self.settings, previous, keys))
+            except Exception:  # the settings are back; the next request loads with them
+                capacity.copy_capacity(self.settings, previous, keys)
+                log.exception("rollout %s: loading %s again with its previous settings "
+                              "failed", r.id, r.name)
+        await asyncio.to_thread(self.store.update, r.id, restored=True)
 
     def _find(self, rollout_id: str | None, name: str | None,
               prefer: str | None = None) -> Rollout | None:

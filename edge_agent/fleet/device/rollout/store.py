@@ -69,6 +69,13 @@ def m001_rollouts(db: Database) -> None:
     db.execute("CREATE INDEX transitions_rollout ON transitions (rollout_id, seq)")
 
 
+@MIGRATIONS()
+def m002_capacity(db: Database) -> None:
+    """A capacity release (`rollout.capacity`): the settings it changes, and what the
+    overlay held for them before (NULL: a model release)."""
+    db.execute("ALTER TABLE rollouts ADD COLUMN config TEXT")
+
+
 class IllegalTransition(RuntimeError):
     """A transition the graph does not allow from the row's state now (another thread
     moved it first: a cancel, a rollback)."""
@@ -105,10 +112,19 @@ class Rollout:
     command_id: str | None
     created_at: float
     updated_at: float
+    # A capacity release: {"change": {key: value}} from its command, and once it switched,
+    # "overlay_before" (what the overlay held for those keys) and "before"/"after" (the
+    # effective settings of the name). None: a model release.
+    config: dict[str, Any] | None = None
 
     @property
     def final(self) -> bool:
         return not self.live
+
+    @property
+    def capacity(self) -> dict[str, Any] | None:
+        """The settings a capacity release changes (None: a model release)."""
+        return dict(self.config["change"]) if self.config else None
 
     def summary(self) -> dict[str, Any]:
         """What a command result and an audit message carry about the rollout."""
@@ -116,7 +132,8 @@ class Rollout:
                 "state": self.state, "attempts": self.attempts, "failures": self.failures,
                 "reason": self.reason, "target_digest": self.target_digest,
                 "previous_digest": self.previous_digest,
-                "timings": {k: round(v, 3) for k, v in self.timings.items()}}
+                "timings": {k: round(v, 3) for k, v in self.timings.items()},
+                **({"config": self.capacity} if self.config else {})}
 
 
 @dataclass(frozen=True)
@@ -133,10 +150,10 @@ class Transition:
 _COLUMNS = ("id", "name", "version", "state", "live", "restored", "attempts", "failures",
             "reason", "details", "release", "target_digest", "previous_digest", "gate",
             "timings", "entered_at", "staged_at", "retry_at", "command_id", "created_at",
-            "updated_at")
-_JSON = frozenset({"details", "release", "gate", "timings"})
+            "updated_at", "config")
+_JSON = frozenset({"details", "release", "gate", "timings", "config"})
 _SETTABLE = frozenset({"release", "target_digest", "previous_digest", "gate", "staged_at",
-                       "retry_at", "restored", "attempts", "failures"})
+                       "retry_at", "restored", "attempts", "failures", "config"})
 
 
 def _dump(value: Any) -> str | None:
@@ -194,7 +211,8 @@ class RolloutStore(DurableStore):
 
     # -- writing ---------------------------------------------------------------------------
     def create(self, rollout_id: str, name: str, version: str, *,
-               command_id: str | None = None) -> tuple[Rollout, bool]:
+               command_id: str | None = None, config: Mapping[str, Any] | None = None
+               ) -> tuple[Rollout, bool]:
         """A new rollout in RECEIVED, committed; `(row, True)`. The same id again gives
         `(its row, False)` unchanged (a redelivered command). NameBusy when another
         rollout of `name` is live."""
@@ -207,8 +225,10 @@ class RolloutStore(DurableStore):
                 with self._db.atomic():
                     self._db.conn.execute(
                         "INSERT INTO rollouts (id, name, version, state, live, entered_at, "
-                        "command_id, created_at, updated_at) VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?)",
-                        [rollout_id, name, version, RECEIVED, now, command_id, now, now])
+                        "command_id, created_at, updated_at, config) "
+                        "VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?, ?)",
+                        [rollout_id, name, version, RECEIVED, now, command_id, now, now,
+                         _dump({"change": dict(config)}) if config else None])
                     self._log(rollout_id, now, None, RECEIVED, None, {})
             except sqlite3.IntegrityError:
                 live = self._first("name = ? AND live = 1", [name])
@@ -248,7 +268,7 @@ class RolloutStore(DurableStore):
             values = {**fields, "state": to, "live": int(live), "reason": reason,
                       "details": _dump(dict(details or {})), "timings": _dump(timings),
                       "entered_at": now, "updated_at": now}
-            for key in ("release", "gate"):
+            for key in ("release", "gate", "config"):
                 if key in values:
                     values[key] = _dump(values[key])
             if "restored" in values:
@@ -268,7 +288,7 @@ class RolloutStore(DurableStore):
         if bad or not fields:
             raise ValueError(f"not settable: {sorted(bad) or 'nothing'}")
         values = dict(fields)
-        for key in ("release", "gate"):
+        for key in ("release", "gate", "config"):
             if key in values:
                 values[key] = _dump(values[key])
         if "restored" in values:
