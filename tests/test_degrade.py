@@ -115,3 +115,23 @@ def test_a_fallback_name_that_is_no_model_name_stops_the_start(tmp_path: Any) ->
 
     with pytest.raises(ConfigError, match="fallback"):
         load_settings(None, state_dir=tmp_path, **{"models": {"a:1": {"fallback": "no good"}}})
+
+
+def test_a_health_gate_request_is_high_tier_never_answered_by_a_fallback() -> None:
+    """The gate judges the version it asked for: its requests go in at the high tier."""
+    import asyncio
+
+    from edge_agent.engine.request import GenerationRequest
+    from edge_agent.gateway.probe import ServiceProbe
+
+    asked: list[GenerationRequest] = []
+
+    class Saturated:
+        async def prepare(self, request: GenerationRequest) -> None:
+            asked.append(request)
+            raise NotDegraded("risk tier high: not degraded")
+
+    with pytest.raises(NotDegraded):
+        asyncio.run(ServiceProbe(Saturated())(  # type: ignore[arg-type]
+            GenerationRequest(model=str(SMOL), prompt="Hi")))
+    assert [r.risk for r in asked] == ["high"]

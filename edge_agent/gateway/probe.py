@@ -9,6 +9,7 @@ and hands it to the rollout manager, which sees only `fleet.device.rollout.healt
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -35,8 +36,9 @@ class ServiceProbe:
 
     async def __call__(self, request: GenerationRequest) -> ProbeResult:
         """Runs `request` to its end; an error event is raised as the EdgeAgentError a
-        client would have got."""
-        prepared = await self.service.prepare(request)
+        client would have got. At the high risk tier: a gate judges the version it asked
+        for, so a saturated box refuses its request rather than answer with a fallback."""
+        prepared = await self.service.prepare(dataclasses.replace(request, risk="high"))
         first_ns = 0
         async for event in self.service.stream(prepared):
             if isinstance(event, TokenEvent):
