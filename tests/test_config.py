@@ -149,3 +149,14 @@ def test_the_controllers_command_key_is_its_signing_key_file(
     cfg.write_text('command_key_file = "/a.pem"\ncommand_signing_key_file = "/b.pem"\n')
     with pytest.raises(ConfigError, match="set only command_signing_key_file"):
         load_controller_settings(cfg)
+
+
+def test_a_quantized_kv_cache_without_flash_attention_stops_the_start(tmp_path: Path) -> None:
+    from edge_agent.config import ConfigError
+
+    assert load_settings(None, state_dir=tmp_path, **{
+        "runtime.kv_cache_type": "q8_0"}).runtime.kv_cache_type == "q8_0"
+    for flags in ({"runtime.kv_cache_type": "q8_0"},
+                  {"models": {"smollm2:135m": {"kv_cache_type": "q4_0"}}}):
+        with pytest.raises(ConfigError, match="needs flash attention"):
+            load_settings(None, state_dir=tmp_path, **{"runtime.flash_attn": "off", **flags})

@@ -94,3 +94,28 @@ def test_keep_alive_past_a_century_is_forever_and_nan_is_refused() -> None:
     assert parse_keep_alive("1e12") == FOREVER and parse_keep_alive(300) == 300.0
     with pytest.raises(InvalidRequest):
         parse_keep_alive(float("nan"))
+
+
+def test_a_quantized_kv_cache_holds_the_same_sequences_in_less_memory(
+        model_cache: Path, tmp_path: Path) -> None:
+    """`kv_cache_type = "q8_0"`: llama.cpp's cells at 34 bytes per 32 values, counted so in
+    the memory the model is charged, and answers served from them."""
+    from edge_agent.engine.models.gguf_probe import probe
+    from edge_agent.names import ModelName
+
+    state = clone_state(model_cache, tmp_path / "state")
+    info = ModelStore(state).get(ModelName.parse(DEFAULT_MODEL))
+    f16_kv = probe(info.blob_path(state)).kv_bytes_per_token() * 2 * 512
+    settings = load_settings(None, state_dir=state, **{
+        "server.port": free_port(), "runtime.context_length": 512, "runtime.parallel": 2,
+        "runtime.kv_cache_type": "q8_0"})
+    live = start_server(settings)
+    try:
+        r = httpx.post(f"{live.openai_url}/chat/completions", timeout=60, json={
+            "model": DEFAULT_MODEL, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "Name a colour."}]})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        loaded = live.app.state.parts.registry.loaded()[0]
+        assert loaded.memory - info.size == int(f16_kv / 2 * 34 / 32) // (2 * 512) * 2 * 512
+    finally:
+        live.stop()

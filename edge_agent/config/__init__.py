@@ -244,6 +244,11 @@ class RuntimeSettings(_Section):
     request_timeout_ms: int = Field(
         0, ge=0, description="Default deadline per request (0: none); clients may ask less."
     )
+    kv_cache_type: Literal["f16", "q8_0", "q4_0"] = Field(
+        "f16", description="The KV cache's cell type: 'q8_0' holds about twice the tokens "
+        "(or sequences) of 'f16' in the same memory, 'q4_0' about 3.5 times, at some cost "
+        "to the answers (greedy answers may differ) and, on a CPU, to speed. A capacity "
+        "setting: fleet rollouts gate it.")
     max_loaded_models: int = Field(
         2, ge=1, description="Model names resident at once. Two versions of one name (a "
         "rollout's new one beside the old, until its gate passes) count once: a version "
@@ -279,6 +284,7 @@ class ModelOverride(_Section):
     n_gpu_layers: int | Literal["auto"] | None = None
     threads: int | None = Field(None, ge=0)
     parallel: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] | None = None
+    kv_cache_type: Literal["f16", "q8_0", "q4_0"] | None = None
     prompt_lookup: int | None = Field(None, ge=0, le=MAX_DRAFT)
     # Speculation by a smaller installed model with the same vocabulary (guesses from it,
     # not from the prompt): its name, and the most guesses a step (DRAFT_MODEL_TOKENS
@@ -417,6 +423,18 @@ class Settings(LayeredSettings):
         except InvalidRequest as exc:
             raise ValueError(exc.message) from None
         return name
+
+    @model_validator(mode="after")
+    def _kv_needs_flash_attention(self) -> Settings:
+        """llama.cpp keeps a quantized KV cache only with flash attention: say so at the
+        start, not as a model that fails to load."""
+        if self.runtime.flash_attn == "off":
+            types = {self.runtime.kv_cache_type} | {
+                o.kv_cache_type for o in self.models.overrides.values() if o.kv_cache_type}
+            if types - {"f16"}:
+                raise ValueError(f"kv_cache_type '{sorted(types - {'f16'})[0]}' needs flash "
+                                 "attention: set runtime.flash_attn to 'auto' or 'on'")
+        return self
 
     def model_override(self, name: str) -> ModelOverride:
         return self.models.overrides.get(name) or ModelOverride.model_validate({})

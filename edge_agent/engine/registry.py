@@ -48,6 +48,7 @@ from edge_agent.engine.request import EmbeddingResult, Event, Generation, Genera
 from edge_agent.engine.runtime.llama import (
     LlamaModel,
     default_threads,
+    kv_scale,
     resolve_extra_buffers,
     resolve_flash_attn,
     resolve_gpu_layers,
@@ -390,7 +391,7 @@ class ModelRegistry:
             return True
         gguf = await run_niced(BACKGROUND_NICE, probe, info.blob_path(self.store.state_dir))
         _, _, parallel, n_ctx, _ = self._plan(info, gguf)
-        need = info.size + gguf.kv_bytes_per_token() * parallel * n_ctx
+        need = info.size + self._kv_bytes(info, gguf) * parallel * n_ctx
         used = sum(m.memory for m in self._loaded.values())
         return self._names(name) <= self.settings.runtime.max_loaded_models and \
             used + need <= self.memory_budget
@@ -492,10 +493,18 @@ class ModelRegistry:
         parallel = override.parallel or rt.parallel
         if parallel == "auto":
             parallel = auto_parallel(
-                kv_bytes_per_token=gguf.kv_bytes_per_token(), context=n_ctx,
+                kv_bytes_per_token=self._kv_bytes(info, gguf), context=n_ctx,
                 weights=info.size, budget=self.memory_budget, models=rt.max_loaded_models,
                 threads=threads, gpu=gpu > 0)
         return gpu, threads, parallel, n_ctx, min(rt.batch_size, n_ctx)
+
+    def _kv_type(self, info: InstalledModel) -> str:
+        return self.settings.model_override(info.name).kv_cache_type or \
+            self.settings.runtime.kv_cache_type
+
+    def _kv_bytes(self, info: InstalledModel, gguf: GGUFInfo) -> int:
+        """KV bytes per cached token at the model's `kv_cache_type`."""
+        return int(gguf.kv_bytes_per_token() * kv_scale(self._kv_type(info)))
 
     def _prompt_lookup(self, info: InstalledModel) -> int:
         own = self.settings.model_override(info.name).prompt_lookup
@@ -542,7 +551,7 @@ class ModelRegistry:
         # cores (the load itself is not niced: its scheduler's threads would keep it).
         gguf = await run_niced(BACKGROUND_NICE, self.store.verify, info)
         gpu_layers, _, parallel, n_ctx, _ = self._plan(info, gguf)
-        need = info.size + gguf.kv_bytes_per_token() * parallel * n_ctx
+        need = info.size + self._kv_bytes(info, gguf) * parallel * n_ctx
         draft = await self._draft_info(info)
         if draft is not None:
             need += draft[0].size + draft[1].kv_bytes_per_token() * parallel * n_ctx
@@ -613,7 +622,8 @@ class ModelRegistry:
                 embed_ctx=rt.embedding_context, max_queue=rt.max_queue,
                 prefill_chunk=rt.prefill_chunk, max_step_stall=rt.max_step_stall,
                 aging_s=rt.aging_s, deterministic=rt.deterministic,
-                flash_attn=resolve_flash_attn(rt.flash_attn), nice=rt.compute_nice,
+                flash_attn=resolve_flash_attn(rt.flash_attn), kv_type=self._kv_type(info),
+                nice=rt.compute_nice,
                 prompt_lookup=lookup, draft_model=draft,
                 close_tokens=rt.structured_close_tokens)
         except BaseException:

@@ -220,11 +220,24 @@ def resolve_flash_attn(setting: str) -> int:
     return {"on": 1, "off": 0}.get(setting, -1)
 
 
+# The KV cache's cell types (`kv_cache_type`), and the bytes each takes per value beside f16's
+# two: q8_0 keeps 32 values in 34 bytes, q4_0 in 18.
+KV_TYPES = {"f16": ll.GGML_TYPE_F16, "q8_0": ll.GGML_TYPE_Q8_0, "q4_0": ll.GGML_TYPE_Q4_0}
+KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def kv_scale(kv_type: str) -> float:
+    """A KV cache of `kv_type` against f16's size (what `kv_bytes_per_token` counts)."""
+    return KV_BYTES[kv_type] / KV_BYTES["f16"]
+
+
 def _context_params(
-    n_ctx: int, n_batch: int, n_threads: int, n_seq: int = 1, flash_attn: int = -1
+    n_ctx: int, n_batch: int, n_threads: int, n_seq: int = 1, flash_attn: int = -1,
+    kv_type: str = "f16",
 ) -> ll.llama_context_params:
     p = ll.llama_context_default_params()
     p.flash_attn_type = flash_attn
+    p.type_k = p.type_v = KV_TYPES[kv_type]
     p.n_ctx = n_ctx
     p.n_batch = n_batch
     p.n_ubatch = min(n_batch, 512)
@@ -295,13 +308,15 @@ class BatchContext:
     `n_ctx_seq` cells; the scheduler decodes one batch for all of them per step."""
 
     def __init__(self, model: LlamaModel, *, n_seq: int, n_ctx_seq: int, n_batch: int,
-                 n_threads: int, flash_attn: int = -1) -> None:
+                 n_threads: int, flash_attn: int = -1, kv_type: str = "f16") -> None:
         self.model = model
-        params = _context_params(n_ctx_seq * n_seq, n_batch, n_threads, n_seq, flash_attn)
+        params = _context_params(n_ctx_seq * n_seq, n_batch, n_threads, n_seq, flash_attn,
+                                 kv_type)
         ptr = ll.llama_init_from_model(model.ptr, params)
         if not ptr:
             raise EdgeAgentError(
-                f"llama.cpp could not create a context of {n_seq} x {n_ctx_seq} tokens")
+                f"llama.cpp could not create a context of {n_seq} x {n_ctx_seq} tokens"
+                + (f" with a {kv_type} KV cache" if kv_type != "f16" else ""))
         self.ptr = ptr
         self.mem = ll.llama_get_memory(ptr)
         self.n_seq = n_seq

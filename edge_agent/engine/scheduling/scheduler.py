@@ -177,6 +177,7 @@ class ModelScheduler:
         max_step_stall: float = 3.0,
         deterministic: bool = False,
         flash_attn: int = -1,
+        kv_type: str = "f16",
         nice: int = 0,
         prompt_lookup: int = 0,
         draft_model: LlamaModel | None = None,
@@ -193,7 +194,7 @@ class ModelScheduler:
         # A GPU's rows are almost free until the batch is large.
         self.draft_rows = 1 if model.n_gpu_layers == 0 else 4
         self.ctx = BatchContext(model, n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch,
-                                n_threads=n_threads, flash_attn=flash_attn)
+                                n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self.slots = [_Slot(i) for i in range(parallel)]
         # Guesses from a draft model, where one is given (its vocabulary checked by the
         # caller), rather than from the prompt; this scheduler owns and closes it.

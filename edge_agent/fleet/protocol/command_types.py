@@ -55,10 +55,8 @@ MAX_PATCH_KEYS = 64  # keys in one config.patch
 # A capacity change: the runtime settings that change a model's speed *and* its answers. A
 # `rollout.start` with `config` ships them as a gated release (`device.rollout.capacity`);
 # a `config.patch` of them is refused unless it says `ungated` (`device.link.overlay`).
-# `kv_cache_type` is not among them: the runtime has no such setting (llama.cpp's KV cache
-# runs at f16 here).
-CAPACITY_KEYS = ("parallel", "context_length", "threads", "prompt_lookup", "draft_model",
-                 "draft_tokens")
+CAPACITY_KEYS = ("parallel", "context_length", "threads", "prompt_lookup", "kv_cache_type",
+                 "draft_model", "draft_tokens")
 
 
 class UnknownType(ValueError):

@@ -124,6 +124,30 @@ def test_a_value_out_of_bounds_rolls_back_before_anything_changes(tmp_path: Path
     assert box.settings.runtime.context_length == 4096
 
 
+def test_a_kv_cache_type_ships_within_the_settings_own_bounds(tmp_path: Path) -> None:
+    box = Box(tmp_path)
+    r = asyncio.run(_roll(box, "k1", "1", {"kv_cache_type": "q8_0"}))
+    assert r.state == ACTIVE and box.settings.runtime.kv_cache_type == "q8_0"
+    assert load_overlay(box.settings.state_dir) == {"runtime.kv_cache_type": "q8_0"}
+    ev = box.evidence("k1")["parameters"]["capacity"]
+    assert (ev["before"]["kv_cache_type"], ev["after"]["kv_cache_type"]) == ("f16", "q8_0")
+    for rid, bad in (("k2", "q5_1"), ("k3", 8)):
+        r = asyncio.run(_roll(box, rid, "1", {"kv_cache_type": bad}))
+        assert r.state == ROLLED_BACK and "gate check config failed" in r.reason
+        assert box.settings.runtime.kv_cache_type == "q8_0"
+
+
+def test_a_quantized_kv_cache_without_flash_attention_never_reaches_the_model(
+        tmp_path: Path) -> None:
+    box = Box(tmp_path)
+    box.settings.runtime.flash_attn = "off"
+    r = asyncio.run(_roll(box, "k4", "1", {"kv_cache_type": "q4_0"}))
+    assert r.state == ROLLED_BACK and "gate check config failed" in r.reason
+    check = next(c for c in box.evidence("k4")["checks"] if c["name"] == "config")
+    assert "kv_cache_type 'q4_0' needs flash attention" in json.dumps(check), check
+    assert "drain" not in [e[0] for e in box.loader.log]
+
+
 def test_a_box_serving_another_version_rejects_it_before_anything_changes(
         tmp_path: Path) -> None:
     box = Box(tmp_path)
@@ -238,9 +262,11 @@ def test_config_patch_of_a_capacity_key_needs_ungated_and_is_recorded(tmp_path: 
 
 
 def test_the_controller_reads_capacity_and_holds_it_to_the_schema() -> None:
-    assert parse_capacity("parallel=8, context_length=2048,draft_model=smollm2:135m") == {
-        "parallel": 8, "context_length": 2048, "draft_model": "smollm2:135m"}
-    for bad in ("parallel", "kv_cache_type=q8_0", "parallel=8,parallel=4", "=3"):
+    assert parse_capacity("parallel=8, context_length=2048,draft_model=smollm2:135m,"
+                          "kv_cache_type=q8_0") == {
+        "parallel": 8, "context_length": 2048, "draft_model": "smollm2:135m",
+        "kv_cache_type": "q8_0"}
+    for bad in ("parallel", "batch_size=8", "parallel=8,parallel=4", "=3"):
         with pytest.raises(InvalidRequest):
             parse_capacity(bad)
     start = lookup("rollout.start")

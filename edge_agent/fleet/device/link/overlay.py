@@ -26,17 +26,18 @@ parallel=…`, `device.rollout.capacity`), which writes them here once its gate 
 at the next load of the model (the next start), and marked as ungated in the release
 evidence. Bounds as in `[runtime]` and `[models."name"]`:
 
-    runtime.parallel | context_length | threads | prompt_lookup
-    models.<name>.parallel | context_length | threads | prompt_lookup | draft_model
-                 | draft_tokens                        (null: back to [runtime]'s)
+    runtime.parallel | context_length | threads | prompt_lookup | kv_cache_type
+    models.<name>.parallel | context_length | threads | prompt_lookup | kv_cache_type
+                 | draft_model | draft_tokens          (null: back to [runtime]'s)
 
 A tenant's keys need the tenant in the config file (a patch never creates one). Values are
 JSON numbers; null where the table says so: no cap, no ceiling (a model's `draft_model`, a
-name, and `parallel = "auto"` ship only through a capacity release). They are validated by
-building the whole Settings with the patch applied, before anything is written, so the
-model's own bounds apply. A refused patch changes nothing, neither the overlay file nor
-the running box (CommandRefused `malformed`, the message naming the key and the bound it
-breaks, e.g. `'telemetry.interval_s': Input should be less than or equal to 86400`).
+name, `parallel = "auto"` and a `kv_cache_type` ship only through a capacity release).
+They are validated by building the whole Settings with the patch applied, before anything
+is written, so the model's own bounds apply. A refused patch changes nothing, neither the
+overlay file nor the running box (CommandRefused `malformed`, the message naming the key
+and the bound it breaks, e.g. `'telemetry.interval_s': Input should be less than or equal
+to 86400`).
 
 The file is `{"v":1,"set":{"telemetry.interval_s":10,...}}`, replaced atomically (temp
 file, fsync, rename); it beats the config file, the environment and command-line flags,
@@ -73,8 +74,9 @@ KEYS = frozenset({"telemetry.interval_s", "fleet.metrics_interval_s", "fleet.led
                   "fleet.rollout_nice"})
 NULLABLE = frozenset({"fleet.max_download_bytes_per_s"})  # null: no cap
 TENANT_KEYS = frozenset({"requests_per_minute", "tokens_per_minute", "tokens_per_day"})
-RUNTIME_CAPACITY = frozenset({"parallel", "context_length", "threads", "prompt_lookup"})
-TEXT_KEYS = frozenset({"draft_model", "parallel"})  # a name; "auto"
+RUNTIME_CAPACITY = frozenset({"parallel", "context_length", "threads", "prompt_lookup",
+                              "kv_cache_type"})
+TEXT_KEYS = frozenset({"draft_model", "parallel", "kv_cache_type"})  # a name; "auto"; "q8_0"
 
 
 class Gated(CommandRefused):
@@ -165,6 +167,8 @@ def patched(settings: Settings, changes: Mapping[str, Any], *,
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
+        if not where:  # a rule across keys (a quantized KV cache needs flash attention)
+            raise CommandRefused(MALFORMED, str(err["msg"])) from None
         raise CommandRefused(MALFORMED, f"{_shown(where)}: {err['msg']}") from None
 
 

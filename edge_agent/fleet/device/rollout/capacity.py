@@ -106,6 +106,7 @@ def effective(settings: Settings, name: str) -> dict[str, Any]:
             "threads": own.threads or rt.threads,
             "prompt_lookup": rt.prompt_lookup if own.prompt_lookup is None
             else own.prompt_lookup,
+            "kv_cache_type": own.kv_cache_type or rt.kv_cache_type,
             "draft_model": own.draft_model, "draft_tokens": own.draft_tokens}
 
 
