@@ -22,7 +22,7 @@ from edge_agent.bench.run import request_scaling, run_levels
 from edge_agent.bench.structured import ask_order
 from edge_agent.bench.targets import BY_KEY, TARGETS, report
 from edge_agent.engine.models.catalog import ModelStore
-from tests.conftest import DEFAULT_MODEL, LiveServer
+from tests.conftest import DEFAULT_MODEL, NO_EOS, LiveServer
 
 
 class _Recorder:
@@ -218,3 +218,24 @@ def test_the_long_prefix_is_long_and_shared() -> None:
     a, b = ask_manual(1), ask_manual(2)
     assert a[0] == b[0] and a[1] != b[1]
     assert len(a[0]["content"]) > 4000  # ~1,200 tokens of English
+
+
+@pytest.mark.integration
+def test_the_client_side_requests_are_timed_in_three_parts(live_server: LiveServer) -> None:
+    """Each case of the client-side section against edge-agent: 64 tokens counted from
+    `usage`, and the wall time split into parts that add up to it (not streamed: the
+    server's own prompt and decoding times, from its Server-Timing header)."""
+    from edge_agent.bench.client_side import CASES, MAX_TOKENS, _body, ask
+
+    peer = HttpPeer.__new__(HttpPeer)
+    peer.model = DEFAULT_MODEL
+    with httpx.Client(base_url=live_server.base_url, timeout=120) as client:
+        for case in CASES[:4] + CASES[-1:]:  # c=1 whole and streamed, both temperatures
+            timed = ask(client, _body(peer, case, 3, {"logit_bias": NO_EOS}))
+            assert timed.tokens == MAX_TOKENS, case
+            parts = timed.before_ms + timed.decode_ms + timed.after_ms
+            assert abs(parts - timed.wall_s * 1000) < 1, case
+            assert timed.before_ms > 0 and timed.decode_ms > 0 and timed.after_ms > 0, case
+        r = client.post("/v1/chat/completions", json=_body(peer, CASES[0], 4, {}))
+    timing = r.headers["server-timing"]
+    assert timing.startswith("queue;dur=") and "prompt;dur=" in timing and "decode;dur=" in timing

@@ -39,6 +39,7 @@ from typing import Any
 
 import jsonschema
 
+from edge_agent.bench.client_side import bench_client_side
 from edge_agent.bench.lookup import quote_prompt
 from edge_agent.bench.peers import Completion, EdgeAgentPeer, HttpPeer, LlamaServerPeer, Sample
 from edge_agent.bench.structured import ORDER_SCHEMA, ask_order, schema_body
@@ -169,6 +170,8 @@ def bench_llama_server(state_dir: Path, path: Path, model: str, binary: Path, *,
     out["tools"], out["long_prefix"], out["lookup"] = tools, prefix, lookup
     out["burst"] = _burst(state_dir, path, model, binary, threads=threads, context=context,
                           extra=extra, echo=echo, rounds=rounds, max_tokens=max_tokens)
+    out["client_side"] = bench_client_side(state_dir, path, model, binary, threads=threads,
+                                           extra=extra, echo=echo, rounds=rounds)
     return out
 
 

@@ -66,6 +66,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def sse_chunks(client: httpx.Client, body: dict[str, Any], headers: dict[str, str]
+               ) -> Iterator[dict[str, Any]]:
+    """A streamed chat completion's chunks, as they arrive."""
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 class HttpPeer:
     """A server process speaking the OpenAI dialect."""
 
@@ -126,22 +136,16 @@ class HttpPeer:
                           message=choice["message"], finish_reason=choice["finish_reason"])
 
     def _read(self, body: dict[str, Any], sample: Sample, headers: dict[str, str]) -> None:
-        with self.client.stream("POST", "/v1/chat/completions", json=body,
-                                headers=headers) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    details = chunk["usage"].get("prompt_tokens_details") or {}
-                    sample.cached_tokens = details.get("cached_tokens") or 0
-                    sample.prompt_tokens = chunk["usage"].get("prompt_tokens") or 0
-                choices = chunk.get("choices") or []
-                content = choices[0].get("delta", {}).get("content") if choices else None
-                if content:
-                    sample.arrivals.append(time.perf_counter())
-                    sample.text += content
+        for chunk in sse_chunks(self.client, body, headers):
+            if chunk.get("usage"):
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                sample.cached_tokens = details.get("cached_tokens") or 0
+                sample.prompt_tokens = chunk["usage"].get("prompt_tokens") or 0
+            choices = chunk.get("choices") or []
+            content = choices[0].get("delta", {}).get("content") if choices else None
+            if content:
+                sample.arrivals.append(time.perf_counter())
+                sample.text += content
 
     def close(self) -> None:
         self.client.close()

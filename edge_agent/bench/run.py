@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from edge_agent.bench.client_side import bench_client_side
 from edge_agent.bench.llama_server import bench_llama_server
 from edge_agent.bench.lookup import bench_lookup
 from edge_agent.bench.observability import (
@@ -480,8 +481,10 @@ def bench_correctness(state_dir: Path, model: str, *, threads: int, context: int
 
 
 def run_llama_server_bench(state_dir: Path, model: ModelName, binary: Path, *, threads: int,
-                           context: int, rounds: int, echo: Echo) -> dict[str, Any]:
-    """The llama-server comparison alone (`edge-agent bench llama-server BINARY`)."""
+                           context: int, rounds: int, echo: Echo,
+                           client_side_only: bool = False) -> dict[str, Any]:
+    """The llama-server comparison alone (`edge-agent bench llama-server BINARY`), or only
+    its client-side section (`--client-side`)."""
     store = ModelStore(state_dir)
     if not store.is_installed(model):
         store.pull(model)
@@ -489,6 +492,11 @@ def run_llama_server_bench(state_dir: Path, model: ModelName, binary: Path, *, t
     path = info.blob_path(state_dir)
     echo(f"edge-agent bench llama-server: {info.name} ({info.quantization}, "
          f"sha256:{info.digest[:12]}), {threads} threads")
+    if client_side_only:
+        return {"model": info.name, "threads": threads, "llama_server": {
+            "client_side": bench_client_side(state_dir, path, info.name, binary,
+                                             threads=threads, extra=_no_eos(path),
+                                             echo=echo, rounds=rounds)}}
     return {"model": info.name, "threads": threads, "llama_server": bench_llama_server(
         state_dir, path, info.name, binary, threads=threads, context=context,
         extra=_no_eos(path), echo=echo, rounds=rounds)}

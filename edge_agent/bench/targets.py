@@ -76,6 +76,11 @@ TARGETS: tuple[Target, ...] = (
            "c={c} aggregate tokens/s, edge-agent default / llama-server -np {c}", ">=", 1.05),
     Target("llama_server.burst_ttft_growth", "edge-agent default, TTFT p50 at c={c} / c=1",
            "<=", 3),
+    # `edge-agent bench client-side PATH` (and the llama-server section): as an app sees it.
+    Target("client_side.c1", "{case}: tokens / wall time, edge-agent / llama-server",
+           ">=", 1.0),
+    Target("client_side.c8", "{case}: tokens / wall time, edge-agent default / llama-server",
+           ">=", 1.05),
     # `edge-agent bench structured-coverage`: the JSONSchemaBench sample (schema_coverage).
     Target("structured_coverage.edge_invalid",
            "edge-agent answers that finished and do not fit their schema, of {n}", "<=", 0,

@@ -178,11 +178,17 @@ def bench_fleet_scale(devices: int, regions: int, interval: float, duration: flo
 @click.option("--model", help="Model to measure (default: the configured default).")
 @click.option("--rounds", type=click.IntRange(1), default=5, show_default=True,
               help="Alternating rounds; the median of their ratios is judged.")
+@click.option("--client-side", "client_side", is_flag=True,
+              help="Only the section measured as a client sees it (default settings, "
+              "whole and streamed answers, c=1 and c=8, with where each request's time "
+              "went).")
 @json_option("Print the figures as JSON on stdout (the report goes to stderr).")
-def bench_llama_server(binary: Path, model: str | None, rounds: int, as_json: bool) -> None:
+def bench_llama_server(binary: Path, model: str | None, rounds: int, client_side: bool,
+                       as_json: bool) -> None:
     """Only the comparison with llama.cpp's own server (BINARY: a llama-server built from
     the llama.cpp that llama-cpp-python vendors): plain, JSON-schema and tool-call output,
-    a long shared prefix and a burst of 8, each ratio against its target."""
+    a long shared prefix, a burst of 8, and the requests as an app sends them, each ratio
+    against its target."""
     from edge_agent.bench.run import run_llama_server_bench
     from edge_agent.engine.runtime.llama import default_threads
 
@@ -195,7 +201,8 @@ def bench_llama_server(binary: Path, model: str | None, rounds: int, as_json: bo
     result = run_llama_server_bench(
         settings.state_dir, ModelName.parse(model or settings.default_model), binary,
         threads=settings.runtime.threads or default_threads(),
-        context=settings.runtime.context_length, rounds=rounds, echo=echo)
+        context=settings.runtime.context_length, rounds=rounds, echo=echo,
+        client_side_only=client_side)
     if as_json:
         echo_json(result)
 

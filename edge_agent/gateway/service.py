@@ -65,7 +65,8 @@ class PreparedGeneration:
     def headers(self, done: DoneEvent | None = None) -> dict[str, str]:
         """The context served, and where governance made the request smaller than asked,
         that too (both dialects); with the answer (`done`, a non-streamed response), whether
-        the last tokens of its budget closed it (`X-Edge-Closed`); and where a saturated box
+        the last tokens of its budget closed it (`X-Edge-Closed`) and where its time went
+        (`Server-Timing`: queued, prompt, decoding, in ms); and where a saturated box
         answered with a fallback model, that (`X-Edge-Degraded`)."""
         out = {"X-Edge-Context": str(self.fit.window)} if self.fit.window else {}
         if self.fit.truncated_tokens:
@@ -74,6 +75,11 @@ class PreparedGeneration:
             out["X-Edge-Clamped"] = str(self.fit.max_tokens)
         if done is not None and done.closed:
             out["X-Edge-Closed"] = "max_tokens"
+        if done is not None:  # where the server's time went, as a client can read it
+            t = done.timings
+            out["Server-Timing"] = (f"queue;dur={t.queue_ns / 1e6:.1f}, "
+                                    f"prompt;dur={t.prompt_ns / 1e6:.1f}, "
+                                    f"decode;dur={t.eval_ns / 1e6:.1f}")
         if self.degradation is not None:
             out["X-Edge-Degraded"] = self.degradation.header()
         return out
