@@ -24,7 +24,7 @@ COLUMNS: dict[str, type] = {
     "error_type": str, "prompt_tokens": int, "cached_tokens": int, "completion_tokens": int,
     "queue_ms": float, "ttft_ms": float, "tpot_ms": float, "total_ms": float,
     "done_reason": str, "truncated_tokens": int, "clamped": int, "structured_failure": int,
-    "end_user": str, "ignored_fields": str,
+    "end_user": str, "ignored_fields": str, "batch_id": str,
 }
 
 
@@ -100,6 +100,15 @@ def m006_ignored_fields(db: Database) -> None:
     ignores unknown fields; the box does too, and says so): their names, comma-separated."""
     if "ignored_fields" not in db[REQUESTS].columns_dict:
         db[REQUESTS].add_column("ignored_fields", str)  # type: ignore[union-attr]
+
+
+@MIGRATIONS()
+def m008_batch_lines(db: Database) -> None:
+    """A batch line's row names its batch (`/v1/batches`); interactive rows leave it NULL.
+    The row's id is the line's `request_id` in the batch's output file."""
+    if "batch_id" not in db[REQUESTS].columns_dict:
+        db[REQUESTS].add_column("batch_id", str)  # type: ignore[union-attr]
+    db[REQUESTS].create_index(["batch_id"], if_not_exists=True)  # type: ignore[union-attr]
 
 
 # Every table the writer may write, with its columns; rows for other tables are refused.
