@@ -24,7 +24,14 @@ import pytest
 
 from edge_agent.config import load_settings
 from edge_agent.governance.keys import KeyStore
-from tests.conftest import DEFAULT_MODEL, LiveServer, clone_state, free_port, start_server
+from tests.conftest import (
+    DEFAULT_MODEL,
+    NO_EOS,
+    LiveServer,
+    clone_state,
+    free_port,
+    start_server,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -392,3 +399,40 @@ def test_kill_9_halfway_resumes_without_losing_or_redoing_a_line(
         per_line[r["trace_id"]] = per_line.get(r["trace_id"], 0) + 1
     assert per_line == {x["id"]: 1 for x in out}, "a line lost or done twice"
     assert {r["id"] for r in rows} == {x["response"]["request_id"] for x in out}
+
+
+def test_an_interactive_request_meeting_every_sequence_taken_by_lines_gets_one_back(
+        model_cache: Path, tmp_path: Path) -> None:
+    """Two sequences, both lines' (no reserve): an interactive request puts the newest line
+    back, is answered, and the line runs again later; the batch still completes whole."""
+    state = clone_state(model_cache, tmp_path / "state")
+    live = start_server(load_settings(None, state_dir=state, **{
+        "server.port": free_port(), "runtime.context_length": 512, "runtime.parallel": 2,
+        "batches.reserve_slots": 0, "batches.max_in_flight": 2}))
+    try:
+        client = openai.OpenAI(base_url=live.openai_url, api_key="x", max_retries=0,
+                               timeout=60)
+        n = 4
+        f = _upload(client, _jsonl([_line(i, max_tokens=48, logit_bias=NO_EOS)
+                                    for i in range(n)]))
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+        service = live.app.state.parts.batches
+        [model] = live.app.state.parts.registry.loaded()
+        _wait(lambda: model.slots.running == 2 and service._generating() == 2, 60,
+              "both sequences taken by lines")
+        answer = client.chat.completions.create(
+            model=DEFAULT_MODEL, max_tokens=4,
+            messages=[{"role": "user", "content": "Is the shop open?"}])
+        assert answer.choices[0].message.content is not None
+        assert service.put_back >= 1
+        done = _ended(client, b.id)
+        assert done.request_counts is not None
+        assert (done.status, done.request_counts.completed) == ("completed", n)
+        out = _lines(client, done.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(n))
+        assert all(x["response"]["body"]["usage"]["completion_tokens"] == 48 for x in out)
+        assert live.app.state.parts.ledger.flush()
+        assert len(_ledger(state, b.id)) == n  # a line put back leaves no row of its own
+    finally:
+        live.stop()

@@ -46,6 +46,7 @@ WINDOWS = {"24h": 86400}
 RATE_WAIT_MAX_S = 60.0  # a 429 asking a longer wait (a daily quota) is the line's error
 TICK_BUSY_S = 0.02  # the runner's look at the queues while lines run (a step is longer)
 TICK_IDLE_S = 1.0
+PUT_BACK_GAP_S = 0.25  # the most lines put back a second per model: 4
 MAX_LIST = 100
 
 
@@ -71,6 +72,7 @@ class _Line:
     model: str | None
     task: asyncio.Task[None] | None = None
     started: float = 0.0
+    generating: bool = True  # False once its answer is in: it holds no sequence any more
 
 
 @dataclass
@@ -108,6 +110,9 @@ class BatchService:
         self._open: dict[str, _Open] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._commits: set[asyncio.Task[None]] = set()  # results being written
+        self._put_back_at: dict[str, float] = {}  # model → the last line put back
+        self.put_back = 0  # lines put back for an interactive request, since the start
 
     # -- life ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,6 +134,7 @@ class BatchService:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._commits, return_exceptions=True)  # answers already in
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
             self.store = None
@@ -306,7 +312,7 @@ class BatchService:
             if opened is not None:
                 opened.row["status"] = "cancelling"
                 for line in opened.running.values():
-                    if line.task is not None:
+                    if line.task is not None and line.generating:
                         line.task.cancel()
             self._wake.set()
             row = self._batch_row(tenant, batch_id)
@@ -361,7 +367,7 @@ class BatchService:
         return {m.info.name: m.slots for m in self.registry.loaded()}
 
     def _generating(self) -> int:
-        return sum(len(b.running) for b in self._open.values())
+        return sum(line.generating for b in self._open.values() for line in b.running.values())
 
     def _room(self) -> int:
         """Lines that may start now: none while an interactive request waits; else at most
@@ -382,20 +388,27 @@ class BatchService:
 
     def _preempt(self) -> None:
         """An interactive request waiting with every sequence of its model taken: the
-        newest line running on that model is cancelled (it runs again later)."""
+        newest line generating on that model is cancelled (its sequence is free at the
+        scheduler's next step) and runs again later. One a model per PUT_BACK_GAP_S, so
+        that a sequence being freed is not counted as taken and a second line put back."""
+        now = time.monotonic()
         for name, slots in self._loaded().items():
-            if not slots.interactive_waiting or slots.running < slots.parallel:
+            if not slots.interactive_waiting or slots.running < slots.parallel \
+                    or now - self._put_back_at.get(name, 0.0) < PUT_BACK_GAP_S:
                 continue
             running = [(line.started, line) for b in self._open.values()
                        for line in b.running.values()
-                       if line.task is not None and not line.task.done()
+                       if line.task is not None and line.generating
                        and _same_model(line.model, name)]
             if running:
                 newest = max(running, key=lambda pair: pair[0])[1]
                 log.info("batch line %s put back: an interactive request waits",
                          newest.line_id)
                 assert newest.task is not None
+                newest.generating = False  # its sequence is on its way back
                 newest.task.cancel()
+                self._put_back_at[name] = now
+                self.put_back += 1
 
     def _start(self, batch: _Open, row: dict[str, Any]) -> None:
         try:
@@ -431,6 +444,7 @@ class BatchService:
         else:
             status, body, retry_after = await self.run_line(tenant, row["endpoint"],
                                                             line.body)
+        line.generating = False
         if status == 503 and body.get("error", {}).get("code") == "shutting_down":
             return  # the box stops: the line stays pending
         if status == 503 or (status == 429 and retry_after is not None
@@ -448,15 +462,28 @@ class BatchService:
         access_log.info("POST %s %s (batch %s)", row["endpoint"], status, row["id"],
                         extra={"fields": {**fields, "batch_id": row["id"]},
                                "request_id": line.line_id})
-        self.record({**fields, "trace_id": line.line_id, "ts": started_at,
-                     "endpoint": row["endpoint"], "batch_id": row["id"]})
-        await asyncio.to_thread(self.flushed)  # the row first: a crash now reruns the line
         result = {"id": line.line_id, "custom_id": line.custom_id,
                   "response": {"status_code": status, "request_id": access["id"],
                                "body": body}, "error": None}
-        self._db().finish_line(row["id"], line.idx, "done" if status == 200 else "error",
-                               result)
-        row["completed" if status == 200 else "failed"] += 1
+        # The answer is in: kept even if the line is cancelled now (a stop waits for it).
+        commit = asyncio.ensure_future(self._commit(
+            batch, line, "done" if status == 200 else "error", result,
+            {**fields, "trace_id": line.line_id, "ts": started_at,
+             "endpoint": row["endpoint"], "batch_id": row["id"]}))
+        self._commits.add(commit)
+        commit.add_done_callback(self._commits.discard)
+        await asyncio.shield(commit)
+
+    async def _commit(self, batch: _Open, line: _Line, state: str, result: dict[str, Any],
+                      ledger_row: dict[str, Any]) -> None:
+        """The line's ledger row, then (once it is on disk) its result with its state: a
+        crash between the two runs the line again, a crash before never loses a row of a
+        result kept."""
+        self.record(ledger_row)
+        await asyncio.to_thread(self.flushed)
+        store = self.store
+        if store is not None and store.finish_line(batch.row["id"], line.idx, state, result):
+            batch.row["completed" if state == "done" else "failed"] += 1
 
     def _tenant(self, row: dict[str, Any]) -> TenantContext | None:
         """The batch's tenant as its policy is now (a restart may have changed it)."""
@@ -473,8 +500,8 @@ class BatchService:
         """Cancelled or expired: running lines stopped first, then what never ran is
         closed (an expired line is an error line, `batch_expired`, as OpenAI writes it)."""
         for line in batch.running.values():
-            if line.task is not None:
-                line.task.cancel()
+            if line.task is not None and line.generating:
+                line.task.cancel()  # a line whose answer is in is kept
         if batch.running:
             return  # the next tick, once they have stopped
         store = self._db()
