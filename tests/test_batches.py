@@ -225,6 +225,14 @@ def test_bad_lines_are_error_lines_and_the_rest_of_the_queue_goes_on(
     assert sorted(x["custom_id"] for x in _lines(client, done.output_file_id)) == \
         ["req-0", "req-5"]
     assert _ended(client, good.id).status == "completed"
+    live = box[0]
+    assert live.app.state.parts.ledger.flush()
+    rows = {r["id"]: r for r in _ledger(live.settings.state_dir, bad.id)}
+    assert len(rows) == 6  # every line, refused or answered, is a row
+    for answer in errors.values():
+        row = rows[answer["request_id"]]
+        assert row["status"] == answer["status_code"]
+        assert row["error_type"] == answer["body"]["error"]["type"]
 
 
 @pytest.mark.parametrize(("name", "data", "where"), [

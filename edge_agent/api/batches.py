@@ -36,6 +36,7 @@ from edge_agent.errors import (
 )
 from edge_agent.gateway.batches import BatchService, RunLine
 from edge_agent.governance.tenants import TenantContext
+from edge_agent.logs import note
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 log = logging.getLogger(__name__)
@@ -216,7 +217,11 @@ def line_runner(app: FastAPI) -> RunLine:
             response = await _HANDLERS[endpoint](request, app.state.parts)
             answer = json.loads(bytes(response.body))
             return response.status_code, answer, None
-        except EdgeAgentError as exc:
+        except EdgeAgentError as exc:  # as the error handlers do for a request
+            note(error_type=exc.error_type)
+            metrics = app.state.parts.metrics
+            if metrics is not None:
+                metrics.observe_error("", "openai", exc)
             return exc.status_code, openai_body(exc), exc.retry_after
         except Exception:  # a failure of this line only: the batch goes on
             log.exception("a batch line failed")
