@@ -179,6 +179,13 @@ class BatchSettings(_Section):
         1, ge=0,
         description="Sequences of a model that batch lines leave free, so that an "
         "interactive request arriving starts at the next step without waiting.")
+    idle_ms: int = Field(
+        500, ge=0, le=600_000,
+        description="A new batch line starts only once no interactive request has been "
+        "running or waiting for this long (lines already running finish): on a CPU every "
+        "row of a step costs the others time, so batch work waits for a pause in the "
+        "interactive traffic (0: lines also start beside interactive requests, within "
+        "the free sequences).")
 
 
 class TelemetrySettings(_Section):

@@ -9,7 +9,9 @@ ledger row: its id the line's `request_id` in the output file, its `trace_id` th
 (`ledger.batches`) after its ledger row is, so a kill -9 loses no finished line and
 redoes none; lines running at the kill are still pending and run again at the restart.
 
-Yielding: a line starts only while the model has a free sequence beyond
+Yielding: a line starts only once interactive work has paused for `batches.idle_ms`
+(on a CPU every row of a step costs the others time: a batch fills the gaps between
+interactive requests), while the model has a free sequence beyond
 `batches.reserve_slots` and no interactive request waits for one, at most
 `batches.max_in_flight` at once; when an interactive request does wait with every
 sequence taken, the newest running line is cancelled at the scheduler's next step and put
@@ -113,6 +115,7 @@ class BatchService:
         self._commits: set[asyncio.Task[None]] = set()  # results being written
         self._put_back_at: dict[str, float] = {}  # model → the last line put back
         self.put_back = 0  # lines put back for an interactive request, since the start
+        self._interactive_at = 0.0  # when interactive work was last seen (monotonic)
 
     # -- life ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -350,6 +353,7 @@ class BatchService:
             elif row["status"] == "finalizing":
                 await self._finalize(batch, "completed")
         self._preempt()
+        self._watch_interactive()
         for batch in list(self._open.values()):
             if batch.row["status"] != "in_progress" or batch.resume_at > now:
                 continue
@@ -369,10 +373,27 @@ class BatchService:
     def _generating(self) -> int:
         return sum(line.generating for b in self._open.values() for line in b.running.values())
 
+    def _watch_interactive(self) -> None:
+        """Notes when a model last had interactive work (running or waiting sequences
+        beyond this runner's own lines)."""
+        mine: dict[str, int] = {}
+        for b in self._open.values():
+            for line in b.running.values():
+                if line.generating and line.model is not None:
+                    key = _canonical(line.model)
+                    mine[key] = mine.get(key, 0) + 1
+        for name, slots in self._loaded().items():
+            if slots.running + slots.interactive_waiting + slots.batch_waiting \
+                    > mine.get(name, 0):
+                self._interactive_at = time.monotonic()
+
     def _room(self) -> int:
-        """Lines that may start now: none while an interactive request waits; else at most
+        """Lines that may start now: none until interactive work has paused for
+        `batches.idle_ms`, none while an interactive request waits; else at most
         `max_in_flight` in all, within the sequences free beyond `reserve_slots`."""
         limits = self.settings.batches
+        if time.monotonic() - self._interactive_at < limits.idle_ms / 1000:
+            return 0
         generating = self._generating()
         room = limits.max_in_flight - generating
         loaded = self._loaded()
@@ -550,13 +571,15 @@ class BatchService:
         return store.purge(older_than_s=self.settings.retention.batch_days * 86400)
 
 
-def _same_model(asked: str | None, loaded: str) -> bool:
-    if asked is None:
-        return False
+def _canonical(asked: str) -> str:
     try:
-        return str(ModelName.parse(asked)) == loaded
+        return str(ModelName.parse(asked))
     except EdgeAgentError:
-        return False
+        return asked
+
+
+def _same_model(asked: str | None, loaded: str) -> bool:
+    return asked is not None and _canonical(asked) == loaded
 
 
 def _not_json(name: str) -> Any:
