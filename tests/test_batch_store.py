@@ -75,3 +75,20 @@ def test_retention_removes_old_files_and_ended_batches_but_not_open_ones(
     assert store.batch("batch_old") is None and store.batch("batch_open") is not None
     assert store.pending("batch_open", skip=set(), limit=1)
     store.close()
+
+
+def test_a_ledger_from_before_gains_the_batch_id_column(tmp_path: Path) -> None:
+    import sqlite3
+
+    from edge_agent.ledger.store import open_ledger, pending_migrations
+
+    path = tmp_path / "ledger.db"
+    open_ledger(path).close()
+    db = sqlite3.connect(path)  # as the ledger was before the column's migration
+    db.execute("DROP INDEX IF EXISTS idx_requests_batch_id")
+    db.execute("ALTER TABLE requests DROP COLUMN batch_id")
+    db.execute("DELETE FROM _sqlite_migrations WHERE name = 'm008_batch_lines'")
+    db.commit()
+    db.close()
+    assert pending_migrations(path) == ["m008_batch_lines"]
+    assert "batch_id" in open_ledger(path)["requests"].columns_dict

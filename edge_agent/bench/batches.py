@@ -2,11 +2,13 @@
 how fast it goes.
 
 One server (a child process, the default settings): bursts of `streams` simultaneous
-interactive chats with no batch, then the same bursts while a `lines`-line chat batch
+interactive chats, `gap_s` apart (a store's traffic has pauses, and a batch runs in them:
+`batches.idle_ms`), with no batch, then the same bursts while a `lines`-line chat batch
 runs, then again with none (the two batch-free phases together are the baseline, so a
-machine that drifts during the run moves both sides alike). The figures: the interactive
-TTFT p50 with the batch over without it (`batches.ttft_ratio`), and the batch's lines a
-second beside that traffic and alone.
+machine that drifts during the run moves both sides alike). Each burst of the second
+phase arrives while the batch's lines run. The figures: the interactive TTFT p50 with the
+batch over without it (`batches.ttft_ratio`), and the batch's lines a second beside that
+traffic and alone.
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ def _wait(peer: EdgeAgentPeer, batch_id: str, timeout_s: float) -> dict[str, Any
         time.sleep(0.2)
 
 
-def _burst(peer: EdgeAgentPeer, streams: int, max_tokens: int, start: int) -> list[Sample]:
+def _burst(peer: EdgeAgentPeer, streams: int, max_tokens: int, start: int,
+           gap_s: float) -> list[Sample]:
     from concurrent.futures import ThreadPoolExecutor
 
+    time.sleep(gap_s)
     with ThreadPoolExecutor(max_workers=streams) as pool:
         futures = [pool.submit(peer.chat, _ask(start + i), max_tokens) for i in range(streams)]
         return [f.result() for f in futures]
@@ -74,17 +78,18 @@ def _burst(peer: EdgeAgentPeer, streams: int, max_tokens: int, start: int) -> li
 
 def run_batch_bench(state_dir: Path, model: str, *, threads: int, context: int,
                     lines: int = 200, streams: int = 4, rounds: int = 6, max_tokens: int = 32,
-                    line_tokens: int = 16, echo: Echo) -> dict[str, Any]:
+                    line_tokens: int = 16, gap_s: float = 1.5, echo: Echo) -> dict[str, Any]:
     peer = EdgeAgentPeer(state_dir, model, threads=threads, context=context,
                          parallel="auto")
     try:
         peer.chat(_ask(-1), 4)  # warm-up, on a prompt the runs do not use
-        echo(f"batches: {streams} interactive streams ({max_tokens} tokens) in bursts, with "
-             f"and without a {lines}-line chat batch ({line_tokens} tokens a line)")
+        echo(f"batches: {streams} interactive streams ({max_tokens} tokens) in bursts "
+             f"{gap_s:g} s apart, with and without a {lines}-line chat batch ({line_tokens} "
+             "tokens a line)")
         n = 0
         alone: list[Sample] = []
         for _ in range(rounds):
-            alone += _burst(peer, streams, max_tokens, 5000 + n)
+            alone += _burst(peer, streams, max_tokens, 5000 + n, gap_s)
             n += streams
         batch_id = _submit(peer, _lines(model, lines, line_tokens, "beside"))
         started = time.monotonic()
@@ -92,13 +97,13 @@ def run_batch_bench(state_dir: Path, model: str, *, threads: int, context: int,
         for _ in range(rounds):
             if _status(peer, batch_id)["status"] in ENDED:
                 break
-            beside += _burst(peer, streams, max_tokens, 5000 + n)
+            beside += _burst(peer, streams, max_tokens, 5000 + n, gap_s)
             n += streams
         bursts_beside = len(beside) // streams
         done = _wait(peer, batch_id, 3600)
         beside_s = time.monotonic() - started
         for _ in range(rounds):
-            alone += _burst(peer, streams, max_tokens, 5000 + n)
+            alone += _burst(peer, streams, max_tokens, 5000 + n, gap_s)
             n += streams
         solo_id = _submit(peer, _lines(model, lines, line_tokens, "alone"))
         started = time.monotonic()

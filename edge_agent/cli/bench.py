@@ -86,8 +86,10 @@ def bench(ctx: click.Context, model: str | None, levels: list[int], requests: in
               help="Interactive streams a burst.")
 @click.option("--rounds", type=click.IntRange(1), default=6, show_default=True,
               help="Bursts in each phase (without, with, without the batch).")
+@click.option("--gap", "gap_s", type=click.FloatRange(min=0), default=1.5, show_default=True,
+              help="Seconds between bursts (the pauses a batch runs in).")
 @json_option("Print the figures as JSON too.")
-def bench_batches(model: str | None, lines: int, streams: int, rounds: int,
+def bench_batches(model: str | None, lines: int, streams: int, rounds: int, gap_s: float,
                   as_json: bool) -> None:
     """Interactive TTFT p50 with a batch running over without one, and the batch's
     lines/s, on a server of its own over --state-dir."""
@@ -108,7 +110,7 @@ def bench_batches(model: str | None, lines: int, streams: int, rounds: int,
     result = run_batch_bench(settings.state_dir, served,
                              threads=settings.runtime.threads or default_threads(),
                              context=settings.runtime.context_length, lines=lines,
-                             streams=streams, rounds=rounds, echo=click.echo)
+                             streams=streams, rounds=rounds, gap_s=gap_s, echo=click.echo)
     if as_json:
         echo_json(result)
 
