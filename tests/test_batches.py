@@ -376,7 +376,7 @@ def test_kill_9_halfway_resumes_without_losing_or_redoing_a_line(
     proc = serve()
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
-        f = _upload(client, _jsonl([_line(i, max_tokens=6) for i in range(n)]))
+        f = _upload(client, _jsonl([_line(i, max_tokens=12) for i in range(n)]))
         b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")
 
@@ -386,6 +386,11 @@ def test_kill_9_halfway_resumes_without_losing_or_redoing_a_line(
         _wait(halfway, 120, "a third of the lines")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
+        db = sqlite3.connect(state / "batches.db")
+        left = db.execute("SELECT count(*) FROM lines WHERE batch_id = ? AND state = "
+                          "'pending'", [b.id]).fetchone()[0]
+        db.close()
+        assert 0 < left < n  # killed halfway: the restart has lines to resume
         proc = serve()
         done = _ended(client, b.id)
         out = _lines(client, done.output_file_id)

@@ -181,11 +181,11 @@ class BatchSettings(_Section):
         "interactive request arriving starts at the next step without waiting.")
     idle_ms: int = Field(
         500, ge=0, le=600_000,
-        description="A new batch line starts only once no interactive request has been "
-        "running or waiting for this long (lines already running finish): on a CPU every "
-        "row of a step costs the others time, so batch work waits for a pause in the "
-        "interactive traffic (0: lines also start beside interactive requests, within "
-        "the free sequences).")
+        description="A batch line starts only once no interactive request has been "
+        "running or waiting for this long, and lines generating when one arrives are put "
+        "back (run again later; 3 times at most each): on a CPU every row of a step costs "
+        "the others time, so batch work fills the pauses in the interactive traffic (0: "
+        "lines also run beside interactive requests, within the free sequences).")
 
 
 class TelemetrySettings(_Section):

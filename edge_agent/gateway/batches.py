@@ -13,12 +13,15 @@ Yielding: a line starts only once interactive work has paused for `batches.idle_
 (on a CPU every row of a step costs the others time: a batch fills the gaps between
 interactive requests), while the model has a free sequence beyond
 `batches.reserve_slots` and no interactive request waits for one, at most
-`batches.max_in_flight` at once; when an interactive request does wait with every
-sequence taken, the newest running line is cancelled at the scheduler's next step and put
-back (it runs again later, from its start). A line refused for a moment (503: a full
-queue, a model loading; 429 with a wait of a minute or less) waits and runs again; it is
-never an error. Everything else a line meets (400, 403, 404, a 429 that would wait longer,
-a failure) is its error line in the batch's error file; other lines go on.
+`batches.max_in_flight` at once. When interactive work arrives, the lines generating on
+its model are cancelled at the scheduler's next step and put back (they run again later,
+from their start; a line put back MAX_PUT_BACKS times runs to its end); with `idle_ms`
+0, only when an interactive request waits with every sequence taken, the newest.
+
+A line refused for a moment (503: a full queue, a model loading; 429 with a wait of a
+minute or less) waits and runs again; it is never an error. Everything else a line meets
+(400, 403, 404, a 429 that would wait longer, a failure) is its error line in the batch's
+error file; other lines go on.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ WINDOWS = {"24h": 86400}
 RATE_WAIT_MAX_S = 60.0  # a 429 asking a longer wait (a daily quota) is the line's error
 TICK_BUSY_S = 0.02  # the runner's look at the queues while lines run (a step is longer)
 TICK_IDLE_S = 1.0
-PUT_BACK_GAP_S = 0.25  # the most lines put back a second per model: 4
+PUT_BACK_GAP_S = 0.25  # a sequence given back is free by then (a step is shorter)
+MAX_PUT_BACKS = 3  # then a line runs to its end whatever arrives
 MAX_LIST = 100
 
 
@@ -75,6 +79,11 @@ class _Line:
     task: asyncio.Task[None] | None = None
     started: float = 0.0
     generating: bool = True  # False once its answer is in: it holds no sequence any more
+    batch_id: str = ""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.batch_id, self.idx
 
 
 @dataclass
@@ -116,6 +125,8 @@ class BatchService:
         self._put_back_at: dict[str, float] = {}  # model → the last line put back
         self.put_back = 0  # lines put back for an interactive request, since the start
         self._interactive_at = 0.0  # when interactive work was last seen (monotonic)
+        self._released: list[tuple[float, str]] = []  # (when, model) of lines put back
+        self._put_backs: dict[tuple[str, int], int] = {}  # a line's put-backs so far
 
     # -- life ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -353,7 +364,6 @@ class BatchService:
             elif row["status"] == "finalizing":
                 await self._finalize(batch, "completed")
         self._preempt()
-        self._watch_interactive()
         for batch in list(self._open.values()):
             if batch.row["status"] != "in_progress" or batch.resume_at > now:
                 continue
@@ -373,19 +383,32 @@ class BatchService:
     def _generating(self) -> int:
         return sum(line.generating for b in self._open.values() for line in b.running.values())
 
-    def _watch_interactive(self) -> None:
-        """Notes when a model last had interactive work (running or waiting sequences
-        beyond this runner's own lines)."""
+    def _mine(self) -> dict[str, int]:
+        """Sequences of each model this runner's lines hold: those generating, and those
+        put back within PUT_BACK_GAP_S (a sequence is freed at the scheduler's next step,
+        after the line's task has ended)."""
+        now = time.monotonic()
+        self._released = [(t, name) for t, name in self._released if now - t < PUT_BACK_GAP_S]
         mine: dict[str, int] = {}
+        for _, name in self._released:
+            mine[name] = mine.get(name, 0) + 1
         for b in self._open.values():
             for line in b.running.values():
                 if line.generating and line.model is not None:
                     key = _canonical(line.model)
                     mine[key] = mine.get(key, 0) + 1
-        for name, slots in self._loaded().items():
-            if slots.running + slots.interactive_waiting + slots.batch_waiting \
-                    > mine.get(name, 0):
-                self._interactive_at = time.monotonic()
+        return mine
+
+    def _busy_models(self) -> set[str]:
+        """Models with interactive work now (running or waiting sequences beyond this
+        runner's own lines); notes the time, for `batches.idle_ms`."""
+        mine = self._mine()
+        busy = {name for name, slots in self._loaded().items()
+                if slots.running + slots.interactive_waiting + slots.batch_waiting
+                > mine.get(name, 0)}
+        if busy:
+            self._interactive_at = time.monotonic()
+        return busy
 
     def _room(self) -> int:
         """Lines that may start now: none until interactive work has paused for
@@ -408,28 +431,43 @@ class BatchService:
         return room
 
     def _preempt(self) -> None:
-        """An interactive request waiting with every sequence of its model taken: the
-        newest line generating on that model is cancelled (its sequence is free at the
-        scheduler's next step) and runs again later. One a model per PUT_BACK_GAP_S, so
-        that a sequence being freed is not counted as taken and a second line put back."""
+        """Lines give their sequences back to interactive requests (they run again later,
+        from their start):
+
+        - with `batches.idle_ms` set, every line generating on a model where interactive
+          work arrives, unless it was put back MAX_PUT_BACKS times already (so that a
+          line always ends, however busy the box): the interactive requests then run
+          alone from the scheduler's next step;
+        - in any case, when an interactive request waits with every sequence of its model
+          taken, the newest line generating on it (one a model per PUT_BACK_GAP_S, so that
+          a sequence being freed is not counted as taken and a second line put back)."""
         now = time.monotonic()
+        busy = self._busy_models()
+        lines = [(line.started, line) for b in self._open.values()
+                 for line in b.running.values() if line.task is not None and line.generating]
+        if self.settings.batches.idle_ms:
+            for _, line in lines:
+                if line.model is not None and _canonical(line.model) in busy \
+                        and self._put_backs.get(line.key, 0) < MAX_PUT_BACKS:
+                    self._put_back(line, _canonical(line.model), now)
         for name, slots in self._loaded().items():
             if not slots.interactive_waiting or slots.running < slots.parallel \
                     or now - self._put_back_at.get(name, 0.0) < PUT_BACK_GAP_S:
                 continue
-            running = [(line.started, line) for b in self._open.values()
-                       for line in b.running.values()
-                       if line.task is not None and line.generating
-                       and _same_model(line.model, name)]
-            if running:
-                newest = max(running, key=lambda pair: pair[0])[1]
-                log.info("batch line %s put back: an interactive request waits",
-                         newest.line_id)
-                assert newest.task is not None
-                newest.generating = False  # its sequence is on its way back
-                newest.task.cancel()
-                self._put_back_at[name] = now
-                self.put_back += 1
+            mine = [(started, line) for started, line in lines
+                    if line.generating and _same_model(line.model, name)]
+            if mine:
+                self._put_back(max(mine, key=lambda pair: pair[0])[1], name, now)
+
+    def _put_back(self, line: _Line, model: str, now: float) -> None:
+        log.info("batch line %s put back: interactive work arrived", line.line_id)
+        assert line.task is not None
+        line.generating = False  # its sequence is on its way back
+        line.task.cancel()
+        self._put_back_at[model] = now
+        self._released.append((now, model))
+        self._put_backs[line.key] = self._put_backs.get(line.key, 0) + 1
+        self.put_back += 1
 
     def _start(self, batch: _Open, row: dict[str, Any]) -> None:
         try:
@@ -438,6 +476,7 @@ class BatchService:
             body = {}
         model = body.get("model") if isinstance(body, dict) else None
         line = _Line(idx=row["idx"], line_id=row["line_id"], custom_id=row["custom_id"],
+                     batch_id=batch.row["id"],
                      body=body if isinstance(body, dict) else {},
                      model=model if isinstance(model, str) else None, started=time.monotonic())
         batch.running[line.idx] = line
@@ -561,6 +600,7 @@ class BatchService:
             blobs[file_id] = data
         await asyncio.to_thread(store.finalize, row["id"], status, outputs, blobs)
         self._open.pop(row["id"], None)
+        self._put_backs = {k: v for k, v in self._put_backs.items() if k[0] != row["id"]}
         log.info("batch %s %s", row["id"], status)
 
     def purge(self) -> int:
