@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 from edge_agent import __version__
-from edge_agent.api import ollama, ollama_models, openai, ops
+from edge_agent.api import batches, ollama, ollama_models, openai, ops
 from edge_agent.api.errors import install_error_handlers
 from edge_agent.api.ops import readiness_problems
 from edge_agent.api.state import AppParts
@@ -24,6 +24,7 @@ from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.device.rollout.name_claim import by_hand
+from edge_agent.gateway.batches import BatchService
 from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.keys import KeyStore
 from edge_agent.governance.redaction import Detectors, MetadataRedactor, Redactor, device_key
@@ -89,10 +90,12 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
             sampler.readers = default_readers(settings.state_dir)
             sampler.start()
         tasks = [asyncio.create_task(_reap(registry, governor)),
-                 asyncio.create_task(_purge_hourly(settings))]
+                 asyncio.create_task(_purge_hourly(settings, batch_queue))]
         if preload:
             tasks.append(asyncio.create_task(
                 _preload(modelops, registry, ModelName.parse(settings.default_model))))
+        batch_queue.start()  # batches left open by a stop or a crash go on
+        parts.batches = batch_queue
         # The link runs on its own threads and never holds the start back: with the broker
         # unreachable the box serves exactly as without it.
         fleet = _fleet_device(settings, parts, governor, sampler) \
@@ -106,6 +109,8 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
             if fleet is not None:  # before the registry goes: a rollout may hold a version
                 await fleet.stop()
                 app.state.fleet_link = None
+            parts.batches = None
+            await batch_queue.stop()  # running lines stay pending, to run at the next start
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -121,13 +126,18 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     app.state.parts = parts
     app.state.fleet_link = None
     install_error_handlers(app)
-    app.add_middleware(RequestContext, record=lambda row: record(REQUESTS, row),
-                       scrub=MetadataRedactor(
-                           redactor, lambda name: store.is_installed(ModelName.parse(name))))
+    scrub = MetadataRedactor(redactor, lambda name: store.is_installed(ModelName.parse(name)))
+    app.add_middleware(RequestContext, record=lambda row: record(REQUESTS, row), scrub=scrub)
+    batch_queue = BatchService(
+        settings, registry, governor, batches.line_runner(app),
+        record=lambda row: record(REQUESTS, row),
+        flushed=lambda: parts.ledger.flush() if parts.ledger is not None else True,
+        scrub=scrub)
     app.include_router(ops.router)
     app.include_router(ollama.router)
     app.include_router(ollama_models.router)
     app.include_router(openai.router)
+    app.include_router(batches.router)
     return app
 
 
@@ -191,8 +201,9 @@ async def _preload(modelops: ModelOps, registry: ModelRegistry, name: ModelName)
         log.exception("default model %s not installed", name)
 
 
-async def _purge_hourly(settings: Settings) -> None:
-    """Retention: request rows older than `retention.ledger_days` go, every hour."""
+async def _purge_hourly(settings: Settings, batch_queue: BatchService) -> None:
+    """Retention: request rows older than `retention.ledger_days` go, every hour, and the
+    batch queue's files and ended batches older than `retention.batch_days`."""
     while True:
         try:
             removed = await _in_thread(purge_expired, settings.state_dir / "ledger.db",
@@ -201,6 +212,12 @@ async def _purge_hourly(settings: Settings) -> None:
                 log.info("ledger purge removed %d rows", removed)
         except Exception:
             log.exception("ledger purge failed")
+        try:
+            files = await _in_thread(batch_queue.purge)
+            if files:
+                log.info("batch queue purge removed %d files", files)
+        except Exception:
+            log.exception("batch queue purge failed")
         await asyncio.sleep(PURGE_INTERVAL_S)
 
 

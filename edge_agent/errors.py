@@ -7,6 +7,8 @@
     ├── Unauthorized                     401
     ├── Forbidden                        403
     ├── ModelNotFound                    404 model_not_found
+    ├── NotFound                         404 another object: a batch or file that does not
+    │                                        exist, or is another tenant's
     ├── Conflict                         409 the model's state forbids it (removing the
     │                                        active version, rolling back with no earlier one)
     ├── PayloadTooLarge                  413
@@ -88,6 +90,15 @@ class ModelNotFound(EdgeAgentError):
     status_code = 404
     error_type = "invalid_request_error"
     code = "model_not_found"
+
+
+class NotFound(EdgeAgentError):
+    """An object of the API other than a model (a batch, a file) that is not there for the
+    caller: another tenant's is not found either, so its existence is not revealed."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
 
 
 class Conflict(EdgeAgentError):

@@ -26,7 +26,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from edge_agent.api import ollama, ollama_models, openai
+from edge_agent.api import batches, ollama, ollama_models, openai
 from edge_agent.api.openapi import body_schema
 from edge_agent.app import create_app
 from edge_agent.config import load_settings
@@ -62,6 +62,7 @@ BODIES = {
     ("post", "/v1/chat/completions"): openai.ChatBody,
     ("post", "/v1/completions"): openai.CompletionBody,
     ("post", "/v1/embeddings"): openai.EmbeddingBody,
+    ("post", "/v1/batches"): batches.BatchBody,
 }
 
 
@@ -174,7 +175,7 @@ def _nullable(doc: dict[str, Any]) -> dict[str, frozenset[str]]:
     out = {}
     for path, ops_ in doc["paths"].items():
         body = ops_.get("post", {}).get("requestBody")
-        if body is not None:
+        if body is not None and "application/json" in body["content"]:  # not an upload
             props = body["content"]["application/json"]["schema"]["properties"]
             out[path] = frozenset(k for k, s in props.items() if any(
                 alt.get("type") == "null" for alt in s.get("anyOf", [s])))

@@ -13,6 +13,7 @@ from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.registry import ModelRegistry
+from edge_agent.gateway.batches import BatchService
 from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.tenants import Governor
 from edge_agent.ledger.writer import LedgerWriter
@@ -29,6 +30,7 @@ class AppParts:
     metrics: Metrics | None = None
     governor: Governor | None = None
     ledger: LedgerWriter | None = None  # set while the app runs
+    batches: BatchService | None = None  # the Batch API's files, batches and runner
     # hold_name(name, change): a change of a model by hand, under the box's claim on the
     # name and refused (409) while a fleet rollout of it is live
     # (`fleet.device.rollout.name_claim`).

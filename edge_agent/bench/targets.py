@@ -101,6 +101,10 @@ TARGETS: tuple[Target, ...] = (
     Target("telemetry.scrape_ms", "/metrics render, 4 models + 2 GPUs of series (median)",
            "<=", 20, "ms"),
     Target("telemetry.ttft_ratio", "TTFT, metrics on / off", "<=", 1.1),
+    # `edge-agent bench batches`: interactive bursts beside a batch (bench/batches.py).
+    Target("batches.ttft_ratio",
+           "interactive TTFT p50, {streams} streams, a {lines}-line batch running / none",
+           "<=", 1.2),
     Target("ledger.rows_per_s", "ledger writer, {rows} rows through the batching thread",
            ">=", 5000, "/s"),
     # Per entity type, on the labelled samples (redaction.jsonl beside this module).

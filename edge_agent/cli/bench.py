@@ -77,6 +77,44 @@ def bench(ctx: click.Context, model: str | None, levels: list[int], requests: in
         echo_json(result)
 
 
+@bench.command("batches")
+@common_options
+@click.option("--model", help="Model to measure (default: the configured default).")
+@click.option("--lines", type=click.IntRange(1), default=200, show_default=True,
+              help="Lines (chat requests) of the batch.")
+@click.option("--streams", type=click.IntRange(1), default=4, show_default=True,
+              help="Interactive streams a burst.")
+@click.option("--rounds", type=click.IntRange(1), default=6, show_default=True,
+              help="Bursts in each phase (without, with, without the batch).")
+@click.option("--gap", "gap_s", type=click.FloatRange(min=0), default=1.5, show_default=True,
+              help="Seconds between bursts (the pauses a batch runs in).")
+@json_option("Print the figures as JSON too.")
+def bench_batches(model: str | None, lines: int, streams: int, rounds: int, gap_s: float,
+                  as_json: bool) -> None:
+    """Interactive TTFT p50 with a batch running over without one, and the batch's
+    lines/s, on a server of its own over --state-dir."""
+    from edge_agent.bench.batches import run_batch_bench
+    from edge_agent.engine.models.catalog import ModelStore
+    from edge_agent.engine.runtime.llama import default_threads
+
+    settings = load()
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    name = ModelName.parse(model or settings.default_model)
+    store = ModelStore(settings.state_dir)
+    try:
+        if not store.is_installed(name):
+            store.pull(name)
+        served = store.get(name).name
+    finally:
+        store.close()
+    result = run_batch_bench(settings.state_dir, served,
+                             threads=settings.runtime.threads or default_threads(),
+                             context=settings.runtime.context_length, lines=lines,
+                             streams=streams, rounds=rounds, gap_s=gap_s, echo=click.echo)
+    if as_json:
+        echo_json(result)
+
+
 @bench.command("fleet")
 @common_options
 @click.option("--devices", "sizes", default="1000", show_default=True, callback=_devices,

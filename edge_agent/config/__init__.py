@@ -42,7 +42,7 @@ from edge_agent.config.base import (
 from edge_agent.config.fleet import BrokerAddress, FleetSettings, parse_broker, parse_window
 
 __all__ = ["DEFAULT_CONFIG_FILE", "DRAFT_MODEL_TOKENS", "MAX_DRAFT", "MAX_INTERVAL_S",
-           "MIN_INTERVAL_S", "BrokerAddress",
+           "MIN_INTERVAL_S", "BatchSettings", "BrokerAddress",
            "ConfigError", "FleetSettings", "HTTPSFiles", "LayeredSettings", "LedgerSettings",
            "ModelOverride", "ModelsSettings", "RedactionSettings", "RetentionSettings",
            "RiskSettings", "RuntimeSettings", "ServerSettings", "Settings", "TelemetrySettings",
@@ -170,6 +170,44 @@ class RetentionSettings(_Section):
         0, ge=0, le=8760,
         description="Hours redacted prompt/response text is kept (0: never stored; at most "
         "8760, a year).")
+    batch_days: float = Field(
+        30, ge=1, le=3650,
+        description="Days the batch queue keeps uploaded files, ended batches and their "
+        "output and error files (they hold prompts and answers); a batch still running is "
+        "kept until it ends (1 to 3650).")
+
+
+class BatchSettings(_Section):
+    """[batches]: the OpenAI Batch API's limits (/v1/files, /v1/batches) and how its lines
+    yield to interactive requests."""
+
+    max_file_bytes: int = Field(
+        50 * 1024 * 1024, ge=1024,
+        description="Largest file accepted by POST /v1/files; larger gets 413.")
+    max_lines: int = Field(
+        50_000, ge=1, description="Most lines (requests) one batch input file may hold; more "
+        "gets 400 at upload.")
+    max_line_bytes: int = Field(
+        1024 * 1024, ge=64,
+        description="Largest line of a batch input file, in bytes (server.max_body_bytes "
+        "bounds it too: a line is a request body); a longer one gets 400 at upload.")
+    max_in_flight: int = Field(
+        2, ge=1, le=64,
+        description="Batch lines generating at once, all batches together, and never more "
+        "than the free sequences less reserve_slots. None starts while an interactive "
+        "request waits for a sequence, and a running one is put back (run again later) "
+        "when one does.")
+    reserve_slots: int = Field(
+        1, ge=0,
+        description="Sequences of a model that batch lines leave free, so that an "
+        "interactive request arriving starts at the next step without waiting.")
+    idle_ms: int = Field(
+        500, ge=0, le=600_000,
+        description="A batch line starts only once no interactive request has been "
+        "running or waiting for this long, and lines generating when one arrives are put "
+        "back (run again later; 3 times at most each): on a CPU every row of a step costs "
+        "the others time, so batch work fills the pauses in the interactive traffic (0: "
+        "lines also run beside interactive requests, within the free sequences).")
 
 
 class TelemetrySettings(_Section):
@@ -399,6 +437,7 @@ class Settings(LayeredSettings):
         default_factory=RedactionSettings)  # type: ignore[arg-type]
     risk: RiskSettings = Field(default_factory=RiskSettings)  # type: ignore[arg-type]
     fleet: FleetSettings = Field(default_factory=FleetSettings)  # type: ignore[arg-type]
+    batches: BatchSettings = Field(default_factory=BatchSettings)  # type: ignore[arg-type]
     models: ModelsSettings = Field(default_factory=ModelsSettings)  # type: ignore[arg-type]
     tenants: dict[str, TenantPolicy] = Field(
         default_factory=dict, description="Tenant policies; API keys name their tenant.")

@@ -108,6 +108,14 @@ def _bounded(seconds: float) -> float:
     return FOREVER if seconds > _CENTURY_S else seconds
 
 
+@dataclass(frozen=True)
+class Slots:
+    parallel: int  # sequences
+    running: int  # holding a sequence now
+    interactive_waiting: int
+    batch_waiting: int
+
+
 @dataclass
 class LoadedModel:
     info: InstalledModel
@@ -145,6 +153,14 @@ class LoadedModel:
         return self.worker.stats.parallel
 
     # -- the narrow interface the request path uses (gateway/): nothing else of the worker
+    @property
+    def slots(self) -> Slots:
+        """How busy its sequences are now (the batch queue yields by it)."""
+        w = self.worker
+        return Slots(parallel=w.stats.parallel, running=w.running,
+                     interactive_waiting=w.queue.waiting("interactive"),
+                     batch_waiting=w.queue.waiting("batch"))
+
     @property
     def n_ctx(self) -> int:
         """Tokens per sequence: the most one request's prompt and answer may take."""

@@ -25,7 +25,7 @@ COLUMNS: dict[str, type] = {
     "queue_ms": float, "ttft_ms": float, "tpot_ms": float, "total_ms": float,
     "done_reason": str, "truncated_tokens": int, "clamped": int, "structured_failure": int,
     "end_user": str, "ignored_fields": str, "risk_tier": str, "degradation": str,
-    "degradation_reason": str, "requested_model": str,
+    "degradation_reason": str, "requested_model": str, "batch_id": str,
 }
 
 
@@ -115,6 +115,15 @@ def m007_risk_tiers(db: Database) -> None:
         if column not in db[REQUESTS].columns_dict:
             db[REQUESTS].add_column(column, str)  # type: ignore[union-attr]
     db[REQUESTS].create_index(["degradation", "ts"], if_not_exists=True)  # type: ignore[union-attr]
+
+
+@MIGRATIONS()
+def m008_batch_lines(db: Database) -> None:
+    """A batch line's row names its batch (`/v1/batches`); interactive rows leave it NULL.
+    The row's id is the line's `request_id` in the batch's output file."""
+    if "batch_id" not in db[REQUESTS].columns_dict:
+        db[REQUESTS].add_column("batch_id", str)  # type: ignore[union-attr]
+    db[REQUESTS].create_index(["batch_id"], if_not_exists=True)  # type: ignore[union-attr]
 
 
 # Every table the writer may write, with its columns; rows for other tables are refused.

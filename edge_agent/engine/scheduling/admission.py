@@ -42,6 +42,11 @@ class AdmissionQueue(Generic[J, S]):
     def __len__(self) -> int:
         return len(self._interactive) + len(self._batch)
 
+    def waiting(self, priority: Priority) -> int:
+        """Jobs of one class waiting now (the batch queue's runner holds its lines back
+        while an interactive one waits)."""
+        return len(self._interactive if priority == "interactive" else self._batch)
+
     def put(self, job: J, *, retry_after: float = 1.0) -> None:
         with self._cond:
             self._drop_cancelled()
