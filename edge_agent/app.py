@@ -96,6 +96,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
                 _preload(modelops, registry, ModelName.parse(settings.default_model))))
         batch_queue.start()  # batches left open by a stop or a crash go on
         parts.batches = batch_queue
+        service.risk.can_defer = True  # a low-tier request may wait as a batch
         # The link runs on its own threads and never holds the start back: with the broker
         # unreachable the box serves exactly as without it.
         fleet = _fleet_device(settings, parts, governor, sampler) \
@@ -109,6 +110,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
             if fleet is not None:  # before the registry goes: a rollout may hold a version
                 await fleet.stop()
                 app.state.fleet_link = None
+            service.risk.can_defer = False
             parts.batches = None
             await batch_queue.stop()  # running lines stay pending, to run at the next start
             for task in tasks:

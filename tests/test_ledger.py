@@ -87,7 +87,7 @@ def test_cli_stats_tail_export_and_purge(tmp_path: Path) -> None:
 def test_every_request_gets_a_row_rejected_ones_included(live_server: LiveServer) -> None:
     base = live_server.base_url
     ok = httpx.post(f"{base}/v1/chat/completions", headers={"X-Request-Id": "ledger-ok-1"},
-                    json={"model": DEFAULT_MODEL, "max_tokens": 4,
+                    timeout=60, json={"model": DEFAULT_MODEL, "max_tokens": 4,
                           "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status_code == 200
     httpx.post(f"{base}/api/generate", headers={"traceparent":

@@ -175,10 +175,20 @@ def test_each_tier_under_saturation_gets_its_policy_and_the_ledger_says_so(
         assert "tenant 'kiosk' may not use the fallback model" in kiosk.json()["error"][
             "message"]
 
-        # low: refused unless it accepts a later answer.
+        # low: refused unless it accepts a later answer; then queued as a one-line batch.
         low = _chat(live, keys["shop"], **{"X-Edge-Risk": "low"})
         assert low.status_code == 503 and "X-Edge-Defer: batch" in low.json()["error"][
             "message"]
+        deferred = _chat(live, keys["shop"], **{"X-Edge-Risk": "low", "X-Edge-Defer": "batch"})
+        assert deferred.status_code == 202, deferred.text
+        batch = deferred.json()
+        assert batch["object"] == "batch" and batch["endpoint"] == "/v1/chat/completions"
+        assert deferred.headers["location"] == f"/v1/batches/{batch['id']}"
+        assert deferred.headers["x-edge-degraded"].startswith("queued; tier=low")
+        # Only a chat completion may wait as a batch; elsewhere the header is refused.
+        elsewhere = _generate(live, keys["shop"], **{"X-Edge-Risk": "low",
+                                                     "X-Edge-Defer": "batch"})
+        assert elsewhere.status_code == 400 and "X-Edge-Defer" in elsewhere.json()["error"]
         # kiosk may not lower its tier; nothing it sends reaches another tenant's.
         lowered = _chat(live, keys["kiosk"], **{"X-Edge-Risk": "low"})
         assert lowered.status_code == 403
@@ -186,7 +196,18 @@ def test_each_tier_under_saturation_gets_its_policy_and_the_ledger_says_so(
         after = _chat(live, keys["shop"])
         assert after.status_code == 200 and after.json()["model"] == FALLBACK
 
-    rows = _ledger(live, normal, high, high_ollama, raised, kiosk, low, lowered, after)
+    # The deferred request is answered once the box has room, by the model it asked.
+    assert wait_until(lambda: oa.batches.retrieve(batch["id"]).status == "completed", 180)
+    done = oa.batches.retrieve(batch["id"])
+    assert done.request_counts is not None and done.request_counts.completed == 1
+    assert done.output_file_id is not None
+    [answer] = [json.loads(line) for line in
+                oa.files.content(done.output_file_id).text.splitlines()]
+    assert answer["response"]["status_code"] == 200
+    assert answer["response"]["body"]["model"] == DEFAULT_MODEL
+
+    rows = _ledger(live, normal, high, high_ollama, raised, kiosk, low, lowered, after,
+                   deferred)
     by = {r["trace_id"]: r for r in rows}
     row = by[normal.headers["x-request-id"]]
     assert (row["risk_tier"], row["degradation"], row["degradation_reason"],
@@ -200,6 +221,9 @@ def test_each_tier_under_saturation_gets_its_policy_and_the_ledger_says_so(
             tier, "refused", "queue_full", DEFAULT_MODEL, 503)
     row = by[lowered.headers["x-request-id"]]
     assert row["status"] == 403 and row["degradation"] is None
+    row = by[deferred.headers["x-request-id"]]
+    assert (row["risk_tier"], row["degradation"], row["batch_id"], row["status"]) == (
+        "low", "queued", batch["id"], 202)
 
     metrics = httpx.get(f"{live.base_url}/metrics").text
     counted = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
@@ -209,6 +233,8 @@ def test_each_tier_under_saturation_gets_its_policy_and_the_ledger_says_so(
     assert counted['edge_agent_degradations_total{action="refused",reason="queue_full",'
                    'tier="high"}'] == 3
     assert counted['edge_agent_degradations_total{action="refused",reason="queue_full",'
+                   'tier="low"}'] == 1
+    assert counted['edge_agent_degradations_total{action="queued",reason="queue_full",'
                    'tier="low"}'] == 1
 
     result = CliRunner().invoke(main, [

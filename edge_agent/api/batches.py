@@ -214,6 +214,7 @@ def line_runner(app: FastAPI) -> RunLine:
             data = json.dumps(body, ensure_ascii=False).encode()
             request = _request(app, endpoint, data)
             request.state.tenant = tenant
+            request.state.batch_line = True  # never degraded: a 503 waits and runs again
             response = await _HANDLERS[endpoint](request, app.state.parts)
             answer = json.loads(bytes(response.body))
             return response.status_code, answer, None

@@ -36,6 +36,8 @@ _LONG_INT = re.compile(rb"[0-9]{19}")  # no shorter literal can leave the 64-bit
 _DRAFT = re.compile(r"[0-9]{1,2}")
 _TIMEOUT_MS = re.compile(r"[0-9]{1,15}")  # ASCII digits only: int() also takes "١٢" and "²"
 
+DEFERRABLE = "/v1/chat/completions"  # the endpoint whose requests may wait as a batch
+
 
 class _NotJson(ValueError):
     """A literal Python's parser accepts but JSON does not have (NaN, Infinity, a 5,000-digit
@@ -167,7 +169,12 @@ def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | N
             raise InvalidRequest("X-Edge-Defer must be 'batch' (answer a low-tier request "
                                  "later, as a batch, when the box is saturated)",
                                  param="X-Edge-Defer")
+        if request.url.path != DEFERRABLE:
+            raise InvalidRequest(f"X-Edge-Defer is for {DEFERRABLE}: a deferred request "
+                                 "becomes a one-line batch of the OpenAI Batch API",
+                                 param="X-Edge-Defer")
         req.defer = True
+    req.batch_line = bool(getattr(request.state, "batch_line", False))
     lookup = request.headers.get("x-edge-prompt-lookup")
     if lookup is not None and req.draft is None:  # an Ollama body's option wins
         if not _DRAFT.fullmatch(lookup.strip()) or int(lookup) > MAX_DRAFT:

@@ -39,8 +39,15 @@ from edge_agent.engine.request import (
     TokenEvent,
     ToolCallEvent,
 )
-from edge_agent.errors import EdgeAgentError, InvalidRequest, UnsupportedParameter
+from edge_agent.errors import (
+    Deferrable,
+    EdgeAgentError,
+    InvalidRequest,
+    NotDegraded,
+    UnsupportedParameter,
+)
 from edge_agent.gateway.service import PreparedGeneration
+from edge_agent.logs import note
 from edge_agent.names import ModelName
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
@@ -240,6 +247,23 @@ def _chat_request(body: ChatBody) -> GenerationRequest:
     return req
 
 
+async def _deferred(request: Request, parts: Parts, exc: Deferrable, raw: Any) -> Response:
+    """A low-tier request on a saturated box that accepts a later answer (`X-Edge-Defer:
+    batch`): queued as a one-line batch of its tenant, answered 202 with the batch, whose
+    output file will hold the answer. Its stream and deadline are the moment's, not the
+    line's: a batch's answer is stored whole, whenever the box has room."""
+    tenant, batches = tenant_of(request), parts.batches
+    if tenant is None or batches is None or not isinstance(raw, dict):
+        raise NotDegraded(exc.message, retry_after=exc.retry_after) from exc
+    line = {k: v for k, v in raw.items() if k not in ("stream", "stream_options", "timeout_ms")}
+    batch = await batches.submit_one(tenant, "/v1/chat/completions", line,
+                                     metadata={"deferred": "risk tier low"})
+    degradation = parts.service.risk.deferred(exc)
+    note(batch_id=batch["id"])
+    return JSONResponse(batch, status_code=202, headers={
+        "Location": f"/v1/batches/{batch['id']}", "X-Edge-Degraded": degradation.header()})
+
+
 def _tool_choice(choice: str | dict[str, Any] | None) -> str:
     if choice is None:
         return "auto"
@@ -274,10 +298,14 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 
 @router.post("/chat/completions", openapi_extra=request_body(ChatBody))
 async def chat_completions(request: Request, parts: Parts) -> Response:
-    body = validate(ChatBody, await read_json(request, parts.settings.server.max_body_bytes))
+    raw = await read_json(request, parts.settings.server.max_body_bytes)
+    body = validate(ChatBody, raw)
     req = _chat_request(body)
     apply_controls(request, req, body.timeout_ms)
-    prepared = await parts.service.prepare(req, tenant=tenant_of(request))
+    try:
+        prepared = await parts.service.prepare(req, tenant=tenant_of(request))
+    except Deferrable as exc:
+        return await _deferred(request, parts, exc, raw)
     ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
     head = {"id": ident, "created": created, "model": prepared.model.info.name,
             "system_fingerprint": "fp_" + prepared.model.info.digest[:12]}

@@ -200,7 +200,9 @@ class BatchSettings(_Section):
     reserve_slots: int = Field(
         1, ge=0,
         description="Sequences of a model that batch lines leave free, so that an "
-        "interactive request arriving starts at the next step without waiting.")
+        "interactive request arriving starts at the next step without waiting (at most "
+        "parallel - 1: a model with one sequence lends it to a line while idle, and the "
+        "line gives it back when a request arrives).")
     idle_ms: int = Field(
         500, ge=0, le=600_000,
         description="A batch line starts only once no interactive request has been "

@@ -63,6 +63,9 @@ class GenerationRequest:
     # accepts a deferred answer (X-Edge-Defer: batch) if the box is saturated.
     risk: Literal["low", "normal", "high"] | None = None
     defer: bool = False
+    # A line of a batch: never degraded (no fallback, not queued again); on a saturated
+    # box it gets the plain 503, and the batch runner tries it again later.
+    batch_line: bool = False
 
 
 @dataclass

@@ -427,7 +427,10 @@ class BatchService:
                 return 0
             busy = max(0, slots.running + slots.interactive_waiting + slots.batch_waiting
                        - generating)  # the others' load, less this runner's own lines
-            room = min(room, slots.parallel - limits.reserve_slots - busy - generating)
+            # A model with one sequence lends it while idle (a line gives it back at the
+            # next step when a request arrives): else a batch would never run there.
+            reserve = min(limits.reserve_slots, slots.parallel - 1)
+            room = min(room, slots.parallel - reserve - busy - generating)
         return room
 
     def _preempt(self) -> None:

@@ -118,7 +118,7 @@ class GenerationService:
             return await self._start(req, name, tenant, keep_alive, deadline)
         except ServiceUnavailable as exc:
             reason = saturation(exc)
-            if reason is None:
+            if reason is None or req.batch_line:
                 raise
             fallback = self.risk.degrade(tier, reason, name, tenant, exc, defer=req.defer)
         try:
