@@ -65,7 +65,7 @@ def box(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
         "server.port": free_port(), "runtime.context_length": 512})
     live = start_server(settings)
     clients = {t: openai.OpenAI(base_url=live.openai_url, api_key=k, max_retries=0,
-                                timeout=60) for t, k in keys.items()}
+                                timeout=120) for t, k in keys.items()}
     yield live, clients
     live.stop()
 
@@ -94,7 +94,7 @@ def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
         time.sleep(0.1)
 
 
-def _ended(client: openai.OpenAI, batch_id: str, timeout: float = 120) -> Any:
+def _ended(client: openai.OpenAI, batch_id: str, timeout: float = 300) -> Any:
     def done() -> Any:
         b = client.batches.retrieve(batch_id)
         return b if b.status in ("completed", "failed", "expired", "cancelled") else None
@@ -323,7 +323,7 @@ def test_cancel_stops_a_batch_and_keeps_what_finished(
                               completion_window="24h")
     cancelling = client.batches.cancel(b.id)
     assert cancelling.status in ("cancelling", "cancelled")
-    done = _ended(client, b.id, timeout=60)
+    done = _ended(client, b.id)
     assert done.status == "cancelled" and done.cancelled_at is not None
     assert done.request_counts is not None and done.request_counts.completed < 40
     kept = _lines(client, done.output_file_id)
@@ -376,14 +376,14 @@ def test_kill_9_halfway_resumes_without_losing_or_redoing_a_line(
     proc = serve()
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
-        f = _upload(client, _jsonl([_line(i, max_tokens=12) for i in range(n)]))
+        f = _upload(client, _jsonl([_line(i, max_tokens=8) for i in range(n)]))
         b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")
 
         def halfway() -> bool:
             counts = client.batches.retrieve(b.id).request_counts
             return counts is not None and counts.completed >= n // 3
-        _wait(halfway, 120, "a third of the lines")
+        _wait(halfway, 300, "a third of the lines")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         db = sqlite3.connect(state / "batches.db")
@@ -422,7 +422,7 @@ def test_an_interactive_request_meeting_every_sequence_taken_by_lines_gets_one_b
         "batches.reserve_slots": 0, "batches.max_in_flight": 2}))
     try:
         client = openai.OpenAI(base_url=live.openai_url, api_key="x", max_retries=0,
-                               timeout=60)
+                               timeout=120)
         n = 4
         f = _upload(client, _jsonl([_line(i, max_tokens=48, logit_bias=NO_EOS)
                                     for i in range(n)]))
@@ -430,7 +430,7 @@ def test_an_interactive_request_meeting_every_sequence_taken_by_lines_gets_one_b
                                   completion_window="24h")
         service = live.app.state.parts.batches
         [model] = live.app.state.parts.registry.loaded()
-        _wait(lambda: model.slots.running == 2 and service._generating() == 2, 60,
+        _wait(lambda: model.slots.running == 2 and service._generating() == 2, 300,
               "both sequences taken by lines")
         answer = client.chat.completions.create(
             model=DEFAULT_MODEL, max_tokens=4,

@@ -100,11 +100,13 @@ def run_batch_bench(state_dir: Path, model: str, *, threads: int, context: int,
             beside += _burst(peer, streams, max_tokens, 5000 + n, gap_s)
             n += streams
         bursts_beside = len(beside) // streams
+        before = len(alone)
         done = _wait(peer, batch_id, 3600)
         beside_s = time.monotonic() - started
         for _ in range(rounds):
             alone += _burst(peer, streams, max_tokens, 5000 + n, gap_s)
             n += streams
+        after = alone[before:]
         solo_id = _submit(peer, _lines(model, lines, line_tokens, "alone"))
         started = time.monotonic()
         solo = _wait(peer, solo_id, 3600)
@@ -119,11 +121,16 @@ def run_batch_bench(state_dir: Path, model: str, *, threads: int, context: int,
          f"({len(alone)} requests), {ttft_with * 1000:.0f} ms with one ({len(beside)} "
          f"requests in {bursts_beside} bursts)")
     report(echo, "batches.ttft_ratio", ratio, streams=streams, lines=lines)
+    tpot = [_pct([s.tpot_s for s in phase], 0.5) * 1000
+            for phase in (alone[:len(alone) - len(after)], beside, after)]
+    echo(f"  a stream's TPOT p50 before, beside and after the batch: {tpot[0]:.0f}, "
+         f"{tpot[1]:.0f} and {tpot[2]:.0f} ms (far apart: other work loaded the machine "
+         "unevenly, and the ratio says little)")
     echo(f"  the batch beside the bursts: {counts['completed']}/{lines} lines in "
          f"{beside_s:.1f} s, {lines / beside_s:.2f} lines/s ({done['status']})")
     echo(f"  the batch alone: {solo_counts['completed']}/{lines} lines in {solo_s:.1f} s, "
          f"{lines / solo_s:.2f} lines/s ({solo['status']})")
     return {"ttft_without_ms": ttft_without * 1000, "ttft_with_ms": ttft_with * 1000,
-            "ttft_ratio": ratio, "bursts_beside": bursts_beside,
+            "ttft_ratio": ratio, "bursts_beside": bursts_beside, "tpot_p50_ms": tpot,
             "lines_per_s_beside": lines / beside_s, "lines_per_s_alone": lines / solo_s,
             "completed": counts["completed"], "completed_alone": solo_counts["completed"]}
