@@ -122,7 +122,7 @@ def test_a_chat_batch_completes_beside_interactive_streams_that_all_get_answers(
         box: tuple[LiveServer, dict[str, openai.OpenAI]]) -> None:
     live, clients = box
     client = clients["shop"]
-    n = 24
+    n = 200
     source = _upload(client, _jsonl([_line(i) for i in range(n)]))
     assert (source.object, source.purpose, source.status) == ("file", "batch", "processed")
     assert client.files.retrieve(source.id).bytes == source.bytes
@@ -153,7 +153,7 @@ def test_a_chat_batch_completes_beside_interactive_streams_that_all_get_answers(
     finally:
         for t in streams:
             t.join()
-    done = _ended(client, batch.id)
+    done = _ended(client, batch.id, timeout=300)
     assert not failures, failures
     assert len(answered) == 16 and all(answered)
     assert done.status == "completed" and done.metadata == {"job": "numbers"}
