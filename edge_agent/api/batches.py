@@ -2,10 +2,10 @@
 
 Thin over `gateway.batches.BatchService`: parse and validate, shape the objects as
 OpenAI's. An upload is `multipart/form-data` (`file`, `purpose`), read here up to
-`batches.max_file_bytes` (413 past it) and split by its boundary. `line_runner` is how a
-batch line is served: the OpenAI dialect's own handler, given the line's body as a
-request of the batch's tenant at the `batch` priority, so that a line is parsed, refused
-and answered exactly as the same request sent interactively.
+`batches.max_file_bytes` (413 past it) and parsed by Starlette's multipart parser.
+`line_runner` is how a batch line is served: the OpenAI dialect's own handler, given the
+line's body as a request of the batch's tenant at the `batch` priority, so that a line is
+parsed, refused and answered exactly as the same request sent interactively.
 """
 
 from __future__ import annotations
@@ -13,24 +13,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
+from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import Headers, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.types import Message
 
 from edge_agent.api import openai
 from edge_agent.api.auth import authenticate, authenticated
-from edge_agent.api.body import read_json, validate
+from edge_agent.api.body import read_body, read_json, validate
 from edge_agent.api.errors import openai_body
 from edge_agent.api.openapi import request_body
 from edge_agent.api.state import Parts
 from edge_agent.errors import (
     EdgeAgentError,
     InvalidRequest,
-    PayloadTooLarge,
     ServiceUnavailable,
     UnsupportedParameter,
 )
@@ -40,8 +41,6 @@ from edge_agent.logs import note
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 log = logging.getLogger(__name__)
-_BOUNDARY = re.compile(r'boundary=(?:"([^"]{1,200})"|([^;\s]{1,200}))', re.IGNORECASE)
-_PARAM = re.compile(r'\b(name|filename)="([^"]*)"', re.IGNORECASE)
 _MULTIPART_SLACK = 64 * 1024  # the parts' heads and the purpose field, beside the file
 
 
@@ -73,8 +72,8 @@ _FILE_FORM = {"requestBody": {"required": True, "content": {"multipart/form-data
 async def create_file(request: Request, parts: Parts) -> JSONResponse:
     service = _service(parts)
     limit = parts.settings.batches.max_file_bytes
-    body = await _read_upload(request, limit + _MULTIPART_SLACK)
-    fields = _multipart(request.headers.get("content-type", ""), body)
+    body = await read_body(request, limit + _MULTIPART_SLACK, "upload")
+    fields = await _multipart(request.headers, body)
     purpose = fields.get("purpose")
     upload = fields.get("file")
     if upload is None or upload[0] is None:
@@ -145,53 +144,30 @@ async def cancel_batch(request: Request, batch_id: str, parts: Parts) -> dict[st
 
 
 # -- the upload --------------------------------------------------------------------------
-async def _read_upload(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"upload of {declared} bytes exceeds the limit of {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"upload exceeds the limit of {limit} bytes")
-    return bytes(body)
-
-
-def _multipart(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
-    """The form's fields by name: (the part's filename or None, its bytes). Only what a
-    form-data upload needs; anything else is a 400, never a guess."""
-    if not content_type.lower().startswith("multipart/form-data"):
+async def _multipart(headers: Headers, body: bytes) -> dict[str, tuple[str | None, bytes]]:
+    """The form's fields by name, read by Starlette's multipart parser (python-multipart):
+    (the part's filename or None, its bytes). Anything it cannot read is a 400."""
+    if not headers.get("content-type", "").lower().startswith("multipart/form-data"):
         raise InvalidRequest("upload a file as multipart/form-data (fields 'file' and "
                              "'purpose')", param="file")
-    found = _BOUNDARY.search(content_type)
-    if found is None:
-        raise InvalidRequest("the multipart/form-data upload names no boundary", param="file")
-    delimiter = b"\r\n--" + (found.group(1) or found.group(2)).encode("latin-1")
-    chunks = (b"\r\n" + body).split(delimiter)
+
+    async def chunks() -> AsyncGenerator[bytes, None]:
+        yield body
+
+    try:
+        form = await MultiPartParser(headers, chunks(), max_files=1, max_fields=8).parse()
+    except MultiPartException as exc:
+        raise InvalidRequest(f"the multipart/form-data upload: {exc.message}",
+                             param="file") from None
     fields: dict[str, tuple[str | None, bytes]] = {}
-    ended = False
-    for chunk in chunks[1:]:
-        if chunk.startswith(b"--"):
-            ended = True
-            break
-        head, sep, data = chunk.partition(b"\r\n\r\n")
-        if not sep:
-            raise InvalidRequest("a part of the upload has no end to its headers",
-                                 param="file")
-        disposition = ""
-        for line in head.split(b"\r\n")[1:]:
-            key, _, value = line.decode("latin-1").partition(":")
-            if key.strip().lower() == "content-disposition":
-                disposition = value
-        params = {k.lower(): v for k, v in _PARAM.findall(disposition)}
-        name = params.get("name")
-        if name:
-            filename = params.get("filename")
-            fields[name] = (filename.encode("latin-1").decode("utf-8", "replace")
-                            if filename is not None else None, data)
-    if not ended:
-        raise InvalidRequest("the multipart/form-data upload is cut short (no closing "
-                             "boundary)", param="file")
+    try:
+        for name, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                fields[name] = (value.filename, await value.read())
+            else:
+                fields[name] = (None, value.encode())
+    finally:
+        await form.close()
     return fields
 
 

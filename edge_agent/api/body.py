@@ -54,15 +54,21 @@ def _parse_int(digits: str) -> int:
     return int(digits)
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
+async def read_body(request: Request, limit: int, what: str = "request body") -> bytes:
+    """The body, refused (413) once it is past `limit` bytes, declared or as it arrives."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+        raise PayloadTooLarge(f"{what} of {declared} bytes exceeds the limit of {limit}")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            raise PayloadTooLarge(f"{what} exceeds the limit of {limit} bytes")
+    return bytes(body)
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    body = await read_body(request, limit)
     if not body.strip():
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
