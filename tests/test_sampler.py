@@ -19,6 +19,7 @@ from edge_agent.engine.constrained import sampler as sampler_module
 from edge_agent.engine.constrained.grammar_cache import ParsedGrammars
 from edge_agent.engine.constrained.grammar_check import CheckedGrammar
 from edge_agent.engine.constrained.json_grammar import schema_to_grammar
+from edge_agent.engine.constrained.logit_edits import LogitEdits
 from edge_agent.engine.constrained.sampler import Candidates, Sampler
 from edge_agent.engine.constrained.token_prefixes import TokenPrefixes, Utf8Tail, decode_utf8
 from edge_agent.engine.constrained.tool_calls import tool_call_schema
@@ -140,6 +141,97 @@ def test_greedy_output_is_the_grammar_first_chains_token_for_token(
     assert sum(s.refusals for s in new_samplers) > 0  # the refusal paths ran
     for s in new_samplers:
         s.close()
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.0},
+    {"temperature": 0.0, "repeat_penalty": 1.3, "no_eos": True},
+    {"temperature": 0.0, "repeat_penalty": 1.1, "frequency_penalty": 0.5,
+     "presence_penalty": 0.3, "repeat_last_n": 16},
+    {"temperature": 0.7, "top_p": 0.9, "repeat_penalty": 1.1, "seed": 7},
+    {"temperature": 1.2, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.5,
+     "frequency_penalty": 0.2, "presence_penalty": 0.4, "repeat_last_n": 8, "seed": 11,
+     "no_eos": True}],
+    ids=["greedy", "greedy-repeat-bias", "greedy-all-penalties", "seeded",
+         "hot-all-penalties-bias"])
+def test_without_a_grammar_the_edited_row_samples_as_the_whole_chain(
+        engine: Engine, params: dict[str, Any]) -> None:
+    """The bias and penalties written into the row (`logit_edits`) and the greedy argmax
+    against llama.cpp's whole chain (both inside it): the same tokens, greedy and seeded,
+    three sequences batched, long enough for the penalty window to roll over. The bias
+    names every end-of-generation token twice, so both its entries must apply."""
+    params = dict(params)
+    no_eos = params.pop("no_eos", False)
+    eog = [t for t in range(engine.model.n_vocab) if engine.model.is_eog(t)]
+    bias = tuple((t, NO_EOS_BIAS / 2) for t in eog for _ in range(2)) if no_eos else ()
+    seed = params.pop("seed", None)
+
+    def samplers(**kw: Any) -> list[Sampler]:
+        return [Sampler.build(engine.model, SamplingParams(
+            logit_bias=bias, seed=None if seed is None else seed + q, **params), None,
+            candidates=engine.candidates, **kw) for q in range(3)]
+
+    reference = samplers(grammar_first=True)
+    assert all(s.edits is None for s in reference)
+    edited = samplers()
+    assert all(s.edits is not None for s in edited)
+    old = engine.run(reference, steps=80)
+    new = engine.run(edited, steps=80)
+    assert new == old
+    assert max(len(t) for t in new) > 20
+    for s in reference + edited:
+        s.close()
+
+
+@pytest.mark.parametrize("params", [
+    {"repeat_penalty": 1.3},
+    {"repeat_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.3,
+     "repeat_last_n": 16},
+    {"repeat_penalty": 0.8, "frequency_penalty": -0.4, "presence_penalty": 1.7,
+     "repeat_last_n": 5}], ids=["repeat", "all-three", "negative-and-short-window"])
+def test_the_edits_write_exactly_what_llama_cpps_samplers_leave(
+        engine: Engine, params: dict[str, Any]) -> None:
+    """Every logit of the row, bit for bit, after llama.cpp's logit-bias and penalties
+    samplers over the whole vocabulary and after `LogitEdits` over the tokens they name,
+    at each step of a greedy run whose window fills and rolls over (a repeated token, a
+    token leaving it, one named twice by the bias)."""
+    model, ctx = engine.model, engine.ctx
+    bias = ((13, 2.5), (13, -0.75), (42, -3.0), (model.eos, -100.0))
+    sampling = SamplingParams(temperature=0.0, logit_bias=bias, **params)
+    edits = LogitEdits(sampling, model.n_vocab)
+    chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+    arr = (ll.llama_logit_bias * len(bias))(*(ll.llama_logit_bias(t, b) for t, b in bias))
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_logit_bias(model.n_vocab,
+                                                                       len(bias), arr))
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_penalties(
+        model.n_vocab, sampling.repeat_last_n, sampling.repeat_penalty,
+        sampling.frequency_penalty, sampling.presence_penalty))
+    c = engine.candidates
+    ctx.clear(0)
+    batch = ctx.batch
+    batch.clear()
+    prompt = engine.prompts[2]
+    row = batch.add_span(prompt, 0, 0, last_logits=True)
+    ctx.decode()
+    try:
+        for step in range(40):
+            c.load(ctx, row)
+            ll.llama_sampler_apply(chain, c.ref)
+            expected = c.scores.copy()
+            got = c.raw_logits.copy()
+            edits.apply(got)
+            assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), step
+            # A repeated token now and then, so a count reaches 2 and the window rolls.
+            token = int(got.argmax()) if step % 3 else 13
+            ll.llama_sampler_accept(chain, token)
+            edits.accept(token)
+            batch.clear()
+            row = batch.add(token, len(prompt) + step, 0, True)
+            ctx.decode()
+        assert max(edits.counts.values()) >= 2
+        assert len(edits.window) == min(40, sampling.repeat_last_n)
+    finally:
+        ll.llama_sampler_free(chain)
 
 
 def test_every_refusal_path_chooses_the_same_greedy_token(

@@ -135,6 +135,29 @@ def test_deterministic_mode_gives_the_same_text_batched_or_alone(
     assert len(set(batched)) == 4  # four different continuations, none leaked into another
 
 
+def test_a_whole_answer_sends_its_first_text_only_and_the_rest_at_its_end(
+        scheduler: ModelScheduler) -> None:
+    """Not streamed: one TokenEvent (the time to the first token), then the DoneEvent with
+    the same whole text a streamed job of the same request gets piece by piece."""
+
+    def run(**kw: object) -> tuple[list[str], DoneEvent]:
+        job, out = _job(scheduler, PROMPTS[1], max_tokens=32, **kw)
+        scheduler.submit(job)
+        pieces = []
+        while True:
+            event = out.events.get(timeout=60)
+            if isinstance(event, DoneEvent):
+                return pieces, event
+            assert isinstance(event, TokenEvent), event
+            pieces.append(event.text)
+
+    streamed, s_done = run()
+    whole, w_done = run(stream=False)
+    assert w_done.text == s_done.text and w_done.usage.completion_tokens == 32
+    assert "".join(streamed) == s_done.text and len(streamed) > 10
+    assert whole == streamed[:1]
+
+
 def test_four_sequences_run_in_one_step_and_cells_are_reused(
         scheduler: ModelScheduler) -> None:
     jobs = [_job(scheduler, p, max_tokens=40) for p in PROMPTS]

@@ -357,6 +357,7 @@ async def _run(request: Request, parts: AppParts, req: GenerationRequest,
                keep_alive: tuple[float | None, dict[str, str]], stream: bool, chat: bool
                ) -> Response:
     seconds, extra_headers = keep_alive
+    req.stream = stream
     prepared = await parts.service.prepare(req, tenant=tenant_of(request), keep_alive=seconds)
     name = prepared.model.info.name
 

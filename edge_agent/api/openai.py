@@ -157,6 +157,7 @@ def _unsupported(condition: object, param: str, what: str) -> None:
 
 def _common(body: _Sampling, req: GenerationRequest) -> None:
     _unsupported(body.n not in (None, 1), "n", "n > 1")
+    req.stream = bool(body.stream)
     req.end_user = getattr(body, "safety_identifier", None) or body.user
     for key in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                 "top_k", "min_p", "repeat_penalty"):

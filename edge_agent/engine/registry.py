@@ -189,7 +189,7 @@ class LoadedModel:
                             max_tokens=spec.max_tokens, stops=spec.stops,
                             emit=ThreadEmitter(loop, events), priority=spec.priority,
                             load_ns=spec.load_ns, cache_key=spec.cache_key,
-                            draft=spec.draft)
+                            draft=spec.draft, stream=spec.stream)
         self.worker.submit(job)
         return Generation(events=events, cancelled=job.cancelled,
                           submitted_ns=job.submitted_ns)

@@ -66,6 +66,9 @@ class GenerationRequest:
     # A line of a batch: never degraded (no fallback, not queued again); on a saturated
     # box it gets the plain 503, and the batch runner tries it again later.
     batch_line: bool = False
+    # Whether the client reads the answer as it is written (False: a whole response, whose
+    # text the engine hands over once, at its end).
+    stream: bool = True
 
 
 @dataclass
@@ -90,6 +93,10 @@ class GenerationSpec:
     load_ns: int = 0  # how long the request waited for its model to load
     cache_key: str | None = None
     draft: int | None = None  # prompt-lookup draft tokens a step (None: the model's setting)
+    # False: only the first piece of text comes as a TokenEvent (the time to the first
+    # token); the rest is in the DoneEvent's `text`, with no wake-up of the caller's event
+    # loop per step for text nobody reads until the end.
+    stream: bool = True
 
 
 @dataclass

@@ -190,7 +190,7 @@ class GenerationService:
         spec = GenerationSpec(prompt=fitted.tokens, params=sampling, grammar=grammar,
                               max_tokens=fitted.max_tokens, stops=stops_for(req, model),
                               priority=priority, load_ns=load_ns, cache_key=req.cache_key,
-                              draft=req.draft)
+                              draft=req.draft, stream=req.stream)
         return spec, fitted
 
     def _govern(self, tenant: TenantContext | None, model: ModelName) -> None:
@@ -209,11 +209,14 @@ class GenerationService:
         TokenEvents, and with `tool_deltas` a call arrives as ToolCallEvents as soon as its
         name is known (OpenAI's streamed shape); the DoneEvent carries the parsed calls.
         Leaving the iteration early (client gone) cancels the job at its next step; passing
-        the deadline does too, and ends the events with a RequestTimeout error.
+        the deadline does too, and ends the events with a RequestTimeout error. A request
+        that is not streamed (`GenerationRequest.stream` False) yields one TokenEvent, its
+        first text, for the time to the first token; the whole text is the DoneEvent's.
         """
         loop = asyncio.get_running_loop()
         generation = prepared.generation
         first_token_ns = 0
+        given = 0  # characters of text the TokenEvents carried (not streamed: the first)
         reader = ToolAnswerReader() if prepared.tool_mode else None
         self._live[id(generation)] = generation
         try:
@@ -229,6 +232,7 @@ class GenerationService:
                         event = ErrorEvent(RequestTimeout("the request passed its deadline"))
                 if isinstance(event, TokenEvent):
                     first_token_ns = first_token_ns or time.perf_counter_ns()
+                    given += len(event.text)
                     if reader is None:
                         yield event
                         continue
@@ -240,6 +244,8 @@ class GenerationService:
                     continue
                 failed = None
                 if isinstance(event, DoneEvent) and reader is not None:
+                    if given < len(event.text):  # not streamed: the rest came whole
+                        list(reader.feed(event.text[given:]))
                     event, failed = _as_tool_answer(event, reader)
                 self.observer.end(prepared.served, event, first_token_ns, failed)
                 yield event

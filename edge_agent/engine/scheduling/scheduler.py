@@ -86,6 +86,7 @@ class GenerationJob:
     enqueued_at: float = 0.0
     cache_key: str | None = None  # the client's prompt-cache hint (OpenAI prompt_cache_key)
     draft: int | None = None  # most prompt-lookup draft tokens a step (None: the model's)
+    stream: bool = True  # False: only the first text as a TokenEvent (GenerationSpec.stream)
 
 
 @dataclass
@@ -748,7 +749,8 @@ class ModelScheduler:
         text = slot.stream.feed(self.model.piece(token))
         if text:
             slot.parts.append(text)
-            self._emit(job, TokenEvent(text))
+            if job.stream or len(slot.parts) == 1:
+                self._emit(job, TokenEvent(text))
         if slot.stream.stopped:
             self._finish(slot, "stop")
         elif len(slot.completion) >= job.max_tokens:
@@ -771,7 +773,8 @@ class ModelScheduler:
             tail = slot.stream.finish()
             if tail:
                 slot.parts.append(tail)
-                self._emit(job, TokenEvent(tail))
+                if job.stream or len(slot.parts) == 1:
+                    self._emit(job, TokenEvent(tail))
             end = time.perf_counter_ns()
             prompt_done = slot.t_prompt or end
             self._emit(job, DoneEvent(
