@@ -73,10 +73,15 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
         if parts.ledger is not None:
             parts.ledger.record(row, table)
 
+    def later(job: Callable[[], list[tuple[str, dict[str, Any]]]], *,
+              request_id: str | None = None) -> None:
+        if parts.ledger is not None:
+            parts.ledger.later(job, request_id=request_id)
+
     service = GenerationService(registry, default_timeout_s=timeout_ms / 1000 or None,
                                 metrics=metrics, governor=governor, redactor=redactor,
                                 keep_content=settings.retention.content_hours > 0,
-                                record=record)
+                                record=record, later=later)
     parts = AppParts(settings=settings, store=store, registry=registry, service=service,
                      ops=modelops, metrics=metrics, governor=governor,
                      hold_name=functools.partial(by_hand, settings.state_dir))

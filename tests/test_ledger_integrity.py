@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -190,3 +191,42 @@ def test_a_request_whose_model_has_a_lone_surrogate_costs_no_other_row(tmp_path:
     assert sorted(rows) == ["bad-1", *(f"ok-{i}" for i in range(5))]
     assert rows["bad-1"]["model"] == "m\ufffdx" and rows["ok-0"]["model"] == "m:1"
     assert writer.rows_sanitised == 1 and writer.rows_lost == 0
+
+
+def test_a_deferred_job_runs_on_the_writer_and_its_rows_are_kept_like_any_other(
+        tmp_path: Path) -> None:
+    """`later`: the job runs on the writer thread, not the caller's; `flush` waits for its
+    rows; a bad value in them is sanitised; a job that raises leaves a marker with the
+    request's id, and the rows around it stand."""
+    path = tmp_path / "ledger.db"
+    writer = LedgerWriter(path, window_s=0.05)
+    threads: list[str] = []
+
+    def job() -> list[tuple[str, dict[str, Any]]]:
+        threads.append(threading.current_thread().name)
+        return [(CONTENTS, {"request_id": "r1", "direction": "response", "message_index": 0,
+                            "role": "assistant", "text": "a\ud800", "ts": time.time()}),
+                (REDACTIONS, {"request_id": "r1", "direction": "response",
+                              "message_index": 0, "entity_type": "EMAIL", "start": 0,
+                              "end": 1})]
+
+    def broken() -> list[tuple[str, dict[str, Any]]]:
+        raise ValueError("a detector failed")
+
+    try:
+        writer.record(_row(1))
+        writer.later(job, request_id="r1")
+        writer.later(broken, request_id="r2")
+        writer.record(_row(3))
+        assert writer.flush()
+        assert threads == ["ledger"]
+        assert [r["id"] for r in _rows(path)] == ["r1", "r3"]
+        assert _rows(path, CONTENTS)[0]["text"] == "a\ufffd"
+        assert _rows(path, REDACTIONS)[0]["entity_type"] == "EMAIL"
+        (marker,) = _rows(path, REJECTED)
+        assert marker["request_id"] == "r2" and marker["reason"] == "ValueError"
+        # The count of what was handed over matches what was done: a later flush waits.
+        writer.later(job, request_id="r4")
+        assert writer.flush() and len(_rows(path, CONTENTS)) == 2
+    finally:
+        writer.close()

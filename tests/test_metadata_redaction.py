@@ -15,6 +15,8 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
+from edge_agent.config import TenantPolicy
+from edge_agent.engine.request import GenerationRequest
 from edge_agent.gateway.privacy import RequestPrivacy
 from edge_agent.governance.redaction import (
     LONG_MODEL_NAME,
@@ -22,8 +24,9 @@ from edge_agent.governance.redaction import (
     MetadataRedactor,
     Redactor,
 )
+from edge_agent.governance.tenants import TenantContext
 from edge_agent.ledger.store import CONTENTS, REDACTIONS
-from edge_agent.logs import RequestContext, note
+from edge_agent.logs import RequestContext, access_var, note
 from tests.conftest import DEFAULT_MODEL, LiveServer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "redaction.jsonl"
@@ -125,6 +128,53 @@ def test_responses_get_the_lenient_pass_prompts_the_strict_one(redactor: Redacto
         ("response", "loose-phone"), ("response", "loose-phone")]
     stored = [row["text"] for table, row in rows if table == CONTENTS]
     assert "3012345678" not in stored[0]
+
+
+class _Counting:
+    """A redactor that counts its calls, to see where (and when) redaction runs."""
+
+    def __init__(self, inner: Redactor) -> None:
+        self.inner, self.calls = inner, 0
+        self.policy_version, self.key = inner.policy_version, inner.key
+
+    def redact(self, text: str, *, lenient: bool) -> Any:
+        self.calls += 1
+        return self.inner.redact(text, lenient=lenient)
+
+
+def test_kept_text_is_redacted_after_the_response_not_on_its_path(redactor: Redactor) -> None:
+    """Content kept (and the model seeing the prompt as sent): nothing is redacted while
+    the request runs; one job per text goes to `later` and makes, when run, the rows the
+    immediate path makes, under the request's id. A prompt the model must see redacted is
+    redacted at once."""
+    counting = _Counting(redactor)
+    jobs: list[tuple[Any, str | None]] = []
+    recorded: list[tuple[str, dict[str, Any]]] = []
+    privacy = RequestPrivacy(counting, keep_content=True,  # type: ignore[arg-type]
+                             record=lambda table, row: recorded.append((table, row)),
+                             later=lambda job, *, request_id=None: jobs.append(
+                                 (job, request_id)))
+    token = access_var.set({"id": "req-1"})
+    try:
+        req = GenerationRequest(model="m", messages=[{"role": "user",
+                                                      "content": "mail a@example.com"}])
+        assert privacy.redact_prompt(req, None) is req
+        privacy.keep_answer("Call 49 3012345678 now.")
+    finally:
+        access_var.reset(token)
+    assert counting.calls == 0 and recorded == [] and len(jobs) == 2
+    rows = [row for job, request_id in jobs for row in job()]
+    assert {request_id for _, request_id in jobs} == {"req-1"}
+    assert counting.calls == 2
+    assert {row["request_id"] for _, row in rows} == {"req-1"}
+    assert [(row["direction"], row["text"]) for table, row in rows if table == CONTENTS] == [
+        ("prompt", "mail <EMAIL>"), ("response", "Call <PHONE> now.")]
+    assert sorted(row["entity_type"] for table, row in rows if table == REDACTIONS) == \
+        ["EMAIL", "PHONE"]
+    hiding = TenantContext("t", TenantPolicy(redact_prompt=True))
+    seen = privacy.redact_prompt(req, hiding)
+    assert seen.messages == [{"role": "user", "content": "mail <EMAIL>"}]
+    assert counting.calls == 3 and len(jobs) == 2 and len(recorded) == 2  # span + content
 
 
 async def _endpoint(scope: Scope, receive: Receive, send: Send) -> None:

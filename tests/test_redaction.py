@@ -116,3 +116,8 @@ def test_nothing_raw_is_stored_and_the_redaction_log_has_the_spans(
     for entity, _direction, _i, start, end, operator in spans:
         if _direction == "prompt":
             assert stored[start:end] == f"<{entity}>" and operator == "tag"
+    # The answer, kept too: redacted after the response, on the ledger's writer, and
+    # there by the time the writer is flushed.
+    answers = db.execute("SELECT text FROM contents WHERE request_id = ? AND direction = "
+                         "'response'", [request_id]).fetchall()
+    assert len(answers) == 1 and answers[0][0] == r.json()["response"]

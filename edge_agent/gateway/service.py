@@ -42,7 +42,7 @@ from edge_agent.gateway import embeddings
 from edge_agent.gateway.degrade import Degradation, RiskPolicy, saturation
 from edge_agent.gateway.limits import Fit, fit, requested_output, window_for
 from edge_agent.gateway.observe import Observer, Served, as_edge_error
-from edge_agent.gateway.privacy import Record, RequestPrivacy
+from edge_agent.gateway.privacy import Later, Record, RequestPrivacy
 from edge_agent.governance.redaction import Redactor
 from edge_agent.governance.tenants import Governor, TenantContext
 from edge_agent.logs import note
@@ -89,13 +89,14 @@ class GenerationService:
     def __init__(self, registry: ModelRegistry, *, default_timeout_s: float | None = None,
                  metrics: Metrics | None = None, governor: Governor | None = None,
                  redactor: Redactor | None = None, keep_content: bool = False,
-                 record: Record | None = None) -> None:
+                 record: Record | None = None, later: Later | None = None) -> None:
         self.registry = registry
         self.risk = RiskPolicy(registry.settings, metrics,
                                lambda name: registry.store.get(name) is not None)
         self.governor = governor
         self.default_timeout_s = default_timeout_s
-        self.privacy = RequestPrivacy(redactor, keep_content=keep_content, record=record)
+        self.privacy = RequestPrivacy(redactor, keep_content=keep_content, record=record,
+                                      later=later)
         self.observer = Observer(metrics, governor, self.privacy)
         # The generations being streamed now, for `cut_all` at a stop (keyed by id: one
         # entry per running `stream`).

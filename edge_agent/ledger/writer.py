@@ -1,6 +1,8 @@
 """The ledger writer: requests hand rows to a queue and return at once; one thread
 commits them in batches (one transaction per `window_s`), so a crash loses at most the
-last window and the file is never left half-written (WAL).
+last window and the file is never left half-written (WAL). Work whose only product is
+rows (redacting text that is kept) is handed over the same way, as a job (`later`), and
+runs there.
 
 One row never costs another: every value is first made storable (text valid UTF-8 — a
 lone surrogate becomes U+FFFD —, numbers finite and within SQLite's range, anything else
@@ -19,7 +21,8 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +99,12 @@ def _marker(table: str, row: Any, reason: str) -> dict[str, Any]:
             "request_id": key[:_MARKER_KEY_CHARS] if key else None, "reason": reason}
 
 
+@dataclass(frozen=True)
+class _Job:
+    run: Callable[[], list[tuple[str, dict[str, Any]]]]
+    request_id: str | None  # for the marker when it fails
+
+
 class LedgerWriter:
     def __init__(self, path: Path, *, window_s: float = 0.2) -> None:
         self.path = path
@@ -127,6 +136,18 @@ class LedgerWriter:
         self._submitted += 1
         self._queue.put(item)
 
+    def later(self, job: Callable[[], list[tuple[str, dict[str, Any]]]], *,
+              request_id: str | None = None) -> None:
+        """Never blocks, never raises: `job` runs on the writer thread and its rows
+        (table, row) are committed with the batch it runs in. For work a request's answer
+        need not wait for (redacting text only to keep it); `flush` waits for it too. A job
+        that raises is logged and leaves a marker in `rejected_rows`, as a row that could
+        not be stored does."""
+        if self._oldest_pending is None:
+            self._oldest_pending = time.monotonic()
+        self._submitted += 1
+        self._queue.put(_Job(job, request_id))
+
     @property
     def lag_s(self) -> float:
         """Age of the oldest row not yet committed (0 when all are)."""
@@ -147,13 +168,18 @@ class LedgerWriter:
         stopping = False
         while not stopping:
             batch: list[tuple[str, Any]] = []
+            items = 0  # taken from the queue (a job may add several rows, or none)
             item = self._queue.get()
             deadline = time.monotonic() + self.window_s
             while True:
                 if item is _STOP:
                     stopping = True
                     break
-                batch.append(item)
+                items += 1
+                if isinstance(item, _Job):
+                    batch.extend(self._run_job(db, item))
+                else:
+                    batch.append(item)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -167,8 +193,18 @@ class LedgerWriter:
                 except Exception:  # a bug here must not end the thread: rows would pile up
                     log.exception("ledger writer failed on a batch of %d rows", len(batch))
                     self.rows_lost += len(batch)
-                self._done(len(batch))
+            if items:
+                self._done(items)
         db.close()
+
+    def _run_job(self, db: Any, job: _Job) -> list[tuple[str, Any]]:
+        try:
+            return list(job.run())
+        except Exception as exc:
+            log.exception("ledger: a deferred job failed; its rows are not stored")
+            self._reject(db, "deferred", {"request_id": job.request_id},
+                         type(exc).__name__)
+            return []
 
     def _done(self, n: int) -> None:
         with self._flushed:
