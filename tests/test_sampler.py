@@ -20,7 +20,7 @@ from edge_agent.engine.constrained.grammar_cache import ParsedGrammars
 from edge_agent.engine.constrained.grammar_check import CheckedGrammar
 from edge_agent.engine.constrained.json_grammar import schema_to_grammar
 from edge_agent.engine.constrained.logit_edits import LogitEdits
-from edge_agent.engine.constrained.sampler import Candidates, Sampler
+from edge_agent.engine.constrained.sampler import Candidates, Sampler, greedy
 from edge_agent.engine.constrained.token_prefixes import TokenPrefixes, Utf8Tail, decode_utf8
 from edge_agent.engine.constrained.tool_calls import tool_call_schema
 from edge_agent.engine.request import SamplingParams
@@ -188,7 +188,9 @@ def test_without_a_grammar_the_edited_row_samples_as_the_whole_chain(
     {"repeat_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.3,
      "repeat_last_n": 16},
     {"repeat_penalty": 0.8, "frequency_penalty": -0.4, "presence_penalty": 1.7,
-     "repeat_last_n": 5}], ids=["repeat", "all-three", "negative-and-short-window"])
+     "repeat_last_n": 5},
+    {"repeat_penalty": 5e-324, "frequency_penalty": 3e38, "repeat_last_n": 8}],
+    ids=["repeat", "all-three", "negative-and-short-window", "zero-and-overflow"])
 def test_the_edits_write_exactly_what_llama_cpps_samplers_leave(
         engine: Engine, params: dict[str, Any]) -> None:
     """Every logit of the row, bit for bit, after llama.cpp's logit-bias and penalties
@@ -371,3 +373,14 @@ def test_the_forest_checks_children_only_under_allowed_parents() -> None:
     assert sorted(forest.roots.tolist()) == [0, 3, 5]  # "a", "b", the lone byte
     assert sorted(forest._children_of(np.array([0], dtype=np.int32)).tolist()) == [1]
     assert sorted(forest._children_of(np.array([1], dtype=np.int32)).tolist()) == [2, 7]
+
+
+def test_greedy_takes_the_first_highest_logit_and_a_nan_as_llama_cpp_does() -> None:
+    """llama.cpp's loop keeps index 0 and moves only to a strictly greater logit: the first
+    of equal maxima wins, and a NaN is taken only where it starts, at index 0."""
+    f32 = np.float32
+    assert greedy(np.array([0, 2, 2], f32)) == 1
+    assert greedy(np.array([1, np.nan, 3, 3], f32)) == 2
+    assert greedy(np.array([np.nan, 5, 3], f32)) == 0
+    assert greedy(np.array([-np.inf, -np.inf], f32)) == 0
+    assert greedy(np.array([1, np.inf, np.inf], f32)) == 1

@@ -33,11 +33,12 @@ class LogitEdits:
 
     def __init__(self, params: SamplingParams, n_vocab: int) -> None:
         self.n_vocab = n_vocab
-        self.bias = [(token, np.float32(bias)) for token, bias in params.logit_bias]
         self.last_n = params.repeat_last_n
-        self.repeat = np.float32(params.repeat_penalty)
-        self.frequency = np.float32(params.frequency_penalty)
-        self.presence = np.float32(params.presence_penalty)
+        with np.errstate(all="ignore"):  # as C's float(): past float32's range is inf
+            self.bias = [(token, np.float32(bias)) for token, bias in params.logit_bias]
+            self.repeat = np.float32(params.repeat_penalty)
+            self.frequency = np.float32(params.frequency_penalty)
+            self.presence = np.float32(params.presence_penalty)
         # llama.cpp's is_disabled(): no window, or no penalty at all.
         self.penalized = self.last_n != 0 and not (
             params.repeat_penalty == 1.0 and params.frequency_penalty == 0.0
@@ -60,6 +61,12 @@ class LogitEdits:
         return logits
 
     def apply(self, logits: np.ndarray) -> None:
+        # As C's float arithmetic: a penalty that is 0 as a float (5e-324) divides to inf,
+        # a sum past float32's range is inf, and neither is an error.
+        with np.errstate(all="ignore"):
+            self._apply(logits)
+
+    def _apply(self, logits: np.ndarray) -> None:
         for token, bias in self.bias:  # one by one: a token named twice gets both
             logits[token] += bias
         if not self.penalized or not self.counts:

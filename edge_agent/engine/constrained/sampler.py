@@ -205,7 +205,7 @@ class Sampler:
             if self.greedy:
                 # llama.cpp's greedy sampler, without its copy of the vocabulary: the first
                 # of the highest logits, as numpy's argmax takes it.
-                token = int(edits.logits(ctx.ptr, row).argmax())
+                token = greedy(edits.logits(ctx.ptr, row))
             else:
                 if edits.active:
                     edits.logits(ctx.ptr, row)
@@ -293,6 +293,16 @@ class Sampler:
         if self.ptr:
             ll.llama_sampler_free(self.ptr)
             self.ptr = None  # type: ignore[assignment]
+
+
+def greedy(logits: np.ndarray) -> int:
+    """llama.cpp's greedy choice: the first of the highest logits. A NaN is never greater
+    than anything there (nor anything than it), so it is chosen only at index 0, where the
+    search starts; numpy's argmax would take the first NaN."""
+    token = int(logits.argmax())
+    if not math.isnan(logits[token]):
+        return token
+    return 0 if math.isnan(logits[0]) else int(np.nanargmax(logits))
 
 
 def _add_chain(chain: ctypes.c_void_p, model: LlamaModel, params: SamplingParams,
