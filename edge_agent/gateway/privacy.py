@@ -27,8 +27,11 @@ from edge_agent.ledger.store import CONTENTS, REDACTIONS
 from edge_agent.logs import current_request_id
 
 Record = Callable[[str, dict[str, Any]], None]
-# Rows made later, off the request's path: a job that returns them.
+
+
 class Later(Protocol):
+    """Runs a job that returns rows (table, row) later, off the request's path."""
+
     def __call__(self, job: Callable[[], list[tuple[str, dict[str, Any]]]], *,
                  request_id: str | None = None) -> None: ...
 

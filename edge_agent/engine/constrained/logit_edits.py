@@ -60,13 +60,10 @@ class LogitEdits:
         self.apply(logits)
         return logits
 
+    @np.errstate(all="ignore")
     def apply(self, logits: np.ndarray) -> None:
-        # As C's float arithmetic: a penalty that is 0 as a float (5e-324) divides to inf,
-        # a sum past float32's range is inf, and neither is an error.
-        with np.errstate(all="ignore"):
-            self._apply(logits)
-
-    def _apply(self, logits: np.ndarray) -> None:
+        """As C's float arithmetic: a penalty that is 0 as a float (5e-324) divides to inf,
+        a sum past float32's range is inf, and neither is an error."""
         for token, bias in self.bias:  # one by one: a token named twice gets both
             logits[token] += bias
         if not self.penalized or not self.counts:
@@ -79,7 +76,7 @@ class LogitEdits:
 
     def accept(self, token: int) -> None:
         """The sampled token into the window (llama.cpp's penalties `accept`)."""
-        if not self.penalized or self.last_n == 0:
+        if not self.penalized:
             return
         self.counts[token] = self.counts.get(token, 0) + 1
         if len(self.window) >= self.last_n:

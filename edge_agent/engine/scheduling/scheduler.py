@@ -748,15 +748,20 @@ class ModelScheduler:
             slot.lookup.append(token)
         text = slot.stream.feed(self.model.piece(token))
         if text:
-            slot.parts.append(text)
-            if job.stream or len(slot.parts) == 1:
-                self._emit(job, TokenEvent(text))
+            self._text(slot, job, text)
         if slot.stream.stopped:
             self._finish(slot, "stop")
         elif len(slot.completion) >= job.max_tokens:
             self._finish(slot, "length")
         else:
             slot.next_token = token
+
+    def _text(self, slot: _Slot, job: GenerationJob, text: str) -> None:
+        """Text of the answer: kept for the DoneEvent, and sent as a TokenEvent when the
+        job streams or it is the first (GenerationSpec.stream)."""
+        slot.parts.append(text)
+        if job.stream or len(slot.parts) == 1:
+            self._emit(job, TokenEvent(text))
 
     def _close_reserve(self, max_tokens: int) -> int:
         """The last tokens of a JSON answer's budget spent closing it: the setting, at most
@@ -772,9 +777,7 @@ class ModelScheduler:
         if reason != "cancelled":
             tail = slot.stream.finish()
             if tail:
-                slot.parts.append(tail)
-                if job.stream or len(slot.parts) == 1:
-                    self._emit(job, TokenEvent(tail))
+                self._text(slot, job, tail)
             end = time.perf_counter_ns()
             prompt_done = slot.t_prompt or end
             self._emit(job, DoneEvent(
