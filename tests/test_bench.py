@@ -239,3 +239,75 @@ def test_the_client_side_requests_are_timed_in_three_parts(live_server: LiveServ
         r = client.post("/v1/chat/completions", json=_body(peer, CASES[0], 4, {}))
     timing = r.headers["server-timing"]
     assert timing.startswith("queue;dur=") and "prompt;dur=" in timing and "decode;dur=" in timing
+
+
+def test_a_busy_threads_cpu_is_read_from_proc() -> None:
+    """`thread_cpu` finds a thread that has spun for 0.2 s of CPU (by its own clock), and
+    a thread that only waited stays near zero."""
+    import os
+
+    from edge_agent.bench.client_side import thread_cpu
+
+    ids: dict[str, int] = {}
+    spun = threading.Event()
+    release = threading.Event()
+
+    def spin() -> None:
+        ids["busy"] = threading.get_native_id()
+        while time.thread_time() < 0.2:
+            pass
+        spun.set()
+        release.wait()
+
+    def idle() -> None:
+        ids["idle"] = threading.get_native_id()
+        release.wait()
+
+    threads = [threading.Thread(target=spin), threading.Thread(target=idle)]
+    for t in threads:
+        t.start()
+    try:
+        assert spun.wait(30)
+        cpu = thread_cpu(os.getpid())
+        assert cpu[ids["busy"]] >= 0.19
+        assert cpu[ids["idle"]] < 0.05
+    finally:
+        release.set()
+        for t in threads:
+            t.join()
+    assert thread_cpu(2**22 + 7) == {}  # no such process
+
+
+def test_the_busiest_threads_count_as_the_engine_and_the_bound_is_their_cpu() -> None:
+    """Per request: the `threads` busiest threads' CPU is the engine's, the rest is the
+    serving's; the aggregate is tokens over the round's wall time; llama-server's engine
+    CPU over edge-agent's is printed as the bound of the ratio."""
+    from edge_agent.bench.client_side import (
+        CASES,
+        CpuUse,
+        Round,
+        Timed,
+        _aggregates,
+        _cpu_summary,
+    )
+
+    use = CpuUse()
+    use.add({1: 1.0, 2: 1.0, 3: 0.0}, {1: 3.0, 2: 2.9, 3: 0.2, 4: 0.1}, 2.0, 4, 2)
+    assert use.per_request_ms() == pytest.approx((975.0, 75.0))
+    assert use.cores == pytest.approx(2.1)
+
+    c8 = next(c for c in CASES if c.concurrency == 8)
+    t = Timed(1.0, 64, 1, 1, 1)
+    timed = {c8: {"edge-agent": [Round([t] * 16, 4.0), Round([t] * 16, 5.0)],
+                  "llama-server": [Round([t] * 16, 5.0), Round([t] * 16, 5.0)]}}
+    out: dict[str, Any] = {c8.label: {}}
+    lines: list[str] = []
+    _aggregates(timed, out, lines.append)
+    assert out[c8.label]["aggregate_rounds"] == pytest.approx([1.25, 1.0])
+    assert out[c8.label]["edge_aggregate"] == pytest.approx((256 + 204.8) / 2)
+    edge, llama = CpuUse(), CpuUse()
+    edge.add({}, {1: 8.0, 2: 8.0, 3: 0.5}, 9.0, 16, 2)
+    llama.add({}, {1: 9.0, 2: 9.0, 3: 0.1}, 9.5, 16, 2)
+    _cpu_summary({c8: {"edge-agent": edge, "llama-server": llama}}, out, lines.append)
+    assert out[c8.label]["cpu"]["engine_cpu_ratio"] == pytest.approx(18 / 16)
+    assert any("1.12x" in line and "1000" in line and "1125" in line for line in lines), lines

@@ -25,6 +25,7 @@ from edge_agent.engine.constrained.token_prefixes import TokenPrefixes, Utf8Tail
 from edge_agent.engine.constrained.tool_calls import tool_call_schema
 from edge_agent.engine.request import SamplingParams
 from edge_agent.engine.runtime.llama import BatchContext, LlamaModel
+from edge_agent.errors import EdgeAgentError
 
 pytestmark = pytest.mark.integration
 
@@ -200,7 +201,7 @@ def test_the_edits_write_exactly_what_llama_cpps_samplers_leave(
     model, ctx = engine.model, engine.ctx
     bias = ((13, 2.5), (13, -0.75), (42, -3.0), (model.eos, -100.0))
     sampling = SamplingParams(temperature=0.0, logit_bias=bias, **params)
-    edits = LogitEdits(sampling, model.n_vocab)
+    edits = LogitEdits(sampling)
     chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
     arr = (ll.llama_logit_bias * len(bias))(*(ll.llama_logit_bias(t, b) for t, b in bias))
     ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_logit_bias(model.n_vocab,
@@ -234,6 +235,37 @@ def test_the_edits_write_exactly_what_llama_cpps_samplers_leave(
         assert len(edits.window) == min(40, sampling.repeat_last_n)
     finally:
         ll.llama_sampler_free(chain)
+
+
+def test_a_rows_logits_view_is_llama_cpps_buffer_row_after_every_decode(
+        engine: Engine) -> None:
+    """`BatchContext.row_logits` reads what llama.cpp's own accessor points at, for each
+    row of a batch, after each decode (the views it keeps by address are reused, never
+    stale), and a row without logits is an error rather than a read of whatever is there."""
+    model, ctx = engine.model, engine.ctx
+    for seq in range(3):
+        ctx.clear(seq)
+    batch = ctx.batch
+    batch.clear()
+    rows = [batch.add_span(engine.prompts[seq], 0, seq, last_logits=True) for seq in range(3)]
+    ctx.decode()
+    pos = [len(engine.prompts[seq]) for seq in range(3)]
+    seen: dict[int, np.ndarray] = {}
+    for step in range(4):
+        for seq, row in enumerate(rows):
+            view = ctx.row_logits(row)
+            ptr = ll.llama_get_logits_ith(ctx.ptr, row)
+            expected = np.ctypeslib.as_array(ptr, shape=(model.n_vocab,))
+            assert view.ctypes.data == ctypes.addressof(ptr.contents)
+            assert np.array_equal(view, expected), (step, seq)
+            seen.setdefault(view.ctypes.data, view)
+            assert seen[view.ctypes.data] is view  # the same row's view, reused
+        tokens = [int(ctx.row_logits(row).argmax()) for row in rows]
+        batch.clear()
+        rows = [batch.add(tokens[seq], pos[seq] + step, seq, True) for seq in range(3)]
+        ctx.decode()
+    with pytest.raises(EdgeAgentError):
+        ctx.row_logits(len(rows) + 5)
 
 
 def test_every_refusal_path_chooses_the_same_greedy_token(

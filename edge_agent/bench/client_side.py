@@ -17,10 +17,19 @@ Where each request's time went:
   llama-server's `timings`), and the rest of the wall time: queueing, parsing and
   validation, the template and tokenizing, encoding the answer, the wake-ups between the
   event loop and the scheduler, the HTTP exchange.
+
+And where each server's CPU went, per request (Linux's per-thread counters): its engine's
+threads (the `threads` busiest: llama.cpp's compute threads, the calling one with the
+sampling and the scheduling around each pass) and everything else (HTTP, the event loop,
+the ledger), with the cores the process kept busy. Where both keep every core busy, the
+engine CPU a request is what bounds the ratio: a server can answer only as much faster
+as it spends less CPU on the same tokens, whatever its batching does with them. At c=8
+the section also prints the aggregate: completion tokens over each round's wall time.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import time
@@ -79,6 +88,63 @@ class Timed:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of process `pid`, from Linux's scheduler statistics
+    (nanoseconds on a CPU; `stat`'s clock ticks where there are none); {} where there is
+    no /proc (not Linux, or the process is gone)."""
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            out[int(tid)] = _ran_s(f"/proc/{pid}/task/{tid}")
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+def _ran_s(task: str) -> float:
+    try:
+        with open(f"{task}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except FileNotFoundError:  # a kernel without schedstats
+        with open(f"{task}/stat") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class CpuUse:
+    """A server's CPU over some runs of a case: wall seconds, CPU seconds of its engine's
+    threads and of the rest, and the requests they served."""
+
+    wall_s: float = 0.0
+    engine_s: float = 0.0
+    other_s: float = 0.0
+    requests: int = 0
+
+    def add(self, before: dict[int, float], after: dict[int, float], wall_s: float,
+            requests: int, engine_threads: int) -> None:
+        used = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
+        self.engine_s += sum(used[:engine_threads])
+        self.other_s += sum(used[engine_threads:])
+        self.wall_s += wall_s
+        self.requests += requests
+
+    @property
+    def cores(self) -> float:
+        """The cores the process kept busy, on average."""
+        return (self.engine_s + self.other_s) / self.wall_s if self.wall_s else 0.0
+
+    def per_request_ms(self) -> tuple[float, float]:
+        """(engine, other) CPU milliseconds a request."""
+        n = max(1, self.requests)
+        return 1000 * self.engine_s / n, 1000 * self.other_s / n
 
 
 def order(i: int) -> list[dict[str, str]]:
@@ -156,12 +222,38 @@ def _run(peer: HttpPeer, case: Case, base: int, extra: dict[str, Any],
     return list(pool.map(lambda b: ask(peer.client, b), bodies))
 
 
+@dataclass
+class Round:
+    """One peer's requests of one case in one round, and the round's wall time."""
+
+    timed: list[Timed]
+    wall_s: float
+
+    @property
+    def aggregate(self) -> float:
+        """Completion tokens over the round's wall time."""
+        return sum(t.tokens for t in self.timed) / self.wall_s
+
+
+def _measured(peer: HttpPeer, case: Case, base: int, extra: dict[str, Any],
+              pool: ThreadPoolExecutor, cpu: CpuUse, threads: int) -> Round:
+    """`_run`, with the round's wall time and the server's CPU over it."""
+    pid = peer.proc.pid
+    before = thread_cpu(pid)
+    start = time.perf_counter()
+    timed = _run(peer, case, base, extra, pool)
+    wall = time.perf_counter() - start
+    cpu.add(before, thread_cpu(pid), wall, len(timed), threads)
+    return Round(timed, wall)
+
+
 def bench_client_side(state_dir: Path, path: Path, model: str, binary: Path, *,
                       threads: int, extra: dict[str, Any], echo: Echo, rounds: int = 5
                       ) -> dict[str, Any]:
     peers: dict[str, HttpPeer] = {}
     # per case, per peer, per round: that round's requests
-    timed: dict[Case, dict[str, list[list[Timed]]]] = {}
+    timed: dict[Case, dict[str, list[Round]]] = {}
+    cpu: dict[Case, dict[str, CpuUse]] = {}
     try:
         peers["edge-agent"] = EdgeAgentPeer(state_dir, model, threads=threads,
                                             context=4096, parallel="auto")
@@ -170,6 +262,7 @@ def bench_client_side(state_dir: Path, path: Path, model: str, binary: Path, *,
         peers["llama-server"] = LlamaServerPeer(binary, path, model, threads=threads,
                                                 context=CONTEXT, parallel=SLOTS)
         timed = {case: {name: [] for name in peers} for case in CASES}
+        cpu = {case: {name: CpuUse() for name in peers} for case in CASES}
         with ThreadPoolExecutor(max_workers=SLOTS) as pool:
             for peer in peers.values():  # warm-up: each case's first parse and grammar
                 for case in CASES:
@@ -179,11 +272,56 @@ def bench_client_side(state_dir: Path, path: Path, model: str, binary: Path, *,
                     base = 20_000 + 1000 * r + 50 * n
                     names = list(peers) if (r + n) % 2 == 0 else list(peers)[::-1]
                     for name in names:  # who goes first alternates
-                        timed[case][name].append(_run(peers[name], case, base, extra, pool))
+                        timed[case][name].append(_measured(
+                            peers[name], case, base, extra, pool, cpu[case][name], threads))
     finally:
         for peer in peers.values():
             peer.close()
-    return _summary(timed, rounds, echo)
+    out = _summary({case: {name: [r.timed for r in series] for name, series in by.items()}
+                    for case, by in timed.items()}, rounds, echo)
+    _aggregates(timed, out, echo)
+    _cpu_summary(cpu, out, echo)
+    return out
+
+
+def _aggregates(timed: dict[Case, dict[str, list[Round]]], out: dict[str, Any], echo: Echo
+                ) -> None:
+    """At c=8: completion tokens over each round's wall time, edge-agent's over
+    llama-server's, per round (median and range)."""
+    for case, by_peer in timed.items():
+        if case.concurrency == 1:
+            continue
+        ratios = [e.aggregate / s.aggregate
+                  for e, s in zip(by_peer["edge-agent"], by_peer["llama-server"], strict=True)]
+        rate = {name: statistics.median(r.aggregate for r in series)
+                for name, series in by_peer.items()}
+        echo(f"  {case.label:<26} aggregate {rate['edge-agent']:.1f} vs "
+             f"{rate['llama-server']:.1f} tok/s: {statistics.median(ratios):.2f}x "
+             f"({min(ratios):.2f}-{max(ratios):.2f})")
+        out[case.label].update(aggregate_ratio=statistics.median(ratios),
+                               aggregate_rounds=ratios, edge_aggregate=rate["edge-agent"],
+                               llama_aggregate=rate["llama-server"])
+
+
+def _cpu_summary(cpu: dict[Case, dict[str, CpuUse]], out: dict[str, Any], echo: Echo
+                 ) -> None:
+    """Per case: each server's engine and other CPU a request, the cores it kept busy, and
+    llama-server's engine CPU a request over edge-agent's (the ratio's bound where both
+    keep every core busy)."""
+    echo("  CPU a request, ms: engine threads + the rest (cores busy); llama-server's engine "
+         "CPU / edge-agent's")
+    for case, by_peer in cpu.items():
+        edge, llama = by_peer["edge-agent"], by_peer["llama-server"]
+        if not edge.requests or not llama.requests or not edge.engine_s:
+            continue
+        (ee, eo), (le, lo) = edge.per_request_ms(), llama.per_request_ms()
+        bound = le / ee
+        echo(f"  {case.label:<26} edge {ee:6.0f} + {eo:4.1f} ({edge.cores:.2f})  "
+             f"llama {le:6.0f} + {lo:4.1f} ({llama.cores:.2f})  {bound:.2f}x")
+        out[case.label]["cpu"] = {
+            "edge_engine_ms": ee, "edge_other_ms": eo, "edge_cores": edge.cores,
+            "llama_engine_ms": le, "llama_other_ms": lo, "llama_cores": llama.cores,
+            "engine_cpu_ratio": bound}
 
 
 def _summary(timed: dict[Case, dict[str, list[list[Timed]]]], rounds: int, echo: Echo

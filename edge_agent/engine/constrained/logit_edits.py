@@ -15,24 +15,18 @@ greedy and seeded).
 
 from __future__ import annotations
 
-import ctypes
 from collections import deque
 
-import llama_cpp as ll
 import numpy as np
 
 from edge_agent.engine.request import SamplingParams
-from edge_agent.errors import EdgeAgentError
-
-_FLOATS = ctypes.POINTER(ctypes.c_float)
 
 
 class LogitEdits:
     """One sequence's bias and penalty state; its window holds only the tokens it sampled
     (never the prompt), as the chain's penalties sampler does."""
 
-    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
-        self.n_vocab = n_vocab
+    def __init__(self, params: SamplingParams) -> None:
         self.last_n = params.repeat_last_n
         with np.errstate(all="ignore"):  # as C's float(): past float32's range is inf
             self.bias = [(token, np.float32(bias)) for token, bias in params.logit_bias]
@@ -50,15 +44,6 @@ class LogitEdits:
     def active(self) -> bool:
         """Whether any token's logit may ever change."""
         return bool(self.bias) or self.penalized
-
-    def logits(self, ctx_ptr: ctypes.c_void_p, row: int) -> np.ndarray:
-        """Batch row `row`'s logits as a numpy view of llama.cpp's own buffer, edited."""
-        ptr = ll.llama_get_logits_ith(ctx_ptr, row)
-        if not ptr:
-            raise EdgeAgentError(f"llama.cpp has no logits for batch row {row}")
-        logits = np.ctypeslib.as_array(ctypes.cast(ptr, _FLOATS), shape=(self.n_vocab,))
-        self.apply(logits)
-        return logits
 
     @np.errstate(all="ignore")
     def apply(self, logits: np.ndarray) -> None:

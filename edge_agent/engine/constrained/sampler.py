@@ -182,7 +182,7 @@ class Sampler:
             if grammar_first:
                 _add_chain(chain, model, params, g)
             elif g is None:
-                sampler.edits = LogitEdits(params, model.n_vocab)
+                sampler.edits = LogitEdits(params)
                 _add_chain(chain, model, params, None, edits_apart=True)
             else:
                 sampler.grammar = g
@@ -205,10 +205,12 @@ class Sampler:
             if self.greedy:
                 # llama.cpp's greedy sampler, without its copy of the vocabulary: the first
                 # of the highest logits, as numpy's argmax takes it.
-                token = greedy(edits.logits(ctx.ptr, row))
+                logits = ctx.row_logits(row)
+                edits.apply(logits)
+                token = greedy(logits)
             else:
                 if edits.active:
-                    edits.logits(ctx.ptr, row)
+                    edits.apply(ctx.row_logits(row))
                 # Samples the edited logits; accepts the token into the chain.
                 token = int(ll.llama_sampler_sample(self.ptr, ctx.ptr, row))
             edits.accept(token)
