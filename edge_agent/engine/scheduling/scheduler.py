@@ -573,6 +573,9 @@ class ModelScheduler:
         if decoding:
             rows_s = self._decode_rows(decoding)
             self._flush()  # their tokens go out now, not after the prefill pass
+        if not prefilling:  # no budget to work out (a step of a stream decoding alone)
+            self._prefilled_last_step = False
+            return
         prompts = [_prompt(s) for s in prefilling]
         if budget is None:
             # The cells of the prompt that goes first: the shortest (the first of them).
