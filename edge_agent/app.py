@@ -31,7 +31,7 @@ from edge_agent.governance.redaction import Detectors, MetadataRedactor, Redacto
 from edge_agent.governance.tenants import Governor
 from edge_agent.ledger.retention import purge_expired
 from edge_agent.ledger.store import REQUESTS
-from edge_agent.ledger.writer import LedgerWriter
+from edge_agent.ledger.writer import DeferredJob, LedgerWriter
 from edge_agent.logs import RequestContext
 from edge_agent.names import ModelName
 from edge_agent.owner_only import private_dir
@@ -73,8 +73,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
         if parts.ledger is not None:
             parts.ledger.record(row, table)
 
-    def later(job: Callable[[], list[tuple[str, dict[str, Any]]]], *,
-              request_id: str | None = None) -> None:
+    def later(job: DeferredJob, *, request_id: str | None = None) -> None:
         if parts.ledger is not None:
             parts.ledger.later(job, request_id=request_id)
 

@@ -24,6 +24,7 @@ from edge_agent.engine.request import GenerationRequest
 from edge_agent.governance.redaction import Redactor
 from edge_agent.governance.tenants import TenantContext
 from edge_agent.ledger.store import CONTENTS, REDACTIONS
+from edge_agent.ledger.writer import DeferredJob
 from edge_agent.logs import current_request_id
 
 Record = Callable[[str, dict[str, Any]], None]
@@ -32,8 +33,7 @@ Record = Callable[[str, dict[str, Any]], None]
 class Later(Protocol):
     """Runs a job that returns rows (table, row) later, off the request's path."""
 
-    def __call__(self, job: Callable[[], list[tuple[str, dict[str, Any]]]], *,
-                 request_id: str | None = None) -> None: ...
+    def __call__(self, job: DeferredJob, *, request_id: str | None = None) -> None: ...
 
 
 class RequestPrivacy:

@@ -99,9 +99,13 @@ def _marker(table: str, row: Any, reason: str) -> dict[str, Any]:
             "request_id": key[:_MARKER_KEY_CHARS] if key else None, "reason": reason}
 
 
+# Work whose only product is ledger rows, (table, row) each, run on the writer thread.
+DeferredJob = Callable[[], list[tuple[str, dict[str, Any]]]]
+
+
 @dataclass(frozen=True)
 class _Job:
-    run: Callable[[], list[tuple[str, dict[str, Any]]]]
+    run: DeferredJob
     request_id: str | None  # for the marker when it fails
 
 
@@ -131,22 +135,21 @@ class LedgerWriter:
             item = (table, dict(row))
         except Exception:  # not a mapping: the writer thread turns it into a marker
             item = (table, row)
-        if self._oldest_pending is None:
-            self._oldest_pending = time.monotonic()
-        self._submitted += 1
-        self._queue.put(item)
+        self._put(item)
 
-    def later(self, job: Callable[[], list[tuple[str, dict[str, Any]]]], *,
-              request_id: str | None = None) -> None:
+    def later(self, job: DeferredJob, *, request_id: str | None = None) -> None:
         """Never blocks, never raises: `job` runs on the writer thread and its rows
         (table, row) are committed with the batch it runs in. For work a request's answer
         need not wait for (redacting text only to keep it); `flush` waits for it too. A job
         that raises is logged and leaves a marker in `rejected_rows`, as a row that could
         not be stored does."""
+        self._put(_Job(job, request_id))
+
+    def _put(self, item: object) -> None:
         if self._oldest_pending is None:
             self._oldest_pending = time.monotonic()
         self._submitted += 1
-        self._queue.put(_Job(job, request_id))
+        self._queue.put(item)
 
     @property
     def lag_s(self) -> float:

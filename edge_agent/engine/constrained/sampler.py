@@ -80,9 +80,7 @@ class Candidates:
         self.retry = np.zeros(n_vocab, dtype=np.float32)  # greedy retries' scores
         self._addr = self.data.ctypes.data
         self._fresh_addr = self._fresh.ctypes.data
-        self._logits_addr = self._logits.ctypes.data
         self._bytes = self.data.nbytes
-        self._row_bytes = self._logits.nbytes
         self.array = ll.llama_token_data_array(
             data=ctypes.cast(self._addr, ctypes.POINTER(ll.llama_token_data)),
             size=n_vocab, selected=-1, sorted=False)
@@ -95,10 +93,7 @@ class Candidates:
     def load(self, ctx: BatchContext, row: int) -> None:
         """Every token with the logit of batch row `row`, in vocabulary order (what
         `llama_sampler_sample` builds before it applies the chain)."""
-        logits = ll.llama_get_logits_ith(ctx.ptr, row)
-        if not logits:
-            raise EdgeAgentError(f"llama.cpp has no logits for batch row {row}")
-        ctypes.memmove(self._logits_addr, logits, self._row_bytes)
+        np.copyto(self._logits, ctx.row_logits(row))
         ctypes.memmove(self._addr, self._fresh_addr, self._bytes)  # the chain may reorder
         self.scores[:] = self._logits
         self.array.size = self.n_vocab

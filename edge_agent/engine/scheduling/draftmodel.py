@@ -23,12 +23,8 @@ on without one, as it would without a draft model.
 
 from __future__ import annotations
 
-import llama_cpp as ll
-import numpy as np
-
 from edge_agent.engine.runtime.llama import BatchContext, LlamaModel
 from edge_agent.engine.scheduling.steppolicy import common_prefix
-from edge_agent.errors import EdgeAgentError
 
 
 def vocabulary_difference(main: LlamaModel, draft: LlamaModel) -> str | None:
@@ -62,10 +58,7 @@ class DraftModel:
         self._sync(seq, tokens)
         guesses: list[int] = []
         while True:
-            logits = ll.llama_get_logits_ith(self.ctx.ptr, self.ctx.batch.n - 1)
-            if not logits:
-                raise EdgeAgentError("llama.cpp has no logits for the draft's last row")
-            token = int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.model.n_vocab,))))
+            token = int(self.ctx.row_logits(self.ctx.batch.n - 1).argmax())
             if self.model.is_eog(token):
                 break
             guesses.append(token)
