@@ -14,6 +14,8 @@ import jsonschema
 import llama_cpp as ll
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edge_agent.engine.constrained import sampler as sampler_module
 from edge_agent.engine.constrained.grammar_cache import ParsedGrammars
@@ -93,6 +95,16 @@ class Engine:
             ctx.decode()
         return out
 
+    def prefill_one(self) -> tuple[list[int], int]:
+        """The third prompt alone in sequence 0, decoded: it and its logits' batch row."""
+        self.ctx.clear(0)
+        batch = self.ctx.batch
+        batch.clear()
+        prompt = self.prompts[2]
+        row = batch.add_span(prompt, 0, 0, last_logits=True)
+        self.ctx.decode()
+        return prompt, row
+
     def text(self, tokens: list[int]) -> str:
         return b"".join(self.model.piece(t) for t in tokens).decode()
 
@@ -152,15 +164,22 @@ def test_greedy_output_is_the_grammar_first_chains_token_for_token(
     {"temperature": 0.7, "top_p": 0.9, "repeat_penalty": 1.1, "seed": 7},
     {"temperature": 1.2, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.5,
      "frequency_penalty": 0.2, "presence_penalty": 0.4, "repeat_last_n": 8, "seed": 11,
-     "no_eos": True}],
+     "no_eos": True},
+    {"temperature": 1.5, "top_k": 128, "top_p": 1.0, "min_p": 0.0, "seed": 5},
+    {"temperature": 1.0, "top_k": 1, "seed": 3, "no_eos": True},
+    {"temperature": 1.3, "top_k": 60, "typical_p": 0.9, "top_p": 0.95, "min_p": 0.01,
+     "seed": 9},
+    {"temperature": 1.5, "top_k": 129, "top_p": 1.0, "min_p": 0.0, "seed": 13}],
     ids=["greedy", "greedy-repeat-bias", "greedy-all-penalties", "seeded",
-         "hot-all-penalties-bias"])
+         "hot-all-penalties-bias", "top-128", "top-1-bias", "top-60-typical",
+         "top-129-whole-row"])
 def test_without_a_grammar_the_edited_row_samples_as_the_whole_chain(
         engine: Engine, params: dict[str, Any]) -> None:
-    """The bias and penalties written into the row (`logit_edits`) and the greedy argmax
-    against llama.cpp's whole chain (both inside it): the same tokens, greedy and seeded,
-    three sequences batched, long enough for the penalty window to roll over. The bias
-    names every end-of-generation token twice, so both its entries must apply."""
+    """The bias and penalties written into the row (`logit_edits`), the greedy argmax and
+    the top candidates (`Candidates.load_top`, for top-k 1..128) against llama.cpp's whole
+    chain over the whole vocabulary: the same tokens, greedy and seeded, three sequences
+    batched, long enough for the penalty window to roll over. The bias names every
+    end-of-generation token twice, so both its entries must apply."""
     params = dict(params)
     no_eos = params.pop("no_eos", False)
     eog = [t for t in range(engine.model.n_vocab) if engine.model.is_eog(t)]
@@ -176,6 +195,9 @@ def test_without_a_grammar_the_edited_row_samples_as_the_whole_chain(
     assert all(s.edits is None for s in reference)
     edited = samplers()
     assert all(s.edits is not None for s in edited)
+    top = params.get("top_k", SamplingParams().top_k)
+    sampled = params["temperature"] > 0
+    assert all(s.top_k == (top if sampled and 0 < top <= 128 else 0) for s in edited)
     old = engine.run(reference, steps=80)
     new = engine.run(edited, steps=80)
     assert new == old
@@ -210,12 +232,8 @@ def test_the_edits_write_exactly_what_llama_cpps_samplers_leave(
         model.n_vocab, sampling.repeat_last_n, sampling.repeat_penalty,
         sampling.frequency_penalty, sampling.presence_penalty))
     c = engine.candidates
-    ctx.clear(0)
+    prompt, row = engine.prefill_one()
     batch = ctx.batch
-    batch.clear()
-    prompt = engine.prompts[2]
-    row = batch.add_span(prompt, 0, 0, last_logits=True)
-    ctx.decode()
     try:
         for step in range(40):
             c.load(ctx, row)
@@ -266,6 +284,68 @@ def test_a_rows_logits_view_is_llama_cpps_buffer_row_after_every_decode(
         ctx.decode()
     with pytest.raises(EdgeAgentError):
         ctx.row_logits(len(rows) + 5)
+
+
+def test_a_rows_top_candidates_are_a_few_hundred_holding_its_k_highest(
+        engine: Engine) -> None:
+    """On the model's own logits, step after step: `load_top` keeps every token at or above
+    the k-th highest logit, in vocabulary order, and only a small share of the vocabulary
+    (else it would cost what it saves)."""
+    model, ctx, c = engine.model, engine.ctx, engine.candidates
+    prompt, row = engine.prefill_one()
+    batch = ctx.batch
+    sizes = []
+    for step in range(24):
+        logits = ctx.row_logits(row)
+        for k in (1, 40, 128):
+            assert c.load_top(logits, k)
+            ids = c.ids[: c.array.size].copy()
+            kth = np.sort(logits)[-k]
+            assert np.array_equal(ids, np.sort(ids))
+            assert set(np.flatnonzero(logits >= kth)) <= set(ids.tolist()), (step, k)
+            assert np.array_equal(c.scores[: c.array.size], logits[ids])
+            sizes.append(len(ids))
+        token = int(logits.argmax())
+        batch.clear()
+        row = batch.add(token, len(prompt) + step, 0, True)
+        ctx.decode()
+    assert max(sizes) < model.n_vocab // 8
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(st.sampled_from([-np.inf, -3.0, -1.0, 0.0, 0.5, 2.0, 7.0, np.inf,
+                                        np.nan]), min_size=1, max_size=600),
+       k=st.integers(1, 140))
+def test_the_top_candidates_hold_whatever_the_whole_rows_top_k_keeps(
+        values: list[float], k: int) -> None:
+    """Ties, infinities and NaNs: where `load_top` answers, its candidates are in
+    vocabulary order with their logits, hold every token at or above the row's k-th
+    highest logit, and llama.cpp's top-k keeps the same logits from them as from the whole
+    row. (Declining is always safe: the whole row then goes to llama.cpp.)"""
+    logits = np.array(values, dtype=np.float32)
+    c = Candidates(len(logits))
+    if not c.load_top(logits, k):
+        return
+    m = c.array.size
+    ids = c.ids[:m].copy()
+    assert np.all(np.diff(ids) > 0)
+    assert np.array_equal(c.scores[:m], logits[ids], equal_nan=True)
+    finite = logits[~np.isnan(logits)]
+    kth = np.sort(finite)[-k]
+    assert set(np.flatnonzero(logits >= kth).tolist()) <= set(ids.tolist())
+    if np.isnan(logits).any():
+        return  # llama.cpp's sort has no order for a NaN
+    top_k = ll.llama_sampler_init_top_k(k)
+    try:
+        ll.llama_sampler_apply(top_k, c.ref)
+        kept = np.sort(c.scores[: c.array.size])
+        whole = Candidates(len(logits))
+        whole.data["id"] = np.arange(len(logits))
+        whole.scores[:] = logits
+        ll.llama_sampler_apply(top_k, whole.ref)
+        assert np.array_equal(kept, np.sort(whole.scores[: whole.array.size]))
+    finally:
+        ll.llama_sampler_free(top_k)
 
 
 def test_every_refusal_path_chooses_the_same_greedy_token(
