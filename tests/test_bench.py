@@ -18,7 +18,7 @@ import edge_agent.bench
 from edge_agent.bench.llama_server import TOOLS, _valid_call, ask_manual
 from edge_agent.bench.observability import REDACTION_SAMPLES, redaction_samples
 from edge_agent.bench.peers import Completion, HttpPeer, Sample
-from edge_agent.bench.run import request_scaling, run_levels
+from edge_agent.bench.run import deep_decode_cost, request_scaling, run_levels
 from edge_agent.bench.structured import ask_order
 from edge_agent.bench.targets import BY_KEY, TARGETS, report
 from edge_agent.engine.models.catalog import ModelStore
@@ -88,6 +88,18 @@ def _target_keys(tree: ast.AST) -> list[ast.expr]:
             elif node.func.id == "target":
                 keys.append(node.args[0])
     return keys
+
+
+def test_deep_decode_steps_run_the_real_engine_at_each_depth(model_cache: Path) -> None:
+    """Each depth's step is timed with its sequences filled that deep (past one 512-token
+    pass), and the step's own cell is dropped again, so every step is as deep."""
+    path = ModelStore(model_cache).get(DEFAULT_MODEL).blob_path(model_cache)
+    costs = deep_decode_cost(path, threads=2, flash_attn="off", rows=2, depths=(8, 600),
+                             steps=3)
+    # llama.cpp refuses a step whose position does not follow the sequence's last cell:
+    # a figure for 600 means 600 cells were there, and only they.
+    assert list(costs) == [8, 600]
+    assert all(math.isfinite(c) and c > 0 for c in costs.values())
 
 
 def test_every_target_the_bench_prints_comes_from_the_table() -> None:

@@ -313,6 +313,37 @@ def chunk_cost(path: Path, text: str, *, threads: int, flash_attn: str, chunk: i
                      statistics.median(after) / statistics.median(plain))
 
 
+DEEP_DEPTHS = (64, 1000, 1800)
+DEEP_ROWS = {1: "1 row", 8: "8 rows"}
+
+
+def deep_decode_cost(path: Path, *, threads: int, flash_attn: str, rows: int,
+                     depths: tuple[int, ...] = DEEP_DEPTHS, steps: int = 8
+                     ) -> dict[int, float]:
+    """Seconds a decode step of `rows` sequences takes with each sequence `depth` cells
+    deep, for each of `depths` (median of `steps` steps), in llama.cpp alone: where a long
+    chat's tokens go on a CPU, whose flash-attention kernel reads every cell once per row."""
+    cells = 256 * math.ceil((max(depths) + steps) / 256)
+    out: dict[int, float] = {}
+    with _engine(path, threads, flash_attn, n_seq=rows, n_ctx_seq=cells) as (model, ctx):
+        text = model.tokenize(" ".join(TOPICS), add_special=False, parse_special=False)
+        tokens = (text * (1 + max(depths) // len(text)))[: max(depths)]
+        filled = 0
+        for depth in sorted(depths):
+            for start in range(filled, depth, 512):
+                _fill(ctx, range(rows), tokens[start : min(depth, start + 512)], start)
+            filled = depth
+            spent = []
+            for step in range(steps):
+                began = time.perf_counter()
+                _step(ctx, range(rows), tokens[step], depth)
+                spent.append(time.perf_counter() - began)
+                for seq in range(rows):  # the step's cell goes: the next is as deep
+                    ctx.keep_prefix(seq, depth)
+            out[depth] = statistics.median(spent)
+    return out
+
+
 def bench_concurrency(state_dir: Path, path: Path, model: str, *, threads: int, context: int,
                       levels: list[int], max_tokens: int, rounds: int, peers: bool,
                       extra: dict[str, Any], echo: Echo) -> dict[str, Any]:
@@ -450,9 +481,20 @@ def bench_chunked_prefill(state_dir: Path, path: Path, model: str, *, threads: i
              f"cost in 512-token passes; 7 rows run {cost.slowdown:.2f}x slower after a chunk")
         echo(f"    so with every step at exactly {STEP_STALL:g}x, the TTFT could be no less "
              f"than {cost.floor():.2f}x")
+        deep = {rows: deep_decode_cost(path, threads=threads, flash_attn=flash_attn,
+                                       rows=rows) for rows in DEEP_ROWS}
+        for rows, by_depth in deep.items():
+            echo(f"    a decode step of {DEEP_ROWS[rows]}, cells deep: "
+                 + ", ".join(f"{depth:,} {cost * 1000:.1f} ms"
+                             for depth, cost in by_depth.items()))
         out[flash_attn] = {"worst_step_ratio": stall, "ttft_ratio": slow,
                            "chunk_cost_ratio": cost.cost, "rows_slowdown": cost.slowdown,
-                           "ttft_floor": cost.floor()}
+                           "ttft_floor": cost.floor(),
+                           "deep_decode_s": {str(r): d for r, d in deep.items()}}
+    for rows, label in DEEP_ROWS.items():
+        on, off = out["auto"]["deep_decode_s"][str(rows)], out["off"]["deep_decode_s"][str(rows)]
+        echo(f"  flash_attn off / auto, a decode step of {label}: "
+             + ", ".join(f"{depth:,} deep {off[depth] / on[depth]:.2f}x" for depth in on))
     return out
 
 

@@ -234,8 +234,8 @@ class RuntimeSettings(_Section):
     flash_attn: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Flash attention ('auto': llama.cpp decides). 'off' makes prompt chunks "
-        "deep in a context ~1.2-1.5x faster on a CPU, and 8-row decode steps ~10% slower; "
-        "past ~250 cells deep, decode steps ~1.6-2.5x faster.",
+        "deep in a context ~1.2-1.5x faster on a CPU, and short 8-row decode steps ~10% "
+        "slower; past ~250 cells deep, decode steps ~1.6-3x faster.",
     )
     cpu_extra_buffers: Literal["auto", "on", "off"] = Field(
         "auto",
