@@ -452,6 +452,7 @@ def bench_chunked_prefill(state_dir: Path, path: Path, model: str, *, threads: i
                            for i in range(80)) + " Which item is cheapest?"
     echo("chunked prefill (7 streams decoding, a ~1,000-token prompt arrives)")
     out: dict[str, Any] = {}
+    deeps: dict[str, dict[int, dict[int, float]]] = {}  # flash_attn -> rows -> depth -> s
     # The default, then flash attention off: on a CPU that makes prompt chunks deep in
     # a context much cheaper (see RuntimeSettings.flash_attn).
     for flash_attn in ("auto", "off"):
@@ -481,8 +482,9 @@ def bench_chunked_prefill(state_dir: Path, path: Path, model: str, *, threads: i
              f"cost in 512-token passes; 7 rows run {cost.slowdown:.2f}x slower after a chunk")
         echo(f"    so with every step at exactly {STEP_STALL:g}x, the TTFT could be no less "
              f"than {cost.floor():.2f}x")
-        deep = {rows: deep_decode_cost(path, threads=threads, flash_attn=flash_attn,
-                                       rows=rows) for rows in DEEP_ROWS}
+        deep = deeps[flash_attn] = {
+            rows: deep_decode_cost(path, threads=threads, flash_attn=flash_attn, rows=rows)
+            for rows in DEEP_ROWS}
         for rows, by_depth in deep.items():
             echo(f"    a decode step of {DEEP_ROWS[rows]}, cells deep: "
                  + ", ".join(f"{depth:,} {cost * 1000:.1f} ms"
@@ -492,7 +494,7 @@ def bench_chunked_prefill(state_dir: Path, path: Path, model: str, *, threads: i
                            "ttft_floor": cost.floor(),
                            "deep_decode_s": {str(r): d for r, d in deep.items()}}
     for rows, label in DEEP_ROWS.items():
-        on, off = out["auto"]["deep_decode_s"][str(rows)], out["off"]["deep_decode_s"][str(rows)]
+        on, off = deeps["auto"][rows], deeps["off"][rows]
         echo(f"  flash_attn off / auto, a decode step of {label}: "
              + ", ".join(f"{depth:,} deep {off[depth] / on[depth]:.2f}x" for depth in on))
     return out

@@ -107,9 +107,7 @@ class Candidates:
         np.copyto(self._logits, ctx.row_logits(row))
         ctypes.memmove(self._addr, self._fresh_addr, self._bytes)  # the chain may reorder
         self.scores[:] = self._logits
-        self.array.size = self.n_vocab
-        self.array.selected = -1
-        self.array.sorted = False
+        self._fresh_array(self.n_vocab)
 
     def load_top(self, logits: np.ndarray, k: int) -> bool:
         """Every token that can be among the `k` highest of `logits`, in vocabulary order,
@@ -131,10 +129,14 @@ class Candidates:
         self.ids[:m] = ids
         self.scores[:m] = logits[ids]
         self._p[:m] = 0.0
-        self.array.size = m
+        self._fresh_array(m)
+        return True
+
+    def _fresh_array(self, size: int) -> None:
+        """The array over its first `size` entries, unsorted, nothing selected yet."""
+        self.array.size = size
         self.array.selected = -1
         self.array.sorted = False
-        return True
 
     @property
     def raw_logits(self) -> np.ndarray:
