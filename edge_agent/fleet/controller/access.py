@@ -16,8 +16,12 @@ session cookie that holds it (`console.session`; a console GET without one is se
 login page); it is looked up in the store on each request, so a revocation holds from the
 next request on. Refusals are the controller's `{"error": "..."}`: 401 (no token, a
 malformed or unknown or revoked one, with `WWW-Authenticate: Bearer`) or 403 (a role below
-the route's; a write refused so is on the audit trail too, as the method and path the
-operator tried).
+the route's). Every write by a known operator that is refused (403 here, 411/413 for its
+body, or a 4xx from its handler) or fails is on the audit trail: recorded by the code that
+did it when that code got so far (`audit.audited`), else here, as the method and path
+tried, filed under the object the path names (`_TARGETS`: a rollout, a device …), so
+`fleet audit --target ID` and a rollout's page show it. A caller with no valid token
+is not: the trail says who did what, and an anonymous flood must not fill it.
 
 The CLI on the controller host builds the same app in its own process (`local`: its
 user, who has the store in reach anyway) and reaches it with no socket and no token.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -41,10 +46,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.routing import compile_path
 
+from edge_agent.fleet.controller.audit import recording
 from edge_agent.fleet.controller.operators import Operator, may
 
 if TYPE_CHECKING:
-    from starlette.types import ASGIApp, Receive, Scope, Send
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from edge_agent.fleet.controller.store import ControllerStore
 
@@ -158,31 +164,55 @@ class AccessControl:
             await self.app(scope, receive, send)
             return
         try:
-            rule, limit = self._rule(scope)
-            operator = await self._check(scope, rule)
+            rule, limit, target = self._rule(scope)
+            operator = await self._check(scope, rule, target)
+            unreadable = _unreadable(scope)
+            if unreadable is not None:
+                if operator is not None and scope["method"] not in ("GET", "HEAD"):
+                    await self._audit(scope, operator, target, 400, unreadable)
+                raise AccessRefused(400, unreadable)
         except AccessRefused as refused:
             if refused.status == 401 and is_console(scope["path"]) and scope["method"] == "GET":
                 await _to_login(send, scope)
             else:
                 await _refuse(send, refused)
             return
-        if scope["method"] not in ("GET", "HEAD"):
+        write = scope["method"] not in ("GET", "HEAD")
+        if write:
             too_much = _body_refused(scope, limit)
             if too_much is not None:
+                if operator is not None:
+                    await self._audit(scope, operator, target, too_much.status,
+                                      str(too_much))
                 await _refuse(send, too_much)
                 return
         scope.setdefault("state", {})["operator"] = operator
-        await self.app(scope, receive, send)
+        if not write or operator is None:
+            await self.app(scope, receive, send)
+            return
+        answer = _Answer(send)
+        with recording() as recorded:
+            try:
+                await self.app(scope, receive, answer.send)
+            except Exception as exc:  # answered 500 further out; on the trail first
+                if not recorded:
+                    await self._audit(scope, operator, target, 500,
+                                      f"failed: {type(exc).__name__}")
+                raise
+        if answer.status >= 400 and not recorded:
+            await self._audit(scope, operator, target, answer.status, answer.error())
 
-    def _rule(self, scope: Scope) -> tuple[str, int]:
-        """The rule of the method and path, and its body limit; AccessRefused 404 (no
-        rule's path) or 405 (another method's): the app never sees a request no rule
-        names."""
+    def _rule(self, scope: Scope) -> tuple[str, int, str | None]:
+        """The rule of the method and path, its body limit, and the object the path names
+        (a rollout, a device, an operator …: what the audit trail files an action under);
+        AccessRefused 404 (no rule's path) or 405 (another method's): the app never sees a
+        request no rule names."""
         allowed = []
         for regex, method, rule, limit in self._compiled:
-            if regex.match(scope["path"]):
+            found = regex.match(scope["path"])
+            if found:
                 if method == scope["method"]:
-                    return rule, limit
+                    return rule, limit, _target(found.groupdict())
                 allowed.append(method)
         if allowed:
             raise AccessRefused(405, f"{scope['method']} is not allowed here (only "
@@ -190,7 +220,18 @@ class AccessControl:
                                 headers=[(b"allow", ", ".join(sorted(allowed)).encode())])
         raise AccessRefused(404, f"no route {scope['path']}")
 
-    async def _check(self, scope: Scope, rule: str) -> Operator | None:
+    async def _audit(self, scope: Scope, operator: Operator, target: str | None, status: int,
+                     outcome: str) -> None:
+        """A write refused (or failed) before the code that does it recorded it: on the
+        trail as the method and path tried, filed under the object the path names."""
+        client = scope.get("client")
+        await run_in_threadpool(functools.partial(
+            self.store.record_action, at=time.time(), operator=operator.name,
+            role=operator.role, source=client[0] if client else "unknown",
+            action=f"{scope['method']} {scope['path']}", target=target, request={},
+            status=status, outcome=outcome))
+
+    async def _check(self, scope: Scope, rule: str, target: str | None) -> Operator | None:
         if rule == PUBLIC or (rule == SCRAPE and self.metrics_open):
             return None
         if self.local is not None:  # the CLI's own app, in its process: no socket to reach
@@ -217,14 +258,60 @@ class AccessControl:
             refused = AccessRefused(403, f"operator {operator.name!r} is a {operator.role}: "
                                          f"{scope['method']} {scope['path']} needs {needed}")
             if scope["method"] not in ("GET", "HEAD"):  # a write tried: on the trail too
-                client = scope.get("client")
-                await run_in_threadpool(functools.partial(
-                    self.store.record_action, at=time.time(), operator=operator.name,
-                    role=operator.role, source=client[0] if client else "unknown",
-                    action=f"{scope['method']} {scope['path']}", target=None, request={},
-                    status=403, outcome=str(refused)))
+                await self._audit(scope, operator, target, 403, str(refused))
             raise refused
         return operator
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+
+
+def _unreadable(scope: Scope) -> str | None:
+    """Why the path or query cannot be taken, if it cannot: no id, name or filter of the
+    controller holds a control character, and NUL (`%00`) is one neither database stores;
+    refused here once rather than in every handler that looks a value up."""
+    if _CONTROL.search(scope["path"]):
+        return "the path holds a control character"
+    query = scope.get("query_string", b"")
+    if b"\x00" in query or b"%00" in query:
+        return "the query holds a NUL (%00)"
+    return None
+
+
+# The path parameters that name what a route acts on, in the order tried: the target an
+# action is filed under (`fleet audit --target`, a rollout's "Operator actions").
+_TARGETS = ("rollout_id", "device_id", "command_id", "name", "sha256")
+
+
+def _target(params: Mapping[str, str]) -> str | None:
+    return next((params[key] for key in _TARGETS if params.get(key)), None)
+
+
+class _Answer:
+    """The status and the start of the body of a write's answer, passed on unchanged: what
+    a refusal the handler did not record says, for the trail."""
+
+    LIMIT = 4096
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.status = 0
+        self._body = b""
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = int(message["status"])
+        elif message["type"] == "http.response.body" and self.status >= 400:
+            self._body = (self._body + message.get("body", b""))[:self.LIMIT]
+        await self._send(message)
+
+    def error(self) -> str:
+        """The refusal's `{"error": ...}` message, or its status when there is none."""
+        try:
+            said = json.loads(self._body).get("error")
+        except (ValueError, AttributeError):
+            said = None
+        return said if isinstance(said, str) and said else f"refused with {self.status}"
 
 
 def _body_refused(scope: Scope, limit: int) -> AccessRefused | None:

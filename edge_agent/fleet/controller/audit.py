@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import getpass
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -30,6 +32,34 @@ from edge_agent.fleet.controller.transaction import Exec
 
 _COLUMNS = "id, at, operator, role, source, action, target, request, status, outcome"
 REQUEST_LIMIT = 16_384  # characters of a request's JSON kept on the trail
+# What neither database's text takes: a lone surrogate (valid in a JSON string, `\ud800`,
+# but not encodable as UTF-8) and NUL (PostgreSQL refuses it).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """`text` as both databases store it: each unstorable character becomes U+FFFD, so a
+    hostile value is kept as near as it can be rather than failing the row (and with it
+    the refusal the row records)."""
+    return _UNSTORABLE.sub("\ufffd", text)
+
+
+# The rows recorded while a request is handled: set by the access check around the app,
+# shared with the threads that run its synchronous handlers (each runs in a copy of the
+# context, which holds the same list), so the check can tell whether a refused write was
+# already recorded by the code that refused it.
+_RECORDED: ContextVar[list[AuditEntry] | None] = ContextVar("audit_recorded", default=None)
+
+
+@contextmanager
+def recording() -> Iterator[list[AuditEntry]]:
+    """The rows `Action`s record within the block (a request's handling)."""
+    rows: list[AuditEntry] = []
+    token = _RECORDED.set(rows)
+    try:
+        yield rows
+    finally:
+        _RECORDED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -81,12 +111,15 @@ class AuditQueries:
     def record_action(self, *, at: float, operator: str, role: str, source: str, action: str,
                       target: str | None, request: Mapping[str, Any], status: int,
                       outcome: str) -> AuditEntry:
-        text = json.dumps(dict(request), separators=(",", ":"), ensure_ascii=False,
-                          default=str).replace("\x00", "\ufffd")
+        text = storable(json.dumps(dict(request), separators=(",", ":"), ensure_ascii=False,
+                                   default=str))
         if len(text) > REQUEST_LIMIT:
-            text = json.dumps({"truncated": text[:REQUEST_LIMIT]})
+            text = json.dumps({"truncated": text[:REQUEST_LIMIT]}, ensure_ascii=False)
+        operator, role, source, action = (storable(v)[:200]
+                                          for v in (operator, role, source, action))
+        target = None if target is None else storable(target)[:200]
         entry = AuditEntry(f"au-{uuid.uuid4().hex}", at, operator, role, source, action,
-                           target, json.loads(text), status, outcome[:1000])
+                           target, json.loads(text), status, storable(outcome)[:1000])
         with self._tx() as db:
             db.run(f"INSERT INTO operator_actions ({_COLUMNS}) "
                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -130,6 +163,9 @@ class Action:
                 at=time.time(), operator=self.operator, role=self.role, source=self.source,
                 action=self.action, target=self.target, request=self.request, status=status,
                 outcome=outcome)
+            rows = _RECORDED.get()
+            if rows is not None:
+                rows.append(self.entry)
 
     def refused(self, exc: EdgeAgentError) -> None:
         self.record(exc.status_code, exc.message)

@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 
 from edge_agent import __version__
 from edge_agent.config import ConfigError
-from edge_agent.errors import EdgeAgentError, ModelNotFound
+from edge_agent.errors import EdgeAgentError, ModelNotFound, PayloadTooLarge
 from edge_agent.fleet.controller import registrations
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.console.session import (
@@ -73,7 +73,7 @@ async def _form(request: Request) -> dict[str, str]:
     """An urlencoded form (the console's only kind), each field once; bounded."""
     body = await request.body()
     if len(body) > FORM_LIMIT:
-        raise EdgeAgentError("the form is too large")
+        raise PayloadTooLarge(f"the form is {len(body)} bytes; at most {FORM_LIMIT}")
     fields = parse_qs(body.decode("utf-8", errors="replace"), keep_blank_values=True)
     return {k: v[0] for k, v in fields.items()}
 

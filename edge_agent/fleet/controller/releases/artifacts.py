@@ -38,7 +38,7 @@ from email.utils import formatdate
 from pathlib import Path
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 SERVED = ("metadata", "targets")
 CHUNK = 1 << 20
@@ -55,7 +55,7 @@ def artifacts_router(root: Path) -> APIRouter:
     def artifact(path: str, request: Request) -> Response:
         found = _resolve(base, path)
         if found is None:
-            return Response("not found\n", status_code=404, media_type="text/plain")
+            return JSONResponse({"error": "no such release file"}, status_code=404)
         file, st = found
         etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
         headers = {"ETag": etag, "Last-Modified": formatdate(st.st_mtime, usegmt=True),
