@@ -9,7 +9,9 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -30,7 +32,7 @@ from edge_agent.governance.keys import KeyStore
 from edge_agent.governance.redaction import Detectors, MetadataRedactor, Redactor, device_key
 from edge_agent.governance.tenants import Governor
 from edge_agent.ledger.retention import purge_expired
-from edge_agent.ledger.store import REQUESTS
+from edge_agent.ledger.store import REQUESTS, open_ledger, quota_usage
 from edge_agent.ledger.writer import DeferredJob, LedgerWriter
 from edge_agent.logs import RequestContext
 from edge_agent.names import ModelName
@@ -44,6 +46,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 5.0
 PURGE_INTERVAL_S = 3600.0
+QUOTA_MEMORY_S = 86400.0  # the longest window a tenant's policy has (tokens_per_day)
+
+
+def _quota_usage(path: Path) -> list[tuple[str, float, int, int]]:
+    """What each tenant's requests of the last day counted against its windows."""
+    db = open_ledger(path)
+    try:
+        return quota_usage(db, time.time() - QUOTA_MEMORY_S)
+    finally:
+        db.close()
 
 
 def ensure_default_model(modelops: ModelOps, key: ModelName) -> None:
@@ -90,6 +102,8 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
         private_dir(settings.state_dir, narrow=True)  # owner-only, under any umask
         parts.ledger = LedgerWriter(settings.state_dir / "ledger.db",
                                     window_s=settings.ledger.batch_window_ms / 1000)
+        # Before the first request: the tenants' windows as the ledger left them.
+        governor.restore(await asyncio.to_thread(_quota_usage, parts.ledger.path))
         if settings.telemetry.hardware:
             sampler.readers = default_readers(settings.state_dir)
             sampler.start()

@@ -2,8 +2,10 @@
 
 With no key at all, the box runs open as tenant `local` (loopback binds only: serve
 refuses a public address without keys). With keys, every API call needs one. Rates and
-token quotas are sliding windows kept in memory: a restart forgets them, which errs on
-the side of serving.
+token quotas are sliding windows kept in memory and written down on each request's ledger
+row (what it counted: `quota_requests`, `quota_tokens`); at a start the windows are read
+back from the ledger (`Governor.restore`), so a restart, or a crash loop, hands no tenant a
+fresh quota. A crash loses at most the ledger's last batch window (0.2 s) of charges.
 
 Model management (delete, unload, loading a model outside the tenant's `models`) changes
 what every tenant gets, so it takes an operator: a key created with `--admin`, a tenant
@@ -17,11 +19,13 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from edge_agent.config import Settings, TenantPolicy
 from edge_agent.errors import Forbidden, InvalidRequest, RateLimited, Unauthorized
 from edge_agent.governance.keys import KeyStore, match
+from edge_agent.logs import note
 
 OPEN_TENANT = "local"
 _RELOAD_EVERY_S = 5.0
@@ -173,6 +177,7 @@ class Governor:
                                       retry_after=math.ceil(w.retry_after(now)))
             if p.requests_per_minute is not None:
                 self._window(ctx.name, "requests", 60.0).add(now, 1)
+        note(quota_requests=1)  # on the ledger row, for `restore` after a restart
 
     def charge(self, ctx: TenantContext, tokens: int) -> None:
         now = time.monotonic()
@@ -181,6 +186,28 @@ class Governor:
                 self._window(ctx.name, "tokens", 60.0).add(now, tokens)
             if ctx.policy.tokens_per_day is not None:
                 self._window(ctx.name, "tokens_day", 86400.0).add(now, tokens)
+        note(quota_tokens=tokens)
+
+    def restore(self, usage: Iterable[tuple[str, float, int, int]], *,
+                now: float | None = None) -> None:
+        """The windows as the ledger left them: `usage` is (tenant, ts, requests, tokens)
+        of each request of the last day that counted (`ledger.store.quota_usage`), oldest
+        first; only windows a tenant's policy has are filled. A row stamped in the future
+        (the wall clock set back since) counts as now."""
+        wall = time.time() if now is None else now
+        mono = time.monotonic()
+        with self._lock:
+            for tenant, ts, requests, tokens in usage:
+                policy = self.settings.tenants.get(tenant)
+                if policy is None:
+                    continue
+                at = mono - max(0.0, wall - ts)
+                for kind, span, limit, amount in (
+                        ("requests", 60.0, policy.requests_per_minute, requests),
+                        ("tokens", 60.0, policy.tokens_per_minute, tokens),
+                        ("tokens_day", 86400.0, policy.tokens_per_day, tokens)):
+                    if limit is not None and amount and wall - ts < span:
+                        self._window(tenant, kind, span).add(at, amount)
 
     def flush_last_used(self) -> None:
         used, self._used = self._used, {}

@@ -26,6 +26,7 @@ COLUMNS: dict[str, type] = {
     "done_reason": str, "truncated_tokens": int, "clamped": int, "structured_failure": int,
     "end_user": str, "ignored_fields": str, "risk_tier": str, "degradation": str,
     "degradation_reason": str, "requested_model": str, "batch_id": str,
+    "quota_requests": int, "quota_tokens": int,
 }
 
 
@@ -124,6 +125,30 @@ def m008_batch_lines(db: Database) -> None:
     if "batch_id" not in db[REQUESTS].columns_dict:
         db[REQUESTS].add_column("batch_id", str)  # type: ignore[union-attr]
     db[REQUESTS].create_index(["batch_id"], if_not_exists=True)  # type: ignore[union-attr]
+
+
+QUOTA_COLUMNS = ("quota_requests", "quota_tokens")
+
+
+@MIGRATIONS()
+def m009_quota_charges(db: Database) -> None:
+    """What each request counted against its tenant's windows: 1 in `quota_requests` once
+    admitted (`requests_per_minute`), the tokens charged at its end in `quota_tokens`
+    (`tokens_per_minute`, `tokens_per_day`), so that a restart reads the windows back
+    (`quota_usage`) instead of handing every tenant a fresh quota."""
+    for column in QUOTA_COLUMNS:
+        if column not in db[REQUESTS].columns_dict:
+            db[REQUESTS].add_column(column, int)  # type: ignore[union-attr]
+
+
+def quota_usage(db: Database, since: float) -> list[tuple[str, float, int, int]]:
+    """(tenant, ts, requests, tokens) of each request since `since` that counted against
+    its tenant's windows, oldest first."""
+    cursor = db.execute(
+        f"SELECT tenant, ts, COALESCE(quota_requests, 0), COALESCE(quota_tokens, 0) "
+        f"FROM {REQUESTS} WHERE ts >= ? AND (quota_requests > 0 OR quota_tokens > 0) "
+        "ORDER BY ts", [since])
+    return [(str(t), float(ts), int(r), int(k)) for t, ts, r, k in cursor.fetchall()]
 
 
 # Every table the writer may write, with its columns; rows for other tables are refused.
