@@ -5,6 +5,7 @@ refused unless it accepts a later answer; each in the ledger, `/metrics` and the
 from __future__ import annotations
 
 import json
+import socket
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -284,3 +285,180 @@ def test_a_box_that_is_not_saturated_serves_every_tier_as_asked(
     assert db.execute("SELECT count(*) FROM requests WHERE risk_tier IS NULL AND "
                       "status = 200").fetchone()[0] == 0
     db.close()
+
+
+# -- embeddings: the same controls, a tier recorded, never another model's vectors ----------
+
+EMBED_ROUTES = ("/v1/embeddings", "/api/embed", "/api/embeddings")
+
+
+def _embed(live: LiveServer, path: str, key: str, text: str | list[str] = "A red bicycle.",
+           **headers: str) -> httpx.Response:
+    body: dict[str, Any] = {"model": DEFAULT_MODEL}
+    body["prompt" if path == "/api/embeddings" else "input"] = text
+    return httpx.post(f"{live.base_url}{path}", json=body, timeout=120,
+                      headers=_auth(key, **headers))
+
+
+def _error(path: str, r: httpx.Response) -> str:
+    """The message of a refusal, checked to be in the dialect's error shape."""
+    payload = r.json()
+    assert set(payload) == {"error"}, payload
+    if path.startswith("/v1/"):
+        assert set(payload["error"]) == {"message", "type", "param", "code"}
+        return str(payload["error"]["message"])
+    assert isinstance(payload["error"], str)
+    return payload["error"]
+
+
+def _degradations(live: LiveServer) -> dict[str, float]:
+    metrics = httpx.get(f"{live.base_url}/metrics").text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+            if line.startswith("edge_agent_degradations_total{")}
+
+
+def _long_text(i: int, sentences: int = 150) -> str:
+    """Some 20 tokens a sentence: by default more than the embedding context takes (2,048
+    tokens here; Ollama's `truncate` cuts it to that)."""
+    return f"{i} " + " ".join(f"Aisle {j} stocks {j * 3} kinds of screws and {j} of bolts."
+                              for j in range(sentences))
+
+
+@contextmanager
+def _embedding_queue_full(live: LiveServer, key: str) -> Iterator[Any]:
+    """As many embedding requests under way as the model takes (`max_queue`), each tens of
+    thousands of tokens, on sockets of the test's own; they stop at their next chunk when
+    the block ends and their clients leave. Yields the model's scheduler."""
+    worker = _worker(live)
+    limit = max(1, live.settings.runtime.max_queue)
+    assert worker.stats.embedding_jobs == 0
+    data = json.dumps({"model": DEFAULT_MODEL, "truncate": True,
+                       "input": [_long_text(i) for i in range(30)]}).encode()
+    host, port = live.settings.server.host, live.settings.server.port
+    socks = []
+    try:
+        for _ in range(limit):
+            sock = socket.create_connection((host, port))
+            socks.append(sock)
+            sock.sendall(f"POST /api/embed HTTP/1.1\r\nHost: {host}\r\n"
+                         f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        assert wait_until(lambda: worker.stats.embedding_jobs == limit, 60)
+        yield worker
+        # Still so at the end: every refusal in the block met a full embedding queue.
+        assert worker.stats.embedding_jobs == limit
+    finally:
+        for sock in socks:
+            sock.close()
+        assert wait_until(lambda: worker.stats.embedding_jobs == 0, 60)
+
+
+def test_the_embedding_routes_read_the_request_controls(
+        tiered: tuple[LiveServer, dict[str, str]]) -> None:
+    live, keys = tiered
+    for path in EMBED_ROUTES:
+        bad = _embed(live, path, keys["shop"], **{"X-Edge-Risk": "banana"})
+        assert bad.status_code == 400 and "X-Edge-Risk" in _error(path, bad)
+        if path.startswith("/v1/"):
+            assert bad.json()["error"]["param"] == "X-Edge-Risk"
+        deferred = _embed(live, path, keys["shop"], **{"X-Edge-Risk": "low",
+                                                      "X-Edge-Defer": "batch"})
+        assert deferred.status_code == 400
+        assert _error(path, deferred).startswith("X-Edge-Defer is for /v1/chat/completions")
+        for header, value in (("X-Priority", "urgent"), ("X-Edge-Prompt-Lookup", "99"),
+                              ("X-Timeout-Ms", "soon")):
+            r = _embed(live, path, keys["shop"], **{header: value})
+            assert r.status_code == 400 and header in _error(path, r), (path, header)
+        # kiosk may not lower its tier, on an embedding as on a generation.
+        lowered = _embed(live, path, keys["kiosk"], **{"X-Edge-Risk": "low"})
+        assert lowered.status_code == 403 and "risk_may_lower" in _error(path, lowered)
+        if path.startswith("/v1/"):
+            assert lowered.json()["error"]["code"] == "risk_tier_not_allowed"
+        # Nothing to embed is answered without the model, and the tier rule holds there too.
+        empty = _embed(live, path, keys["kiosk"], text=[] if path == "/api/embed" else "",
+                       **{"X-Edge-Risk": "low"})
+        assert empty.status_code == (400 if path.startswith("/v1/") else 403)
+        # Valid controls that change nothing for an embedding are taken.
+        fine = _embed(live, path, keys["shop"], **{"X-Priority": "batch",
+                                                  "X-Edge-Prompt-Lookup": "4"})
+        assert fine.status_code == 200, fine.text
+
+    # The tier is decided and recorded: the tenant's own, or a tier it may ask.
+    oa = openai.OpenAI(base_url=live.openai_url, api_key=keys["pricing"], max_retries=0)
+    high = oa.embeddings.with_raw_response.create(model=DEFAULT_MODEL, input="A red bicycle.")
+    assert len(high.parse().data[0].embedding) > 0
+    low = _embed(live, "/api/embed", keys["shop"], **{"X-Edge-Risk": "low"})
+    assert low.status_code == 200 and len(low.json()["embeddings"]) == 1
+    ol = ollama.Client(host=live.base_url, headers=_auth(keys["kiosk"]))
+    assert len(ol.embed(model=DEFAULT_MODEL, input="A red bicycle.").embeddings) == 1
+    rows = [live.ledger_row(r.headers["x-request-id"]) for r in (high, low, lowered, bad)]
+    assert [(r["risk_tier"], r["status"], r["degradation"]) for r in rows[:2]] == [
+        ("high", 200, None), ("low", 200, None)]
+    assert rows[2]["status"] == 403 and rows[3]["status"] == 400
+
+
+def test_an_embedding_deadline_is_honoured(tiered: tuple[LiveServer, dict[str, str]]
+                                           ) -> None:
+    """`X-Timeout-Ms` is an embedding's deadline: past it the work stops and the answer is
+    504 in the dialect's shape; within it the answer is as usual."""
+    live, keys = tiered
+    worker = _worker(live)
+    text = _long_text(0, 90)  # some 1,800 tokens: far longer to embed than 1 ms
+    for path in EMBED_ROUTES:
+        late = _embed(live, path, keys["shop"], text=text, **{"X-Timeout-Ms": "1"})
+        assert late.status_code == 504, late.text
+        assert "timed out" in _error(path, late) or "deadline" in _error(path, late)
+        if path.startswith("/v1/"):
+            assert late.json()["error"]["code"] == "timeout"
+        assert live.ledger_row(late.headers["x-request-id"])["status"] == 504
+        assert wait_until(lambda: worker.stats.embedding_jobs == 0, 30)  # stopped
+        timely = _embed(live, path, keys["shop"], **{"X-Timeout-Ms": "60000"})
+        assert timely.status_code == 200, timely.text
+
+
+def test_a_saturated_embedding_is_refused_at_every_tier_never_answered_by_the_fallback(
+        tiered: tuple[LiveServer, dict[str, str]]) -> None:
+    """The default model has an installed fallback the tenant may use, and a normal-tier
+    generation would get it; an embedding never does (its vectors would not compare), and
+    a low one cannot wait as a batch: every tier is refused with 503 + Retry-After."""
+    live, keys = tiered
+    before = _degradations(live)
+    oa = openai.OpenAI(base_url=live.openai_url, api_key=keys["shop"], max_retries=0)
+    ol = ollama.Client(host=live.base_url, headers=_auth(keys["shop"]))
+    with _embedding_queue_full(live, keys["shop"]):
+        with pytest.raises(openai.APIStatusError) as caught:
+            oa.embeddings.create(model=DEFAULT_MODEL, input="A red bicycle.")
+        normal = caught.value.response
+        assert normal.status_code == 503 and caught.value.code == "risk_not_degraded"
+        with pytest.raises(ollama.ResponseError) as refused:
+            ol.embed(model=DEFAULT_MODEL, input="A red bicycle.")
+        assert refused.value.status_code == 503
+        assert refused.value.error.startswith("risk tier normal: not degraded")
+        low = _embed(live, "/api/embed", keys["shop"], **{"X-Edge-Risk": "low"})
+        high = _embed(live, "/api/embeddings", keys["pricing"])
+        low_openai = _embed(live, "/v1/embeddings", keys["shop"], **{"X-Edge-Risk": "low"})
+    never = ("not degraded: an embedding is never answered by another model (its vectors "
+             "would not compare) (the queue for model 'smollm2:135m' is full); retry later")
+    for path, r, tier in (("/v1/embeddings", normal, "normal"), ("/api/embed", low, "low"),
+                          ("/api/embeddings", high, "high"),
+                          ("/v1/embeddings", low_openai, "low")):
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 7
+        assert _error(path, r) == f"risk tier {tier}: {never}"
+        if path.startswith("/v1/"):
+            assert r.json()["error"]["code"] == "risk_not_degraded"
+        row = live.ledger_row(r.headers["x-request-id"])
+        assert (row["risk_tier"], row["degradation"], row["degradation_reason"],
+                row["requested_model"], row["status"]) == (
+            tier, "refused", "queue_full", DEFAULT_MODEL, 503)
+
+    after = _degradations(live)
+    for tier, more in (("normal", 2), ("low", 2), ("high", 1)):
+        key = (f'edge_agent_degradations_total{{action="refused",reason="queue_full",'
+               f'tier="{tier}"}}')
+        assert after.get(key, 0) - before.get(key, 0) == more, tier
+    fallback = 'edge_agent_degradations_total{action="fallback",reason="queue_full",' \
+               'tier="normal"}'
+    assert after.get(fallback, 0) == before.get(fallback, 0)
+    # Room again: the model asked answers.
+    ok = _embed(live, "/api/embed", keys["shop"])
+    assert ok.status_code == 200 and ok.json()["model"] == DEFAULT_MODEL

@@ -17,16 +17,19 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, NoReturn, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, NoReturn, TypeVar, cast
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from edge_agent.config import MAX_DRAFT
-from edge_agent.engine.request import GenerationRequest
+from edge_agent.engine.request import EmbeddingRequest, GenerationRequest
 from edge_agent.errors import InvalidRequest, PayloadTooLarge
 
 M = TypeVar("M", bound=BaseModel)
+Priority = Literal["interactive", "batch"]
+Tier = Literal["low", "normal", "high"]
 
 MAX_JSON_DEPTH = 64  # objects and arrays inside one another; the body itself is level 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -147,28 +150,43 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
         raise InvalidRequest(f"invalid value for '{param}': {err['msg']}", param=param) from exc
 
 
-def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | None = None
-                   ) -> None:
+@dataclass(frozen=True)
+class Controls:
+    """A request's scheduling controls, read from its headers once for every kind of
+    request, so that a generation and an embedding refuse the same bad value alike."""
+
+    dialect: str  # "openai" (under /v1/) or "ollama"
+    priority: Priority | None = None
+    risk: Tier | None = None
+    defer: bool = False
+    draft: int | None = None  # None: no header (or an Ollama body's option won)
+    timeout_s: float | None = None
+    batch_line: bool = False
+
+
+def read_controls(request: Request, timeout_ms: int | None = None, *, lookup: bool = True
+                  ) -> Controls:
     """Scheduling controls common to both dialects: `X-Priority: interactive|batch`, a
     deadline from `X-Timeout-Ms` (or the OpenAI body's `timeout_ms`; the smaller wins),
     `X-Edge-Prompt-Lookup` (draft tokens a step; OpenAI's body has no field for it), the
     risk tier `X-Edge-Risk: low|normal|high` and `X-Edge-Defer: batch` (a low-tier request
-    that may be answered later, as a one-line batch, when the box is saturated)."""
-    req.dialect = "openai" if request.url.path.startswith("/v1/") else "ollama"
+    that may be answered later, as a one-line batch, when the box is saturated). A bad
+    value is a 400 naming the header, on every route that takes a model's work, whether
+    or not the control changes anything there. `lookup=False`: the request's body set its
+    draft tokens, which win, so the header is not read at all."""
+    dialect = "openai" if request.url.path.startswith("/v1/") else "ollama"
     priority = request.headers.get("x-priority")
     if priority is not None:
         priority = priority.strip().lower()
         if priority not in ("interactive", "batch"):
             raise InvalidRequest("X-Priority must be 'interactive' or 'batch'",
                                  param="X-Priority")
-        req.priority = priority  # type: ignore[assignment]
     risk = request.headers.get("x-edge-risk")
     if risk is not None:
         risk = risk.strip().lower()
         if risk not in ("low", "normal", "high"):
             raise InvalidRequest("X-Edge-Risk must be 'low', 'normal' or 'high'",
                                  param="X-Edge-Risk")
-        req.risk = risk  # type: ignore[assignment]
     defer = request.headers.get("x-edge-defer")
     if defer is not None:
         if defer.strip().lower() != "batch":
@@ -179,15 +197,15 @@ def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | N
             raise InvalidRequest(f"X-Edge-Defer is for {DEFERRABLE}: a deferred request "
                                  "becomes a one-line batch of the OpenAI Batch API",
                                  param="X-Edge-Defer")
-        req.defer = True
-    req.batch_line = bool(getattr(request.state, "batch_line", False))
-    lookup = request.headers.get("x-edge-prompt-lookup")
-    if lookup is not None and req.draft is None:  # an Ollama body's option wins
-        if not _DRAFT.fullmatch(lookup.strip()) or int(lookup) > MAX_DRAFT:
+    batch_line = bool(getattr(request.state, "batch_line", False))
+    draft = None
+    header = request.headers.get("x-edge-prompt-lookup")
+    if header is not None and lookup:
+        if not _DRAFT.fullmatch(header.strip()) or int(header) > MAX_DRAFT:
             raise InvalidRequest(f"X-Edge-Prompt-Lookup must be a whole number of draft "
                                  f"tokens from 0 (off) to {MAX_DRAFT}",
                                  param="X-Edge-Prompt-Lookup")
-        req.draft = int(lookup)
+        draft = int(header)
     header = request.headers.get("x-timeout-ms")
     values = [timeout_ms] if timeout_ms else []
     if header is not None:
@@ -196,5 +214,31 @@ def apply_controls(request: Request, req: GenerationRequest, timeout_ms: int | N
                                  "milliseconds (ASCII digits, at most 15)",
                                  param="X-Timeout-Ms")
         values.append(int(header))
-    if values:
-        req.timeout_s = min(values) / 1000
+    return Controls(dialect=dialect, priority=cast(Priority | None, priority),
+                    risk=cast(Tier | None, risk), defer=defer is not None, draft=draft,
+                    timeout_s=min(values) / 1000 if values else None, batch_line=batch_line)
+
+
+def apply_controls(request: Request, req: GenerationRequest | EmbeddingRequest,
+                   timeout_ms: int | None = None) -> None:
+    """`read_controls` onto the request. An embedding takes its dialect, tier, deadline
+    and whether it is a batch's line; its priority and prompt lookup are checked and have
+    no effect (it runs in a lane of its own beside the generations, and drafts nothing)."""
+    if isinstance(req, EmbeddingRequest):
+        controls = read_controls(request, timeout_ms)
+    else:  # an Ollama body's prompt_lookup option wins over the header
+        controls = read_controls(request, timeout_ms, lookup=req.draft is None)
+    req.dialect = controls.dialect
+    if controls.risk is not None:
+        req.risk = controls.risk
+    if controls.timeout_s is not None:
+        req.timeout_s = controls.timeout_s
+    req.batch_line = controls.batch_line
+    if isinstance(req, EmbeddingRequest):
+        return
+    if controls.priority is not None:
+        req.priority = controls.priority
+    if controls.defer:
+        req.defer = True
+    if controls.draft is not None:
+        req.draft = controls.draft

@@ -506,18 +506,20 @@ async def embed(request: Request, parts: Parts) -> Response:
     named = _name_ignored(_ignored_fields(body, data, []))
     inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else \
         list(body.input)
+    req = EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate)
+    apply_controls(request, req)
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
     headers.update(named)
     if not inputs:  # as Ollama: nothing to embed is an empty answer, not an error
         name = ModelName.parse(body.model)
-        authenticated(request).check_model(name)
+        tenant = authenticated(request)
+        tenant.check_model(name)
+        parts.service.risk.tier(tenant, req.risk)  # a tier it may not ask is 403 all the same
         return JSONResponse({"model": parts.store.get(name).name, "embeddings": [],
                              "total_duration": 0, "load_duration": 0,
                              "prompt_eval_count": 0}, headers=headers)
-    result = await parts.service.embed(
-        EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate,
-                         dialect="ollama"),
-        tenant=tenant_of(request), keep_alive=seconds, disconnected=request.is_disconnected)
+    result = await parts.service.embed(req, tenant=tenant_of(request), keep_alive=seconds,
+                                       disconnected=request.is_disconnected)
     vectors = result.vectors
     if body.dimensions is not None:
         vectors = _shorten(vectors, body.dimensions)
@@ -546,14 +548,17 @@ async def embeddings(request: Request, parts: Parts) -> Response:
     data = await read_json(request, parts.settings.server.max_body_bytes)
     body = validate(EmbeddingsBody, data)
     named = _name_ignored(_ignored_fields(body, data, []))
+    req = EmbeddingRequest(model=body.model, inputs=[body.prompt])
+    apply_controls(request, req)
     if not body.prompt:
         name = ModelName.parse(body.model)
-        authenticated(request).check_reach(name)
+        tenant = authenticated(request)
+        tenant.check_reach(name)
+        parts.service.risk.tier(tenant, req.risk)  # a tier it may not ask is 403 all the same
         parts.store.get(name)
         return JSONResponse({"embedding": []}, headers=named)
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
     headers.update(named)
-    result = await parts.service.embed(
-        EmbeddingRequest(model=body.model, inputs=[body.prompt], dialect="ollama"),
-        tenant=tenant_of(request), keep_alive=seconds, disconnected=request.is_disconnected)
+    result = await parts.service.embed(req, tenant=tenant_of(request), keep_alive=seconds,
+                                       disconnected=request.is_disconnected)
     return JSONResponse({"embedding": result.vectors[0]}, headers=headers)

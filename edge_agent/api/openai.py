@@ -517,9 +517,9 @@ async def embeddings(request: Request, parts: Parts) -> Response:
         inputs = list(body.input)  # type: ignore[arg-type]
     if not inputs or any(x == "" or x == [] for x in inputs):
         raise InvalidRequest("input must not be empty", param="input")
-    result = await parts.service.embed(EmbeddingRequest(model=body.model, inputs=inputs,
-                                                        dialect="openai"),
-                                       tenant=tenant_of(request),
+    req = EmbeddingRequest(model=body.model, inputs=inputs)
+    apply_controls(request, req)
+    result = await parts.service.embed(req, tenant=tenant_of(request),
                                        disconnected=request.is_disconnected)
     dims = len(result.vectors[0])
     if body.dimensions is not None and body.dimensions != dims:

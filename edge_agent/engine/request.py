@@ -77,6 +77,12 @@ class EmbeddingRequest:
     inputs: list[str | list[int]]
     truncate: bool = False
     dialect: str = ""
+    # The risk tier asked (X-Edge-Risk; None: the tenant's). It is decided and recorded as
+    # for a generation, but buys no degraded answer: a saturated model refuses every tier,
+    # since another model's vectors would not compare with the asked one's.
+    risk: Literal["low", "normal", "high"] | None = None
+    timeout_s: float | None = None  # deadline from submission; None: the operator's default
+    batch_line: bool = False  # a line of a batch: a saturated model gives the plain 503
 
 
 @dataclass(frozen=True)

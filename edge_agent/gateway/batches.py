@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -54,6 +55,9 @@ TICK_IDLE_S = 1.0
 PUT_BACK_GAP_S = 0.25  # a sequence given back is free by then (a step is shorter)
 MAX_PUT_BACKS = 3  # then a line runs to its end whatever arrives
 MAX_LIST = 100
+# A JSON escape of a UTF-16 surrogate (`\ud800`); alone, it decodes to text no UTF-8 file,
+# message or row can hold. Most lines have none, and are not checked further.
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
 
 
 class RunLine(Protocol):
@@ -206,6 +210,9 @@ class BatchService:
                 raise InvalidRequest(f"line {n} of the file is not JSON: the file must be "
                                      f"JSONL, one request object a line ({str(exc)[:100]})",
                                      param="file") from None
+            if _SURROGATE_ESCAPE.search(raw) and not _valid_text(obj):
+                raise InvalidRequest(f"line {n} of the file is not valid Unicode (a lone "
+                                     "surrogate in a string or key)", param="file")
             out.append(_checked(obj, n, seen))
         if not out:
             raise InvalidRequest("the file holds no request (JSONL: one request object a "
@@ -627,6 +634,17 @@ def _same_model(asked: str | None, loaded: str) -> bool:
 
 def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
+
+
+def _valid_text(obj: Any) -> bool:
+    """Whether every string and key of a parsed line is valid Unicode: a line's key or
+    custom_id is named in its refusal and kept in the batch's rows, which a lone surrogate
+    cannot be written into."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _checked(obj: Any, n: int, seen: set[str]) -> dict[str, Any]:

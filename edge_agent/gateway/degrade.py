@@ -12,6 +12,11 @@ request's tier ([risk] in the settings):
   tenant may use it, the answer naming the model that wrote it; else 503;
 - high: never another model; 503 with Retry-After and the reason.
 
+An embedding is refused on a saturated model whatever its tier (`refuse_embedding`): its
+vectors are compared with others the same model made (a store's search index), and
+another model's would not compare, so a fallback would corrupt the index without a word;
+nor can it be deferred (a batch is a chat completion's later answer).
+
 Every degradation (fallback, queued, refused) is noted on the request's ledger row (tier,
 reason, the model asked) and counted in `edge_agent_degradations_total`. A request that
 was not saturated is not degraded, whatever its tier: the tier only decides what happens
@@ -126,6 +131,15 @@ class RiskPolicy:
         self._record(Degradation(tier, reason, "refused", str(name)))
         return NotDegraded(self._message(tier, reason, name, why),
                            retry_after=self._retry_after(cause))
+
+    def refuse_embedding(self, tier: str, reason: str, name: ModelName,
+                         cause: EdgeAgentError) -> NotDegraded:
+        """The refusal of an embedding on a saturated model, for every tier: vectors from
+        another model do not compare with the asked model's, so a fallback's answer would
+        be silently wrong wherever they are searched together."""
+        return self.refuse(tier, reason, name, cause,
+                           "not degraded: an embedding is never answered by another model "
+                           "(its vectors would not compare)")
 
     def _low(self, reason: str, name: ModelName, cause: EdgeAgentError, defer: bool
              ) -> NotDegraded:

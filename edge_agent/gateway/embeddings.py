@@ -1,5 +1,5 @@
 """An embedding request: bounded, fed to the model between its generation steps, and
-stopped as soon as nobody waits for it."""
+stopped as soon as nobody waits for it: its client gone, or its deadline passed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from edge_agent.engine.prompt import embedding_tokens
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.engine.request import EmbeddingRequest, EmbeddingResult
-from edge_agent.errors import ClientDisconnected, InvalidRequest
+from edge_agent.errors import ClientDisconnected, InvalidRequest, RequestTimeout
 from edge_agent.gateway.observe import as_edge_error
 from edge_agent.logs import note
 from edge_agent.names import ModelName
@@ -27,17 +27,20 @@ def check_count(req: EmbeddingRequest, most: int) -> None:
 
 async def embed(registry: ModelRegistry, req: EmbeddingRequest, name: ModelName, *,
                 keep_alive: float | None = None,
-                disconnected: Callable[[], Awaitable[bool]] | None = None) -> EmbeddingResult:
+                disconnected: Callable[[], Awaitable[bool]] | None = None,
+                deadline: float | None = None) -> EmbeddingResult:
     """Embeds every input, in chunks between the model's generation steps. Bounded per
     request (`max_embedding_inputs`, `max_embedding_tokens`: 400 naming `input`); the work
-    stops at its next chunk when the caller is cancelled or `disconnected()` (polled while
-    waiting) says the client has gone."""
+    stops at its next chunk when the caller is cancelled, `disconnected()` (polled while
+    waiting) says the client has gone, or the `deadline` (loop time) passes (504)."""
     runtime = registry.settings.runtime
+    loop = asyncio.get_running_loop()
     model, load_ns = await registry.acquire(name, keep_alive)
     try:
         inputs, truncated = embedding_tokens(req.inputs, model, truncate=req.truncate,
                                              max_tokens=runtime.max_embedding_tokens)
-        loop = asyncio.get_running_loop()
+        if deadline is not None and deadline <= loop.time():
+            raise RequestTimeout("the request timed out before it was queued")
         future: asyncio.Future[EmbeddingResult | Exception] = loop.create_future()
 
         def done(result: EmbeddingResult | Exception) -> None:
@@ -48,7 +51,7 @@ async def embed(registry: ModelRegistry, req: EmbeddingRequest, name: ModelName,
 
         cancelled = model.embed(inputs, truncated, done)
         try:
-            result = await _wait_unless_gone(future, disconnected)
+            result = await _wait_unless_gone(future, disconnected, deadline)
         finally:
             cancelled.set()  # a no-op once done; else the worker stops at once
     finally:
@@ -63,15 +66,20 @@ async def embed(registry: ModelRegistry, req: EmbeddingRequest, name: ModelName,
 
 
 async def _wait_unless_gone(future: asyncio.Future[EmbeddingResult | Exception],
-                            disconnected: Callable[[], Awaitable[bool]] | None
-                            ) -> EmbeddingResult | Exception:
-    if disconnected is None:
-        return await future
+                            disconnected: Callable[[], Awaitable[bool]] | None,
+                            deadline: float | None) -> EmbeddingResult | Exception:
+    loop = asyncio.get_running_loop()
     while True:
-        finished, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+        timeout = DISCONNECT_POLL_S if disconnected is not None else None
+        if deadline is not None:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise RequestTimeout("the request passed its deadline")
+            timeout = left if timeout is None else min(timeout, left)
+        finished, _ = await asyncio.wait({future}, timeout=timeout)
         if finished:
             return future.result()
-        if await disconnected():
+        if disconnected is not None and await disconnected():
             raise ClientDisconnected("the client disconnected")
 
 

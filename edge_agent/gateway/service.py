@@ -288,13 +288,25 @@ class GenerationService:
                     keep_alive: float | None = None,
                     disconnected: Callable[[], Awaitable[bool]] | None = None
                     ) -> EmbeddingResult:
-        """See `gateway.embeddings.embed`; scope and quota are checked first."""
+        """See `gateway.embeddings.embed`; scope and quota are checked first, and the tier
+        decided (noted on the row) as for a generation, under the same deadline rule. A
+        saturated model refuses every tier (`RiskPolicy.refuse_embedding`): vectors are
+        only comparable with the same model's, so no fallback ever answers; a batch's line
+        gets the plain 503, which its runner waits out."""
+        deadline = self._deadline(asyncio.get_running_loop(), req.timeout_s)
         note(model=req.model, dialect=req.dialect)
         embeddings.check_count(req, self.registry.settings.runtime.max_embedding_inputs)
         name = ModelName.parse(req.model)
         self._govern(tenant, name)
-        return await embeddings.embed(self.registry, req, name, keep_alive=keep_alive,
-                                      disconnected=disconnected)
+        tier = self.risk.tier(tenant, req.risk)
+        try:
+            return await embeddings.embed(self.registry, req, name, keep_alive=keep_alive,
+                                          disconnected=disconnected, deadline=deadline)
+        except ServiceUnavailable as exc:
+            reason = saturation(exc)
+            if reason is None or req.batch_line:
+                raise
+            raise self.risk.refuse_embedding(tier, reason, name, exc) from exc
 
 
 def _check_deadline(model: LoadedModel, left: float) -> None:
