@@ -685,3 +685,21 @@ def test_the_uninstall_steps_remove_what_the_role_installs() -> None:
     removed = set(re.findall(r"(/[\w./-]+)", block))
     missing = [p for p in written if not any(p == r or p.startswith(r + "/") for r in removed)]
     assert not missing, missing
+
+
+def test_every_setting_says_what_it_means() -> None:
+    """The settings reference promises every key with its meaning: a field added without a
+    description shows here as an empty cell, and fails."""
+    page = (DOCS / "reference" / "settings.md").read_text()
+    empty = [line.split("|")[1].strip() for line in page.splitlines()
+             if line.startswith("| `") and line.rstrip().endswith("|  |")]
+    assert empty == [], f"settings without a meaning: {empty}"
+
+
+def test_the_manuals_home_leads_to_every_page() -> None:
+    """A reader who follows the home page reaches every page, not only one who browses the
+    site's navigation."""
+    home = (DOCS / "index.md").read_text()
+    linked = {m.split("#")[0] for m in re.findall(r"\]\(([^)\s]+\.md(?:#[^)]*)?)\)", home)}
+    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")} - {"index.md"}
+    assert pages - linked == set(), f"pages the home page never links: {pages - linked}"

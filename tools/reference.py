@@ -250,7 +250,8 @@ def settings_page() -> str:
     out = ["# Settings", "", GENERATED, "",
            "## The box (`config.toml`)", "",
            "Read, lowest first, from: the defaults below, the TOML file (`--config FILE`, "
-           "default `/etc/edge-agent/config.toml` when present), `EDGE_AGENT_*` environment "
+           "else the file `EDGE_AGENT_CONFIG` names, else `/etc/edge-agent/config.toml` when "
+           "present), `EDGE_AGENT_*` environment "
            "variables (a table's key with `__`: `EDGE_AGENT_SERVER__PORT=8080`), then "
            "command-line flags; a fleet's `config.patch` overlay is applied over them. An "
            "unknown key or a bad value stops the start with one line naming it (exit 2). "

@@ -97,15 +97,28 @@ class TenantPolicy(_Section):
     """One tenant under [tenants.NAME]. Unset ceilings fall back to the model's own."""
 
     models: list[str] = Field(["*"], description="Model names or globs the tenant may use.")
-    max_context_tokens: int | None = Field(None, ge=16)
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_context_tokens: int | None = Field(
+        None, ge=16, description="Prompt (after templating) plus output must fit in this "
+        "many tokens, below the model's own context (`truncate` says what happens past it); "
+        "unset: the model's context.")
+    max_output_tokens: int | None = Field(
+        None, ge=1, description="Ceiling on max_tokens / num_predict (`output_limit`: 400 or "
+        "clamp); unset: what the context leaves.")
     # Upper bounds far above what one box serves (a million requests a minute), so that a
     # limit is a limit: past them a figure is a typo or an attack on the arithmetic, not a
     # ceiling anyone means (unset is "no ceiling").
-    requests_per_minute: int | None = Field(None, ge=1, le=1_000_000)
-    tokens_per_minute: int | None = Field(None, ge=1, le=1_000_000_000)
-    tokens_per_day: int | None = Field(None, ge=1, le=1_000_000_000_000)
-    priority: Literal["interactive", "batch"] = "interactive"
+    requests_per_minute: int | None = Field(
+        None, ge=1, le=1_000_000, description="Requests admitted in any 60 s (429 with "
+        "Retry-After past it; kept across restarts); unset: no limit.")
+    tokens_per_minute: int | None = Field(
+        None, ge=1, le=1_000_000_000, description="Tokens (prompt less its cached part, plus "
+        "output) in any 60 s; unset: no limit.")
+    tokens_per_day: int | None = Field(
+        None, ge=1, le=1_000_000_000_000, description="The same over any 24 h; unset: no "
+        "limit.")
+    priority: Literal["interactive", "batch"] = Field(
+        "interactive", description="The class of the tenant's requests unless one says "
+        "otherwise (X-Priority): batch work yields sequences to interactive work.")
     truncate: Literal["error", "oldest_turns"] = Field(
         "error", description="A prompt over the context: refuse (400) or drop oldest turns."
     )
@@ -321,20 +334,33 @@ class RuntimeSettings(_Section):
 class ModelOverride(_Section):
     """Per-model settings under [models."name:tag"]; unset fields fall back to [runtime]."""
 
-    context_length: int | None = Field(None, ge=64)
-    n_gpu_layers: int | Literal["auto"] | None = None
-    threads: int | None = Field(None, ge=0)
-    parallel: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] | None = None
-    kv_cache_type: Literal["f16", "q8_0", "q4_0"] | None = None
-    prompt_lookup: int | None = Field(None, ge=0, le=MAX_DRAFT)
+    context_length: int | None = Field(None, ge=64, description="This model's "
+                                       "runtime.context_length; unset: [runtime]'s.")
+    n_gpu_layers: int | Literal["auto"] | None = Field(
+        None, description="This model's runtime.n_gpu_layers; unset: [runtime]'s.")
+    threads: int | None = Field(None, ge=0, description="This model's runtime.threads; "
+                                "unset: [runtime]'s.")
+    parallel: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] | None = Field(
+        None, description="This model's runtime.parallel; unset: [runtime]'s.")
+    kv_cache_type: Literal["f16", "q8_0", "q4_0"] | None = Field(
+        None, description="This model's runtime.kv_cache_type; unset: [runtime]'s.")
+    prompt_lookup: int | None = Field(None, ge=0, le=MAX_DRAFT, description="This model's "
+                                      "runtime.prompt_lookup; unset: [runtime]'s.")
     # Speculation by a smaller installed model with the same vocabulary (guesses from it,
     # not from the prompt): its name, and the most guesses a step (DRAFT_MODEL_TOKENS
     # when unset; a request's prompt_lookup option or header bounds it too).
-    draft_model: str | None = None
-    draft_tokens: int | None = Field(None, ge=1, le=MAX_DRAFT)
+    draft_model: str | None = Field(
+        None, description="A smaller installed model with the same vocabulary that guesses "
+        "tokens for this one to check (speculative decoding); unset: none.")
+    draft_tokens: int | None = Field(
+        None, ge=1, le=MAX_DRAFT, description=f"The draft model's guesses a step; unset: "
+        f"{DRAFT_MODEL_TOKENS} (a request's prompt_lookup bounds it too).")
     # The smaller installed model that answers a normal-tier request when this one is
     # saturated ([risk] normal = "fallback"); never a high-tier one.
-    fallback: str | None = None
+    fallback: str | None = Field(
+        None, description="The installed model that answers this one's normal-tier requests "
+        "while it is saturated ([risk] normal = \"fallback\"); never a high-tier request "
+        "or an embedding.")
 
     @field_validator("fallback")
     @classmethod
@@ -425,7 +451,8 @@ class Settings(LayeredSettings):
         None, description="Folder of catalog TOML files; the packaged catalog when unset."
     )
     default_model: str = Field("smollm2:135m", description="Model loaded at start.")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="The least severe log line written.")
     log_format: Literal["text", "json"] = Field(
         "text", description="'json': one object per line, with the request id on each."
     )

@@ -60,8 +60,9 @@ class BrokerSettings(_Section):
     username: str | None = Field("controller", description="The controller's broker user.")
     password_file: Path | None = Field(None, description="File holding its password.")
     ca_file: Path | None = Field(None, description="PEM CA for mqtts:// (unset: system's).")
-    client_cert: Path | None = None
-    client_key: Path | None = None
+    client_cert: Path | None = Field(None, description="PEM certificate the controller "
+                                     "shows the broker (mutual TLS), with client_key.")
+    client_key: Path | None = Field(None, description="Its private key, owner-only.")
     client_id: str = Field("edge-fleet-controller",
                            description="MQTT client id; the broker keeps its session by it.")
     session_expiry_s: int = Field(
@@ -72,7 +73,8 @@ class BrokerSettings(_Section):
         "the same PostgreSQL store: the MQTT 5 shared subscription group they take the "
         "boxes' reports through (each report to one of them). Each controller needs a "
         "client_id of its own.")
-    keepalive_s: int = Field(30, ge=5, le=65535)
+    keepalive_s: int = Field(30, ge=5, le=65535, description="MQTT keepalive: the broker "
+                             "counts the controller gone after 1.5 times this in silence.")
     receive_maximum: int = Field(
         1000, ge=1, le=65535, description="Messages the broker may have in flight to the "
         "controller; each is acknowledged to the broker only once it is committed.")
@@ -105,7 +107,8 @@ class HTTPSettings(HTTPSFiles):
     host: str = Field("127.0.0.1", description="Address of the API, the console, /metrics "
                       "and /releases/; any other than loopback needs TLS (tls_cert_file) and "
                       "an operator (fleet operators create).")
-    port: int = Field(9464, ge=0, le=65535)
+    port: int = Field(9464, ge=0, le=65535, description="Port of the API, the console, "
+                      "/metrics and /releases/.")
     metrics_open: bool | None = Field(
         None, description="Whether /metrics and /healthz answer without an operator token "
         "(null: yes on a loopback host, no elsewhere).")

@@ -104,9 +104,10 @@ class FleetSettings(_Section):
         "with the box; the only release metadata trusted without a signature chain. Unset: "
         "rollouts are refused.")
     artifacts_url: str | None = Field(
-        None, description="Where release metadata and model files are served (the "
-        "controller's `fleet serve`, or any HTTP server / object store with Range), e.g. "
-        "http://controller:8480/releases/.")
+        None, description="Where release metadata and model files are served: a static "
+        "server (or object store with Range) over the controller's `releases/`, e.g. "
+        "https://releases.example/releases/; the controller's own `/releases/` (its "
+        "`http.port`, 9464) only where boxes reach that port.")
     max_download_bytes_per_s: int | None = Field(
         None, ge=1024, le=MAX_DOWNLOAD_BYTES_PER_S,
         description="Cap on a model download's rate (1024 to 10^10 bytes a second); unset: "

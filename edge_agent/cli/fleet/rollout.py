@@ -76,7 +76,7 @@ def _when(ts: float | None) -> str:
 @click.option("--id", "rollout_id", help="The rollout's id (default: ro-<random>).")
 @click.option("--capacity", metavar="KEY=VALUE,...",
               help="A capacity release: these runtime settings (parallel, context_length, "
-                   "threads, prompt_lookup, draft_model, draft_tokens), staged on the boxes "
+                   "threads, prompt_lookup, kv_cache_type, draft_model, draft_tokens), staged on the boxes "
                    "that serve NAME@VERSION and gated by its golden set against their own "
                    "baseline; a failing gate restores the previous settings.")
 @json_option()

@@ -32,6 +32,7 @@ from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.protocol import command_types
 from edge_agent.fleet.protocol.command import Command
 from edge_agent.fleet.protocol.command_types import (
+    CAPACITY_KEYS,
     COMMAND_TYPES,
     BadArgs,
     CommandType,
@@ -267,3 +268,13 @@ def test_the_manuals_table_of_commands_is_the_registrys() -> None:
     assert region.group(1).strip() == table, "run python tools/reference.py --write"
     rows = [line.split("|")[1].strip(" `") for line in table.splitlines()[2:]]
     assert rows == list(COMMAND_TYPES)
+
+
+def test_the_rollout_starts_help_names_every_capacity_key() -> None:
+    """`fleet rollout start --capacity` takes what the protocol ships as a capacity release:
+    its help names each key, so an operator never learns one from the source."""
+    shown = CliRunner().invoke(main, ["fleet", "rollout", "start", "--help"],
+                               terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    help_text = " ".join(shown.output.split())
+    assert all(key in help_text for key in CAPACITY_KEYS), help_text
