@@ -76,9 +76,10 @@ def _when(ts: float | None) -> str:
 @click.option("--id", "rollout_id", help="The rollout's id (default: ro-<random>).")
 @click.option("--capacity", metavar="KEY=VALUE,...",
               help="A capacity release: these runtime settings (parallel, context_length, "
-                   "threads, prompt_lookup, kv_cache_type, draft_model, draft_tokens), staged on the boxes "
-                   "that serve NAME@VERSION and gated by its golden set against their own "
-                   "baseline; a failing gate restores the previous settings.")
+                   "threads, prompt_lookup, kv_cache_type, draft_model, draft_tokens), "
+                   "staged on the boxes that serve NAME@VERSION and gated by its golden set "
+                   "against their own baseline; a failing gate restores the previous "
+                   "settings.")
 @json_option()
 def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_executed: int,
                   soak: str, device_timeout: str, rollback_on_abort: bool,
