@@ -8,7 +8,7 @@ import click
 
 from edge_agent.cli.common import BadUsage, CheckFailed, common_options, load
 from edge_agent.logs import configure_logging
-from edge_agent.netaddr import is_loopback
+from edge_agent.netaddr import is_loopback, port_holder
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,11 @@ def serve(host: str | None, port: int | None, log_level: str | None) -> None:
     from edge_agent.tls import TLSFileError
 
     settings = load(log_level=log_level, **{"server.host": host, "server.port": port})
+    # Before anything starts (the fleet link would announce a box that then fails to bind).
+    holder = port_holder(settings.server.host, settings.server.port)
+    if holder is not None:
+        raise CheckFailed(f"{settings.server.host}:{settings.server.port} is taken by "
+                          f"{holder}: stop it, or serve on another --port")
     loopback = is_loopback(settings.server.host)
     if not loopback and not KeyStore(settings.state_dir).any_active():
         raise BadUsage(f"refusing to listen on {settings.server.host}: no API key exists, so "

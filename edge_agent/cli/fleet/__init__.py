@@ -34,6 +34,7 @@ from edge_agent.cli.fleet.client import (
 )
 from edge_agent.cli.fleet.options import controller_options, controller_settings
 from edge_agent.cli.output import echo_json, json_option, table
+from edge_agent.netaddr import port_holder
 
 
 @click.group()
@@ -78,6 +79,10 @@ def fleet_serve(broker: str | None, username: str | None, password_file: Path | 
                        "--password-file (credentials/<user>.txt from fleet broker-config) or "
                        "set broker.password_file")
     settings.broker_password()  # an unreadable password file stops the start, with its name
+    holder = port_holder(settings.http.host, settings.http.port)
+    if holder is not None:
+        raise CheckFailed(f"{settings.http.host}:{settings.http.port} is taken by {holder}: "
+                          "stop it, or give fleet serve another --port")
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not serve(settings, log_level="warning" if log_level != "debug" else "debug"):
@@ -346,6 +351,13 @@ def fleet_broker_config(devices_file: Path, out: Path, fleet_id: str, controller
                "acl": str(files.acl), "conf": str(files.conf),
                "credentials": {u: str(p) for u, p in files.credentials.items()},
                "new_passwords": files.new_passwords}
+    address, listen = (tls_bind, tls_port) if tls else (bind, port)
+    holder = port_holder(address or "0.0.0.0", listen)
+    if holder is not None:  # Debian's mosquitto.service, most often: say so before it bites
+        click.echo(f"note: {address or '*'}:{listen} is taken by {holder}; a broker started "
+                   "with this config would fail to listen. Stop that one (Debian's: systemctl "
+                   "disable --now mosquitto) or write the config again with another --port",
+                   err=True)
     if as_json:
         echo_json(summary)
         return
