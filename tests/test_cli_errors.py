@@ -33,7 +33,9 @@ def _walk(group: click.Group, prefix: tuple[str, ...] = ()
 COMMANDS = _walk(main)
 LEAVES = [(path, cmd) for path, cmd in COMMANDS if not isinstance(cmd, click.Group)]
 # Commands that read no settings (their own input errors are tested beside them).
-NO_SETTINGS = {("fleet", "broker-config"), ("bench", "fleet-scale")}  # no settings read
+NO_SETTINGS = {("fleet", "broker-config"), ("bench", "fleet-scale"),  # no settings read
+               ("fleet", "pki", "init"), ("fleet", "pki", "issue"), ("fleet", "pki", "list"),
+               ("fleet", "pki", "renew")}  # files only, in --dir
 
 
 def _required_args(cmd: click.Command, tmp_path: Path) -> list[str]:

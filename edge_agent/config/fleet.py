@@ -108,6 +108,9 @@ class FleetSettings(_Section):
         "server (or object store with Range) over the controller's `releases/`, e.g. "
         "https://releases.example/releases/; the controller's own `/releases/` (its "
         "`http.port`, 9464) only where boxes reach that port.")
+    artifacts_ca_file: Path | None = Field(
+        None, description="PEM CA the release server's HTTPS certificate is checked "
+        "against (a private CA, e.g. `fleet pki`'s ca.pem); unset: the system's CAs.")
     max_download_bytes_per_s: int | None = Field(
         None, ge=1024, le=MAX_DOWNLOAD_BYTES_PER_S,
         description="Cap on a model download's rate (1024 to 10^10 bytes a second); unset: "

@@ -22,6 +22,7 @@ from edge_agent.cli.common import EXIT_CHECK_FAILED, BadUsage, CheckFailed
 from edge_agent.cli.fleet import (  # modules: their names stay theirs
     models,
     operators,
+    pki,
     release,
     rollout,
 )
@@ -49,6 +50,7 @@ fleet.add_command(rollout.rollout)
 fleet.add_command(operators.operators)
 fleet.add_command(operators.audit)
 fleet.add_command(models.models)
+fleet.add_command(pki.pki)
 
 
 @fleet.command("serve")

@@ -19,9 +19,7 @@ Must never: touch a system broker, its files or port 1883; leave a process runni
 
 from __future__ import annotations
 
-import datetime
 import glob
-import ipaddress
 import os
 import pwd
 import resource
@@ -124,47 +122,13 @@ class LocalCA:
 
 
 def make_tls(folder: Path, hostname: str = "localhost") -> LocalCA:
-    """A CA and a server certificate for localhost / 127.0.0.1 signed by it (PEM files)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    """A CA and a server certificate for `hostname` and 127.0.0.1 signed by it (PEM files,
+    the key 0600): the fleet's own CA (`controller.pki`), living a day."""
+    from edge_agent.fleet.controller.pki import FleetCA
 
-    folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edge-agent test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname)]))
-            .issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([
-                x509.DNSName(hostname), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    out = LocalCA(folder / "ca.pem", folder / "server.pem", folder / "server.key")
-    out.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    out.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    out.server_key.write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))
-    out.server_key.chmod(0o600)
-    return out
+    ca = FleetCA.init(folder, name="edge-agent test CA", days=1)
+    ca.issue("server", "controller", dns=[hostname], ips=["127.0.0.1"], days=1)
+    return LocalCA(ca.cert_file, folder / "server.pem", folder / "server.key")
 
 
 # -- Mosquitto -----------------------------------------------------------------------------

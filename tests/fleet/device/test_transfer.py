@@ -398,3 +398,48 @@ def test_http_errors_and_files_that_are_not_models(served: tuple[ArtifactServer,
         transfer.download(release, tmp_path / "c",
                           retry=transfer.Retry(attempts=2, base_s=0.01))
     assert down.value.reason == UNREACHABLE and "2 failed attempts" in down.value.message
+
+
+def test_a_release_server_with_a_private_ca_is_trusted_through_artifacts_ca_file(
+        tmp_path: Path) -> None:
+    """A release server whose certificate the fleet's own CA signed (`fleet pki issue
+    releases`): metadata and model files come over HTTPS once `fleet.artifacts_ca_file`
+    names that CA, and neither does without it (the system's CAs do not know it)."""
+    import ssl
+
+    from edge_agent.config import FleetSettings
+    from edge_agent.fleet.controller.pki import FleetCA
+    from edge_agent.fleet.device.release.source import Pace, _PacedFetcher
+
+    ca = FleetCA.init(tmp_path / "pki")
+    ca.issue("releases", "releases", ips=["127.0.0.1"])
+    root = tmp_path / "releases"
+    release = _publish(sized_gguf(tmp_path / "m.gguf", 2), root)
+    (root / "metadata").mkdir()
+    (root / "metadata" / "timestamp.json").write_text('{"signed": {}}')
+    handler = functools.partial(_QuietHandler, directory=str(tmp_path))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(ca.folder / "releases.pem", ca.folder / "releases.key")
+    httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"https://127.0.0.1:{httpd.server_address[1]}/releases/"
+    https = Release(release.name, release.version, release.target_path, release.length,
+                    release.sha256, base + release.url.split("/releases/", 1)[1],
+                    release.manifest)
+    trusted = Pace.of(FleetSettings.model_validate({"artifacts_ca_file": ca.cert_file}))
+    untrusted = Pace.of(FleetSettings.model_validate({}))
+    try:
+        fetched = b"".join(_PacedFetcher(trusted, "test")._fetch(
+            base + "metadata/timestamp.json"))
+        assert fetched == b'{"signed": {}}'
+        with pytest.raises(Exception, match="(?i)certificate"):
+            b"".join(_PacedFetcher(untrusted, "test")._fetch(base + "metadata/timestamp.json"))
+        path = transfer.download(https, tmp_path / "ok", retry=FAST, pace=trusted)
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == release.sha256
+        with pytest.raises(ReleaseFailed, match="(?i)certificate"):
+            transfer.download(https, tmp_path / "refused", pace=untrusted,
+                              retry=transfer.Retry(attempts=1, base_s=0.01))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

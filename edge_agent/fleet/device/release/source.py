@@ -175,17 +175,25 @@ def check_target(ref: str, length: object, sha256: object) -> None:
 class Pace:
     """How slowly a release's bytes may arrive before the fetch is given up (the module's
     doc): after `grace_s`, at least `min_bytes_per_s` on average since the fetch began;
-    a lookup's metadata fetches have `metadata_deadline_s` in all."""
+    a lookup's metadata fetches have `metadata_deadline_s` in all. And, for both kinds of
+    fetch, the CA file the release server's HTTPS certificate is checked against
+    (`fleet.artifacts_ca_file`; None: the system's CAs)."""
 
     min_bytes_per_s: int
     grace_s: float
     metadata_deadline_s: float
+    ca_file: str | None = None
 
     @classmethod
     def of(cls, fleet: FleetSettings | None = None) -> Pace:
-        """`fleet`'s floors (None: the settings' defaults)."""
+        """`fleet`'s floors and CA (None: the settings' defaults)."""
         f = fleet if fleet is not None else FleetSettings.model_validate({})
-        return cls(f.min_transfer_bytes_per_s, f.transfer_grace_s, f.metadata_deadline_s)
+        return cls(f.min_transfer_bytes_per_s, f.transfer_grace_s, f.metadata_deadline_s,
+                   None if f.artifacts_ca_file is None else str(f.artifacts_ca_file))
+
+    def tls(self) -> dict[str, Any]:
+        """The pool manager's TLS arguments: the release server's CA, where one is set."""
+        return {} if self.ca_file is None else {"ca_certs": self.ca_file}
 
     def deadline_s(self, length: int) -> float:
         """Seconds `length` bytes may take in all: the grace, then the floor."""
@@ -225,7 +233,7 @@ class _PacedFetcher(FetcherInterface):
         self.http = self.cutoff.pool_manager(
             retries=urllib3.Retry(total=None, connect=1, read=0, status=0, other=0,
                                   redirect=5),
-            headers={"User-Agent": user_agent})
+            headers={"User-Agent": user_agent}, **pace.tls())
 
     def _due_s(self) -> float:
         """Seconds until the fetch under way falls behind (the floor or the lookup's

@@ -223,7 +223,7 @@ class _Fetch:
             retries=urllib3.Retry(total=None, connect=0, read=0, status=0, other=0,
                                   redirect=5, raise_on_status=False),
             timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s),
-            headers={"User-Agent": f"edge-agent/{__version__}"})
+            headers={"User-Agent": f"edge-agent/{__version__}"}, **pace.tls())
 
     def run(self, retry: Retry) -> None:
         self.max_restarts = retry.attempts
