@@ -49,7 +49,8 @@ pytestmark = pytest.mark.skipif(
 
 CASES = [("edge-agent.service", None), ("edge-agent.service", "nvidia.conf"),
          ("edge-agent.service", "jetson.conf"), ("edge-agent-fleet.service", None),
-         ("edge-agent-fleet-timestamp.service", None)]
+         ("edge-agent-fleet-timestamp.service", None),
+         ("edge-agent-fleet-releases.service", None)]
 TIMERS = {"edge-agent-fleet-timestamp.timer": "edge-agent-fleet-timestamp.service"}
 
 

@@ -103,6 +103,17 @@ class BrokerSettings(_Section):
         return broker_address(self.url)
 
 
+class ReleaseServerSettings(HTTPSFiles):
+    """`fleet serve-releases`: the signed repository (`<state_dir>/releases/`) read-only to
+    the boxes, on a listener of its own, so that the controller's API stays where only
+    operators reach it."""
+
+    host: str = Field("0.0.0.0", description="Address the boxes reach the release server "
+                      "on (fleet serve-releases).")
+    port: int = Field(9465, ge=1, le=65535, description="Its port; the boxes' "
+                      "fleet.artifacts_url is https://HOST:PORT/releases/.")
+
+
 class HTTPSettings(HTTPSFiles):
     host: str = Field("127.0.0.1", description="Address of the API, the console, /metrics "
                       "and /releases/; any other than loopback needs TLS (tls_cert_file) and "
@@ -156,6 +167,8 @@ class ControllerSettings(LayeredSettings):
     db: str | None = Field(None, description="postgresql://… (unset: SQLite in state_dir).")
     broker: BrokerSettings = Field(default_factory=BrokerSettings)  # type: ignore[arg-type]
     http: HTTPSettings = Field(default_factory=HTTPSettings)  # type: ignore[arg-type]
+    releases: ReleaseServerSettings = Field(
+        default_factory=ReleaseServerSettings)  # type: ignore[arg-type]
     ingest: IngestSettings = Field(default_factory=IngestSettings)  # type: ignore[arg-type]
     controller: ClientSettings = Field(default_factory=ClientSettings)  # type: ignore[arg-type]
     retention: RetentionSettings = Field(

@@ -33,7 +33,7 @@ from edge_agent.cli.fleet.client import (
     remote,
     segment,
 )
-from edge_agent.cli.fleet.options import controller_options, controller_settings
+from edge_agent.cli.fleet.options import controller_options, controller_settings, files_options
 from edge_agent.cli.output import echo_json, json_option, table
 from edge_agent.netaddr import port_holder
 
@@ -90,6 +90,31 @@ def fleet_serve(broker: str | None, username: str | None, password_file: Path | 
     if not serve(settings, log_level="warning" if log_level != "debug" else "debug"):
         raise CheckFailed(f"the controller's HTTP server did not start on "
                           f"{settings.http.host}:{settings.http.port} (see the log above)")
+
+
+@fleet.command("serve-releases")
+@files_options
+@click.option("--host", help="Address the boxes reach it on (default 0.0.0.0).")
+@click.option("--port", type=click.IntRange(1, 65535), help="Its port (default 9465).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True, help="Log level.")
+def fleet_serve_releases(host: str | None, port: int | None, log_level: str) -> None:
+    """Serve the release repository (state_dir/releases) read-only to the boxes, on a
+    listener of its own ([releases]: HTTPS with tls_cert_file and tls_key_file)."""
+    import logging
+
+    from edge_agent.fleet.controller.service import serve_releases
+
+    settings = controller_settings(**{"releases.host": host, "releases.port": port})
+    holder = port_holder(settings.releases.host, settings.releases.port)
+    if holder is not None:
+        raise CheckFailed(f"{settings.releases.host}:{settings.releases.port} is taken by "
+                          f"{holder}: stop it, or give serve-releases another --port")
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not serve_releases(settings, log_level="warning" if log_level != "debug" else "debug"):
+        raise CheckFailed(f"the release server did not start on {settings.releases.host}:"
+                          f"{settings.releases.port} (see the log above)")
 
 
 def _ago(ts: float | None) -> str:

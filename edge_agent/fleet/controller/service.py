@@ -12,6 +12,9 @@ store.
 HTTPS with `[http] tls_cert_file`/`tls_key_file` (`edge_agent.tls`, reloaded on SIGHUP as
 the box's is); an address other than loopback needs it, and an operator (`exposure_checked`).
 
+`serve_releases` is the other process of the central host (`fleet serve-releases`): the
+release repository, read-only, on a listener of its own for the boxes.
+
 Under systemd (`Type=notify`) it reports as the agent does (`edge_agent.sdnotify`): STATUS=
 while it connects to the broker, READY=1 once the HTTP port is bound and the ingest is
 subscribed, WATCHDOG=1 from the event loop, STOPPING=1 when it stops.
@@ -37,6 +40,8 @@ from edge_agent.fleet.controller.commands import CommandSender
 from edge_agent.fleet.controller.ingest import Ingest
 from edge_agent.fleet.controller.leadership import Leadership, Presence, leadership_for
 from edge_agent.fleet.controller.metrics import ControllerMetrics
+from edge_agent.fleet.controller.releases.artifacts import release_app
+from edge_agent.fleet.controller.releases.repository import releases_dir
 from edge_agent.fleet.controller.retention import Retention
 from edge_agent.fleet.controller.rollouts.driver import RolloutEngine
 from edge_agent.fleet.controller.store import ControllerStore, open_store
@@ -167,6 +172,36 @@ def serve(settings: ControllerSettings, *, log_level: str = "warning") -> bool:
         return bool(server.started)
     finally:
         controller.close()
+
+
+def serve_releases(settings: ControllerSettings, *, log_level: str = "warning") -> bool:
+    """`fleet serve-releases`: `<state_dir>/releases/` read-only on `[releases]`' listener,
+    until SIGINT/SIGTERM (HTTPS reloaded on SIGHUP); False if it could not bind. It opens no
+    store and no broker connection: it reads files the controller writes."""
+    listener = settings.releases
+    try:
+        tls = ServerTLS(listener.tls) if listener.tls is not None else None
+    except TLSFileError as exc:
+        raise ConfigError(f"releases.tls_cert_file / tls_key_file: {exc}") from exc
+    root = releases_dir(settings.state_dir)
+    if not (root / "metadata").is_dir():
+        raise ConfigError(f"no release repository in {root} (edge-agent fleet release init)")
+    if tls is None and not is_loopback(listener.host):
+        log.warning("serving releases on %s without TLS: the signatures keep the files "
+                    "whole, but anyone on the way sees which releases a box fetches",
+                    listener.host)
+    config = uvicorn.Config(
+        release_app(root), host=listener.host, port=listener.port, log_level=log_level,
+        lifespan="off", access_log=False,
+        ssl_context_factory=(lambda _c, _d: tls.context) if tls is not None else None)
+    server = _SupervisedServer(
+        config, Notifier.from_environ(), tls=tls, problems=lambda: [],
+        serving=f"{root} read-only, {listener.scheme.upper()} on {config.host}:{config.port}")
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits when it cannot bind; the caller words it
+        pass
+    return bool(server.started)
 
 
 class _SupervisedServer(uvicorn.Server):

@@ -5,8 +5,9 @@
 
 A router factory (`artifacts_router(root)`), no module state; the controller's API mounts
 it under `/releases/` (`app.include_router(artifacts_router(releases_dir(state)),
-prefix="/releases")`), so a device's `fleet.artifacts_url` is
-`http://controller:PORT/releases/`. Everything here is public by design: integrity comes
+prefix="/releases")`), and so does the release server of its own that `fleet
+serve-releases` runs for the boxes (`release_app`), so a device's `fleet.artifacts_url` is
+`https://HOST:PORT/releases/`. Everything here is public by design: integrity comes
 from the TUF signatures the device checks, not from this server. Any static server with
 `Range` can serve the same tree instead (nginx, MinIO, S3): the device needs nothing else.
 
@@ -37,13 +38,31 @@ from collections.abc import Iterator
 from email.utils import formatdate
 from pathlib import Path
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 SERVED = ("metadata", "targets")
 CHUNK = 1 << 20
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
 _FRESH = {"timestamp.json", "root.json"}
+
+
+def release_app(root: Path) -> FastAPI:
+    """The release server of `fleet serve-releases`: `root` under `/releases/` and nothing
+    else (no API, no document), every refusal `{"error": ...}` as the controller's."""
+    app = FastAPI(title="edge-agent releases", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.include_router(artifacts_router(root), prefix="/releases")
+
+    @app.exception_handler(StarletteHTTPException)
+    def refused(request: Request, exc: StarletteHTTPException) -> Response:
+        return JSONResponse({"error": "only /releases/metadata/ and /releases/targets/ are "
+                                      "served here" if exc.status_code == 404
+                             else str(exc.detail)},
+                            status_code=exc.status_code, headers=exc.headers)
+
+    return app
 
 
 def artifacts_router(root: Path) -> APIRouter:
