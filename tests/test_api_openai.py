@@ -22,6 +22,7 @@ from tests.conftest import (
     load_settings,
     start_server,
 )
+from tests.support.pace import Pace
 
 pytestmark = pytest.mark.integration
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -285,6 +286,8 @@ def test_a_client_that_disconnects_stops_its_generation(idle_server: LiveServer)
     body = {"model": DEFAULT_MODEL, "stream": True, "max_tokens": 1500, "temperature": 0,
             "logit_bias": NO_EOS,
             "messages": [{"role": "user", "content": "Write a very long story."}]}
+    began = time.monotonic()
+    arrivals: list[float] = []
     with httpx.stream("POST", f"{live_server.openai_url}/chat/completions", json=body,
                       timeout=60) as r:
         seen = []
@@ -293,7 +296,9 @@ def test_a_client_that_disconnects_stops_its_generation(idle_server: LiveServer)
             seen.append(line)
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get(
                     "content"):
-                break  # generation is under way
+                arrivals.append(time.monotonic())
+                if len(arrivals) == 4:
+                    break  # generation is under way, at a pace these tokens measure
         if worker.running != 1:  # say how it ended, to tell a lost job from a stray one
             running = worker.running
             rest = list(lines)
@@ -302,8 +307,10 @@ def test_a_client_that_disconnects_stops_its_generation(idle_server: LiveServer)
             pytest.fail(f"the generation was not running ({running}): {worker.stats}, "
                         f"loaded (name, digest, this worker) {loaded}, "
                         f"stream {seen[-2:]} … {rest[-4:]}")
-    # 1,500 tokens would take over ten seconds; a cancelled job ends within a few steps.
-    deadline = time.monotonic() + 3
+    # A cancelled job ends within a few steps: 3 s on an idle box, and as many steps at the
+    # pace just measured on a loaded one (tens of times slower). The 1,500 tokens would
+    # take 15 times as long as that, however slow the box.
+    deadline = time.monotonic() + Pace.of(began, arrivals).bound(3, tokens=5, requests=0)
     while worker.running and time.monotonic() < deadline:
         time.sleep(0.02)
     assert worker.running == 0

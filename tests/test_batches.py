@@ -32,6 +32,7 @@ from tests.conftest import (
     free_port,
     start_server,
 )
+from tests.support.pace import Pace, measure
 
 pytestmark = pytest.mark.integration
 
@@ -95,10 +96,23 @@ def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 def _ended(client: openai.OpenAI, batch_id: str, timeout: float = 300) -> Any:
+    """The batch, once it has ended; `timeout` for one of a few lines (a batch of many,
+    on a loaded box, takes `_lines_s`)."""
     def done() -> Any:
         b = client.batches.retrieve(batch_id)
         return b if b.status in ("completed", "failed", "expired", "cancelled") else None
     return _wait(done, timeout, f"batch {batch_id} to end")
+
+
+def _lines_s(pace: Pace, lines: int, max_tokens: int, floor: float = 300) -> float:
+    """A wait for `lines` lines of `max_tokens` tokens each, one after another at the pace
+    measured on the box (an idle box runs them in parallel well within `floor`; a loaded
+    one is tens of times slower)."""
+    return pace.bound(floor, tokens=lines * max_tokens, requests=lines)
+
+
+def _key(client: openai.OpenAI) -> dict[str, str]:
+    return {"Authorization": f"Bearer {client.api_key}"}
 
 
 def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
@@ -122,6 +136,7 @@ def test_a_chat_batch_completes_beside_interactive_streams_that_all_get_answers(
         box: tuple[LiveServer, dict[str, openai.OpenAI]]) -> None:
     live, clients = box
     client = clients["shop"]
+    pace = measure(live.base_url, headers=_key(client))
     n = 200
     source = _upload(client, _jsonl([_line(i) for i in range(n)]))
     assert (source.object, source.purpose, source.status) == ("file", "batch", "processed")
@@ -153,7 +168,7 @@ def test_a_chat_batch_completes_beside_interactive_streams_that_all_get_answers(
     finally:
         for t in streams:
             t.join()
-    done = _ended(client, batch.id, timeout=300)
+    done = _ended(client, batch.id, _lines_s(pace, n, 4))
     assert not failures, failures
     assert len(answered) == 16 and all(answered)
     assert done.status == "completed" and done.metadata == {"job": "numbers"}
@@ -375,6 +390,7 @@ def test_kill_9_halfway_resumes_without_losing_or_redoing_a_line(
     n = 40
     proc = serve()
     try:
+        pace = measure(url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
         f = _upload(client, _jsonl([_line(i, max_tokens=8) for i in range(n)]))
         b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
@@ -383,7 +399,7 @@ def test_kill_9_halfway_resumes_without_losing_or_redoing_a_line(
         def halfway() -> bool:
             counts = client.batches.retrieve(b.id).request_counts
             return counts is not None and counts.completed >= n // 3
-        _wait(halfway, 300, "a third of the lines")
+        _wait(halfway, _lines_s(pace, n // 3, 8), "a third of the lines")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         db = sqlite3.connect(state / "batches.db")
@@ -392,7 +408,7 @@ def test_kill_9_halfway_resumes_without_losing_or_redoing_a_line(
         db.close()
         assert 0 < left < n  # killed halfway: the restart has lines to resume
         proc = serve()
-        done = _ended(client, b.id)
+        done = _ended(client, b.id, _lines_s(pace, n, 8))
         out = _lines(client, done.output_file_id)
     finally:
         if proc.poll() is None:

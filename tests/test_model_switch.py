@@ -31,6 +31,7 @@ from tests.conftest import (
     free_port,
     start_server,
 )
+from tests.support.pace import measure
 
 pytestmark = pytest.mark.integration
 
@@ -95,6 +96,7 @@ def _stream(live: LiveServer, started: threading.Event, out: dict[str, Any]) -> 
 def test_a_switch_while_four_streams_run(box: tuple[LiveServer, str, str]) -> None:
     live, old, new = box
     assert _fingerprint(live) == f"fp_{old[:12]}"
+    pace = measure(live.base_url)  # the waits below, at this box's present speed
     results: list[dict[str, Any]] = [{} for _ in range(4)]
     started = [threading.Event() for _ in range(4)]
     threads = [threading.Thread(target=_stream, args=(live, started[i], results[i]))
@@ -102,11 +104,11 @@ def test_a_switch_while_four_streams_run(box: tuple[LiveServer, str, str]) -> No
     for t in threads:
         t.start()
     for e in started:
-        assert e.wait(60)
+        assert e.wait(pace.bound(60, requests=4))
     _ops(live).activate(DEFAULT_MODEL, new[:12], by="cli:test")
     switched = time.monotonic()
     for t in threads:
-        t.join(120)
+        t.join(pace.bound(120, tokens=4 * 48, requests=4))
     for r in results:
         assert "error" not in r, r.get("error")
         assert r["fingerprints"] == {f"fp_{old[:12]}"} and r["finish"] == "length"

@@ -17,6 +17,7 @@ from edge_agent.engine.constrained.tool_calls import (
 )
 from edge_agent.errors import InvalidRequest
 from tests.conftest import DEFAULT_MODEL, LiveServer
+from tests.support.pace import Pace, measure
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -115,13 +116,21 @@ _SLOW = settings(max_examples=8, deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+@pytest.fixture(scope="module")
+def pace(live_server: LiveServer) -> Pace:
+    """The session server's speed, measured once: an answer of up to 512 tokens takes
+    minutes on a loaded box, tens of times its time on an idle one."""
+    return measure(live_server.base_url)
+
+
 @pytest.mark.integration
 @_SLOW
 @given(schema=SCHEMAS, sampling=st.sampled_from([(0.0, 0), (0.8, 1), (1.2, 2)]))
-def test_generated_schemas_give_valid_output(live_server: LiveServer, schema: dict[str, Any],
+def test_generated_schemas_give_valid_output(live_server: LiveServer, pace: Pace,
+                                             schema: dict[str, Any],
                                              sampling: tuple[float, int]) -> None:
     temperature, seed = sampling
-    r = httpx.post(f"{live_server.ollama_url}/api/chat", timeout=300, json={
+    r = httpx.post(f"{live_server.ollama_url}/api/chat", timeout=pace.bound(300, 512), json={
         "model": DEFAULT_MODEL, "stream": False, "format": schema,
         "options": {"temperature": temperature, "seed": seed, "num_predict": 512},
         "messages": [{"role": "user", "content": "Fill in this record: "
@@ -135,13 +144,14 @@ def test_generated_schemas_give_valid_output(live_server: LiveServer, schema: di
 @pytest.mark.integration
 @_SLOW
 @given(params=SCHEMAS, name=st.sampled_from(["lookup", "book_room", "send"]))
-def test_generated_tool_parameters_give_valid_arguments(live_server: LiveServer,
+def test_generated_tool_parameters_give_valid_arguments(live_server: LiveServer, pace: Pace,
                                                         params: dict[str, Any],
                                                         name: str) -> None:
     tools = [{"type": "function", "function": {"name": name, "parameters": params}},
              {"type": "function", "function": {"name": "noop", "parameters": {
                  "type": "object", "properties": {}}}}]
-    r = httpx.post(f"{live_server.openai_url}/chat/completions", timeout=300, json={
+    timeout = pace.bound(300, 512)
+    r = httpx.post(f"{live_server.openai_url}/chat/completions", timeout=timeout, json={
         "model": DEFAULT_MODEL, "temperature": 0, "max_tokens": 512, "tools": tools,
         "tool_choice": "required",
         "messages": [{"role": "user", "content": f"Call {name} with some "
