@@ -27,7 +27,6 @@ from tests.conftest import (
     start_server,
 )
 from tests.support.fleetkit import wait_until
-from tests.support.pace import measure
 
 pytestmark = pytest.mark.integration
 
@@ -127,12 +126,11 @@ def _long_stream(live: LiveServer, started: threading.Event, stop: threading.Eve
 
 def test_full_queue_gives_503_with_retry_after_in_both_dialects(narrow_server: LiveServer
                                                                 ) -> None:
-    pace = measure(narrow_server.base_url)  # this box's present speed, for the wait below
     started, stop = threading.Event(), threading.Event()
     runner = threading.Thread(target=_long_stream, args=(narrow_server, started, stop))
     runner.start()
     try:
-        assert started.wait(pace.bound(30))
+        assert started.wait(30)
         waiting = threading.Thread(target=lambda: httpx.post(
             f"{narrow_server.openai_url}/completions", timeout=120,
             json={"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 2}))
@@ -160,34 +158,24 @@ def test_deadlines_give_504_or_an_error_event(narrow_server: LiveServer) -> None
     body = {"model": DEFAULT_MODEL, "max_tokens": 400, "temperature": 1.0, "timeout_ms": 300,
             "logit_bias": NO_EOS,
             "messages": [{"role": "user", "content": "Write a long story."}]}
-    # A deadline is kept at the step it falls in: a few seconds on an idle box, the time of
-    # a request and a token at this box's present speed (tens of times slower when loaded);
-    # either is far short of the 400 tokens the request asks.
-    pace = measure(narrow_server.base_url)
     t0 = time.monotonic()
     r = httpx.post(f"{narrow_server.openai_url}/chat/completions", json=body, timeout=60)
     assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
-    assert time.monotonic() - t0 < pace.bound(5)
+    assert time.monotonic() - t0 < 5
     r = httpx.post(f"{narrow_server.base_url}/api/generate", timeout=60,
                    headers={"X-Timeout-Ms": "300"},
                    json={"model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5,", "raw": True,
                          "stream": False, "options": {"num_predict": 400, "temperature": 0}})
     assert r.status_code == 504 and set(r.json()) == {"error"}
-    # A streamed answer's deadline falls once it has begun, for it to end with its error
-    # rather than a 504 before its first byte: 300 ms on an idle box; on a loaded one, where
-    # a first token alone may take longer, the time of a tenth of the answer at this box's
-    # present speed (and still far short of its 400 tokens).
-    mid_stream = str(max(300, round(pace.seconds(tokens=40) * 1000)))
     # A greedy count runs far past the deadline; a sampled chat may end early on EOS.
     with httpx.stream("POST", f"{narrow_server.base_url}/api/generate", timeout=60,
-                      headers={"X-Timeout-Ms": mid_stream},
+                      headers={"X-Timeout-Ms": "300"},
                       json={"model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5,", "raw": True,
                             "options": {"num_predict": 400, "temperature": 0}}) as s:
         lines = [json.loads(line) for line in s.iter_lines() if line]
     assert "error" in lines[-1] and "deadline" in lines[-1]["error"]
     with httpx.stream("POST", f"{narrow_server.openai_url}/chat/completions", timeout=60,
-                      headers={"X-Timeout-Ms": mid_stream},
-                      json={**body, "stream": True, "timeout_ms": int(mid_stream)}) as s:
+                      headers={"X-Timeout-Ms": "300"}, json={**body, "stream": True}) as s:
         data = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "data: [DONE]"  # the error event, then the stream's end
     assert json.loads(data[-2][6:])["error"]["code"] == "timeout"
@@ -196,7 +184,7 @@ def test_deadlines_give_504_or_an_error_event(narrow_server: LiveServer) -> None
     assert bad.status_code == 400 and "X-Timeout-Ms" in bad.json()["error"]
     # The sequence was freed: the next request runs at once.
     worker = narrow_server.app.state.parts.registry.loaded()[0].worker
-    deadline = time.monotonic() + pace.bound(5)
+    deadline = time.monotonic() + 5
     while worker.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert worker.running == 0

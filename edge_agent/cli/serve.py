@@ -29,11 +29,6 @@ def serve(host: str | None, port: int | None, log_level: str | None) -> None:
     from edge_agent.tls import TLSFileError
 
     settings = load(log_level=log_level, **{"server.host": host, "server.port": port})
-    # Before anything starts (the fleet link would announce a box that then fails to bind).
-    holder = port_holder(settings.server.host, settings.server.port)
-    if holder is not None:
-        raise CheckFailed(f"{settings.server.host}:{settings.server.port} is taken by "
-                          f"{holder}: stop it, or serve on another --port")
     loopback = is_loopback(settings.server.host)
     if not loopback and not KeyStore(settings.state_dir).any_active():
         raise BadUsage(f"refusing to listen on {settings.server.host}: no API key exists, so "
@@ -49,6 +44,11 @@ def serve(host: str | None, port: int | None, log_level: str | None) -> None:
         log.warning("serving on %s without TLS: API keys and prompts cross the network in "
                     "clear; set [server] tls_cert_file and tls_key_file",
                     settings.server.host)
+    # Before anything starts (the fleet link would announce a box that then fails to bind).
+    holder = port_holder(settings.server.host, settings.server.port)
+    if holder is not None:
+        raise CheckFailed(f"{settings.server.host}:{settings.server.port} is taken by "
+                          f"{holder}: stop it, or serve on another --port")
     # What the fleet controller patched (config.patch) beats the file: the later decision.
     settings = apply_overlay(settings, settings.state_dir)
     if not run_server(create_app(settings), settings, tls=tls):

@@ -244,8 +244,10 @@ def test_a_retired_box_keeps_its_history_and_no_rollout_selects_it(
                                      str(state)])
     assert back.exit_code == 0 and "restored d3" in back.stdout, back.stderr
     assert store.device("d3")["retired"] is None  # type: ignore[index]
+    # The operator's refused retire is filed under d3 too.
     assert [(a.action, a.operator, a.status) for a in store.actions(target="d3")] == [
-        ("device.retire", "ada", 200), ("device.restore", local_operator(), 200)]
+        ("POST /devices/d3/retire", "otto", 403), ("device.retire", "ada", 200),
+        ("device.restore", local_operator(), 200)]
 
 
 def test_a_body_too_large_or_without_a_length_is_refused_before_it_is_read(
