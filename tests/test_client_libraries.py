@@ -43,6 +43,7 @@ from edge_agent.engine.constrained.json_grammar import schema_to_grammar
 from edge_agent.engine.constrained.tool_calls import tool_call_schema, tool_instructions
 from edge_agent.ledger.store import open_ledger, pending_migrations
 from tests.conftest import DEFAULT_MODEL, LiveServer
+from tests.support import machinecache
 
 TOOL_TOKENS = 96  # a Team call is some 60 tokens; cut calls are not what is tested here
 JS_DIR = Path(__file__).parent / "js"
@@ -176,13 +177,8 @@ def _py_clients() -> Path:
     below what the newest openai needs, so beside the project's own test dependencies it
     would hold their openai client releases back. Its Python, ready to run."""
     requirements = PY_CLIENTS / "requirements.txt"
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    home = cache / "edge-agent-tests" / \
-        f"py-clients-{hashlib.sha256(requirements.read_bytes()).hexdigest()[:16]}"
-    python = home / "bin" / "python"
-    if not (home / ".installed").exists():
-        staging = home.with_name(f"{home.name}.{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
+
+    def build(staging: Path) -> None:
         subprocess.run([sys.executable, "-m", "venv", str(staging)], check=True, timeout=300)
         done = subprocess.run([str(staging / "bin" / "pip"), "install", "--quiet",
                                "--disable-pip-version-check", "-r", str(requirements)],
@@ -190,8 +186,13 @@ def _py_clients() -> Path:
         if done.returncode != 0:
             pytest.fail(f"installing {requirements} failed: {done.stderr[-2000:]}")
         (staging / ".installed").touch()
-        shutil.rmtree(home, ignore_errors=True)
-        staging.rename(home)  # the venv's scripts name staging: run it by `python -m`
+
+    home = machinecache.built_once(
+        machinecache.root()
+        / f"py-clients-{hashlib.sha256(requirements.read_bytes()).hexdigest()[:16]}",
+        ".installed", build)
+    python = home / "bin" / "python"
+    # The venv's scripts name its staging folder: run it by `python -m`.
     return python if python.exists() else home / "bin" / "python3"
 
 
@@ -413,31 +414,33 @@ def test_tool_choice_is_honoured_in_the_ollama_dialect(live_server: LiveServer) 
 
 def _npm_clients() -> Path:
     """tests/js installed from its lockfile (`npm ci`) into a cache outside the checkout,
-    keyed by the lockfile, reused while it is unchanged; with the script copied in."""
+    keyed by the lockfile, reused while it is unchanged; with the script copied in, under
+    this run's own name (another run on the machine may be reading its copy). The script's
+    path, to run from its folder."""
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
         pytest.skip("node and npm are needed for the npm client tests (tests/js)")
     lock = (JS_DIR / "package-lock.json").read_bytes()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    home = cache / "edge-agent-tests" / f"js-{hashlib.sha256(lock).hexdigest()[:16]}"
-    if not (home / "node_modules" / ".package-lock.json").exists():
-        staging = home.with_name(f"{home.name}.{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
+
+    def build(staging: Path) -> None:
         staging.mkdir(parents=True)
         for name in ("package.json", "package-lock.json"):
             shutil.copy(JS_DIR / name, staging / name)
         subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
                        cwd=staging, check=True, timeout=600, capture_output=True)
-        shutil.rmtree(home, ignore_errors=True)
-        staging.rename(home)
-    shutil.copy(JS_DIR / "clients.mjs", home / "clients.mjs")
-    return home
+
+    home = machinecache.built_once(
+        machinecache.root() / f"js-{hashlib.sha256(lock).hexdigest()[:16]}",
+        "node_modules/.package-lock.json", build)
+    script = home / f"clients-{os.getpid()}.mjs"
+    shutil.copy(JS_DIR / "clients.mjs", script)
+    return script
 
 
 @pytest.mark.integration
 def test_npm_clients_ollama_js_and_the_ai_sdk_provider(live_server: LiveServer,
                                                        tmp_path: Path) -> None:
-    home = _npm_clients()
+    script = _npm_clients()
     team = Team.model_json_schema()
     spec = {"url": live_server.base_url, "model": DEFAULT_MODEL, "seeds": [0, 1, 2],
             "prompt": "Who are you?", "answer_tokens": 12, "tool_tokens": TOOL_TOKENS,
@@ -445,8 +448,8 @@ def test_npm_clients_ollama_js_and_the_ai_sdk_provider(live_server: LiveServer,
             "nested_tool": {"type": "function", "function": {
                 "name": "record_team", "description": "Record a team", "parameters": team}}}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    run = subprocess.run([str(shutil.which("node")), "clients.mjs", str(tmp_path / "spec.json")],
-                         cwd=home, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([str(shutil.which("node")), script.name, str(tmp_path / "spec.json")],
+                         cwd=script.parent, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
 

@@ -27,6 +27,7 @@ from tests.conftest import (
     start_server,
 )
 from tests.support.fleetkit import wait_until
+from tests.support.pace import Pace, measure
 
 pytestmark = pytest.mark.integration
 
@@ -124,70 +125,105 @@ def _long_stream(live: LiveServer, started: threading.Event, stop: threading.Eve
                 return
 
 
+def _worker(live: LiveServer) -> Any:
+    return live.app.state.parts.registry.loaded()[0].worker
+
+
+def _idle(live: LiveServer, pace: Pace) -> None:
+    """Waits until no sequence runs and nobody waits: an earlier request (this test's or
+    the one before) may still be ending, and a deadline or a queue measured behind it is
+    not the one asked about."""
+    worker = _worker(live)
+    assert wait_until(lambda: worker.running == 0 and worker.queued == 0,
+                      pace.bound(5, tokens=400)), (worker.running, worker.queued)
+
+
 def test_full_queue_gives_503_with_retry_after_in_both_dialects(narrow_server: LiveServer
                                                                 ) -> None:
+    pace = measure(narrow_server.base_url)
+    _idle(narrow_server, pace)
     started, stop = threading.Event(), threading.Event()
     runner = threading.Thread(target=_long_stream, args=(narrow_server, started, stop))
     runner.start()
+    waiting: threading.Thread | None = None
     try:
-        assert started.wait(30)
+        assert started.wait(pace.bound(30))
         waiting = threading.Thread(target=lambda: httpx.post(
-            f"{narrow_server.openai_url}/completions", timeout=120,
+            f"{narrow_server.openai_url}/completions", timeout=pace.bound(120, tokens=402),
             json={"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 2}))
         waiting.start()
-        worker = narrow_server.app.state.parts.registry.loaded()[0].worker
-        deadline = time.monotonic() + 10
-        while worker.queued < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        r = httpx.post(f"{narrow_server.openai_url}/completions", timeout=30,
+        # The one waiting place taken (the long stream still holds the one sequence: 400
+        # tokens outlast this wait at any pace), the next request finds the queue full.
+        worker = _worker(narrow_server)
+        assert wait_until(lambda: worker.queued >= 1, pace.bound(10))
+        r = httpx.post(f"{narrow_server.openai_url}/completions", timeout=pace.bound(30),
                        json={"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["type"] == "server_error" and "queue" in r.json()["error"][
             "message"]
-        r = httpx.post(f"{narrow_server.base_url}/api/generate", timeout=30,
+        r = httpx.post(f"{narrow_server.base_url}/api/generate", timeout=pace.bound(30),
                        json={"model": DEFAULT_MODEL, "prompt": "hi", "stream": False})
         assert r.status_code == 503 and "Retry-After" in r.headers
         assert set(r.json()) == {"error"}
     finally:
         stop.set()
         runner.join()
-        waiting.join()
+        if waiting is not None:
+            waiting.join()
+
+
+def _cut_stream(live: LiveServer, pace: Pace, url: str, body: dict[str, Any]
+                ) -> list[str]:
+    """The lines of a stream cut by its deadline. The deadline starts at 300 ms and
+    doubles while it passes before the stream could start (a 504 in place of a stream:
+    on a loaded box the request's own preparation can take that long); a count of 400
+    tokens outlasts any of them."""
+    timeout_ms = 300
+    while True:
+        _idle(live, pace)
+        with httpx.stream("POST", url, timeout=pace.bound(60, tokens=400), json=body,
+                          headers={"X-Timeout-Ms": str(timeout_ms)}) as s:
+            lines = [line for line in s.iter_lines() if line]
+        if s.status_code == 200:
+            return lines
+        assert s.status_code == 504 and timeout_ms < pace.bound(10) * 1000, lines
+        timeout_ms *= 2
 
 
 def test_deadlines_give_504_or_an_error_event(narrow_server: LiveServer) -> None:
+    pace = measure(narrow_server.base_url)
     body = {"model": DEFAULT_MODEL, "max_tokens": 400, "temperature": 1.0, "timeout_ms": 300,
             "logit_bias": NO_EOS,
             "messages": [{"role": "user", "content": "Write a long story."}]}
+    _idle(narrow_server, pace)
     t0 = time.monotonic()
-    r = httpx.post(f"{narrow_server.openai_url}/chat/completions", json=body, timeout=60)
+    r = httpx.post(f"{narrow_server.openai_url}/chat/completions", json=body,
+                   timeout=pace.bound(60, tokens=400))
     assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
-    assert time.monotonic() - t0 < 5
-    r = httpx.post(f"{narrow_server.base_url}/api/generate", timeout=60,
+    assert time.monotonic() - t0 < pace.bound(5)  # the deadline's, not the 400 tokens'
+    _idle(narrow_server, pace)
+    r = httpx.post(f"{narrow_server.base_url}/api/generate", timeout=pace.bound(60, tokens=400),
                    headers={"X-Timeout-Ms": "300"},
                    json={"model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5,", "raw": True,
                          "stream": False, "options": {"num_predict": 400, "temperature": 0}})
     assert r.status_code == 504 and set(r.json()) == {"error"}
     # A greedy count runs far past the deadline; a sampled chat may end early on EOS.
-    with httpx.stream("POST", f"{narrow_server.base_url}/api/generate", timeout=60,
-                      headers={"X-Timeout-Ms": "300"},
-                      json={"model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5,", "raw": True,
-                            "options": {"num_predict": 400, "temperature": 0}}) as s:
-        lines = [json.loads(line) for line in s.iter_lines() if line]
+    lines = [json.loads(line) for line in _cut_stream(
+        narrow_server, pace, f"{narrow_server.base_url}/api/generate",
+        {"model": DEFAULT_MODEL, "prompt": "1, 2, 3, 4, 5,", "raw": True,
+         "options": {"num_predict": 400, "temperature": 0}})]
     assert "error" in lines[-1] and "deadline" in lines[-1]["error"]
-    with httpx.stream("POST", f"{narrow_server.openai_url}/chat/completions", timeout=60,
-                      headers={"X-Timeout-Ms": "300"}, json={**body, "stream": True}) as s:
-        data = [line for line in s.iter_lines() if line.startswith("data: ")]
+    data = [line for line in _cut_stream(
+        narrow_server, pace, f"{narrow_server.openai_url}/chat/completions",
+        {**body, "stream": True, "timeout_ms": None}) if line.startswith("data: ")]
     assert data[-1] == "data: [DONE]"  # the error event, then the stream's end
     assert json.loads(data[-2][6:])["error"]["code"] == "timeout"
     bad = httpx.post(f"{narrow_server.base_url}/api/generate", headers={"X-Timeout-Ms": "soon"},
                      json={"model": DEFAULT_MODEL, "prompt": "hi"})
     assert bad.status_code == 400 and "X-Timeout-Ms" in bad.json()["error"]
     # The sequence was freed: the next request runs at once.
-    worker = narrow_server.app.state.parts.registry.loaded()[0].worker
-    deadline = time.monotonic() + 5
-    while worker.running and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert worker.running == 0
+    worker = _worker(narrow_server)
+    assert wait_until(lambda: worker.running == 0, pace.bound(5))
 
 
 def test_batch_class_completes_while_interactive_load_continues(live_server: LiveServer
