@@ -8,6 +8,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from edge_agent.cli import main
+from edge_agent.engine.models.catalog import packaged_catalog_dir, read_catalog
+from edge_agent.names import ModelName
 from tests.ggufgen import write_tiny_gguf
 
 
@@ -101,3 +103,19 @@ def test_show_prints_the_template_and_parameters_for_a_release(tmp_path: Path) -
     assert _run("models", "import", str(bare), "--name", "bare:1", "--state-dir", state)[0] == 0
     code, out = _run("models", "show", "bare:1", "--template", "--state-dir", state)
     assert code == 1 and "has no chat template" in out
+
+
+def test_show_prints_the_catalogs_template_and_parameters_where_not_installed(
+        tmp_path: Path) -> None:
+    """A desk publishing a catalog model's release installs no model: `--template` and
+    `--parameters` print the catalog's entry; the whole manifest stays the installed one's."""
+    state = str(tmp_path / "empty")
+    entry = read_catalog(packaged_catalog_dir())[ModelName.parse("gemma3:270m")]
+    code, out = _run("models", "show", "gemma3:270m", "--template", "--state-dir", state)
+    assert code == 0 and out == entry.chat_template  # the exact text, for --template
+    code, out = _run("models", "show", "gemma3:270m", "--parameters", "--state-dir", state)
+    assert code == 0 and json.loads(out) == entry.parameters
+    code, out = _run("models", "show", "gemma3:270m", "--state-dir", state)
+    assert code == 1 and "not found" in out
+    code, out = _run("models", "show", "nosuch:1b", "--template", "--state-dir", state)
+    assert code == 1 and "not found" in out

@@ -30,7 +30,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from edge_agent.engine.models.catalog import packaged_catalog_dir, read_catalog
 from edge_agent.fleet.sim.testbed import make_tls
+from edge_agent.names import ModelName
 from tests.conftest import free_port
 from tests.ggufgen import write_tiny_gguf
 from tests.support.brokers import Mosquitto
@@ -155,13 +157,13 @@ def test_the_central_team_works_from_a_desk(desk: Desk,
         fleet = LinkFleet(broker, repo.keys.public_file("command"), BOXES, tmp_path / "sim",
                           step_s=0.2).connect()
         try:
-            walk(desk, env, port, viewer_block, operator_block, host)
+            walk(desk, env, port, viewer_block, operator_block, host, config)
         finally:
             fleet.close()
 
 
 def walk(desk: Desk, env: dict[str, str], port: int, viewer_block: str, operator_block: str,
-         host: Path) -> None:
+         host: Path, config: Path) -> None:
     """Vic's and Olivia's blocks at the desk, against the running controller."""
     auth = {"Authorization": f"Bearer {(host / 'vic.token').read_text().strip()}"}
     # The test's own probe (by address, so not checking the name): both boxes known.
@@ -203,9 +205,20 @@ def walk(desk: Desk, env: dict[str, str], port: int, viewer_block: str, operator
     assert [(a["operator"], a["action"], a["status"]) for a in final["actions"]] == \
         [("olivia", "rollout.start", 200)]
     pushed = by_command["edge-agent fleet release push gemma3-270m.gguf --name "
-                        f"{RELEASE} --version 2 --keys ./release-keys --root ./root.json"]
+                        f"{RELEASE} --version 2 --template gemma.jinja --parameters "
+                        "params.json --keys ./release-keys --root ./root.json"]
     assert f"published {RELEASE}@2" in pushed.stdout and "verified from root.json" in \
         pushed.stdout, pushed.stdout
+    # A base model's release carries the catalog's template and stop strings, printed at
+    # the desk (which installs no model): a box serving chats would roll it back without.
+    shown = subprocess.run(
+        [sys.executable, "-m", "edge_agent", "fleet", "release", "show", f"{RELEASE}@2",
+         "--json", "--config", str(config)], capture_output=True, text=True, timeout=60,
+        env=env, check=True)
+    manifest = json.loads(shown.stdout)["manifest"]
+    catalog = read_catalog(packaged_catalog_dir())[ModelName.parse("gemma3:270m")]
+    assert manifest["chat_template"] == catalog.chat_template
+    assert manifest["parameters"]["stop"] == catalog.parameters["stop"]
     assert final["actions"][0]["source"] == f"{desk.host_ip[:-1]}2"  # from the desk
     audit = by_command["edge-agent fleet audit --target ro-desk-1"].stdout
     assert "olivia" in audit and "rollout.start" in audit and "done" in audit

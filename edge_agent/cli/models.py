@@ -106,15 +106,26 @@ def models_list(as_json: bool) -> None:
 @common_options
 @click.argument("name", type=MODEL_NAME)
 @click.option("--template", "only_template", is_flag=True,
-              help="Print only the chat template (e.g. for `fleet release add --template`).")
+              help="Print only the chat template (e.g. for `fleet release add --template`); "
+                   "a name not installed here: the catalog's.")
 @click.option("--parameters", "only_parameters", is_flag=True,
-              help="Print only the default parameters, as JSON (for `--parameters`).")
+              help="Print only the default parameters, as JSON (for `--parameters`); a name "
+                   "not installed here: the catalog's.")
 @json_option()
 def models_show(name: ModelName, only_template: bool, only_parameters: bool, as_json: bool) -> None:
     """Show the manifest of a model's active version."""
-    data = json.loads(_ops().show(name).model_dump_json())
     if only_template and only_parameters:
         raise BadUsage("--template and --parameters print one thing each; pick one")
+    ops = _ops()
+    try:
+        data = json.loads(ops.show(name).model_dump_json())
+    except ModelNotFound:
+        # A desk that publishes a catalog model's release installs no model: the template
+        # and parameters it needs are the catalog's, which the package carries.
+        entry = ops.catalog().get(name)
+        if entry is None or not (only_template or only_parameters):
+            raise
+        data = {"chat_template": entry.chat_template, "parameters": entry.parameters}
     if only_template:
         if not data.get("chat_template"):
             raise InvalidRequest(f"{name} has no chat template")
