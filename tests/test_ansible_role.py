@@ -285,7 +285,8 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             capture_output=True, text=True, timeout=1800, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     print(f"wheelhouse: pip wheel took {time.monotonic() - started:.1f} s")
-    assert list(where.glob("edge_agent-*.whl")) and list(where.glob("llama_cpp_python-*.whl"))
+    assert list(where.glob("edge_agent_appliance-*.whl"))  # the distribution's name
+    assert list(where.glob("llama_cpp_python-*.whl"))
     return where
 
 
@@ -298,6 +299,34 @@ def test_the_manual_says_what_a_fresh_wheelhouse_holds(wheelhouse: Path) -> None
     print(f"a fresh wheelhouse: {len(wheels)} wheels, {size_mb:.0f} MB")
     assert int(said.group(1)) == len(wheels)
     assert abs(int(said.group(2)) - size_mb) <= 0.1 * size_mb
+
+
+def test_a_desk_installs_this_project_from_the_wheelhouse(wheelhouse: Path,
+                                                         tmp_path: Path) -> None:
+    """The manual's desk install, run as it stands: the distribution's own name, from the
+    wheelhouse alone (`--no-index`: the index's `edge-agent` is another project)."""
+    page = (ROOT / "docs" / "install" / "wheelhouse.md").read_text()
+    block = re.search(r"## At a desk\n.*?```sh\n(.*?)```", page, re.S)
+    assert block, "docs/install/wheelhouse.md: the desk's install block"
+    base = getattr(sys, "_base_executable", sys.executable)  # the wheels were built for it
+    script = block.group(1).replace("~/edge-agent", str(tmp_path / "desk")).replace(
+        "wheelhouse/x86_64-cpu", str(wheelhouse)).replace("python3 -m venv", f"{base} -m venv")
+    done = subprocess.run(["bash", "-e", "-c", script],
+                          capture_output=True, text=True, timeout=600, check=False,
+                          env={**os.environ, "PIP_CONFIG_FILE": os.devnull})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "edge-agent, version " + \
+        _project_version()
+    listed = subprocess.run([str(tmp_path / "desk" / "bin" / "python"), "-m", "pip", "list",
+                             "--format", "json"], capture_output=True, text=True, check=True)
+    names = {d["name"] for d in json.loads(listed.stdout)}
+    assert "edge-agent-appliance" in names and "edge-agent" not in names
+
+
+def _project_version() -> str:
+    import tomllib
+
+    return str(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"])
 
 
 @pytest.fixture(scope="module")

@@ -280,12 +280,16 @@ def test_every_setting_the_prose_names_exists() -> None:
 
 def test_every_metric_the_prose_names_exists() -> None:
     """Every `edge_agent_*`, `edge_fleet_*` or `llamacpp:*` name in the prose is a series
-    a scrape shows (the Ansible role's `edge_agent_*` variables and tags aside)."""
+    a scrape shows (the Ansible role's `edge_agent_*` variables and tags, and the name of
+    the project's wheel, aside)."""
     role = ROOT / "ansible" / "roles" / "edge_agent"
     specs = yaml.safe_load((role / "meta" / "argument_specs.yml").read_text())
     tags = {tag for task in yaml.safe_load((role / "tasks" / "main.yml").read_text())
             for tag in ([task["tags"]] if isinstance(task["tags"], str) else task["tags"])}
-    known = reference.metric_names() | set(specs["argument_specs"]["main"]["options"]) | tags
+    wheel = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"].replace(
+        "-", "_")
+    known = reference.metric_names() | set(specs["argument_specs"]["main"]["options"]) | tags \
+        | {wheel}
     wrong = [f"{_name(page)}: {name}" for page in PAGES
              for name in sorted(set(re.findall(
                  r"`((?:edge_agent_|edge_fleet_|llamacpp:)\w+)", page.read_text())))

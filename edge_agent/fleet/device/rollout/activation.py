@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import psutil
 
+from edge_agent import __version__
 from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError
@@ -474,7 +475,7 @@ def evidence_row(r: Rollout, checks: list[Check], hardware: Mapping[str, Any],
             "attempt": r.attempts, "name": r.name, "version": r.version,
             "digest": r.target_digest or "", "previous_digest": r.previous_digest or "",
             "outcome": r.state, "reason": r.reason or "",
-            "agent_version": _version("edge-agent"),
+            "agent_version": __version__,
             "llama_cpp_version": _version("llama-cpp-python"),
             "hardware": dict(hardware), "parameters": dict(parameters),
             "checks": [c.as_dict() for c in checks], "timings": timings}

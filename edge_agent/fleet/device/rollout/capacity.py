@@ -44,6 +44,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from edge_agent import __version__
 from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import InvalidRequest
@@ -305,7 +306,7 @@ def ungated_evidence(settings: Settings, command_id: str, before: Settings, afte
             "rollout_id": f"config.patch:{command_id}", "attempt": 1, "name": name,
             "version": "", "digest": "", "previous_digest": "", "outcome": "UNGATED",
             "reason": f"config.patch --ungated {', '.join(sorted(changes))}: no gate ran",
-            "agent_version": _version("edge-agent"),
+            "agent_version": __version__,
             "llama_cpp_version": _version("llama-cpp-python"),
             "hardware": dict(hardware),
             "parameters": {"ungated": True, "change": dict(changes),
