@@ -375,6 +375,7 @@ def provisioned(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         **({"edge_agent_service_enabled": False} if systemd_is_pid1 else {}),
     }
     (scratch / "vars.json").write_text(json.dumps(variables))
+    _install_former_name(python, scratch / "opt", scratch / "former")
     (scratch / "inventory").write_text(
         f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n")
     (scratch / "play.yml").write_text(
@@ -392,6 +393,29 @@ def provisioned(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         print(f"ansible-playbook, {name} run: {box.runs[name].seconds:.1f} s, "
               f"ok={box.runs[name].ok} changed={box.runs[name].changed}")
     return box
+
+
+FORMER_MARKER = "edge_agent_former_name.py"
+
+
+def _install_former_name(python: Path, prefix: Path, where: Path) -> None:
+    """A box upgraded from a release whose distribution was still named `edge-agent`: the
+    venv holds a wheel of that name (one file of its own, to see it removed)."""
+    subprocess.run([str(python), "-m", "venv", str(prefix)], check=True, timeout=300)
+    where.mkdir()
+    info = "edge_agent-0.0.9.dist-info"
+    files = {FORMER_MARKER: "",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: edge-agent\nVersion: 0.0.9\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    record = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    wheel = where / "edge_agent-0.0.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in {**files, f"{info}/RECORD": record}.items():
+            archive.writestr(name, text)
+    subprocess.run([str(prefix / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                    "--no-index", "--disable-pip-version-check", str(wheel)], check=True,
+                   timeout=300, env={**os.environ, "PIP_CONFIG_FILE": os.devnull})
 
 
 def _whoami() -> str:
@@ -417,6 +441,20 @@ def test_the_first_run_converges_and_doctor_passes(provisioned: Provisioned) -> 
     tiny = provisioned.scratch / "cache" / "tiny.gguf"
     assert models["tiny:1"]["digest"] == hashlib.sha256(tiny.read_bytes()).hexdigest()
     assert not list((provisioned.scratch / "state" / "incoming").iterdir())
+
+
+@pytest.mark.provision
+def test_the_distributions_former_name_is_removed(provisioned: Provisioned) -> None:
+    """The venv held `edge-agent` (the former name): the first run removed it, then
+    installed `edge-agent-appliance`."""
+    opt = provisioned.scratch / "opt"
+    listed = subprocess.run([str(opt / "bin" / "python"), "-m", "pip", "list", "--format",
+                             "json", "--disable-pip-version-check"],
+                            capture_output=True, text=True, check=True, timeout=120)
+    names = {d["name"] for d in json.loads(listed.stdout)}
+    assert "edge-agent-appliance" in names and "edge-agent" not in names
+    assert not list(opt.glob(f"lib/python*/site-packages/{FORMER_MARKER}"))
+    assert "Remove the distribution's former name" in provisioned.runs["first"].output
 
 
 @pytest.mark.provision
