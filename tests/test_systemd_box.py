@@ -78,6 +78,7 @@ from tests.support.ansiblebox import (
 )
 from tests.support.brokers import find_mosquitto
 from tests.support.certs import StoreCA
+from tests.support.machinecache import built_once
 from tests.support.processes import stop_in_reverse
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -310,21 +311,24 @@ def base_root() -> Path:
 
 def runtime_debs() -> list[Path]:
     """`apt-get download` of RUNTIME_DEBS, as the wheelhouse's step 3 in the manual, kept in the
-    cache: the same files every run."""
-    where = nspawnkit.CACHE / "debs"
-    where.mkdir(parents=True, exist_ok=True)
-    for package in RUNTIME_DEBS:
-        if list(where.glob(f"{package}_*.deb")):
-            continue
-        for attempt in range(2):
-            result = subprocess.run(["apt-get", "download", "-q", package], cwd=where,
-                                    capture_output=True, text=True, timeout=300, check=False)
-            if result.returncode == 0:
-                break
-            if attempt == 0:  # a machine whose package lists were never fetched
-                subprocess.run(["apt-get", "update", "-qq"], capture_output=True,
-                               timeout=300, check=False)
-        assert result.returncode == 0, result.stdout + result.stderr
+    cache: the same files every run (made once per machine: another test run may be
+    fetching them at the same time)."""
+    def fetch(staging: Path) -> None:
+        staging.mkdir(parents=True)
+        for package in RUNTIME_DEBS:
+            for attempt in range(2):
+                result = subprocess.run(["apt-get", "download", "-q", package], cwd=staging,
+                                        capture_output=True, text=True, timeout=300,
+                                        check=False)
+                if result.returncode == 0:
+                    break
+                if attempt == 0:  # a machine whose package lists were never fetched
+                    subprocess.run(["apt-get", "update", "-qq"], capture_output=True,
+                                   timeout=300, check=False)
+            assert result.returncode == 0, result.stdout + result.stderr
+        (staging / "complete").touch()
+
+    where = built_once(nspawnkit.CACHE / f"debs-{'-'.join(RUNTIME_DEBS)}", "complete", fetch)
     return sorted(where.glob("*.deb"))
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -46,6 +47,7 @@ from tests.support.ansiblebox import (
     vault_encrypt,
 )
 from tests.support.certs import StoreCA
+from tests.support.machinecache import built_once
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE = ROOT / "ansible"
@@ -71,11 +73,10 @@ pytestmark = [
 
 def controller_debs(root: Path) -> list[Path]:
     """The .deb files of PACKAGES and what they need that `root` lacks, from `root`'s own
-    apt sources and resolved against its own dpkg status, kept in the test cache."""
-    where = nspawnkit.CACHE / f"debs-{root.name}-controller"
-    done = where / "complete"
-    if not done.exists():
-        work = nspawnkit.CACHE / f"debs-{root.name}-controller.apt"
+    apt sources and resolved against its own dpkg status, kept in the test cache (made
+    once per machine: another test run may be fetching them at the same time)."""
+    def fetch(staging: Path) -> None:
+        work = staging / "apt"
         for sub in ("lists/partial", "cache/archives/partial"):
             (work / sub).mkdir(parents=True, exist_ok=True)
         options = [f"-oDir::State::status={root}/var/lib/dpkg/status",
@@ -88,10 +89,12 @@ def controller_debs(root: Path) -> list[Path]:
             result = subprocess.run(["apt-get", "-q", *options, *args], capture_output=True,
                                     text=True, timeout=600, check=False)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        where.mkdir(exist_ok=True)
         for deb in (work / "cache" / "archives").glob("*.deb"):
-            deb.rename(where / deb.name)
-        done.touch()
+            deb.rename(staging / deb.name)
+        shutil.rmtree(work)
+        (staging / "complete").touch()
+
+    where = built_once(nspawnkit.CACHE / f"debs-{root.name}-controller", "complete", fetch)
     return sorted(where.glob("*.deb"))
 
 

@@ -1,4 +1,5 @@
-"""Environments the tests install once per machine, outside any checkout.
+"""What the tests install or fetch once per machine, outside any checkout (client
+libraries' environments, .deb files for the booted boxes).
 
 Two test runs on one machine (two clones, each running `make test`) share these folders.
 Each is built in a side folder and renamed when complete, under a lock: the second run waits
