@@ -54,6 +54,7 @@ class MQTTClient:
 
     def __init__(self, broker: Mosquitto, user: str | None, *, password: str | None = None,
                  tls: bool = False, ca: Path | None = None, client_id: str | None = None,
+                 client_cert: tuple[Path, Path] | None = None,
                  clean_start: bool = True, session_expiry: int = 0) -> None:
         import threading
 
@@ -69,7 +70,9 @@ class MQTTClient:
                                         else password)
         self.port = broker.tls_port if tls else broker.port
         if tls:
-            self.client.tls_set(ca_certs=str(ca or (broker.ca.ca_cert if broker.ca else "")))
+            self.client.tls_set(ca_certs=str(ca or (broker.ca.ca_cert if broker.ca else "")),
+                                certfile=str(client_cert[0]) if client_cert else None,
+                                keyfile=str(client_cert[1]) if client_cert else None)
         self.clean_start = clean_start
         self.session_expiry = session_expiry
         self.messages: list[tuple[str, bytes, bool]] = []

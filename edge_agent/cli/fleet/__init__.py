@@ -303,7 +303,8 @@ def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
 @click.option("--tls-key", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               help="Its private key (PEM).")
 @click.option("--ca", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              help="CA for client certificates on the TLS listener (optional).")
+              help="CA for client certificates on the TLS listener: every client there "
+                   "must show one it signed, besides its password (optional).")
 @click.option("--bind", default="127.0.0.1", show_default=True,
               help="Address of the plain listener (passwords cross it in clear).")
 @click.option("--port", type=click.IntRange(1, 65535), default=1883, show_default=True,

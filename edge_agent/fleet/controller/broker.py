@@ -228,7 +228,10 @@ def conf_text(plan: BrokerPlan, conf_dir: Path) -> str:
         lines += ["", f"listener {plan.tls_port} {plan.tls_bind}".rstrip(), "protocol mqtt",
                   f"certfile {plan.tls.cert}", f"keyfile {plan.tls.key}"]
         if plan.tls.ca is not None:
-            lines.append(f"cafile {plan.tls.ca}")
+            # Without require_certificate Mosquitto never asks a client for a certificate,
+            # and the CA would check nothing: each client shows one the CA signed, then its
+            # password as on every listener.
+            lines += [f"cafile {plan.tls.ca}", "require_certificate true"]
     if plan.uplink is not None:
         lines += ["", *bridge_lines(plan.fleet, plan.uplink)]
     return "\n".join(lines) + "\n"

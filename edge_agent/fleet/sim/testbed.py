@@ -152,6 +152,7 @@ class Broker:
     autosave_interval: int = 1
     regions: tuple[tuple[str, tuple[str, ...]], ...] = ()  # the central one's bridged regions
     uplink: Uplink | None = None  # a region's: its bridge to the central one
+    client_certs: bool = False  # TLS listener: every client shows a certificate of `ca`
 
     def __post_init__(self) -> None:
         binary = find_mosquitto()
@@ -168,7 +169,9 @@ class Broker:
         self._configure()
 
     def _configure(self) -> None:
-        tls = None if self.ca is None else TLSFiles(self.ca.server_cert, self.ca.server_key)
+        tls = None if self.ca is None else TLSFiles(
+            self.ca.server_cert, self.ca.server_key,
+            self.ca.ca_cert if self.client_certs else None)
         self.plan = BrokerPlan(
             fleet=self.fleet, devices=self.devices, controller_user=self.controller_user,
             port=self.port, tls=tls, tls_bind="127.0.0.1", tls_port=self.tls_port,

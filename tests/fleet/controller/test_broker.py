@@ -254,6 +254,55 @@ def test_the_tls_listener_refuses_a_client_that_does_not_trust_its_ca(
     client.client.loop_stop()
 
 
+def test_a_client_ca_makes_the_tls_listener_ask_for_certificates(tmp_path: Path) -> None:
+    from edge_agent.fleet.controller.broker import TLSFiles
+
+    plan = BrokerPlan(fleet="f1", devices=("d1",), data_dir=tmp_path / "data",
+                      tls=TLSFiles(Path("/c.pem"), Path("/k.pem"), Path("/ca.pem")))
+    lines = write_broker_config(plan, tmp_path / "out", use_tool=False).conf.read_text(
+    ).splitlines()
+    assert "cafile /ca.pem" in lines and "require_certificate true" in lines
+
+
+@pytest.mark.broker
+def test_with_a_client_ca_a_box_needs_its_certificate_and_its_password(
+        mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path) -> None:
+    """`broker-config --ca`: the TLS listener takes a box that shows a certificate of the
+    fleet CA (`fleet pki issue NAME --kind box`) and its password; one without a
+    certificate, with another CA's, or with a wrong password is refused."""
+    from edge_agent.fleet.controller.pki import FleetCA
+    from tests.support.brokers import make_tls
+
+    broker = mosquitto_factory(tls=True, client_certs=True).start()
+    assert broker.ca is not None
+    fleet_ca = FleetCA(broker.ca.ca_cert.parent)
+    fleet_ca.issue(A, "box")
+    mine = (fleet_ca.folder / f"{A}.pem", fleet_ca.folder / f"{A}.key")
+    good = MQTTClient(broker, A, tls=True, client_cert=mine)
+    try:
+        assert not good.connect(timeout=10).is_failure
+    finally:
+        good.close()
+    make_tls(tmp_path / "other")  # another CA, its own box certificate
+    other = FleetCA(tmp_path / "other")
+    other.issue(A, "box")
+    for cert in (None, (other.folder / f"{A}.pem", other.folder / f"{A}.key")):
+        client = MQTTClient(broker, A, tls=True, client_cert=cert)
+        try:
+            # The handshake fails, or (TLS 1.3) the broker drops the line before a CONNACK.
+            with pytest.raises((OSError, TimeoutError)):
+                reason = client.connect(timeout=5)
+                assert not reason.is_failure
+                raise AssertionError("connected without the fleet's certificate")
+        finally:
+            client.client.loop_stop()
+    wrong = MQTTClient(broker, A, tls=True, client_cert=mine, password="wrong")
+    try:
+        assert wrong.connect(timeout=10).is_failure
+    finally:
+        wrong.close()
+
+
 @pytest.mark.broker
 def test_the_broker_accepts_our_own_hashes_without_mosquitto_passwd(
         mosquitto_factory: Callable[..., Mosquitto]) -> None:
