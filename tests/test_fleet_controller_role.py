@@ -53,7 +53,7 @@ def test_tasks_main_only_dispatches_the_parts_in_order() -> None:
 
 
 UNITS = ("edge-agent-fleet.service", "edge-agent-fleet-timestamp.service",
-         "edge-agent-fleet-timestamp.timer")
+         "edge-agent-fleet-timestamp.timer", "edge-agent-fleet-releases.service")
 
 
 @pytest.mark.parametrize("unit", UNITS)
@@ -85,3 +85,25 @@ def test_the_config_template_is_what_the_controller_loads(tmp_path: Path) -> Non
     assert settings.http.host == "0.0.0.0"
     assert settings.http.tls_cert_file == Path("/etc/edge-agent-fleet/tls/controller.pem")
     assert settings.retention.metrics_days == 7
+    # The release server: on by default, every address, plain HTTP without its certificate.
+    assert (settings.releases.host, settings.releases.port) == ("0.0.0.0", 9465)
+    assert settings.releases.tls_cert_file is None
+
+
+def test_the_release_servers_certificate_goes_into_its_section(tmp_path: Path) -> None:
+    out = tmp_path / "controller.toml"
+    render(tmp_path, "controller.toml.j2", out, "inventory_hostname=fleet-central",
+           "fleet_controller_releases_tls_cert=PEM", "fleet_controller_releases_port=8443",
+           role=ROLE)
+    settings = load_controller_settings(out)
+    assert settings.releases.port == 8443
+    assert settings.releases.tls_cert_file == Path("/etc/edge-agent-fleet/tls/releases.pem")
+    assert settings.releases.tls_key_file == Path("/etc/edge-agent-fleet/tls/releases.key")
+    assert settings.http.tls_cert_file is None  # the API's own stays as it was
+
+
+def test_a_host_without_the_release_server_has_no_section(tmp_path: Path) -> None:
+    out = tmp_path / "controller.toml"
+    render(tmp_path, "controller.toml.j2", out, "inventory_hostname=fleet-central",
+           '{"fleet_controller_releases_enabled": false}', role=ROLE)
+    assert "[releases]" not in out.read_text()

@@ -21,12 +21,12 @@ and changes nothing on the second.
 
 The central side is the manual's walk-through's: Mosquitto as `fleet broker-config` writes
 it (with a TLS listener, as the example's `mqtts://` broker, its certificate signed by the
-CA the box is given) and `fleet serve`, each a process of this test started in the box's
-network namespace (`nsenter --net`), so that the box, which has no other network, reaches
-them on its 127.0.0.1 and nothing else does; the controller's `/releases/` there is the
-box's artifacts URL, as in the walk-through. One box serves every test (booting and
-provisioning another would cost minutes of `make test`), so the fleet is on throughout:
-what the example provisions is what the unit's tests run.
+CA the box is given), `fleet serve` and `fleet serve-releases`, each a process of this test
+started in the box's network namespace (`nsenter --net`), so that the box, which has no
+other network, reaches them on its 127.0.0.1 and nothing else does; `fleet serve-releases`
+there is the box's artifacts URL, as the release server the manual sets up. One box serves
+every test (booting and provisioning another would cost minutes of `make test`), so the
+fleet is on throughout: what the example provisions is what the unit's tests run.
 
 Then, against the running unit (in this order; the last ones stop what the earlier ones
 observe): the box is online at the controller and takes a rollout started with the CLI (a
@@ -111,7 +111,8 @@ FLEET_ID = str(EXAMPLE_STORES["edge_agent_fleet_id"])
 BROKER_PORT = 1883  # plain, bound to loopback: the controller's
 BROKER_TLS_PORT = 8883  # mqtts, the box's, as the example's broker
 CONTROLLER_PORT = 9464
-ARTIFACTS_URL = f"http://127.0.0.1:{CONTROLLER_PORT}/releases/"
+RELEASES_PORT = 9465  # `fleet serve-releases`: the boxes' artifacts URL, as the manual's
+ARTIFACTS_URL = f"http://127.0.0.1:{RELEASES_PORT}/releases/"
 CENTRAL_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
@@ -184,7 +185,8 @@ class Central:
             f'command_signing_key_file = "{self.state / "keys" / "command.pem"}"\n'
             f'[broker]\nurl = "mqtt://127.0.0.1:{BROKER_PORT}"\nusername = "controller"\n'
             f'password_file = "{self.folder / "broker" / "credentials" / "controller.txt"}"\n'
-            f'[http]\nport = {CONTROLLER_PORT}\n')
+            f'[http]\nport = {CONTROLLER_PORT}\n'
+            f'[releases]\nhost = "127.0.0.1"\nport = {RELEASES_PORT}\n')
         return {"fleet-ca.pem": ca.cert,
                 "command.pub.pem": self.state / "keys" / "command.pub.pem",
                 "root.json": self.state / "releases" / "metadata" / "root.json"}
@@ -193,7 +195,8 @@ class Central:
         return (self.folder / "broker" / "credentials" / f"{device}.txt").read_text().strip()
 
     def start(self, box: nspawnkit.Box) -> None:
-        """The broker, then `fleet serve`, each waited for where the box would reach it."""
+        """The broker, `fleet serve`, then `fleet serve-releases`, each waited for where the
+        box would reach it."""
         mosquitto = find_mosquitto()
         assert mosquitto is not None
         broker = self._spawn(box, "mosquitto", [mosquitto, "-c",
@@ -207,6 +210,13 @@ class Central:
             lambda: self._up(serve) and box.http(
                 "GET", f"http://127.0.0.1:{CONTROLLER_PORT}/healthz", timeout=5)[0] == 200,
             90, 0.5, "fleet serve's /healthz in the box's network")
+        releases = self._spawn(box, "fleet-serve-releases", [
+            sys.executable, "-m", "edge_agent", "fleet", "serve-releases", "--config",
+            str(self.config)])
+        nspawnkit.wait_for(
+            lambda: self._up(releases) and box.http(
+                "GET", f"{ARTIFACTS_URL}metadata/root.json", timeout=5)[0] == 200,
+            90, 0.5, "fleet serve-releases in the box's network")
 
     def _spawn(self, box: nspawnkit.Box, name: str, argv: list[str]
                ) -> subprocess.Popen[bytes]:

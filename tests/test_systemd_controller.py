@@ -17,8 +17,10 @@ a password and keeps every other one (each still logs in at the broker), reloadi
 broker rather than restarting it; the third, with nothing new, changes nothing. Then:
 Mosquitto, PostgreSQL and `fleet serve` run under systemd, `fleet serve` as `Type=notify`
 with its watchdog, its store in PostgreSQL, its API answering the operators the role made
-(and refusing who has no token), `systemd-analyze security` of its loaded unit at most
-2.0, and the public halves the stores need fetched into `pki/`.
+(and refusing who has no token), the release server (`fleet serve-releases`, the boxes'
+artifacts URL) serving the repository read-only with its metadata `no-cache`,
+`systemd-analyze security` of both loaded units at most 2.0, and the public halves the
+stores need fetched into `pki/`.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ VAULT_PASSWORD = "vault-9b1f-central"
 PACKAGES = ("mosquitto", "postgresql")
 MAX_EXPOSURE = 2.0
 API = "http://127.0.0.1:9464"
+RELEASES = "http://127.0.0.1:9465"  # the role's release server, on every address
 BROKER_TLS_PORT = 8883
 NEW_STORE = "store-0099"
 EXAMPLE = yaml.safe_load((ANSIBLE / "inventory" / "group_vars" / "controllers" / "main.yml")
@@ -341,15 +344,37 @@ def test_the_stores_get_the_public_halves_in_pki(central: Central) -> None:
     assert root["signed"]["_type"] == "root"
 
 
+def test_the_release_server_serves_the_repository_read_only(central: Central) -> None:
+    """The role's release server (`fleet serve-releases`, the boxes' artifacts URL) runs as
+    a notify unit with a watchdog; the metadata a box must see fresh is `no-cache`, and
+    nothing is written through it."""
+    state = central.state("edge-agent-fleet-releases.service")
+    assert state["ActiveState"] == "active" and state["SubState"] == "running", state
+    assert state["Type"] == "notify" and state["WatchdogUSec"] == "30s"
+    fetch = ("import sys, urllib.request as u; r = u.urlopen(sys.argv[1], timeout=30); "
+             "print(r.status, r.headers['Cache-Control']); sys.stdout.write(r.read().decode())")
+    out = central.box.run("python3", "-c", fetch,
+                          f"{RELEASES}/releases/metadata/root.json").stdout
+    head, _, body = out.partition("\n")
+    assert head == "200 no-cache", head
+    served = central.box.root / "var/lib/edge-agent-fleet/releases/metadata/root.json"
+    assert json.loads(body) == json.loads(served.read_text())
+    status, text = central.box.http("PUT", f"{RELEASES}/releases/metadata/root.json", {})
+    assert status == 405, text
+    status, text = central.box.http("GET", f"{RELEASES}/devices")
+    assert status == 404 and "only /releases/" in text, text  # no API there
+
+
+@pytest.mark.parametrize("unit", ["edge-agent-fleet.service",
+                                  "edge-agent-fleet-releases.service"])
 def test_exposure_of_the_loaded_unit_is_at_most_two(
-        central: Central, record_property: pytest.RecordProperty) -> None:
-    result = central.box.run("systemd-analyze", "security", "--no-pager",
-                             "edge-agent-fleet.service", check=False)
-    found = re.search(r"Overall exposure level for edge-agent-fleet.service: (\d+\.\d+)",
+        central: Central, record_property: pytest.RecordProperty, unit: str) -> None:
+    result = central.box.run("systemd-analyze", "security", "--no-pager", unit, check=False)
+    found = re.search(rf"Overall exposure level for {re.escape(unit)}: (\d+\.\d+)",
                       result.stdout)
     assert found, result.stdout + result.stderr
     score = float(found.group(1))
-    print(f"systemd-analyze security (running system): edge-agent-fleet.service: {score}")
+    print(f"systemd-analyze security (running system): {unit}: {score}")
     record_property("exposure", score)
     assert score <= MAX_EXPOSURE, result.stdout
 
