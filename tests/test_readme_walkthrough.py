@@ -27,6 +27,9 @@ boxes all along, through the official OpenAI (no retries) and Ollama clients in 
 rollout started by step 6 must reach COMPLETED with both boxes ACTIVE on version 2, shown
 so by `fleet devices`, and no client request may fail. The figures (requests, the longest
 wait a request saw while its box switched, time to ACTIVE) are printed (`pytest -s`).
+Last, the console in headless Chromium shows both boxes online serving version 2, and the
+rollout with each box's download done and its gate evidence (the manual's pictures of
+those two pages, with EDGE_AGENT_SCREENSHOTS=DIR).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import pytest
 
 from tests.conftest import clone_state, free_port
 from tests.support.brokers import find_mosquitto, wait_port
+from tests.support.console import shot, sign_in, text, windows
 from tests.support.fleetkit import wait_until
 from tests.support.processes import stop_in_reverse
 from tests.support.rolloutkit import ENV, Box, Controller, Request, Streams, get_json
@@ -217,7 +221,7 @@ def walkthrough(model_cache: Path) -> Iterator[Walkthrough]:
 
 
 def test_the_walkthrough_rolls_version_2_out_to_both_boxes_with_no_failed_request(
-        walkthrough: Walkthrough) -> None:
+        walkthrough: Walkthrough, tmp_path: Path) -> None:
     began = time.monotonic()
     run = walkthrough
     blocks = walkthrough_blocks(PAGE.read_text())
@@ -296,6 +300,40 @@ def test_the_walkthrough_rolls_version_2_out_to_both_boxes_with_no_failed_reques
                    if not background and "fleet devices" in script)
     shown: list[str] = []
     assert wait_until(lambda: _shows(run, devices, new, shown), 30, 0.5), shown[-1:]
+    _console(run, report["id"], tmp_path)
+
+
+def _console(run: Walkthrough, rollout: str, tmp_path: Path) -> None:
+    """The console as the central team opens it once the rollout is done, in headless
+    Chromium: the real boxes online with the release they serve, and the rollout with each
+    box's download and gate evidence (the manual's pictures of both pages). Last: the
+    operator made here makes the loopback API ask for tokens from then on."""
+    from selenium.webdriver.common.by import By
+
+    token = run.run("edge-agent fleet operators create desk --role operator "
+                    "--config controller.toml").strip()
+    with windows() as browser:
+        driver = browser()
+        sign_in(driver, run.api, token)
+        rows = {r.get_attribute("data-device"): r.text
+                for r in driver.find_elements(By.CSS_SELECTOR, "#devices tbody tr")}
+        assert set(rows) == set(BOXES), rows
+        assert all("online" in row and f"{GEMMA}@2" in row for row in rows.values()), rows
+        shot(driver, tmp_path, "fleet")
+        driver.get(f"{run.api}/console/rollouts/{rollout}")
+        assert text(driver, "state").startswith("COMPLETED"), text(driver, "state")
+        cells = {r.get_attribute("data-device"): r.find_elements(By.TAG_NAME, "td")
+                 for r in driver.find_elements(By.CSS_SELECTOR, "table.devices tbody tr")}
+        assert set(cells) == set(BOXES), cells
+        for device, row in cells.items():
+            state, download, evidence = row[0].text, row[2].text, row[4].text
+            assert state == "ACTIVE" and download == "done", (device, state, download)
+            assert re.match(r"ACTIVE: (\d+)/\1 checks passed", evidence), (device, evidence)
+        # The evidence unfolded, as a reader clicks it open (the live part redraws every
+        # two seconds: the picture is taken at once).
+        driver.execute_script(
+            "document.querySelectorAll('table.devices details').forEach(d => d.open = true)")
+        shot(driver, tmp_path, "rollout")
 
 
 def _write_config(run: Walkthrough, body: str, *, copy_root: bool) -> None:

@@ -33,6 +33,9 @@ NEXT: dict[str, frozenset[str]] = {
     FAILED: frozenset({RECEIVED, CANCELLED}),  # the retry; or given up
     ROLLED_BACK: frozenset(), REJECTED: frozenset(), CANCELLED: frozenset(),
 }
+# States a box reaches only with the release's file in place (downloaded, or installed
+# already): what a view shows as the download done once its figures are gone.
+FILE_IN_PLACE = frozenset({VERIFYING, STAGED, ACTIVATING, GATING, ACTIVE, ROLLED_BACK})
 # States in which the box's serving version may be the new one while no gate passed yet:
 # `resume` converges them (switch back), never continues them.
 SWITCHING = frozenset({ACTIVATING, GATING})

@@ -10,8 +10,6 @@ EDGE_AGENT_SCREENSHOTS=DIR, to DIR: the manual's pictures).
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import pytest
 from tests.conftest import free_port
 from tests.ggufgen import write_tiny_gguf
 from tests.support.brokers import Mosquitto
+from tests.support.console import shot, sign_in, text, windows
 from tests.support.fleetkit import wait_until
 from tests.support.releasekit import make_repo
 from tests.support.rolloutkit import cli, controller_config, serving
@@ -31,34 +30,12 @@ pytestmark = [pytest.mark.broker]
 
 NAME = "simmodel:1b"
 BOXES = ("sim-000", "sim-001")
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
 @pytest.fixture
 def browser() -> Iterator[Callable[[], Any]]:
-    """New headless Chromium windows (each its own cookies), closed at the end."""
-    if CHROMIUM is None or CHROMEDRIVER is None:
-        pytest.skip("chromium and chromium-driver are not installed (make test installs "
-                    "them: apt-get install chromium chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    made: list[Any] = []
-
-    def make() -> Any:
-        options = webdriver.ChromeOptions()
-        options.binary_location = CHROMIUM
-        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                    "--disable-gpu", "--window-size=1280,900", "--no-first-run"):
-            options.add_argument(arg)
-        driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-        driver.set_page_load_timeout(60)
-        made.append(driver)
-        return driver
-
-    yield make
-    for driver in made:
-        driver.quit()
+    with windows() as make:
+        yield make
 
 
 @pytest.fixture
@@ -86,7 +63,7 @@ def central(mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path
             return False
 
     with serving(config, tmp_path / "serve.log"):
-        assert wait_until(healthy, 60, 0.2), (tmp_path / "serve.log").read_text()[-2000:]
+        assert wait_until(healthy, 60, 0.2), (tmp_path / "serve.log").readtext()[-2000:]
         fleet = LinkFleet(broker, repo.keys.public_file("command"), BOXES, tmp_path / "sim",
                           step_s=0.4).connect()
         try:
@@ -97,37 +74,7 @@ def central(mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path
             fleet.close()
 
 
-def _shot(driver: Any, tmp_path: Path, name: str) -> None:
-    driver.save_screenshot(str(tmp_path / f"{name}.png"))
-    wanted = os.environ.get("EDGE_AGENT_SCREENSHOTS")
-    if wanted:
-        Path(wanted).mkdir(parents=True, exist_ok=True)
-        driver.save_screenshot(str(Path(wanted) / f"console-{name}.png"))
-
-
-def _sign_in(driver: Any, url: str, token: str) -> None:
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-
-    driver.get(f"{url}/")
-    assert "/console/login" in driver.current_url  # no session: to the sign-in page
-    field = driver.find_element(By.ID, "token")
-    assert driver.find_element(By.CSS_SELECTOR, "label[for=token]").text == "Operator token"
-    field.send_keys(token + Keys.ENTER)  # the keyboard alone
-    assert wait_until(lambda: driver.find_elements(By.ID, "devices"), 20, 0.1)
-
-
-def _text(driver: Any, element_id: str) -> str:
-    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
-    from selenium.webdriver.common.by import By
-
-    try:
-        return str(driver.find_element(By.ID, element_id).text)
-    except (NoSuchElementException, StaleElementReferenceException):
-        return ""  # between two redraws of the live part
-
-
-def _start(driver: Any, url: str, waves: str, soak: str) -> str:
+def _start(driver: Any, url: str, waves: str, soak: str, tmp_path: Path | None = None) -> str:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
@@ -137,6 +84,8 @@ def _start(driver: Any, url: str, waves: str, soak: str) -> str:
         box = driver.find_element(By.ID, field)
         box.clear()
         box.send_keys(value)
+    if tmp_path is not None:
+        shot(driver, tmp_path, "start")  # the form, filled in
     driver.find_element(By.CSS_SELECTOR, "#start button[type=submit]").click()
     assert wait_until(lambda: "/console/rollouts/ro-" in driver.current_url, 20, 0.1), \
         driver.page_source[-2000:]
@@ -150,22 +99,23 @@ def test_an_operator_and_a_viewer_use_the_console(central: dict[str, Any],
 
     url, fleet = central["url"], central["fleet"]
     op = browser()
-    _sign_in(op, url, central["tokens"]["operator"])
-    assert "operator-1 (operator)" in _text(op, "who")
+    sign_in(op, url, central["tokens"]["operator"], tmp_path=tmp_path)
+    assert "operator-1 (operator)" in text(op, "who")
     rows = {r.get_attribute("data-device"): r.text
             for r in op.find_elements(By.CSS_SELECTOR, "#devices tbody tr")}
     assert set(rows) == set(BOXES), rows
     assert all("online" in text and "sim" in text for text in rows.values()), rows  # version
-    _shot(op, tmp_path, "fleet")
+    shot(op, tmp_path, "fleet-simulated")  # the manual's is of real boxes (the walk-through)
 
     # A rollout started from the release, then aborted by the button, while boxes crawl.
     for box in BOXES:
         fleet[box].step_s = 3.0
-    first = _start(op, url, "1,100%", "0s")
+    first = _start(op, url, "1,100%", "0s", tmp_path)
     op.find_element(By.ID, "act-abort").click()
-    assert wait_until(lambda: _text(op, "state").startswith("ABORTED"), 20, 0.2), \
-        _text(op, "state")
-    assert "abort by operator-1" in _text(op, "trail")
+    assert wait_until(lambda: text(op, "state").startswith("ABORTED"), 20, 0.2), \
+        text(op, "state")
+    assert "abort by operator-1" in text(op, "trail")
+    shot(op, tmp_path, "rollout-aborted")
     assert wait_until(lambda: httpx.get(f"{url}/rollouts/{first}", headers=central["auth"])
                       .json()["settled"], 60, 0.3)
 
@@ -177,20 +127,21 @@ def test_an_operator_and_a_viewer_use_the_console(central: dict[str, Any],
     seen = set()
 
     def completed() -> bool:
-        seen.add(_text(op, "progress"))
-        return _text(op, "state").startswith("COMPLETED")
+        seen.add(text(op, "progress"))
+        return text(op, "state").startswith("COMPLETED")
 
-    assert wait_until(completed, 90, 0.2), (_text(op, "state"), seen)
+    assert wait_until(completed, 90, 0.2), (text(op, "state"), seen)
     assert op.execute_script("return window.__loadedOnce") == "yes"  # never reloaded
     assert op.find_element(By.ID, "live").get_attribute("data-updated")
     assert len(seen - {""}) >= 2, seen  # the progress line changed under our eyes
-    assert "2 active" in _text(op, "progress")
-    _shot(op, tmp_path, "rollout")
+    assert "2 active" in text(op, "progress")
+    shot(op, tmp_path, "rollout-simulated")
     op.get(f"{url}/console/audit")
-    assert "rollout.start" in _text(op, "audit") and "operator-1" in _text(op, "audit")
-    _shot(op, tmp_path, "audit")
+    assert "rollout.start" in text(op, "audit") and "operator-1" in text(op, "audit")
+    shot(op, tmp_path, "audit")
     op.get(f"{url}/console/releases")
-    assert f"{NAME}@2" in _text(op, "releases")
+    assert f"{NAME}@2" in text(op, "releases")
+    shot(op, tmp_path, "releases")
 
     # The same session's cookie without the form's CSRF token: refused, nothing done.
     status = op.execute_async_script(
@@ -204,11 +155,11 @@ def test_an_operator_and_a_viewer_use_the_console(central: dict[str, Any],
 
     # A viewer: the same pages, no action anywhere, and the route refuses it anyway.
     viewer = browser()
-    _sign_in(viewer, url, central["tokens"]["viewer"])
+    sign_in(viewer, url, central["tokens"]["viewer"])
     for page in (f"/console/rollouts/{second}", "/console/rollouts", "/"):
         viewer.get(f"{url}{page}")
         assert not viewer.find_elements(By.CSS_SELECTOR, "form.action"), page
-    _shot(viewer, tmp_path, "rollout-viewer")
+    shot(viewer, tmp_path, "rollout-viewer")
     csrf_free = viewer.execute_async_script(
         "const done = arguments[arguments.length - 1];"
         f"fetch('/console/rollouts/{second}/rollback', {{method: 'POST', "

@@ -47,6 +47,7 @@ from edge_agent.fleet.controller.releases.repository import ReleaseRepository, r
 from edge_agent.fleet.controller.rollouts import operations as rollout_ops
 from edge_agent.fleet.controller.rollouts.api import RolloutStart, act_on_rollout, start_rollout
 from edge_agent.fleet.controller.store import ControllerStore
+from edge_agent.fleet.protocol.rollout_states import FILE_IN_PLACE
 
 HERE = Path(__file__).resolve().parent
 STATIC = {"console.js": "text/javascript", "console.css": "text/css"}
@@ -210,6 +211,7 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
         evidence = {d["device"]: _evidence(d["device"], rollout_id)
                     for d in report["devices"]}
         return page(request, "rollout", r=report, evidence=evidence, error=error,
+                    file_in_place=FILE_IN_PLACE,
                     verbs=[v for v, (_, allowed) in rollout_ops.ACTIONS.items()
                            if report["state"] in allowed])
 
