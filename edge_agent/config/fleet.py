@@ -104,10 +104,11 @@ class FleetSettings(_Section):
         "with the box; the only release metadata trusted without a signature chain. Unset: "
         "rollouts are refused.")
     artifacts_url: str | None = Field(
-        None, description="Where release metadata and model files are served: a static "
-        "server (or object store with Range) over the controller's `releases/`, e.g. "
-        "https://releases.example/releases/; the controller's own `/releases/` (its "
-        "`http.port`, 9464) only where boxes reach that port.")
+        None, description="Where release metadata and model files are served: the "
+        "controller host's `fleet serve-releases` (e.g. https://releases.example:9465/"
+        "releases/), or a static server (or object store with Range) over its `releases/`; "
+        "the controller's own `/releases/` (its `http.port`, 9464) only where boxes reach "
+        "that port.")
     artifacts_ca_file: Path | None = Field(
         None, description="PEM CA the release server's HTTPS certificate is checked "
         "against (a private CA, e.g. `fleet pki`'s ca.pem); unset: the system's CAs.")
