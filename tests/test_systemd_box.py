@@ -479,7 +479,10 @@ def test_the_box_joins_the_fleet_and_goes_active_on_a_release(site: Site) -> Non
     joined = nspawnkit.wait_for(online, 60, 1.0, f"{HOST} online at the controller")
     assert joined["fleet"] == FLEET_ID, joined
     fleet_files = box.sh("ls /etc/edge-agent/fleet").stdout.split()
-    assert sorted(fleet_files) == ["ca.pem", "command.pub.pem", "password", "tuf-root.json"]
+    # releases-ca.pem: the example has the boxes check the release server against the
+    # fleet CA (`edge_agent_fleet_artifacts_ca`), as for the broker.
+    assert sorted(fleet_files) == ["ca.pem", "command.pub.pem", "password", "releases-ca.pem",
+                                   "tuf-root.json"]
 
     began = time.monotonic()
     digest = json.loads(site.cli("models", "show", DEFAULT_MODEL, "--json").stdout)["digest"]
