@@ -20,7 +20,6 @@ included; what a killed test run left behind is removed by the next one.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -33,6 +32,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.support.machinecache import built_once
 
 SUITE = "bookworm"
 VARIANT = "minbase"
@@ -88,29 +89,26 @@ def root_name(packages: Sequence[str] = PACKAGES) -> str:
 
 def base_root(packages: Sequence[str] = PACKAGES) -> tuple[Path, float]:
     """The root for `packages`, and the seconds spent building it (0 when cached). Built
-    in a side folder and renamed when complete, under a lock: a half-built root is never used."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    name = root_name(packages)
-    root = CACHE / name
-    with open(CACHE / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if root.is_dir():
-            return root, 0.0
-        building = CACHE / f"{name}.building"
-        if building.exists():
-            shutil.rmtree(building)
+    once per machine (`machinecache.built_once`): a half-built root is never used."""
+    took = 0.0
+
+    def bootstrap(staging: Path) -> None:
+        nonlocal took
         started = time.monotonic()
         result = subprocess.run(
             ["debootstrap", f"--variant={VARIANT}", f"--include={','.join(packages)}", SUITE,
-             str(building), MIRROR],
+             str(staging), MIRROR],
             capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         if result.returncode != 0:
-            shutil.rmtree(building, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
             raise RuntimeError(f"debootstrap failed:\n{(result.stdout + result.stderr)[-4000:]}")
         # Nothing in the root may tell boxes apart: each boot makes its own machine id.
-        (building / "etc" / "machine-id").write_text("")
-        building.rename(root)
-        return root, time.monotonic() - started
+        # Written last: it marks the root complete.
+        (staging / "etc" / "machine-id").write_text("")
+        took = time.monotonic() - started
+
+    root = built_once(CACHE / root_name(packages), "etc/machine-id", bootstrap)
+    return root, took
 
 
 # --- a booted box ----------------------------------------------------------------------------

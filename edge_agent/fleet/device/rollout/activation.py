@@ -34,7 +34,6 @@ injected probe are the only ways to the models).
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import logging
 import os
 import platform
@@ -49,6 +48,7 @@ from edge_agent import __version__
 from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError
+from edge_agent.fleet.device.link.birth import llama_cpp_version
 from edge_agent.fleet.device.link.overlay import MISSING, apply_patch, overlay_values
 from edge_agent.fleet.device.rollout import capacity, health_gate
 from edge_agent.fleet.device.rollout.health_gate import Check, GateReport, GateSpec, Probe
@@ -476,7 +476,7 @@ def evidence_row(r: Rollout, checks: list[Check], hardware: Mapping[str, Any],
             "digest": r.target_digest or "", "previous_digest": r.previous_digest or "",
             "outcome": r.state, "reason": r.reason or "",
             "agent_version": __version__,
-            "llama_cpp_version": _version("llama-cpp-python"),
+            "llama_cpp_version": llama_cpp_version() or "unknown",
             "hardware": dict(hardware), "parameters": dict(parameters),
             "checks": [c.as_dict() for c in checks], "timings": timings}
 
@@ -499,12 +499,6 @@ def _cpu_model() -> str:
         pass
     return platform.processor()[:120]
 
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _server_error(status: Any) -> bool:

@@ -38,7 +38,6 @@ and the comparison checks; it never imports the registry (`ModelOps` is the way)
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from edge_agent import __version__
 from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import InvalidRequest
+from edge_agent.fleet.device.link.birth import llama_cpp_version
 from edge_agent.fleet.device.link.overlay import (
     capacity_overlay_key,
     patched,
@@ -307,7 +307,7 @@ def ungated_evidence(settings: Settings, command_id: str, before: Settings, afte
             "version": "", "digest": "", "previous_digest": "", "outcome": "UNGATED",
             "reason": f"config.patch --ungated {', '.join(sorted(changes))}: no gate ran",
             "agent_version": __version__,
-            "llama_cpp_version": _version("llama-cpp-python"),
+            "llama_cpp_version": llama_cpp_version() or "unknown",
             "hardware": dict(hardware),
             "parameters": {"ungated": True, "change": dict(changes),
                            "before": effective(before, name),
@@ -322,9 +322,3 @@ def _name(given: str) -> str:
     except InvalidRequest:
         return given
 
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
