@@ -28,6 +28,11 @@ SLACK = 20
 # The measuring request's own bound, per read: no pace is known yet, so minutes.
 MEASURE_TIMEOUT_S = 600.0
 PROMPT = "Count to one hundred:"
+# The bound of a wait that returns as soon as its condition holds, on work that is not
+# generation (a rollout over paper models, a file verified): it only ends a test that
+# hangs. Rollout work runs niced (`fleet.rollout_nice`), so beside a load it gets a sliver
+# of the CPU, and what takes a tenth of a second on an idle box can take minutes.
+SETTLE_S = 300.0
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.device.rollout.store import Rollout
 from edge_agent.fleet.protocol.rollout_states import ACTIVE, ROLLED_BACK
 from edge_agent.ledger.evidence import evidence_for
+from tests.support.pace import SETTLE_S
 from tests.support.rollout_support import DirReleases, PaperLoader, ScriptedProbe, write_gguf
 
 NAME = "base:1"
@@ -49,7 +50,7 @@ def _roll(tmp_path: Path, *, old_template: str | None, release_template: str | N
         await manager.start()
         try:
             assert manager.begin("r1", NAME, "2")["accepted"]
-            return await manager.settled("r1", 20)
+            return await manager.settled("r1", SETTLE_S)
         finally:
             await manager.stop()
 

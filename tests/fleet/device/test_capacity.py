@@ -31,6 +31,7 @@ from edge_agent.fleet.protocol.command_types import BadArgs, lookup
 from edge_agent.fleet.protocol.refusals import CommandRefused
 from edge_agent.fleet.protocol.rollout_states import ACTIVE, REJECTED, ROLLED_BACK
 from edge_agent.ledger.evidence import evidence_for
+from tests.support.pace import SETTLE_S
 from tests.support.rollout_support import DirReleases, PaperLoader, ScriptedProbe, write_gguf
 
 NAME = "m:1"
@@ -71,7 +72,7 @@ async def _roll(box: Box, rid: str, version: str, config: dict[str, Any],
     await manager.start()
     try:
         assert manager.begin(rid, NAME, version, config=config)["accepted"]
-        r = await manager.settled(rid, 20)
+        r = await manager.settled(rid, SETTLE_S)
         if then is not None:
             await then(manager)
         return r
@@ -204,7 +205,7 @@ def test_a_restart_during_the_gate_puts_the_previous_settings_back(tmp_path: Pat
         manager = box.manager()
         await manager.start()
         try:
-            return await manager.settled("c6", 10)
+            return await manager.settled("c6", SETTLE_S)
         finally:
             await manager.stop()
 

@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from edge_agent.app import create_app
-from edge_agent.bench.rollout import variant
+from edge_agent.bench.fleet.rollout import variant
 from edge_agent.config import Settings, load_settings
 from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.request import GenerationRequest
@@ -494,7 +494,11 @@ def test_with_memory_for_one_version_the_switch_drains_and_requests_wait_not_fai
         pace = measure(live.base_url)  # the waits below, at this box's present speed
         # The swap waits for the stream's 160 tokens, then loads and gates the new version.
         swap_s = pace.bound(120, tokens=160 + 4, requests=3)
+        # A waiting request's bound (`fleet.switch_wait_s`, 60 s) at this box's speed too:
+        # on a loaded machine the swap itself takes longer than an idle box's minute.
+        live.settings.fleet.switch_wait_s = min(600.0, max(60.0, swap_s))
         registry = live.probe.service.registry
+        assert registry.settings is live.settings
         serving = registry.loaded()[0]
         registry.memory_budget = int(serving.memory * 1.5)  # one version, not two
         release = live.releases.releases[(DEFAULT_MODEL, "2")]

@@ -140,6 +140,18 @@ def test_a_link_killed_mid_flush_resends_its_old_boot_and_leaves_no_gap(
     first = producer(broker, state, 100_000, 3000)
     old_boot = read_until(first, lambda line: line.startswith("boot"))[-1].split()[1]
     read_until(first, lambda line: line == "emitted 2000")
+
+    def committed_rows() -> int:
+        with sqlite3.connect(f"{(state / 'outbox.db').as_uri()}?mode=ro", uri=True) as conn:
+            row = conn.execute("SELECT last_seq FROM boots WHERE boot_id = ?",
+                               [old_boot]).fetchone()
+        return int(row[0]) if row else 0
+
+    # Emitted is not yet committed: beside a load the outbox's writer trails the producer.
+    deadline = time.monotonic() + 120
+    while committed_rows() < 1000:
+        assert time.monotonic() < deadline and first.poll() is None, committed_rows()
+        time.sleep(0.05)
     first.send_signal(signal.SIGKILL)  # committing and publishing as fast as it can
     first.wait(10)
     with sqlite3.connect(f"{(state / 'outbox.db').as_uri()}?mode=ro", uri=True) as conn:

@@ -47,6 +47,7 @@ from edge_agent.fleet.protocol.rollout_states import (
     VERIFYING,
 )
 from edge_agent.ledger.evidence import evidence_for
+from tests.support.pace import SETTLE_S
 from tests.support.rollout_support import DirReleases, PaperLoader, ScriptedProbe, write_gguf
 
 NAME = "m:1"
@@ -111,7 +112,7 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-async def _roll(box: Box, rid: str = "r1", version: str = "2", *, timeout: float = 20,
+async def _roll(box: Box, rid: str = "r1", version: str = "2", *, timeout: float = SETTLE_S,
                 **kwargs: Any) -> Any:
     manager = box.manager(**kwargs)
     await manager.start()
@@ -123,7 +124,7 @@ async def _roll(box: Box, rid: str = "r1", version: str = "2", *, timeout: float
         await manager.stop()
 
 
-async def reach(manager: RolloutManager, rid: str, state: str, timeout: float = 10) -> Any:
+async def reach(manager: RolloutManager, rid: str, state: str, timeout: float = SETTLE_S) -> Any:
     deadline = time.monotonic() + timeout
     while (r := manager.store.get(rid)).state != state:
         assert time.monotonic() < deadline, f"{rid} is {r.state}, not {state}"
@@ -235,7 +236,7 @@ def test_a_name_that_stays_busy_through_the_drain_fails_and_is_retried(
         manager.activator.drain_timeout_s = 0.1
         await manager.start()
         manager.begin("r1", NAME, "2")
-        r = await manager.settled("r1", 10)
+        r = await manager.settled("r1", SETTLE_S)
         await manager.stop()
         return r
 
@@ -381,7 +382,7 @@ def test_the_window_holds_staged_until_its_time(tmp_path: Path) -> None:
         held = [b for _k, _c, b in box.emitted if b["event"] == "rollout.held"]
         assert len(held) == 1 and "22:00-05:00" in held[0]["held_by"]  # said once
         box.local[0] = datetime(2026, 1, 2, 0, 30)  # past midnight: inside
-        assert (await manager.settled("r1", 10)).state == ACTIVE
+        assert (await manager.settled("r1", SETTLE_S)).state == ACTIVE
         await manager.stop()
 
     run(scenario())
@@ -399,7 +400,7 @@ def test_defer_while_busy_holds_staged_then_the_deadline_lets_it_go(tmp_path: Pa
         await asyncio.sleep(0.1)
         assert manager.store.get("r1").state == STAGED
         box.skew[0] += 601  # the deadline passed: activated although busy
-        assert (await manager.settled("r1", 10)).state == ACTIVE
+        assert (await manager.settled("r1", SETTLE_S)).state == ACTIVE
         await manager.stop()
 
     run(scenario())
@@ -417,7 +418,7 @@ def test_defer_while_busy_activates_once_idle(tmp_path: Path) -> None:
         await asyncio.sleep(0.1)
         assert manager.store.get("r1").state == STAGED
         box.loader.busy(NAME, 0)
-        assert (await manager.settled("r1", 10)).state == ACTIVE
+        assert (await manager.settled("r1", SETTLE_S)).state == ACTIVE
         await manager.stop()
 
     run(scenario())
@@ -455,11 +456,18 @@ def test_handlers_check_their_args_and_return_at_once(tmp_path: Path) -> None:
         out = await asyncio.to_thread(handlers["rollout.cancel"],
                                       command("rollout.cancel", {"name": NAME}))
         assert out["accepted"] and out["state"] == CANCELLED
-        await asyncio.sleep(0.2)
-        assert not part.exists() and manager.store.get("r1").state == CANCELLED
-        copied = box.releases.copied
-        await asyncio.sleep(0.2)
-        assert box.releases.copied == copied  # the transfer stopped
+        # Its task ended and took the partial file; the transfer's thread stops at its next
+        # chunk, and then nothing more is copied: quiet for ten chunks' time, the file short.
+        assert (await manager.settled("r1", SETTLE_S)).state == CANCELLED
+        assert not part.exists()
+        quiet_s, deadline = 10 * box.releases.chunk_delay_s, time.monotonic() + SETTLE_S
+        copied, since = box.releases.copied, time.monotonic()
+        while time.monotonic() - since < quiet_s:
+            assert time.monotonic() < deadline, "the transfer goes on after the cancel"
+            if box.releases.copied != copied:
+                copied, since = box.releases.copied, time.monotonic()
+            await asyncio.sleep(0.01)
+        assert copied < box.releases.releases[(NAME, "2")].length  # the transfer stopped
         await manager.stop()
 
     run(scenario())
@@ -501,7 +509,7 @@ def test_a_rollback_asked_while_gating_fails_the_gate(tmp_path: Path) -> None:
         manager_box.append(manager)
         await manager.start()
         manager.begin("r1", NAME, "2")
-        r = await manager.settled("r1", 10)
+        r = await manager.settled("r1", SETTLE_S)
         await manager.stop()
         return r
 
@@ -572,7 +580,7 @@ def test_kill_9_converges_on_restart(tmp_path: Path, kill_at: str, state: str, e
 async def _restart(box: Box) -> Any:
     manager = box.manager()
     await manager.start()
-    r = await manager.settled("r1", 30)
+    r = await manager.settled("r1", SETTLE_S)
     await manager.stop()
     return r
 
