@@ -15,11 +15,11 @@ import pytest
 
 import edge_agent
 import edge_agent.bench
-from edge_agent.bench.llama_server import TOOLS, _valid_call, ask_manual
-from edge_agent.bench.observability import REDACTION_SAMPLES, redaction_samples
-from edge_agent.bench.peers import Completion, HttpPeer, Sample
-from edge_agent.bench.run import deep_decode_cost, request_scaling, run_levels
-from edge_agent.bench.structured import ask_order
+from edge_agent.bench.serving.llama_server import TOOLS, _valid_call, ask_manual
+from edge_agent.bench.serving.observability import REDACTION_SAMPLES, redaction_samples
+from edge_agent.bench.serving.peers import Completion, HttpPeer, Sample
+from edge_agent.bench.serving.run import deep_decode_cost, request_scaling, run_levels
+from edge_agent.bench.serving.structured import ask_order
 from edge_agent.bench.targets import BY_KEY, TARGETS, report
 from edge_agent.engine.models.catalog import ModelStore
 from tests.conftest import DEFAULT_MODEL, NO_EOS, LiveServer
@@ -106,7 +106,7 @@ def test_every_target_the_bench_prints_comes_from_the_table() -> None:
     """The scenarios name targets by key only; every key is in the table, and every entry
     of the table is used."""
     used: set[str] = set()
-    for path in sorted(BENCH.glob("*.py")):
+    for path in sorted(BENCH.rglob("*.py")):
         if path.name == "targets.py":
             continue
         source = path.read_text()
@@ -195,7 +195,7 @@ def test_the_labelled_redaction_samples_ship_with_the_bench() -> None:
     assert {e["type"] for s in samples for e in s["entities"]} >= {"EMAIL", "CARD"}
     # The tests' fixture is the same file.
     fixture = Path(__file__).parent / "fixtures" / "redaction.jsonl"
-    assert fixture.resolve() == (BENCH / REDACTION_SAMPLES).resolve()
+    assert fixture.resolve() == (BENCH / "serving" / REDACTION_SAMPLES).resolve()
 
 
 def _call(arguments: str, name: str = "record_order") -> Completion:
@@ -237,7 +237,7 @@ def test_the_client_side_requests_are_timed_in_three_parts(live_server: LiveServ
     """Each case of the client-side section against edge-agent: 64 tokens counted from
     `usage`, and the wall time split into parts that add up to it (not streamed: the
     server's own prompt and decoding times, from its Server-Timing header)."""
-    from edge_agent.bench.client_side import CASES, MAX_TOKENS, _body, ask
+    from edge_agent.bench.serving.client_side import CASES, MAX_TOKENS, _body, ask
 
     peer = HttpPeer.__new__(HttpPeer)
     peer.model = DEFAULT_MODEL
@@ -258,7 +258,7 @@ def test_a_busy_threads_cpu_is_read_from_proc() -> None:
     a thread that only waited stays near zero."""
     import os
 
-    from edge_agent.bench.client_side import thread_cpu
+    from edge_agent.bench.serving.client_side import thread_cpu
 
     ids: dict[str, int] = {}
     spun = threading.Event()
@@ -294,7 +294,7 @@ def test_the_busiest_threads_count_as_the_engine_and_the_bound_is_their_cpu() ->
     """Per request: the `threads` busiest threads' CPU is the engine's, the rest is the
     serving's; the aggregate is tokens over the round's wall time; llama-server's engine
     CPU over edge-agent's is printed as the bound of the ratio."""
-    from edge_agent.bench.client_side import (
+    from edge_agent.bench.serving.client_side import (
         CASES,
         CpuUse,
         Round,

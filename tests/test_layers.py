@@ -41,7 +41,7 @@ def test_the_code_keeps_every_contract() -> None:
     # the engine reading tenants' policy itself (a sibling, but not the engine's business)
     ("engine/registry.py", "import edge_agent.governance.tenants", "imports only config"),
     # two packages of the wiring layer tied together
-    ("doctor.py", "import edge_agent.bench.run", "cli -> app"),
+    ("doctor.py", "import edge_agent.bench.serving.run", "cli -> app"),
     # the fleet link reaching the scheduler, here through the registry (indirect counts)
     ("fleet/protocol/topics.py", "import edge_agent.engine.registry", "never the scheduler"),
     # the fleet building grammars itself, reaching past ModelOps into constrained decoding

@@ -16,7 +16,7 @@ import ollama
 import openai
 import pytest
 
-from edge_agent.bench.rollout import variant
+from edge_agent.bench.fleet.rollout import variant
 from edge_agent.config import load_settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.models.catalog import ModelStore

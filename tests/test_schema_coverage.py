@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from edge_agent.bench.peers import HttpPeer
-from edge_agent.bench.schema_coverage import (
+from edge_agent.bench.serving.peers import HttpPeer
+from edge_agent.bench.serving.schema_coverage import (
     INSTRUCTION,
     MAX_TOKENS,
     OUTCOMES,
@@ -54,7 +54,7 @@ def test_the_sample_holds_25_schemas_of_each_category_with_its_source_and_licenc
                for c in sample.cases)
     assert sample.source == "https://github.com/guidance-ai/jsonschemabench"
     assert re.fullmatch(r"[0-9a-f]{40}", sample.commit)
-    folder = resources.files("edge_agent.bench").joinpath("jsonschemabench")
+    folder = resources.files("edge_agent.bench.serving").joinpath("jsonschemabench")
     assert "MIT License" in folder.joinpath("LICENSE").read_text(encoding="utf-8")
     # The note beside it names the same commit.
     assert sample.commit in folder.joinpath("README.md").read_text(encoding="utf-8")

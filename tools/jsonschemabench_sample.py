@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Regenerates the JSONSchemaBench sample that `edge-agent bench structured-coverage` ships
-(edge_agent/bench/jsonschemabench/sample.jsonl) from a checkout of the dataset.
+(edge_agent/bench/serving/jsonschemabench/sample.jsonl) from a checkout of the dataset.
 
     git clone https://github.com/guidance-ai/jsonschemabench
     python tools/jsonschemabench_sample.py jsonschemabench --commit "$(git -C jsonschemabench
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "edge_agent" / "bench" / "jsonschemabench"
+OUT = Path(__file__).resolve().parents[1] / "edge_agent" / "bench" / "serving" / "jsonschemabench"
 SEED = "edge-agent"
 PER_CATEGORY = 25
 

@@ -56,7 +56,7 @@ def bench(ctx: click.Context, model: str | None, levels: list[int], requests: in
     `bench fleet` measures the fleet link and a simulated fleet instead."""
     if ctx.invoked_subcommand is not None:
         return
-    from edge_agent.bench.run import run_bench
+    from edge_agent.bench.serving.run import run_bench
     from edge_agent.engine.runtime.llama import default_threads
 
     settings = load()
@@ -93,7 +93,7 @@ def bench_batches(model: str | None, lines: int, streams: int, rounds: int, gap_
                   as_json: bool) -> None:
     """Interactive TTFT p50 with a batch running over without one, and the batch's
     lines/s, on a server of its own over --state-dir."""
-    from edge_agent.bench.batches import run_batch_bench
+    from edge_agent.bench.serving.batches import run_batch_bench
     from edge_agent.engine.models.catalog import ModelStore
     from edge_agent.engine.runtime.llama import default_threads
 
@@ -144,7 +144,7 @@ def bench_fleet(sizes: list[int], interval: float, duration: float, broker_resta
                 runs: int, messages: int, requests: int, idle_s: float, as_json: bool) -> None:
     """Measure the fleet link (outbox throughput vs plain paho, TTFT with the link on vs
     off, idle CPU) and a simulated fleet against a private broker and controller."""
-    from edge_agent.bench.fleet import run_fleet_bench
+    from edge_agent.bench.fleet.run import run_fleet_bench
     from edge_agent.engine.models.catalog import ModelStore
     from edge_agent.engine.runtime.llama import default_threads
 
@@ -195,7 +195,7 @@ def bench_fleet_scale(devices: int, regions: int, interval: float, duration: flo
     """Measure a fleet past one machine: regional brokers bridged to a central one, two
     controllers on one PostgreSQL, the leader killed halfway (ingest per controller,
     failover time, messages lost and duplicated)."""
-    from edge_agent.bench.fleet_scale import run_fleet_scale
+    from edge_agent.bench.fleet.scale import run_fleet_scale
 
     def echo(line: str) -> None:
         click.echo(line, err=as_json)
@@ -227,7 +227,7 @@ def bench_llama_server(binary: Path, model: str | None, rounds: int, client_side
     the llama.cpp that llama-cpp-python vendors): plain, JSON-schema and tool-call output,
     a long shared prefix, a burst of 8, and the requests as an app sends them, each ratio
     against its target."""
-    from edge_agent.bench.run import run_llama_server_bench
+    from edge_agent.bench.serving.run import run_llama_server_bench
     from edge_agent.engine.runtime.llama import default_threads
 
     settings = load()
@@ -266,8 +266,8 @@ def bench_structured_coverage(model: str | None, llama_server: Path | None,
     of 10 categories) once as `response_format`: schemas accepted, answers that fit them,
     that do not, and that ran out of tokens, per category; with --llama-server, beside
     llama.cpp's own server."""
-    from edge_agent.bench.run import run_schema_coverage_bench
-    from edge_agent.bench.schema_coverage import load_sample
+    from edge_agent.bench.serving.run import run_schema_coverage_bench
+    from edge_agent.bench.serving.schema_coverage import load_sample
     from edge_agent.engine.runtime.llama import default_threads
 
     known = load_sample().categories
@@ -308,7 +308,7 @@ def bench_rollout(model: str | None, runs: int, before_s: float, boxes: int, soa
     `fleet serve`, `edge-agent serve`): time to ACTIVE by state, download vs curl, and
     the serving gap while it switches; then a rollout in waves over simulated boxes:
     the controller's CPU and message rate."""
-    from edge_agent.bench.rollout import run_rollout_bench
+    from edge_agent.bench.fleet.rollout import run_rollout_bench
     from edge_agent.engine.runtime.llama import default_threads
 
     settings = load()

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from edge_agent.bench.rollout import download_vs_curl
+from edge_agent.bench.fleet.rollout import download_vs_curl
 from edge_agent.fleet.device.release.source import ReleaseSource
 from tests.conftest import free_port
 from tests.support.releasekit import device_settings, make_repo, sized_gguf

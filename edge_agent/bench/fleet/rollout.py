@@ -34,9 +34,9 @@ from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edge_agent.bench.fleet import _server_state
-from edge_agent.bench.peers import EdgeAgentPeer, Sample
-from edge_agent.bench.rollout_waves import run_waves, sim_devices
+from edge_agent.bench.fleet.rollout_waves import run_waves, sim_devices
+from edge_agent.bench.fleet.run import _server_state
+from edge_agent.bench.serving.peers import EdgeAgentPeer, Sample
 from edge_agent.bench.targets import report
 from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.fleet.sim.testbed import Broker, ControllerProcess, wait_until

@@ -31,8 +31,8 @@ from typing import Any, Literal
 
 import psutil
 
-from edge_agent.bench.fleet_sim import FLEET, bench_simulated_fleet
-from edge_agent.bench.peers import EdgeAgentPeer
+from edge_agent.bench.fleet.sim import FLEET, bench_simulated_fleet
+from edge_agent.bench.serving.peers import EdgeAgentPeer
 from edge_agent.bench.targets import report
 from edge_agent.config import FleetSettings
 from edge_agent.fleet.controller.paho_thread import disconnect_and_stop

@@ -31,7 +31,7 @@ from typing import Any
 
 import psutil
 
-from edge_agent.bench.fleet_sim import (
+from edge_agent.bench.fleet.sim import (
     CONNECT_RATE,
     FLEET,
     STORED,

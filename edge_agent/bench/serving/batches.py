@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edge_agent.bench.peers import EdgeAgentPeer, Sample
-from edge_agent.bench.run import _ask, _pct
+from edge_agent.bench.serving.peers import EdgeAgentPeer, Sample
+from edge_agent.bench.serving.run import _ask, _pct
 from edge_agent.bench.targets import report
 
 Echo = Callable[[str], None]

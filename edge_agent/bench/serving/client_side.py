@@ -41,8 +41,8 @@ from typing import Any
 
 import httpx
 
-from edge_agent.bench.peers import EdgeAgentPeer, HttpPeer, LlamaServerPeer, sse_chunks
-from edge_agent.bench.structured import ORDER_SCHEMA
+from edge_agent.bench.serving.peers import EdgeAgentPeer, HttpPeer, LlamaServerPeer, sse_chunks
+from edge_agent.bench.serving.structured import ORDER_SCHEMA
 from edge_agent.bench.targets import report
 
 Echo = Callable[[str], None]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edge_agent.bench.peers import EdgeAgentPeer
+from edge_agent.bench.serving.peers import EdgeAgentPeer
 from edge_agent.bench.targets import report
 
 Echo = Callable[[str], None]

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from edge_agent.bench.peers import EdgeAgentPeer
+from edge_agent.bench.serving.peers import EdgeAgentPeer
 from edge_agent.bench.targets import report, target, verdict
 from edge_agent.engine.request import DoneEvent, Timings, Usage
 from edge_agent.telemetry.hardware import HardwareSampler, PsutilReader, Reading
@@ -30,7 +30,7 @@ REDACTION_SAMPLES = "redaction.jsonl"
 
 def redaction_samples() -> list[dict[str, Any]]:
     """The labelled redaction samples shipped with the bench."""
-    text = resources.files("edge_agent.bench").joinpath(REDACTION_SAMPLES).read_text(
+    text = resources.files("edge_agent.bench.serving").joinpath(REDACTION_SAMPLES).read_text(
         encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 

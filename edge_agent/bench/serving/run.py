@@ -14,22 +14,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from edge_agent.bench.client_side import bench_client_side
-from edge_agent.bench.llama_server import bench_llama_server
-from edge_agent.bench.lookup import bench_lookup
-from edge_agent.bench.observability import (
+from edge_agent.bench.serving.client_side import bench_client_side
+from edge_agent.bench.serving.llama_server import bench_llama_server
+from edge_agent.bench.serving.lookup import bench_lookup
+from edge_agent.bench.serving.observability import (
     bench_governance,
     bench_ledger,
     bench_observability,
 )
-from edge_agent.bench.peers import (
+from edge_agent.bench.serving.peers import (
     EdgeAgentPeer,
     InProcessPeer,
     LlamaCppServerPeer,
     Sample,
 )
-from edge_agent.bench.schema_coverage import bench_schema_coverage
-from edge_agent.bench.structured import bench_structured
+from edge_agent.bench.serving.schema_coverage import bench_schema_coverage
+from edge_agent.bench.serving.structured import bench_structured
 from edge_agent.bench.targets import report, target
 from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.runtime.llama import BatchContext, LlamaModel, resolve_flash_attn

@@ -45,7 +45,7 @@ import jsonschema
 import referencing
 import referencing.exceptions
 
-from edge_agent.bench.peers import EdgeAgentPeer, HttpPeer, LlamaServerPeer
+from edge_agent.bench.serving.peers import EdgeAgentPeer, HttpPeer, LlamaServerPeer
 from edge_agent.bench.targets import report
 
 Echo = Callable[[str], None]
@@ -93,7 +93,7 @@ class Sample:
 def load_sample() -> Sample:
     """The sample shipped with the bench: a header line (source, commit), then a case a
     line."""
-    text = resources.files("edge_agent.bench").joinpath(SAMPLE).read_text(encoding="utf-8")
+    text = resources.files("edge_agent.bench.serving").joinpath(SAMPLE).read_text(encoding="utf-8")
     header, *rows = (json.loads(line) for line in text.splitlines() if line.strip())
     return Sample(header["source"], header["commit"],
                   tuple(Case(r["category"], r["file"], r["schema"]) for r in rows))

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from edge_agent.bench.peers import EdgeAgentPeer
+from edge_agent.bench.serving.peers import EdgeAgentPeer
 from edge_agent.bench.targets import report
 
 Echo = Callable[[str], None]

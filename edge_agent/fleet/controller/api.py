@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edge_agent import __version__
-from edge_agent.errors import EdgeAgentError, InvalidRequest, ModelNotFound
+from edge_agent.errors import EdgeAgentError, InvalidRequest, NotFound
 from edge_agent.fleet.controller import registrations
 from edge_agent.fleet.controller.access import AccessControl, actor
 from edge_agent.fleet.controller.audit import audited
@@ -153,7 +153,7 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
         with audited(store, action="device.unregister", target=device_id, request={},
                      **actor(request)):
             if not store.unregister(device_id):
-                raise ModelNotFound(f"device {device_id!r} is not registered")
+                raise NotFound(f"device {device_id!r} is not registered")
         return {"device": device_id, "registered": None}
 
     @app.get("/controllers")
@@ -184,7 +184,7 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
                      target=device_id, request={}, **who):
             if not store.retire(device_id, by=who["operator"] if retire else None,
                                 now=time.time()):
-                raise ModelNotFound(f"no device {device_id!r}")
+                raise NotFound(f"no device {device_id!r}")
         found = store.device(device_id)
         assert found is not None
         return found

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from edge_agent.errors import Forbidden, InvalidRequest, ModelNotFound, ServiceUnavailable
+from edge_agent.errors import Forbidden, InvalidRequest, NotFound, ServiceUnavailable
 from edge_agent.fleet.controller import commands
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
@@ -80,7 +80,7 @@ def command_router(store: ControllerStore, sender: commands.CommandSender | None
     def command(command_id: str) -> dict[str, Any]:
         found = store.command(command_id)
         if found is None:
-            raise ModelNotFound(f"no command {command_id}")
+            raise NotFound(f"no command {command_id}")
         return {"command": found, "results": store.command_results(command_id)}
 
     return router

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from paho.mqtt.enums import CallbackAPIVersion
 
 from edge_agent.config.controller import ControllerSettings
-from edge_agent.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
+from edge_agent.errors import InvalidRequest, NotFound, ServiceUnavailable
 from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol import topics
@@ -172,12 +172,12 @@ def publish(settings: ControllerSettings, command: Mapping[str, Any], *,
 
 
 def fleet_of(store: ControllerStore, device: str | None) -> str:
-    """The fleet a device reported in (ModelNotFound if it never did); for the whole fleet
+    """The fleet a device reported in (NotFound if it never did); for the whole fleet
     (None), the one fleet the store knows (InvalidRequest unless there is exactly one)."""
     if device is not None:
         row = store.device(device)
         if row is None:
-            raise ModelNotFound(f"device {device!r} has never reported to this controller")
+            raise NotFound(f"device {device!r} has never reported to this controller")
         return str(row["fleet"])
     fleets = {str(d["fleet"]) for d in store.devices()}
     if len(fleets) != 1:
@@ -191,7 +191,7 @@ def send(settings: ControllerSettings, store: ControllerStore, key: Ed25519Priva
          ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time) -> Sent:
     """Sign, record, publish. The results arrive later (see `wait`)."""
     if device != ALL and store.device(device) is None:
-        raise ModelNotFound(f"device {device!r} has never reported to this controller")
+        raise NotFound(f"device {device!r} has never reported to this controller")
     command = build(store, key, fleet=fleet, device=device, type_=type_, args=args,
                     ttl_s=ttl_s, clock=clock)
     store.record_command(command, clock())

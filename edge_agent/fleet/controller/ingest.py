@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import queue
 import random
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -40,11 +39,11 @@ from edge_agent.fleet.controller.paho_thread import disconnect_and_stop
 from edge_agent.fleet.controller.store import ControllerStore, StoreConflict
 from edge_agent.fleet.protocol import envelope, topics
 from edge_agent.fleet.protocol.envelope import MAX_SEQ
+from edge_agent.fleet.protocol.ids import BOOT_ID
 
 log = logging.getLogger(__name__)
 MAX_TS = 1e11  # seconds since 1970: about the year 5138; a float SQLite stores as REAL
 
-BOOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CLASSES = frozenset({"audit", "metrics"})
 _RETRY_MAX_S = 5.0
 

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from edge_agent.errors import InvalidRequest, ModelNotFound
+from edge_agent.errors import InvalidRequest, NotFound
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
 from edge_agent.fleet.controller.operators import check_name, check_role
@@ -56,7 +56,7 @@ def operator_router(store: ControllerStore) -> APIRouter:
                      **actor(request)):
             record = store.revoke_operator(name, time.time())
             if record is None:
-                raise ModelNotFound(f"operator {name!r} has no live token")
+                raise NotFound(f"operator {name!r} has no live token")
         return record.to_json()
 
     @router.get("/audit")

@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 from tuf.api.metadata import Metadata, Targets
 
-from edge_agent.errors import EdgeAgentError, InvalidRequest, ModelNotFound
+from edge_agent.errors import EdgeAgentError, InvalidRequest, NotFound
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import Action, audited
 from edge_agent.fleet.controller.releases.repository import (
@@ -56,7 +56,7 @@ def release_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
     def repository() -> ReleaseRepository:
         repo = None if state_dir is None else ReleaseRepository(releases_dir(state_dir))
         if repo is None or not repo.exists():
-            raise ModelNotFound("this controller has no release repository (edge-agent "
+            raise NotFound("this controller has no release repository (edge-agent "
                                 "fleet release init on its host creates it)")
         return repo
 

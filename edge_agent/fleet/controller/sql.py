@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -32,10 +31,10 @@ from edge_agent.fleet.protocol.envelope import (
     merge_ranges,
     to_ranges,
 )
+from edge_agent.fleet.protocol.ids import COMMAND_ID
 
 log = logging.getLogger(__name__)
 
-COMMAND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 _DEVICE_COLUMNS = ("device, fleet, online, bdseq, boot_id, birth, first_seen, last_seen, "
                    "last_birth, last_death, models")

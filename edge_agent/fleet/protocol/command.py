@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_agent.fleet.protocol.envelope import MAX_SEQ, loads
+from edge_agent.fleet.protocol.ids import COMMAND_ID
 from edge_agent.fleet.protocol.refusals import MALFORMED, OVERSIZED, CommandRefused
 
 __all__ = ["CLOCK_SKEW_S", "MAX_COMMAND_BYTES", "MAX_SEQ", "Command", "Result",
@@ -30,7 +31,6 @@ MAX_COMMAND_BYTES = 64 * 1024
 CLOCK_SKEW_S = 30.0
 _FIELDS = frozenset({"v", "id", "fleet", "device", "type", "seq", "issued_at", "expires_at",
                      "args", "sig"})
-_COMMAND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TYPE = re.compile(r"[a-z][a-z0-9_.-]{0,63}")
 # What a numeric field must be, said in its refusal so that the controller's operator
 # sees the range and not only the name.
@@ -106,7 +106,7 @@ def parse(payload: bytes) -> dict[str, Any]:
                                         f"unknown {sorted(unknown)[:10]}")
     checks = [
         ("v", _is_int(obj["v"]) and obj["v"] == 1),
-        ("id", isinstance(obj["id"], str) and bool(_COMMAND_ID.fullmatch(obj["id"]))),
+        ("id", isinstance(obj["id"], str) and bool(COMMAND_ID.fullmatch(obj["id"]))),
         ("fleet", isinstance(obj["fleet"], str)),
         ("device", isinstance(obj["device"], str)),
         ("type", isinstance(obj["type"], str) and bool(_TYPE.fullmatch(obj["type"]))),
@@ -142,5 +142,5 @@ def best_effort_names(obj: Any, payload: bytes) -> tuple[str | None, str | None]
     if not isinstance(obj, dict):
         return None, None
     cid, ctype = obj.get("id"), obj.get("type")
-    return (cid if isinstance(cid, str) and _COMMAND_ID.fullmatch(cid) else None,
+    return (cid if isinstance(cid, str) and COMMAND_ID.fullmatch(cid) else None,
             ctype if isinstance(ctype, str) and _TYPE.fullmatch(ctype) else None)

@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from pydantic import (
     BaseModel,
@@ -40,17 +40,16 @@ from pydantic import (
 )
 
 from edge_agent.errors import InvalidRequest
+from edge_agent.fleet.protocol.ids import ROLLOUT_ID, ROLLOUT_ID_RULE, release_version
 from edge_agent.names import ModelName
 
 __all__ = ["CAPACITY_KEYS", "COMMAND_TYPES", "KEY_PREFIX", "MAX_PATCH_KEYS", "ROLES",
-           "ROLLOUT_ID", "VERSION", "BadArgs", "CommandType", "UnknownType", "lookup", "shape"]
+           "BadArgs", "CommandType", "UnknownType", "lookup", "shape", "typed_args"]
 
 # The controller's operator roles, least first (`controller.operators.ROLES`, which a test
 # holds to these): the protocol names them but cannot import the controller.
 ROLES = ("viewer", "operator", "admin")
 KEY_PREFIX = re.compile(r"[A-Za-z0-9]{1,64}")  # an API key's public part (`keys list`)
-ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 MAX_PATCH_KEYS = 64  # keys in one config.patch
 # A capacity change: the runtime settings that change a model's speed *and* its answers. A
 # `rollout.start` with `config` ships them as a gated release (`device.rollout.capacity`);
@@ -99,7 +98,7 @@ class RevokeArgs(_Args):
 
 def _rollout_id(value: Any) -> Any:
     if not isinstance(value, str) or not ROLLOUT_ID.fullmatch(value):
-        raise ValueError("1-64 of [A-Za-z0-9_-]")
+        raise ValueError(ROLLOUT_ID_RULE)
     return value
 
 
@@ -143,10 +142,7 @@ class StartArgs(_Args):
     @field_validator("version", mode="before")
     @classmethod
     def _version(cls, value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-        if not isinstance(value, str) or not VERSION.fullmatch(value):
-            raise ValueError("a number or 1-64 of [A-Za-z0-9._+-]")
+        release_version(value)
         return value
 
 
@@ -232,8 +228,12 @@ class CommandType:
 
     def check_args(self, args: Any) -> None:
         """BadArgs naming the first field that breaks this type's schema."""
+        self.parse(args)
+
+    def parse(self, args: Any) -> BaseModel:
+        """`args` as this type's model; BadArgs naming the first field that breaks it."""
         try:
-            self.args.model_validate(args)
+            return self.args.model_validate(args)
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(["args", *(str(p) for p in err["loc"])])
@@ -269,6 +269,18 @@ _TYPES = (
                 example={"name": "gemma3:270m"}),
 )
 COMMAND_TYPES: Mapping[str, CommandType] = MappingProxyType({t.name: t for t in _TYPES})
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def typed_args(name: str, args: Any, model: type[M]) -> M:
+    """The `args` of a command of type `name` as `model`, the type's registered one: the
+    box's handlers read what the controller checked, through the same schema."""
+    found = lookup(name)
+    if found.args is not model:
+        raise TypeError(f"{name} takes {found.args.__name__}, not {model.__name__}")
+    return cast(M, found.parse(args))
 
 
 def lookup(name: str) -> CommandType:

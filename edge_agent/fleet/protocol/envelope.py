@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from edge_agent.fleet.protocol import signing
-from edge_agent.fleet.protocol.ids import check_id
+from edge_agent.fleet.protocol.ids import BOOT_ID, check_id
 from edge_agent.fleet.protocol.refusals import CommandRefused
 from edge_agent.fleet.protocol.topics import OUTBOX_KINDS
 
@@ -43,7 +42,6 @@ MAX_ACK_BYTES = 1024 * 1024
 AUDIT = "audit"
 METRICS = "metrics"
 CLASSES = frozenset({AUDIT, METRICS})
-BOOT_ID = re.compile(r"[0-9a-f]{32}")
 _FIELDS = frozenset({"v", "device", "boot_id", "seq", "kind", "class", "ts", "body"})
 _ACK_FIELDS = frozenset({"v", "acks"})
 _SIGNED_ACK_FIELDS = _ACK_FIELDS | {"device", signing.SIG}

@@ -34,12 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from edge_agent.engine.models.entries import ManifestExtras
 from edge_agent.engine.request import SamplingParams
 from edge_agent.errors import InvalidRequest
+from edge_agent.fleet.protocol.ids import VERSION, VERSION_RULE
 from edge_agent.names import ModelName
 
 FORMAT = 1  # bumped when a device of this version could not read a newer manifest right
 FLOATS = "floats"
 TARGET_FILE = "model.gguf"
-_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}")
 _AGENT_VERSION = re.compile(r"\d+(\.\d+){0,3}")
 _TIER = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 # Parameters a release may set: the sampler's fields and stop sequences (what the server
@@ -86,9 +86,8 @@ class ReleaseManifest(BaseModel):
     @field_validator("version")
     @classmethod
     def _version(cls, value: str) -> str:
-        if not _VERSION.fullmatch(value):
-            raise ValueError(f"version {value[:40]!r} must be 1-32 of [A-Za-z0-9._-], "
-                             "starting with a letter or digit")
+        if not VERSION.fullmatch(value):
+            raise ValueError(f"version {value[:40]!r} must be {VERSION_RULE}")
         return value
 
     @field_validator("min_agent_version")
@@ -191,8 +190,8 @@ def target_path(name: str, version: str) -> str:
     or an object store.
     """
     key = _model_name(name)
-    if not _VERSION.fullmatch(version):
-        raise ManifestError(f"version {version[:40]!r} must be 1-32 of [A-Za-z0-9._-]")
+    if not VERSION.fullmatch(version):
+        raise ManifestError(f"version {version[:40]!r} must be {VERSION_RULE}")
     base, tag = key.rsplit(":", 1)
     return f"{base}/{tag}/{version}/{TARGET_FILE}"
 

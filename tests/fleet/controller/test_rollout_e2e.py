@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.bench.rollout import variant
+from edge_agent.bench.fleet.rollout import variant
 from edge_agent.engine.models.catalog import ModelStore
 from tests.conftest import DEFAULT_MODEL, clone_state
 from tests.support.brokers import Mosquitto

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from edge_agent.errors import ModelNotFound
+from edge_agent.errors import NotFound
 from edge_agent.fleet.controller import store as store_module
 from edge_agent.fleet.controller.inbound import Inbound
 from edge_agent.fleet.controller.rollouts.operations import ACTIONS
@@ -120,7 +120,7 @@ def test_operator_transitions_follow_the_rules(store: ControllerStore) -> None:
         store.set_rollout_state("r1", to, allowed, reason="resume", now=2.0)
     paused = store.set_rollout_state("r1", PAUSED, ACTIONS["pause"][1], reason="p", now=2.0)
     assert (paused.state, paused.live, paused.reason) == (PAUSED, True, "p")
-    with pytest.raises(ModelNotFound):
+    with pytest.raises(NotFound):
         store.set_rollout_state("nope", PAUSED, ACTIONS["pause"][1], reason="p", now=2.0)
 
 

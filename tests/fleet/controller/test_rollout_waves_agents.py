@@ -24,7 +24,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from edge_agent.bench.rollout import variant
+from edge_agent.bench.fleet.rollout import variant
 from edge_agent.cli import main
 from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.fleet.controller.store import SQLiteStore

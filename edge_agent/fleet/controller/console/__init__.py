@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 
 from edge_agent import __version__
 from edge_agent.config import ConfigError
-from edge_agent.errors import EdgeAgentError, ModelNotFound, PayloadTooLarge
+from edge_agent.errors import EdgeAgentError, NotFound, PayloadTooLarge
 from edge_agent.fleet.controller import registrations
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.console.session import (
@@ -108,7 +108,7 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
     @router.get("/console/static/{name}")
     def static(name: str) -> Response:
         if name not in STATIC:
-            raise ModelNotFound(f"no file {name}")
+            raise NotFound(f"no file {name}")
         return FileResponse(HERE / "static" / name, media_type=STATIC[name],
                             headers={"cache-control": "no-cache"})
 
@@ -229,7 +229,7 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
         if not csrf_ok(request, form.get("csrf")):
             return _csrf_refused()
         if verb not in rollout_ops.ACTIONS:
-            raise ModelNotFound(f"no action {verb}")
+            raise NotFound(f"no action {verb}")
         target = f"/console/rollouts/{rollout_id}"
         try:
             await run_in_threadpool(act_on_rollout, store, rollout_id, verb, actor(request))

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from edge_agent.config import ConfigError
-from edge_agent.errors import ModelNotFound, ServiceUnavailable
+from edge_agent.errors import NotFound, ServiceUnavailable
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
 from edge_agent.fleet.controller.rollouts import operations as rollout_ops
@@ -62,7 +62,7 @@ def start_rollout(store: ControllerStore, state_dir: Path | None, body: RolloutS
     with audited(store, action="rollout.start", target=body.id, request=request,
                  **who) as action:
         if state_dir is None:
-            raise ModelNotFound("this controller has no release repository")
+            raise NotFound("this controller has no release repository")
         policy = rollout_ops.policy(
             body.waves, abort_above=body.abort_above, min_executed=body.min_executed,
             soak=body.soak, device_timeout=body.device_timeout,
@@ -119,7 +119,7 @@ def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
     def rollout(rollout_id: str) -> dict[str, Any]:
         found = store.rollout(rollout_id)
         if found is None:
-            raise ModelNotFound(f"no rollout {rollout_id}")
+            raise NotFound(f"no rollout {rollout_id}")
         return rollout_ops.report(found, store.rollout_devices(rollout_id), time.time(),
                                   store.actions(target=rollout_id))
 

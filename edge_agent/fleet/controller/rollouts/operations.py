@@ -46,12 +46,10 @@ from edge_agent.fleet.controller.rollouts.waves import (
 )
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol.command_types import CAPACITY_KEYS, BadArgs, lookup
-from edge_agent.fleet.protocol.ids import check_id
+from edge_agent.fleet.protocol.ids import ROLLOUT_ID, ROLLOUT_ID_RULE, VERSION, check_id
 from edge_agent.fleet.protocol.rollout_states import ROLLED_BACK
 from edge_agent.names import ModelName
 
-ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _GLOB = re.compile(r"[*?\[]")
 
 # action: (the state it leads to, the states it applies to)
@@ -155,7 +153,7 @@ def start(store: ControllerStore, state_dir: Path, ref: str, selector: str, poli
     ReleaseRepository(releases_dir(state_dir)).get(name, version)
     rid = rollout_id or f"ro-{uuid.uuid4().hex[:12]}"
     if not ROLLOUT_ID.fullmatch(rid):
-        raise InvalidRequest("a rollout id is 1-64 of [A-Za-z0-9_-]", param="id")
+        raise InvalidRequest(f"a rollout id is {ROLLOUT_ID_RULE}", param="id")
     devices = select_devices(store.devices(), selector)
     waves = assign_waves(rid, devices, policy.steps)
     return store.create_rollout(NewRollout(
@@ -167,7 +165,7 @@ def start(store: ControllerStore, state_dir: Path, ref: str, selector: str, poli
 def act(store: ControllerStore, rollout_id: str, action: str, *, now: float,
         by: str = "the operator") -> RolloutRecord:
     """pause, resume, abort or rollback (RolloutConflict where the state does not allow it;
-    ModelNotFound for an unknown id); the rollout's reason names who (`by`)."""
+    NotFound for an unknown id); the rollout's reason names who (`by`)."""
     to, allowed = ACTIONS[action]
     return store.set_rollout_state(rollout_id, to, allowed, reason=f"{action} by {by}",
                                    now=now)

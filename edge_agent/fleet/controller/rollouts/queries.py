@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from edge_agent.errors import ModelNotFound
+from edge_agent.errors import NotFound
 from edge_agent.fleet.controller.inbound import Inbound
 from edge_agent.fleet.controller.rollouts.records import (
     DeviceRecord,
@@ -178,7 +178,7 @@ class RolloutQueries:
                           [to, int(to in LIVE), reason, now, rollout_id, *sorted(allowed)]):
                 rows = db.rows("SELECT state FROM rollouts WHERE id = ?", [rollout_id])
                 if not rows:
-                    raise ModelNotFound(f"no rollout {rollout_id}")
+                    raise NotFound(f"no rollout {rollout_id}")
                 raise RolloutConflict(f"rollout {rollout_id} is {rows[0][0]}: cannot go "
                                       f"{to} (from {', '.join(sorted(allowed))} only)")
         found = self.rollout(rollout_id)

@@ -50,9 +50,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import BaseModel
 
 from edge_agent.fleet.device.link.state import FAILED, OK, REFUSED, FleetState, StoredCommand
 from edge_agent.fleet.protocol import topics
@@ -64,8 +65,10 @@ from edge_agent.fleet.protocol.command import (
     command_of,
     parse,
 )
+from edge_agent.fleet.protocol.command_types import BadArgs, typed_args
 from edge_agent.fleet.protocol.refusals import (
     EXPIRED,
+    MALFORMED,
     REPLAY,
     UNKNOWN_TYPE,
     WRONG_DEVICE,
@@ -73,7 +76,7 @@ from edge_agent.fleet.protocol.refusals import (
 )
 from edge_agent.fleet.protocol.signing import verify
 
-__all__ = ["CommandGate", "Delivery", "Handler", "ping"]
+__all__ = ["CommandGate", "Delivery", "Handler", "command_args", "ping"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,19 @@ class Delivery:
 Handler = Callable[[Command], "Mapping[str, Any] | None"]
 """Runs one command; returns the result's JSON object (or None). Raises CommandRefused to
 refuse it; any other exception makes it `failed`. Called once per command id."""
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def command_args(command: Command, model: type[M]) -> M:
+    """A handler's `args`, read through the registry's schema for its type (the one the
+    controller checked before signing): CommandRefused(`malformed`) naming the field, so
+    the box and the controller cannot disagree on a shape."""
+    try:
+        return typed_args(command.type, command.args, model)
+    except BadArgs as exc:
+        raise CommandRefused(MALFORMED, str(exc)) from None
 
 
 def ping(command: Command) -> dict[str, Any]:

@@ -3,9 +3,10 @@ half of `config.patch` — each over a callable the app passes in, since the fle
 imports no app and no server part (`ping` and `rebirth` are the link's own; the patch's
 validation and persistence are `fleet.device.link.overlay`'s).
 
-A handler checks its `args` and raises CommandRefused(`malformed`) before it changes
-anything. Every handler is idempotent: a command cut short by a stop runs again at the next
-start. Handlers run on the link's `fleet-commands` thread, never on the owner thread.
+A handler reads its `args` through the registry's schema (`command_gate.command_args`),
+which raises CommandRefused(`malformed`) before anything changes. Every handler is
+idempotent: a command cut short by a stop runs again at the next start. Handlers run on the
+link's `fleet-commands` thread, never on the owner thread.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from edge_agent.config import Settings
-from edge_agent.fleet.device.link.command_gate import Handler
+from edge_agent.fleet.device.link.command_gate import Handler, command_args
 from edge_agent.fleet.device.link.overlay import Ungated, config_patch_handler
-from edge_agent.fleet.protocol.command import Command, is_finite_number
-from edge_agent.fleet.protocol.command_types import KEY_PREFIX
-from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
+from edge_agent.fleet.protocol.command import Command
+from edge_agent.fleet.protocol.command_types import PurgeArgs, RevokeArgs
 
 
 def ledger_purge_handler(purge: Callable[[float | None], int]) -> Handler:
@@ -27,12 +27,7 @@ def ledger_purge_handler(purge: Callable[[float | None], int]) -> Handler:
     request row older than that). `purge(before)` returns the rows removed."""
 
     def handle(command: Command) -> dict[str, Any]:
-        args = command.args
-        if set(args) - {"before"}:
-            raise CommandRefused(MALFORMED, 'args must be {} or {"before": unix_time}')
-        before = args.get("before")
-        if before is not None and not is_finite_number(before):
-            raise CommandRefused(MALFORMED, "before must be a number (unix time)")
+        before = command_args(command, PurgeArgs).before
         return {"removed": purge(before), "before": before}
 
     return handle
@@ -43,11 +38,7 @@ def keys_revoke_handler(revoke: Callable[[str], bool]) -> Handler:
     a key was revoked now (False: unknown or revoked already — the same end state)."""
 
     def handle(command: Command) -> dict[str, Any]:
-        args = command.args
-        prefix = args.get("prefix")
-        if set(args) != {"prefix"} or not isinstance(prefix, str) \
-                or not KEY_PREFIX.fullmatch(prefix):
-            raise CommandRefused(MALFORMED, 'args must be {"prefix": "<key prefix>"}')
+        prefix = command_args(command, RevokeArgs).prefix
         return {"prefix": prefix, "revoked": revoke(prefix)}
 
     return handle

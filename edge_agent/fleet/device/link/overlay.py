@@ -59,9 +59,9 @@ from pydantic import ValidationError
 
 from edge_agent.config import Settings
 from edge_agent.files import atomic_write
-from edge_agent.fleet.device.link.command_gate import Handler
+from edge_agent.fleet.device.link.command_gate import Handler, command_args
 from edge_agent.fleet.protocol.command import Command, is_finite_number
-from edge_agent.fleet.protocol.command_types import CAPACITY_KEYS
+from edge_agent.fleet.protocol.command_types import CAPACITY_KEYS, PatchArgs
 from edge_agent.fleet.protocol.command_types import MAX_PATCH_KEYS as MAX_KEYS
 from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
 
@@ -264,14 +264,8 @@ def config_patch_handler(
     [keys]}`, with `"ungated": true` when capacity keys were set."""
 
     def handle(command: Command) -> dict[str, Any]:
-        args = command.args
-        if not set(args) <= {"set", "ungated"} or "set" not in args \
-                or not isinstance(args["set"], dict) \
-                or not isinstance(args.get("ungated", False), bool):
-            raise CommandRefused(MALFORMED, 'args must be {"set": {key: value, ...}, '
-                                            '"ungated"?: true|false}')
-        changes = dict(args["set"])
-        open_gate = bool(args.get("ungated", False))
+        open_gate = command_args(command, PatchArgs).ungated
+        changes = dict(command.args["set"])  # as sent: a whole number stays one
         before = current()
         new = apply_patch(before, state_dir, changes, capacity=open_gate)
         gated = {k: v for k, v in changes.items() if capacity_key(k)}

@@ -60,27 +60,11 @@ from edge_agent.fleet.device.rollout.health_gate import (
     Probe,
     ProbeAnswer,
 )
-from edge_agent.fleet.protocol.command_types import CAPACITY_KEYS
-from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
+from edge_agent.fleet.protocol.refusals import CommandRefused
 from edge_agent.ledger.evidence import record_evidence
 from edge_agent.names import ModelName
 
 NOT_SERVING = "not_serving"  # the release named is not the version this box serves
-
-
-def check_config(value: Any) -> dict[str, Any]:
-    """A `rollout.start`'s `config`, its keys and types (the values' bounds are the
-    settings' own, checked when the change is staged); CommandRefused otherwise."""
-    if not isinstance(value, dict) or not value:
-        raise CommandRefused(MALFORMED, f"config: an object of capacity settings "
-                                        f"({', '.join(CAPACITY_KEYS)})")
-    for key, item in value.items():
-        if key not in CAPACITY_KEYS:
-            raise CommandRefused(MALFORMED, f"config: {str(key)[:64]!r} is not a capacity "
-                                            f"setting ({', '.join(CAPACITY_KEYS)})")
-        if isinstance(item, bool) or not isinstance(item, int | str):
-            raise CommandRefused(MALFORMED, f"config.{key}: a whole number or a string")
-    return dict(value)
 
 
 def overlay_changes(name: str, change: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,9 +12,9 @@ from typing import Any, Protocol
 
 from edge_agent.config import parse_window
 from edge_agent.engine.modelops import ModelOps
-from edge_agent.errors import InvalidRequest
-from edge_agent.fleet.protocol.command_types import ROLLOUT_ID, VERSION
-from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
+from edge_agent.fleet.device.link.command_gate import command_args
+from edge_agent.fleet.protocol.command import Command
+from edge_agent.fleet.protocol.command_types import TargetArgs
 from edge_agent.names import ModelName
 
 MAX_BACKOFF_S = 3600.0
@@ -73,32 +73,10 @@ def backoff_s(failures: int, base_s: float) -> float:
     return min(MAX_BACKOFF_S, base_s * 2 ** max(0, failures - 1))
 
 
-def check_id(value: Any) -> str:
-    if not isinstance(value, str) or not ROLLOUT_ID.fullmatch(value):
-        raise CommandRefused(MALFORMED, "rollout_id: 1-64 of [A-Za-z0-9_-]")
-    return value
-
-
-def check_name(value: Any) -> ModelName:
-    try:
-        if not isinstance(value, str):
-            raise InvalidRequest("not a string")
-        return ModelName.parse(value)
-    except InvalidRequest as exc:
-        raise CommandRefused(MALFORMED, f"name: {exc.message[:100]}") from None
-
-
-def check_version(value: Any) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return str(value)
-    if not isinstance(value, str) or not VERSION.fullmatch(value):
-        raise CommandRefused(MALFORMED, "version: a number or 1-64 of [A-Za-z0-9._+-]")
-    return value
-
-
-def target(args: Mapping[str, Any]) -> dict[str, str]:
-    if set(args) == {"rollout_id"}:
-        return {"rollout_id": check_id(args["rollout_id"])}
-    if set(args) == {"name"}:
-        return {"name": check_name(args["name"])}
-    raise CommandRefused(MALFORMED, "args must be {rollout_id} or {name}")
+def target(command: Command) -> dict[str, str]:
+    """A `rollout.cancel` or `rollout.rollback`'s one target, the name normalized."""
+    args = command_args(command, TargetArgs)
+    if args.rollout_id is not None:
+        return {"rollout_id": args.rollout_id}
+    assert args.name is not None  # TargetArgs holds exactly one
+    return {"name": ModelName.parse(args.name)}

@@ -53,7 +53,7 @@ from typing import Any
 from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError, InvalidRequest
-from edge_agent.fleet.device.link.command_gate import Handler
+from edge_agent.fleet.device.link.command_gate import Handler, command_args
 from edge_agent.fleet.device.link.overlay import MISSING, restore_keys
 from edge_agent.fleet.device.rollout import capacity, health_gate
 from edge_agent.fleet.device.rollout.activation import (
@@ -70,9 +70,6 @@ from edge_agent.fleet.device.rollout.progress import Figures, ProgressThrottle
 from edge_agent.fleet.device.rollout.rules import (
     Releases,
     backoff_s,
-    check_id,
-    check_name,
-    check_version,
     hold_reason,
     target,
 )
@@ -83,8 +80,9 @@ from edge_agent.fleet.device.rollout.store import (
     RolloutStore,
 )
 from edge_agent.fleet.protocol.command import Command
+from edge_agent.fleet.protocol.command_types import StartArgs
 from edge_agent.fleet.protocol.envelope import AUDIT
-from edge_agent.fleet.protocol.refusals import MALFORMED, CommandRefused
+from edge_agent.fleet.protocol.ids import release_version
 from edge_agent.fleet.protocol.rollout_states import (
     ACTIVE,
     CANCELLED,
@@ -422,21 +420,16 @@ class RolloutManager:
                 "rollout.rollback": self._rollback_handler}
 
     def _start_handler(self, command: Command) -> dict[str, Any]:
-        args = command.args
-        if not {"rollout_id", "name", "version"} <= set(args) \
-                <= {"rollout_id", "name", "version", "config"}:
-            raise CommandRefused(MALFORMED, "args must be {rollout_id, name, version, "
-                                            "config?}")
-        rid, name, version = check_id(args["rollout_id"]), args["name"], args["version"]
-        config = capacity.check_config(args["config"]) if "config" in args else None
-        return self.begin(rid, check_name(name), check_version(version), command.id,
-                          config=config)
+        args = command_args(command, StartArgs)
+        return self.begin(args.rollout_id, ModelName.parse(args.name),
+                          release_version(args.version), command.id,
+                          config=None if args.config is None else dict(args.config))
 
     def _cancel_handler(self, command: Command) -> dict[str, Any]:
-        return self.cancel(**target(command.args))
+        return self.cancel(**target(command))
 
     def _rollback_handler(self, command: Command) -> dict[str, Any]:
-        return self.rollback(**target(command.args))
+        return self.rollback(**target(command))
 
     def begin(self, rollout_id: str, name: str, version: str,
               command_id: str | None = None, *,
