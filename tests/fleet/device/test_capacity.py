@@ -166,7 +166,7 @@ def test_an_operator_rolls_an_active_capacity_release_back(tmp_path: Path) -> No
     async def back(manager: RolloutManager) -> None:
         answer = manager.rollback("c5")
         assert answer["accepted"] and answer["state"] == ROLLED_BACK, answer
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + SETTLE_S
         while not manager.store.get("c5").restored:  # once the model loaded again
             assert time.monotonic() < deadline, box.loader.log
             await asyncio.sleep(0.01)

@@ -37,7 +37,7 @@ from edge_agent.gateway.probe import ServiceProbe
 from edge_agent.ledger.evidence import evidence_for
 from edge_agent.server import uvicorn_config
 from tests.conftest import DEFAULT_MODEL, NO_EOS, clone_state, free_port
-from tests.support.pace import measure
+from tests.support.pace import SETTLE_S, measure
 from tests.support.rollout_support import DirReleases
 
 SPEC = {"prompts": [
@@ -246,7 +246,7 @@ class Box:
     old: str
     emitted: list[dict[str, Any]]
 
-    def wait(self, rollout_id: str, timeout: float = 180) -> Rollout:
+    def wait(self, rollout_id: str, timeout: float = SETTLE_S) -> Rollout:
         future = asyncio.run_coroutine_threadsafe(self.manager.settled(rollout_id, timeout),
                                                   self.loop)
         r = future.result(timeout + 5)
