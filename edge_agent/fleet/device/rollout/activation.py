@@ -172,11 +172,8 @@ class Activator:
         except RetryLater:
             self._let_go(r, held, drained)
             raise
-        except EdgeAgentError as exc:
-            checks.append(Check("load", False, type(exc).__name__, None, exc.message[:200]))
         except Exception as exc:  # a bug must still end in a consistent pointer
-            log.exception("rollout %s: activation failed", r.id)
-            checks.append(Check("activation", False, type(exc).__name__, None, str(exc)[:200]))
+            checks.append(_failed(r, exc, "activation"))
         finally:
             if drained:
                 self.ops.drain(r.name, False)
@@ -241,11 +238,8 @@ class Activator:
             if swapped:  # drained too long: nothing changed, the old settings stand
                 capacity.copy_capacity(live, was, keys)
             raise
-        except EdgeAgentError as exc:
-            checks.append(Check("load", False, type(exc).__name__, None, exc.message[:200]))
         except Exception as exc:  # a bug must still end on the previous settings
-            log.exception("rollout %s: staging the runtime failed", r.id)
-            checks.append(Check("activation", False, type(exc).__name__, None, str(exc)[:200]))
+            checks.append(_failed(r, exc, "staging the runtime"))
         if checks:
             return await self._capacity_back(r, checks, was, keys, swapped=swapped)
         switched_at = self.clock()
@@ -503,6 +497,15 @@ def _cpu_model() -> str:
 
 def _server_error(status: Any) -> bool:
     return isinstance(status, int) and status >= 500 and status != 503
+
+
+def _failed(r: Rollout, exc: Exception, step: str) -> Check:
+    """The check an exception during the switch becomes: an EdgeAgentError is the load's
+    refusal (its message says why); anything else is a flaw, logged with its traceback."""
+    if isinstance(exc, EdgeAgentError):
+        return Check("load", False, type(exc).__name__, None, exc.message[:200])
+    log.exception("rollout %s: %s failed", r.id, step)
+    return Check("activation", False, type(exc).__name__, None, str(exc)[:200])
 
 
 def _requested() -> Check:

@@ -501,9 +501,7 @@ class RolloutManager:
             return self.cancel(r.id)
         if r.state != ACTIVE:
             return {"accepted": r.state == ROLLED_BACK, **r.summary()}
-        if r.config:
-            return self._capacity_rollback(r)
-        if self.ops.active_digest(r.name) != r.target_digest:
+        if not r.config and self.ops.active_digest(r.name) != r.target_digest:
             return {"accepted": False, "refused": "superseded", **r.summary()}
         try:
             r = self.store.transition(r.id, ROLLED_BACK, reason="rollback requested",
@@ -511,30 +509,26 @@ class RolloutManager:
         except IllegalTransition:
             return self.rollback(r.id)
         self._published(r, None)
-        r = restore_pointer(self.ops, self.store, r)
+        if r.config:
+            self._restore_capacity_soon(r)
+        else:
+            r = restore_pointer(self.ops, self.store, r)
         return {"accepted": True, **r.summary()}
 
-    def _capacity_rollback(self, r: Rollout) -> dict[str, Any]:
-        """An ACTIVE capacity release rolled back: committed (`restored` 0), then on the
-        loop the overlay put back as it was for its keys and the model loaded with the
-        previous settings (`_restore_capacity`; a restart finishes what a crash cut)."""
-        try:
-            r = self.store.transition(r.id, ROLLED_BACK, reason="rollback requested",
-                                      expect=ACTIVE, restored=False)
-        except IllegalTransition:
-            return self.rollback(r.id)
-        self._published(r, None)
-        loop, back = self._loop, r
+    def _restore_capacity_soon(self, r: Rollout) -> None:
+        """A capacity release's way back, committed (`restored` 0) and run on the loop:
+        the overlay put back as it was for its keys and the model loaded with the previous
+        settings (`_restore_capacity`; a restart finishes what a crash cut)."""
+        loop = self._loop
 
         async def finish() -> None:
             try:
-                await self._restore_capacity(back)
+                await self._restore_capacity(r)
             except Exception:  # left `restored = 0`: the next start finishes it
-                log.exception("rollout %s: restoring the previous settings failed", back.id)
+                log.exception("rollout %s: restoring the previous settings failed", r.id)
 
         if loop is not None and not self._stopping:
             loop.call_soon_threadsafe(lambda: loop.create_task(finish()))
-        return {"accepted": True, **r.summary()}
 
     async def _restore_capacity(self, r: Rollout) -> None:
         """A capacity release's way back, idempotent: its overlay keys as they were before
