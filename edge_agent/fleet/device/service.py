@@ -118,7 +118,8 @@ class FleetDevice:
         try:
             from edge_agent.fleet.device.link.birth import facts_source
             from edge_agent.fleet.device.link.dispatch import box_dispatch, unhandled
-            from edge_agent.fleet.device.link.handlers import box_handlers, copy_patched
+            from edge_agent.fleet.device.link.handlers import box_handlers
+            from edge_agent.fleet.device.link.overlay import copy_keys
 
             settings = self.settings
             ledger = settings.state_dir / "ledger.db"
@@ -141,7 +142,7 @@ class FleetDevice:
                 was_kept = settings.retention.content_hours > 0
                 keys = [k for k in changes if k != "retention.content_hours"
                         or (new.retention.content_hours > 0) == was_kept]
-                done = copy_patched(settings, new, keys)
+                done = copy_keys(settings, new, keys)
                 self.sampler.interval_s = settings.telemetry.interval_s
                 if self.sync is not None:
                     self.sync.set_intervals(metrics_s=settings.fleet.metrics_interval_s,

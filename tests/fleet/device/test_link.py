@@ -16,9 +16,9 @@ import pytest
 from edge_agent.config import Settings, TenantPolicy
 from edge_agent.doctor import _fleet
 from edge_agent.fleet.device.link.birth import config_fingerprint, facts_source
-from edge_agent.fleet.device.link.handlers import box_handlers, copy_patched
+from edge_agent.fleet.device.link.handlers import box_handlers
 from edge_agent.fleet.device.link.link import Link
-from edge_agent.fleet.device.link.overlay import OVERLAY_FILE
+from edge_agent.fleet.device.link.overlay import OVERLAY_FILE, copy_keys
 from edge_agent.fleet.device.link.session import probe
 from edge_agent.fleet.device.link.state import FleetState
 from edge_agent.fleet.protocol.command import Command
@@ -286,7 +286,7 @@ def test_signed_commands_run_once_and_their_results_reach_the_controller(
 
     def apply_live(new: Settings, changes: dict[str, Any]) -> list[str]:
         applied.extend(changes)
-        return copy_patched(settings, new, changes)
+        return copy_keys(settings, new, changes)
 
     handlers = {**box_handlers(settings, state, purge=lambda before: 7,
                                revoke=lambda prefix: prefix == "abcd1234",

@@ -16,7 +16,7 @@ import pytest
 
 from edge_agent.config import Settings, TenantPolicy, load_settings
 from edge_agent.fleet.device.link import overlay
-from edge_agent.fleet.device.link.handlers import box_handlers, copy_patched
+from edge_agent.fleet.device.link.handlers import box_handlers
 from edge_agent.fleet.device.link.overlay import (
     KEYS,
     NULLABLE,
@@ -25,6 +25,7 @@ from edge_agent.fleet.device.link.overlay import (
     apply_overlay,
     apply_patch,
     config_patch_handler,
+    copy_keys,
     load_overlay,
     patched,
 )
@@ -293,7 +294,7 @@ def test_a_patch_past_a_bound_on_the_real_broker_is_refused_and_nothing_changes(
     sampler.start()
 
     def apply_live(new: Settings, changes: dict[str, Any]) -> list[str]:
-        done = copy_patched(settings, new, changes)
+        done = copy_keys(settings, new, changes)
         sampler.interval_s = settings.telemetry.interval_s
         return done
 

@@ -44,35 +44,6 @@ def keys_revoke_handler(revoke: Callable[[str], bool]) -> Handler:
     return handle
 
 
-def _split(key: str) -> tuple[list[str], str]:
-    """Where a patchable key lives: (path to its section, field). A tenant's name may hold
-    dots, so `tenants.<name>.<field>` splits at the last one."""
-    if key.startswith("tenants."):
-        name, _, leaf = key[len("tenants."):].rpartition(".")
-        return ["tenants", name], leaf
-    *path, leaf = key.split(".")
-    return path, leaf
-
-
-def _node(settings: Settings, path: list[str]) -> Any:
-    node: Any = settings
-    for part in path:
-        node = node[part] if isinstance(node, dict) else getattr(node, part)
-    return node
-
-
-def copy_patched(live: Settings, new: Settings, keys: Iterable[str]) -> list[str]:
-    """Copies the values of `keys` from `new` (validated) into the `live` settings object
-    in place, so every part holding it (the governor, the hourly purge, the sync
-    producers) sees them at its next read; the keys copied."""
-    done = []
-    for key in keys:
-        path, leaf = _split(key)
-        setattr(_node(live, path), leaf, getattr(_node(new, path), leaf))
-        done.append(key)
-    return done
-
-
 def box_handlers(settings: Settings, state_dir: Path, *,
                  purge: Callable[[float | None], int], revoke: Callable[[str], bool],
                  apply_live: Callable[[Settings, dict[str, Any]], Iterable[str]],

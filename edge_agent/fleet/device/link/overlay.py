@@ -43,6 +43,8 @@ The file is `{"v":1,"set":{"telemetry.interval_s":10,...}}`, replaced atomically
 file, fsync, rename); it beats the config file, the environment and command-line flags,
 because it is the later decision. This module never applies a value to a running
 component: the link passes `apply_live` for the keys that can change without a restart.
+It holds the one writer of the live settings object (`copy_keys`), which `apply_live` and
+the capacity releases' switch and way back all call.
 """
 
 from __future__ import annotations
@@ -248,6 +250,40 @@ def apply_overlay(settings: Settings, state_dir: Path) -> Settings:
 
 
 Ungated = Callable[[Command, Settings, Settings, dict[str, Any]], None]
+
+
+def _split(key: str) -> tuple[list[str], str]:
+    """Where an overlay key lives: (path to its section, field). A tenant's name may hold
+    dots, so `tenants.<name>.<field>` splits at the last one."""
+    if key.startswith("tenants."):
+        name, _, leaf = key[len("tenants."):].rpartition(".")
+        return ["tenants", name], leaf
+    *path, leaf = key.split(".")
+    return path, leaf
+
+
+def _node(settings: Settings, path: list[str]) -> Any:
+    node: Any = settings
+    for part in path:
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def copy_keys(live: Settings, source: Settings, keys: Iterable[str]) -> list[str]:
+    """The values of overlay `keys` from `source` (validated) into the `live` settings
+    object, in place, so every part holding it (the governor, the hourly purge, the sync
+    producers, the registry at a model's next load) sees them at its next read: the one
+    writer of the live settings. A model's key brings its whole `[models]` table (the
+    model may have had no table of its own). Returns the keys copied."""
+    done = []
+    for key in keys:
+        if key.startswith("models."):
+            live.models = source.models.model_copy(deep=True)
+        else:
+            path, leaf = _split(key)
+            setattr(_node(live, path), leaf, getattr(_node(source, path), leaf))
+        done.append(key)
+    return done
 
 
 def config_patch_handler(

@@ -49,7 +49,7 @@ from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.device.link.birth import llama_cpp_version
-from edge_agent.fleet.device.link.overlay import MISSING, apply_patch, overlay_values
+from edge_agent.fleet.device.link.overlay import MISSING, apply_patch, copy_keys, overlay_values
 from edge_agent.fleet.device.rollout import capacity, health_gate
 from edge_agent.fleet.device.rollout.health_gate import Check, GateReport, GateSpec, Probe
 from edge_agent.fleet.device.rollout.store import Rollout, RolloutStore
@@ -232,11 +232,11 @@ class Activator:
                 swapped = True
                 await capacity.swap_runtime(
                     self.ops, r.name, target, self.wait_idle,
-                    lambda: capacity.copy_capacity(live, staged, keys))
+                    lambda: copy_keys(live, staged, keys))
                 self._tell("switched", r)
         except RetryLater:
             if swapped:  # drained too long: nothing changed, the old settings stand
-                capacity.copy_capacity(live, was, keys)
+                copy_keys(live, was, keys)
             raise
         except Exception as exc:  # a bug must still end on the previous settings
             checks.append(_failed(r, exc, "staging the runtime"))
@@ -301,9 +301,9 @@ class Activator:
             try:
                 await capacity.swap_runtime(
                     self.ops, r.name, r.target_digest or "", self.wait_idle,
-                    lambda: capacity.copy_capacity(self.settings, was, keys))
+                    lambda: copy_keys(self.settings, was, keys))
             except Exception as exc:  # the settings are back; the next request loads
-                capacity.copy_capacity(self.settings, was, keys)
+                copy_keys(self.settings, was, keys)
                 log.error("rollout %s: loading %s again with its previous settings failed: "
                           "%s", r.id, r.name, exc)
         r = await asyncio.to_thread(self.store.update, r.id, restored=True)

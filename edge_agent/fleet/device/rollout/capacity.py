@@ -114,21 +114,9 @@ def with_values(settings: Settings, values: Mapping[str, Any]) -> Settings:
     return patched(settings, values, capacity=True, texts=True) if values else settings
 
 
-def copy_capacity(live: Settings, source: Settings, keys: Mapping[str, Any]) -> None:
-    """The values of overlay `keys` from `source` into the `live` settings object, in
-    place (the registry reads it at each load): a `runtime.*` key by itself, a model's key
-    with its whole `[models]` table (the model may have had no table of its own)."""
-    for key in keys:
-        head, _, leaf = key.partition(".")
-        if head == "runtime":
-            setattr(live.runtime, leaf, getattr(source.runtime, leaf))
-        elif head == "models":
-            live.models = source.models.model_copy(deep=True)
-
-
 async def swap_runtime(ops: ModelOps, name: str, digest: str,
                        wait_idle: Callable[[str], Awaitable[None]],
-                       change: Callable[[], None]) -> None:
+                       change: Callable[[], object]) -> None:
     """The name's model loaded again under other settings: drained (new requests wait for
     the swap, running ones end on the old runtime), unloaded, `change()` applied, loaded
     by digest (the drain refuses requests for the name), then admitted again."""

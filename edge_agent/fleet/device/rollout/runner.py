@@ -54,7 +54,7 @@ from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError, InvalidRequest
 from edge_agent.fleet.device.link.command_gate import Handler, command_args
-from edge_agent.fleet.device.link.overlay import MISSING, restore_keys
+from edge_agent.fleet.device.link.overlay import MISSING, copy_keys, restore_keys
 from edge_agent.fleet.device.rollout import capacity, health_gate
 from edge_agent.fleet.device.rollout.activation import (
     SETTLE_S,
@@ -545,9 +545,9 @@ class RolloutManager:
             try:
                 await capacity.swap_runtime(
                     self.ops, r.name, r.target_digest or "", self.activator.wait_idle,
-                    lambda: capacity.copy_capacity(self.settings, previous, keys))
+                    lambda: copy_keys(self.settings, previous, keys))
             except Exception:  # the settings are back; the next request loads with them
-                capacity.copy_capacity(self.settings, previous, keys)
+                copy_keys(self.settings, previous, keys)
                 log.exception("rollout %s: loading %s again with its previous settings "
                               "failed", r.id, r.name)
         await asyncio.to_thread(self.store.update, r.id, restored=True)
