@@ -226,7 +226,7 @@ class AccessControl:
         trail as the method and path tried, filed under the object the path names."""
         client = scope.get("client")
         await run_in_threadpool(functools.partial(
-            self.store.record_action, at=time.time(), operator=operator.name,
+            self.store.audit.record_action, at=time.time(), operator=operator.name,
             role=operator.role, source=client[0] if client else "unknown",
             action=f"{scope['method']} {scope['path']}", target=target, request={},
             status=status, outcome=outcome))
@@ -245,13 +245,13 @@ class AccessControl:
             token = _cookie(headers.get("cookie", ""))
         if token is None:
             if (self.loopback and needed == "viewer"
-                    and not await run_in_threadpool(self.store.any_operator)):
+                    and not await run_in_threadpool(self.store.operators.any_operator)):
                 return HOST_USER
             raise AccessRefused(401, "an operator token is needed (Authorization: Bearer …); "
                                      "one is made on the controller host with `edge-agent "
                                      "fleet operators create NAME --role "
                                      "viewer|operator|admin`")
-        operator = await run_in_threadpool(self.store.operator_for_token, token)
+        operator = await run_in_threadpool(self.store.operators.operator_for_token, token)
         if operator is None:
             raise AccessRefused(401, "the operator token is unknown or revoked")
         if not may(operator.role, needed):

@@ -135,7 +135,7 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
     @app.post("/devices")
     def register(body: DeviceRegister, request: Request) -> dict[str, Any]:
         who = actor(request)
-        with audited(store, action="device.register", target=",".join(body.devices)[:200],
+        with audited(store.audit, action="device.register", target=",".join(body.devices)[:200],
                      request=body.model_dump(), **who):
             for kind, values in (("device", body.devices), ("fleet", [body.fleet])):
                 for value in values:
@@ -150,7 +150,7 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
 
     @app.post("/devices/{device_id}/unregister")
     def unregister(device_id: str, request: Request) -> dict[str, Any]:
-        with audited(store, action="device.unregister", target=device_id, request={},
+        with audited(store.audit, action="device.unregister", target=device_id, request={},
                      **actor(request)):
             if not store.unregister(device_id):
                 raise NotFound(f"device {device_id!r} is not registered")
@@ -180,7 +180,7 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
 
     def retirement(device_id: str, request: Request, retire: bool) -> dict[str, Any]:
         who = actor(request)
-        with audited(store, action="device.retire" if retire else "device.restore",
+        with audited(store.audit, action="device.retire" if retire else "device.restore",
                      target=device_id, request={}, **who):
             if not store.retire(device_id, by=who["operator"] if retire else None,
                                 now=time.time()):

@@ -89,7 +89,7 @@ def local_operator() -> str:
 
 
 class AuditStore(Protocol):
-    """The audit trail's part of `store.ControllerStore`."""
+    """The audit trail's queries as callers hold them: `store.audit` (`store.ControllerStore`)."""
 
     def record_action(self, *, at: float, operator: str, role: str, source: str, action: str,
                       target: str | None, request: Mapping[str, Any], status: int,
@@ -101,7 +101,7 @@ class AuditStore(Protocol):
 
 class AuditQueries:
     """The trail's rows, each call in a transaction of the store that holds this object
-    (`sql.SQLStore.audit_rows`): `tx` opens a write, `read` a read."""
+    (`sql.SQLStore.audit`): `tx` opens a write, `read` a read."""
 
     def __init__(self, tx: Callable[[], AbstractContextManager[Exec]],
                  read: Callable[[], AbstractContextManager[Exec]]) -> None:

@@ -54,7 +54,7 @@ def command_router(store: ControllerStore, sender: commands.CommandSender | None
         target = commands.ALL if body.all else body.device
         # Capacity settings outside the release gate: marked on the trail as such.
         ungated = body.type == "config.patch" and body.args.get("ungated") is True
-        with audited(store, action="command.send.ungated" if ungated else "command.send",
+        with audited(store.audit, action="command.send.ungated" if ungated else "command.send",
                      target=target,
                      request=body.model_dump(), **actor(request)):
             if (body.device is None) != body.all:

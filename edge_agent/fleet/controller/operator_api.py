@@ -36,25 +36,25 @@ def operator_router(store: ControllerStore) -> APIRouter:
 
     @router.get("/operators")
     def operators() -> list[dict[str, Any]]:
-        return [r.to_json() for r in store.operators()]
+        return [r.to_json() for r in store.operators.operators()]
 
     @router.post("/operators", status_code=201)
     def create(body: OperatorCreate, request: Request) -> dict[str, Any]:
-        with audited(store, action="operators.create", target=body.name,
+        with audited(store.audit, action="operators.create", target=body.name,
                      request={"role": body.role}, **actor(request)):
             try:
                 check_name(body.name)
                 check_role(body.role)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
-            token, record = store.create_operator(body.name, body.role, time.time())
+            token, record = store.operators.create_operator(body.name, body.role, time.time())
         return {**record.to_json(), "token": token}
 
     @router.post("/operators/{name}/revoke")
     def revoke(name: str, request: Request) -> dict[str, Any]:
-        with audited(store, action="operators.revoke", target=name, request={},
+        with audited(store.audit, action="operators.revoke", target=name, request={},
                      **actor(request)):
-            record = store.revoke_operator(name, time.time())
+            record = store.operators.revoke_operator(name, time.time())
             if record is None:
                 raise NotFound(f"operator {name!r} has no live token")
         return record.to_json()
@@ -63,7 +63,7 @@ def operator_router(store: ControllerStore) -> APIRouter:
     def audit(since: float | None = None, operator: str | None = Query(None, max_length=64),
               target: str | None = Query(None, max_length=64),
               limit: int = Query(1000, ge=1, le=100_000)) -> dict[str, Any]:
-        return {"actions": [a.to_json() for a in store.actions(
+        return {"actions": [a.to_json() for a in store.audit.actions(
             since=since, operator=operator, target=target, limit=limit)]}
 
     return router

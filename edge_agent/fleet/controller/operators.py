@@ -86,7 +86,7 @@ class Operator:
 
 
 class OperatorStore(Protocol):
-    """The operators' part of `store.ControllerStore`."""
+    """The operators' queries as callers hold them: `store.operators` (`store.ControllerStore`)."""
 
     def create_operator(self, name: str, role: str, now: float
                         ) -> tuple[str, OperatorRecord]: ...
@@ -114,7 +114,7 @@ def split_token(token: str) -> str | None:
 
 class OperatorQueries:
     """The operators' rows, each call in a transaction of the store that holds this object
-    (`sql.SQLStore.operator_rows`): `tx` opens a write, `read` a read."""
+    (`sql.SQLStore.operators`): `tx` opens a write, `read` a read."""
 
     def __init__(self, tx: Callable[[], AbstractContextManager[Exec]],
                  read: Callable[[], AbstractContextManager[Exec]]) -> None:

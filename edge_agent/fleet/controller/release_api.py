@@ -63,7 +63,7 @@ def release_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
     @router.put("/release-files/{sha256}", status_code=201)
     async def upload(sha256: str, request: Request) -> Any:
         length = int(request.headers["content-length"])  # `access` checked it is there
-        action = Action(store, action="release.upload", target=sha256[:64],
+        action = Action(store.audit, action="release.upload", target=sha256[:64],
                         request={"length": length}, **actor(request))
         up: Upload | None = None
         try:
@@ -88,7 +88,7 @@ def release_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
     def publish(body: ReleasePublish, request: Request) -> dict[str, Any]:
         signed = body.targets.get("signed")
         version = signed.get("version") if isinstance(signed, dict) else None
-        with audited(store, action="release.publish", target=None,
+        with audited(store.audit, action="release.publish", target=None,
                      request={"version": version if isinstance(version, int) else None},
                      **actor(request)) as action:
             try:

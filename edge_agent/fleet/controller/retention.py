@@ -10,7 +10,7 @@ keeps what status, evidence and loss accounting need.
                accounting (`gaps`) counts seqs up to it as accounted for: a purge is not
                a loss, and losses older than the retention are not reported any more.
 
-`RetentionQueries` is a mixin of `sql.SQLStore` (SQLite and PostgreSQL alike); `Retention`
+`RetentionQueries` is what `sql.SQLStore.retention` holds (SQLite and PostgreSQL alike); `Retention`
 is the thread `fleet serve` runs. A batch is one transaction (never one long lock over
 the whole table); a failed pass is logged and tried again at the next. Must never delete a
 message younger than its class's retention, or anything but `messages`.
@@ -42,7 +42,7 @@ _HIGHER = ("CASE WHEN excluded.last_seq > retired.last_seq THEN excluded.last_se
 
 class RetentionQueries:
     """The purge, each call in a transaction of the store that holds this object
-    (`sql.SQLStore.retention_rows`): `tx` opens a write, `read` a read."""
+    (`sql.SQLStore.retention`): `tx` opens a write, `read` a read."""
 
     def __init__(self, tx: Callable[[], AbstractContextManager[Exec]],
                  read: Callable[[], AbstractContextManager[Exec]]) -> None:

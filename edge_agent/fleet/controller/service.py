@@ -75,7 +75,7 @@ class Controller:
         return cls(settings, store, metrics, Ingest(settings, store, metrics, key=key),
                    RolloutEngine(settings, store, key, metrics=metrics,
                                  leading=leadership.is_leader),
-                   Retention(settings.retention, store, leading=leadership.is_leader),
+                   Retention(settings.retention, store.retention, leading=leadership.is_leader),
                    None if key is None else CommandSender(settings, key), leadership,
                    Presence(store, leadership))
 
@@ -152,7 +152,7 @@ def exposure_checked(settings: ControllerSettings, store: ControllerStore) -> Se
             raise ConfigError(f"http.host {http.host} is not loopback: the API would carry "
                               "operators' tokens and the fleet's data in clear; set "
                               "http.tls_cert_file and http.tls_key_file")
-        if not store.any_operator():
+        if not store.operators.any_operator():
             raise ConfigError(f"http.host {http.host} is not loopback and no operator "
                               "exists: create one first (edge-agent fleet operators create "
                               "NAME --role admin)")

@@ -17,12 +17,11 @@ from contextlib import AbstractContextManager
 from functools import cached_property
 from typing import Any
 
-from edge_agent.fleet.controller.audit import AuditEntry, AuditQueries
+from edge_agent.fleet.controller.audit import AuditQueries
 from edge_agent.fleet.controller.inbound import Acks, Inbound
-from edge_agent.fleet.controller.operators import Operator, OperatorQueries, OperatorRecord
+from edge_agent.fleet.controller.operators import OperatorQueries
 from edge_agent.fleet.controller.retention import RetentionQueries
 from edge_agent.fleet.controller.rollouts.queries import RolloutQueries
-from edge_agent.fleet.controller.rollouts.records import DeviceRecord, NewRollout, RolloutRecord
 from edge_agent.fleet.controller.transaction import Exec
 from edge_agent.fleet.protocol.envelope import (
     Ranges,
@@ -68,25 +67,25 @@ def _text(value: Any, limit: int = 1000) -> str | None:
 
 class SQLStore:
     """The store's behaviour over `_tx()` (a write transaction) and `_read()`, which a
-    subclass gives (its connection); the rollouts' queries are the `RolloutQueries` it
-    holds (`rollout_rows`), the purge its `RetentionQueries` (`retention_rows`), the
-    operators' tokens its `OperatorQueries` (`operator_rows`), the audit trail its
-    `AuditQueries` (`audit_rows`)."""
+    subclass gives (its connection): the devices, their messages and commands here, and
+    four narrow query objects that callers reach directly — the rollouts' (`rollouts`), the
+    purge's (`retention`), the operators' tokens (`operators`) and the audit trail
+    (`audit`), each its own module's, in this store's transactions."""
 
     @cached_property
-    def rollout_rows(self) -> RolloutQueries:
+    def rollouts(self) -> RolloutQueries:
         return RolloutQueries(self._tx, self._read, self._insert_command)
 
     @cached_property
-    def retention_rows(self) -> RetentionQueries:
+    def retention(self) -> RetentionQueries:
         return RetentionQueries(self._tx, self._read)
 
     @cached_property
-    def operator_rows(self) -> OperatorQueries:
+    def operators(self) -> OperatorQueries:
         return OperatorQueries(self._tx, self._read)
 
     @cached_property
-    def audit_rows(self) -> AuditQueries:
+    def audit(self) -> AuditQueries:
         return AuditQueries(self._tx, self._read)
 
     def _tx(self) -> AbstractContextManager[Exec]:
@@ -97,82 +96,6 @@ class SQLStore:
 
     def close(self) -> None:
         raise NotImplementedError
-
-    # -- rollouts, retention, operators, audit: the rows the objects it holds keep -------
-
-    def create_rollout(self, new: NewRollout, now: float) -> RolloutRecord:
-        return self.rollout_rows.create_rollout(new, now)
-
-    def set_rollout_state(self, rollout_id: str, to: str, allowed: frozenset[str], *,
-                          reason: str, now: float) -> RolloutRecord:
-        return self.rollout_rows.set_rollout_state(rollout_id, to, allowed, reason=reason,
-                                                   now=now)
-
-    def rollout(self, rollout_id: str) -> RolloutRecord | None:
-        return self.rollout_rows.rollout(rollout_id)
-
-    def rollouts(self, *, unsettled: bool = False, limit: int = 100,
-                 name: str | None = None) -> list[RolloutRecord]:
-        return self.rollout_rows.rollouts(unsettled=unsettled, limit=limit, name=name)
-
-    def rollout_devices(self, rollout_id: str) -> list[DeviceRecord]:
-        return self.rollout_rows.rollout_devices(rollout_id)
-
-    def apply_plan(self, rollout_id: str, *, expect: str, state: str, wave: int,
-                   reason: str | None, settled: bool, timed_out: Sequence[str],
-                   skipped: Sequence[str], now: float) -> bool:
-        return self.rollout_rows.apply_plan(rollout_id, expect=expect, state=state, wave=wave,
-                                            reason=reason, settled=settled,
-                                            timed_out=timed_out, skipped=skipped, now=now)
-
-    def next_command_seqs(self, streams: Sequence[str]) -> dict[str, int]:
-        return self.rollout_rows.next_command_seqs(streams)
-
-    def claim_commands(self, rollout_id: str, commands: Mapping[str, Mapping[str, Any]],
-                       now: float, *, require_state: str | None = None,
-                       retry: bool = False) -> list[str]:
-        return self.rollout_rows.claim_commands(rollout_id, commands, now,
-                                                require_state=require_state, retry=retry)
-
-    def unpublished_commands(self, rollout_id: str) -> list[dict[str, Any]]:
-        return self.rollout_rows.unpublished_commands(rollout_id)
-
-    def mark_published(self, command_ids: Sequence[str], now: float) -> None:
-        self.rollout_rows.mark_published(command_ids, now)
-
-    def purge_messages(self, before: Mapping[str, float], batch: int = 5000) -> int:
-        return self.retention_rows.purge_messages(before, batch)
-
-    def retired(self, device: str, boot_id: str) -> int:
-        return self.retention_rows.retired(device, boot_id)
-
-    def create_operator(self, name: str, role: str, now: float
-                        ) -> tuple[str, OperatorRecord]:
-        return self.operator_rows.create_operator(name, role, now)
-
-    def operators(self, *, revoked: bool = True) -> list[OperatorRecord]:
-        return self.operator_rows.operators(revoked=revoked)
-
-    def revoke_operator(self, name: str, now: float) -> OperatorRecord | None:
-        return self.operator_rows.revoke_operator(name, now)
-
-    def any_operator(self) -> bool:
-        return self.operator_rows.any_operator()
-
-    def operator_for_token(self, token: str) -> Operator | None:
-        return self.operator_rows.operator_for_token(token)
-
-    def record_action(self, *, at: float, operator: str, role: str, source: str, action: str,
-                      target: str | None, request: Mapping[str, Any], status: int,
-                      outcome: str) -> AuditEntry:
-        return self.audit_rows.record_action(at=at, operator=operator, role=role,
-                                             source=source, action=action, target=target,
-                                             request=request, status=status, outcome=outcome)
-
-    def actions(self, *, since: float | None = None, operator: str | None = None,
-                target: str | None = None, limit: int = 1000) -> list[AuditEntry]:
-        return self.audit_rows.actions(since=since, operator=operator, target=target,
-                                       limit=limit)
 
     # -- ingest -------------------------------------------------------------------------
 
@@ -289,7 +212,7 @@ class SQLStore:
     def gaps(self, device: str, boot_id: str) -> Ranges:
         """Seqs of (device, boot) up to the highest known that are neither stored nor
         reported dropped nor removed by retention: what was lost."""
-        retired = self.retired(device, boot_id)
+        retired = self.retention.retired(device, boot_id)
         covered = merge_ranges(self.stored_ranges(device, boot_id)
                                + self.dropped(device, boot_id)
                                + ([[1, retired]] if retired else []))
@@ -305,7 +228,7 @@ class SQLStore:
                                 [device]))
         boots = []
         for boot in self.boots(device):
-            stored, retired = self.stored_ranges(device, boot), self.retired(device, boot)
+            stored, retired = self.stored_ranges(device, boot), self.retention.retired(device, boot)
             gaps = self.gaps(device, boot)
             boots.append({
                 "boot_id": boot,

@@ -22,6 +22,7 @@ from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.controller.audit import AuditStore
 from edge_agent.fleet.controller.inbound import Acks, Inbound
 from edge_agent.fleet.controller.operators import OperatorStore
+from edge_agent.fleet.controller.retention import RetentionQueries
 from edge_agent.fleet.controller.rollouts.records import RolloutRecordStore
 from edge_agent.fleet.controller.schema import SCHEMA
 from edge_agent.fleet.controller.sql import SQLStore
@@ -54,7 +55,23 @@ class StoreConflict(FleetStoreError):
                          f"{message}", retry_after=1.0)
 
 
-class ControllerStore(RolloutRecordStore, OperatorStore, AuditStore, Protocol):
+class ControllerStore(Protocol):
+    """The controller's store: devices, messages and commands here; rollouts, operators,
+    the audit trail and the purge through the narrow query object each caller holds
+    (`store.rollouts.create_rollout(…)`), whose interface lives beside its queries."""
+
+    @property
+    def rollouts(self) -> RolloutRecordStore: ...
+
+    @property
+    def operators(self) -> OperatorStore: ...
+
+    @property
+    def audit(self) -> AuditStore: ...
+
+    @property
+    def retention(self) -> RetentionQueries: ...
+
     def ingest(self, batch: Sequence[Inbound]) -> Acks: ...
 
     def birth(self, fleet: str, device: str, message: Mapping[str, Any],
@@ -96,10 +113,6 @@ class ControllerStore(RolloutRecordStore, OperatorStore, AuditStore, Protocol):
     def stored_ranges(self, device: str, boot_id: str) -> Ranges: ...
 
     def gaps(self, device: str, boot_id: str) -> Ranges: ...
-
-    def purge_messages(self, before: Mapping[str, float], batch: int = 5000) -> int: ...
-
-    def retired(self, device: str, boot_id: str) -> int: ...
 
     def boots(self, device: str) -> list[str]: ...
 

@@ -73,9 +73,9 @@ def test_every_route_has_a_rule_and_every_rule_a_route(store: SQLiteStore,
 def test_each_role_is_allowed_or_refused_on_each_route(store: SQLiteStore, tmp_path: Path,
                                                        loopback: bool) -> None:
     http = TestClient(_app(store, tmp_path, loopback=loopback))
-    tokens = {role: store.create_operator(f"{role}-1", role, 1.0)[0] for role in ROLES}
-    revoked, _ = store.create_operator("gone", "admin", 1.0)
-    store.revoke_operator("gone", 2.0)
+    tokens = {role: store.operators.create_operator(f"{role}-1", role, 1.0)[0] for role in ROLES}
+    revoked, _ = store.operators.create_operator("gone", "admin", 1.0)
+    store.operators.revoke_operator("gone", 2.0)
     callers: dict[str, dict[str, str]] = {
         "anonymous": {},
         **{role: {"Authorization": f"Bearer {token}"} for role, token in tokens.items()},
@@ -115,13 +115,13 @@ def test_a_loopback_controller_without_operators_answers_reads_as_before(
     http = TestClient(_app(store, tmp_path))
     assert http.get("/devices").json() == {"devices": []}
     assert http.get("/metrics").status_code == 200
-    token, _ = store.create_operator("alice", "viewer", 1.0)
+    token, _ = store.operators.create_operator("alice", "viewer", 1.0)
     refused = http.get("/devices")  # from the first operator on, tokens only
     assert refused.status_code == 401
     assert "fleet operators create" in refused.json()["error"]
     assert http.get("/devices", headers={"Authorization": f"Bearer {token}"}).status_code == 200
     assert http.get("/metrics").status_code == 200  # scraping stays open on loopback
-    store.revoke_operator("alice", 2.0)
+    store.operators.revoke_operator("alice", 2.0)
     assert http.get("/devices", headers={"Authorization": f"Bearer {token}"}).status_code == 401
     assert http.get("/devices").status_code == 200  # no operator left: the host's users again
 
@@ -132,7 +132,7 @@ def test_an_exposed_controller_answers_nothing_without_a_token(store: SQLiteStor
     for path in ("/devices", "/rollouts", "/metrics", "/healthz", "/openapi.json"):
         assert http.get(path).status_code == 401, path
     assert http.get("/releases/metadata/1.root.json").status_code == 404  # public: not there
-    token, _ = store.create_operator("prom", "viewer", 1.0)
+    token, _ = store.operators.create_operator("prom", "viewer", 1.0)
     auth = {"Authorization": f"Bearer {token}"}
     assert http.get("/metrics", headers=auth).status_code == 200
     assert http.get("/healthz", headers=auth).json()["store"] == "ok"
@@ -164,7 +164,7 @@ def test_a_route_without_a_rule_is_unreachable(store: SQLiteStore, tmp_path: Pat
 def test_the_token_is_checked_before_the_body_is_read(store: SQLiteStore,
                                                       tmp_path: Path) -> None:
     http = TestClient(_app(store, tmp_path, loopback=False))
-    viewer, _ = store.create_operator("vic", "viewer", 1.0)
+    viewer, _ = store.operators.create_operator("vic", "viewer", 1.0)
     for headers in ({}, {"Authorization": f"Bearer {viewer}"}):
         response = http.post("/rollouts", content=b"{" * 100_000,
                              headers={**headers, "content-type": "application/json"})

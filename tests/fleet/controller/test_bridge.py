@@ -103,9 +103,9 @@ class Region:
     def settled(self, rid: str, state: str, boxes: str) -> bool:
         """The engine done, and every box's report of `boxes` stored (a settled rollout
         has nothing left to send: the boxes' answers may still be on their way)."""
-        found = self.store.rollout(rid)
+        found = self.store.rollouts.rollout(rid)
         return found is not None and found.state == state and found.settled and all(
-            d.state == boxes for d in self.store.rollout_devices(rid))
+            d.state == boxes for d in self.store.rollouts.rollout_devices(rid))
 
     def all_stored_once(self) -> None:
         self.sim.sim.pause()
@@ -159,7 +159,7 @@ def test_a_rollout_goes_through_the_bridge_and_a_cut_uplink_loses_nothing(
     rollout, settled = r.rollout, r.settled
     rollout("start", f"{NAME}@2", "--id", "r-bridge", "--waves", "1,100%", "--soak", "1s")
     assert wait_until(lambda: settled("r-bridge", "COMPLETED", "ACTIVE"), 90, 0.2), \
-        store.rollout("r-bridge")
+        store.rollouts.rollout("r-bridge")
     assert all(sim[d].state("r-bridge") == "ACTIVE" for d in BOXES)
 
     # The uplink cut: the central broker killed while the boxes report.
@@ -174,7 +174,7 @@ def test_a_rollout_goes_through_the_bridge_and_a_cut_uplink_loses_nothing(
     rollout("rollback", "r-bridge")  # commands go in through the bridge again
     assert wait_until(lambda: settled("r-bridge", "ROLLED_BACK", "ROLLED_BACK"), 90,
                       0.2), \
-        store.rollout("r-bridge")
+        store.rollouts.rollout("r-bridge")
     assert all(sim[d].state("r-bridge") == "ROLLED_BACK" for d in BOXES)
     r.all_stored_once()
 
@@ -212,14 +212,15 @@ def test_a_bridge_cut_mid_rollout_loses_nothing_and_the_rollout_resumes(
     rid = "r-cut"
     try:
         r.rollout("start", f"{NAME}@2", "--id", rid, "--waves", "2,100%", "--soak", "2s")
-        assert wait_until(lambda: sum(d.state == "ACTIVE" for d in r.store.rollout_devices(rid))
-                          == 2, 60, 0.1), r.store.rollout_devices(rid)
-        second = [d.device for d in r.store.rollout_devices(rid) if d.state != "ACTIVE"]
+        devices = r.store.rollouts.rollout_devices
+        assert wait_until(lambda: sum(d.state == "ACTIVE" for d in devices(rid)) == 2, 60,
+                          0.1), devices(rid)
+        second = [d.device for d in r.store.rollouts.rollout_devices(rid) if d.state != "ACTIVE"]
         r.sim.sim.produce(0.5)
         proxy.cut()
         cut = time.monotonic()
-        assert wait_until(lambda: (found := r.store.rollout(rid)) is not None
-                          and found.wave == 2, 30, 0.2), r.store.rollout(rid)
+        assert wait_until(lambda: (found := r.store.rollouts.rollout(rid)) is not None
+                          and found.wave == 2, 30, 0.2), r.store.rollouts.rollout(rid)
         mark = {name: d.ticks for name, d in r.sim.sim.devices.items()}
         time.sleep(max(0.0, CUT_S - (time.monotonic() - cut)))  # the outage itself
         # Nothing crossed: wave 2's commands are still on the centre's side, the boxes'
@@ -228,7 +229,7 @@ def test_a_bridge_cut_mid_rollout_loses_nothing_and_the_rollout_resumes(
         assert all(d.ticks >= mark[n] + 10 for n, d in r.sim.sim.devices.items())
         proxy.restore()
         assert wait_until(lambda: r.settled(rid, "COMPLETED", "ACTIVE"), 120, 0.2), \
-            r.store.rollout_devices(rid)
+            r.store.rollouts.rollout_devices(rid)
         assert all(r.sim[d].state(rid) == "ACTIVE" for d in BOXES)
         r.all_stored_once()
     finally:

@@ -213,7 +213,7 @@ def test_a_capacity_key_by_config_patch_needs_ungated_and_is_marked(
 
     store = SQLiteStore(central.ctl / "controller.db")
     try:
-        actions = [(a.action, a.status) for a in store.actions()]
+        actions = [(a.action, a.status) for a in store.audit.actions()]
     finally:
         store.close()
     # The refused one went out as any command; the ungated one is marked as such.

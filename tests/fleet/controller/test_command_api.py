@@ -59,8 +59,9 @@ def test_an_operator_sends_a_signed_command_and_gets_the_box_result(
         store: SQLiteStore, device: MQTTClient, mosquitto: Mosquitto, tmp_path: Path) -> None:
     sender, signer = _sender(mosquitto, tmp_path)
     api = TestClient(create_app(store, ControllerMetrics(store), commands=sender))
-    alice = {"Authorization": f"Bearer {store.create_operator('alice', 'operator', 1.0)[0]}"}
-    viewer = {"Authorization": f"Bearer {store.create_operator('vic', 'viewer', 1.0)[0]}"}
+    create = store.operators.create_operator
+    alice = {"Authorization": f"Bearer {create('alice', 'operator', 1.0)[0]}"}
+    viewer = {"Authorization": f"Bearer {create('vic', 'viewer', 1.0)[0]}"}
     assert api.post("/commands", json={"device": DEV, "type": "ping"},
                     headers=viewer).status_code == 403
 
@@ -90,7 +91,7 @@ def test_an_operator_sends_a_signed_command_and_gets_the_box_result(
     assert quick["results"] == [] and quick["missing"] == [DEV]
     assert quick["command"]["seq"] == published["seq"] + 1  # the stream's next
 
-    trail = store.actions(operator="alice")
+    trail = store.audit.actions(operator="alice")
     assert [(a.action, a.target, a.status) for a in trail] == \
         [("command.send", DEV, 200), ("command.send", DEV, 200)]
     assert trail[0].request["args"] == {"n": 1}
@@ -113,7 +114,8 @@ def test_what_cannot_be_sent_is_refused_in_one_shape(
         status: int, error: str) -> None:
     sender, _ = _sender(mosquitto, tmp_path)
     api = TestClient(create_app(store, ControllerMetrics(store), commands=sender))
-    auth = {"Authorization": f"Bearer {store.create_operator('alice', 'operator', 1.0)[0]}"}
+    token = store.operators.create_operator('alice', 'operator', 1.0)[0]
+    auth = {"Authorization": f"Bearer {token}"}
     response = api.post("/commands", json=body, headers=auth)
     assert response.status_code == status, response.text
     assert set(response.json()) == {"error"} and error in response.json()["error"]
@@ -121,12 +123,12 @@ def test_what_cannot_be_sent_is_refused_in_one_shape(
 
 def test_a_controller_without_a_key_says_so(store: SQLiteStore) -> None:
     api = TestClient(create_app(store, ControllerMetrics(store)))
-    auth = {"Authorization": f"Bearer {store.create_operator('alice', 'admin', 1.0)[0]}"}
+    auth = {"Authorization": f"Bearer {store.operators.create_operator('alice', 'admin', 1.0)[0]}"}
     response = api.post("/commands", json={"device": DEV, "type": "ping"}, headers=auth)
     assert response.status_code == 503
     assert response.json() == {"error": "this controller has no command_signing_key_file: "
                                         "it cannot sign commands"}
-    assert [(a.action, a.status) for a in store.actions()] == [("command.send", 503)]
+    assert [(a.action, a.status) for a in store.audit.actions()] == [("command.send", 503)]
 
 
 def test_the_cli_refuses_the_same_and_leaves_it_on_the_trail(store: SQLiteStore,
@@ -140,5 +142,5 @@ def test_the_cli_refuses_the_same_and_leaves_it_on_the_trail(store: SQLiteStore,
     both = CliRunner().invoke(main, ["fleet", "send", "--all", "ping", *state])
     assert both.exit_code == 2 and "--all needs --fleet (this controller knows 2 fleets)" in \
         both.stderr
-    assert [(a.action, a.target, a.status, a.source) for a in store.actions()] == [
+    assert [(a.action, a.target, a.status, a.source) for a in store.audit.actions()] == [
         ("command.send", "nobody", 404, "cli"), ("command.send", "all", 400, "cli")]

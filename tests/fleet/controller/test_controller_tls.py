@@ -41,7 +41,7 @@ def test_an_exposed_controller_needs_tls_and_an_operator(tmp_path: Path) -> None
         tls = {"tls_cert_file": ca.server_cert, "tls_key_file": ca.server_key}
         with pytest.raises(ConfigError, match="no operator exists: create one first"):
             check(host="0.0.0.0", **tls)
-        store.create_operator("root", "admin", 1.0)
+        store.operators.create_operator("root", "admin", 1.0)
         served = check(host="0.0.0.0", **tls)
         assert served is not None and served.fingerprint == fingerprint(ca.server_cert)
         ca.server_key.chmod(0o644)

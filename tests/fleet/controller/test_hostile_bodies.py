@@ -42,7 +42,7 @@ def app(store: ControllerStore, tmp_path: Path) -> FastAPI:
 
 @pytest.fixture
 def tokens(store: ControllerStore) -> dict[str, str]:
-    return {role: store.create_operator(f"{role}-1", role, 1.0)[0]
+    return {role: store.operators.create_operator(f"{role}-1", role, 1.0)[0]
             for role in ("viewer", "admin")}
 
 
@@ -165,13 +165,13 @@ def test_hostile_bodies_never_get_a_5xx_and_every_refusal_is_audited(
             url = _url(path, value)
             for what, extra, content in bodies(app, method, path):
                 where = f"{role} {method} {url[:80]} with {what}"
-                before = len(store.actions(limit=100_000))
+                before = len(store.audit.actions(limit=100_000))
                 response = http.request(method, url, headers={**headers, **extra},
                                         content=content, follow_redirects=False)
                 _check(response, where, console)
                 if response.status_code < 400 or rule == PUBLIC or _no_route(response):
                     continue
-                rows = store.actions(limit=100_000)[before:]
+                rows = store.audit.actions(limit=100_000)[before:]
                 assert [r.status for r in rows] == [response.status_code], \
                     f"{where}: {response.status_code} recorded as {rows}"
                 row = rows[0]
@@ -191,26 +191,26 @@ def test_the_reported_500s_are_refusals_on_the_trail(
         big = http.post(path, content=b"token=" + b"a" * 100_000, headers=headers)
         assert big.status_code == 413, big.text
         assert "at most" in big.json()["error"]
-    assert store.actions(target=None)[-1].status == 413  # the operator's, on the trail
+    assert store.audit.actions(target=None)[-1].status == 413  # the operator's, on the trail
     # A lone surrogate in a list of device ids: 400, and the refusal on the trail.
     register = http.post("/devices", content=json.dumps({"devices": [SURROGATE]}),
                          headers={**admin, "content-type": "application/json"})
     assert register.status_code == 400, register.text
     assert "holds" in register.json()["error"]
-    last = store.actions()[-1]
+    last = store.audit.actions()[-1]
     assert (last.action, last.status, last.operator) == ("device.register", 400, "admin-1")
     assert "\ufffd" in (last.target or "")
     # A viewer's refused write is filed under its target: `fleet audit --target r1`.
     refused = http.post("/rollouts/r1/pause", headers=viewer, content=b"")
     assert refused.status_code == 403
-    (mine,) = store.actions(target="r1")
+    (mine,) = store.audit.actions(target="r1")
     assert (mine.operator, mine.role, mine.status) == ("viewer-1", "viewer", 403)
     assert mine.action == "POST /rollouts/r1/pause"
     # A malformed body, refused before any handler ran: on the trail all the same.
     bad = http.post("/rollouts", content=b'{"release": ', headers={
         **admin, "content-type": "application/json"})
     assert bad.status_code == 400
-    last = store.actions()[-1]
+    last = store.audit.actions()[-1]
     assert (last.action, last.status, last.operator) == ("POST /rollouts", 400, "admin-1")
     assert last.outcome == bad.json()["error"]
 
@@ -221,7 +221,7 @@ def test_an_anonymous_refusal_is_not_on_the_trail(http: TestClient, store: Contr
     fill the trail."""
     for _ in range(3):
         assert http.post("/rollouts/r1/pause", content=b"{}").status_code == 401
-    assert store.actions() == []
+    assert store.audit.actions() == []
 
 
 def test_a_path_value_is_kept_as_sent_where_it_can_be(
@@ -229,7 +229,7 @@ def test_a_path_value_is_kept_as_sent_where_it_can_be(
     viewer = {"authorization": f"Bearer {tokens['viewer']}"}
     odd = "d-" + quote("é")
     assert http.post(f"/devices/{odd}/retire", headers=viewer).status_code == 403
-    assert [r.target for r in store.actions()] == ["d-é"]
+    assert [r.target for r in store.audit.actions()] == ["d-é"]
 
 
 READS = sorted((method, path) for (method, path) in RULES if method in ("GET", "HEAD"))

@@ -206,8 +206,8 @@ def test_the_other_controller_finishes_a_rollout_when_the_leader_is_killed(
         first = [d for d, w in waves.items() if w == 1]
         assert wait_until(lambda: all(sim[d].state(rid) == "ACTIVE" for d in first), 30, 0.05)
         if moment == "as a wave starts":
-            assert wait_until(lambda: (r := store.rollout(rid)) is not None and r.wave >= 2,
-                              30, 0.002)
+            assert wait_until(
+                lambda: (r := store.rollouts.rollout(rid)) is not None and r.wave >= 2, 30, 0.002)
         a.kill()
         killed = time.monotonic()
         with psycopg.connect(postgres_url, autocommit=True) as db:
@@ -216,12 +216,12 @@ def test_the_other_controller_finishes_a_rollout_when_the_leader_is_killed(
             unpublished = row[0] if row else 0
         assert wait_until(b.leads, 15, 0.05)
         takeover = time.monotonic() - killed
-        assert wait_until(lambda: (r := store.rollout(rid)) is not None and r.settled, 90,
-                          0.2), (store.rollout(rid), [(d.device, d.wave, d.state) for d in
-                                                      store.rollout_devices(rid)],
+        assert wait_until(lambda: (r := store.rollouts.rollout(rid)) is not None and r.settled, 90,
+                          0.2), (store.rollouts.rollout(rid), [(d.device, d.wave, d.state) for d in
+                                                      store.rollouts.rollout_devices(rid)],
                                  {d: sim[d].state(rid) for d in devices},
                                  b.log.read_text()[-3000:])
-        record = store.rollout(rid)
+        record = store.rollouts.rollout(rid)
         assert record is not None and record.state == "COMPLETED", record
         for device in devices:  # no wave started twice: one rollout.start each
             assert len(sim[device].got("rollout.start")) == 1, device

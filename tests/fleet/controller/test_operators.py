@@ -32,45 +32,45 @@ def test_roles_are_ranked() -> None:
 
 
 def test_a_token_names_its_operator_until_it_is_revoked(store: ControllerStore) -> None:
-    assert not store.any_operator()
-    token, record = store.create_operator("alice", "operator", 100.0)
+    assert not store.operators.any_operator()
+    token, record = store.operators.create_operator("alice", "operator", 100.0)
     assert token.startswith(f"eop_{record.prefix}_") and len(token) > 50
     assert (record.name, record.role, record.created, record.revoked) == \
         ("alice", "operator", 100.0, None)
-    assert store.any_operator()
-    found = store.operator_for_token(token)
+    assert store.operators.any_operator()
+    found = store.operators.operator_for_token(token)
     assert found is not None and (found.name, found.role, found.prefix) == \
         ("alice", "operator", record.prefix)
     # Anything else than the exact token is nobody, the right prefix with a wrong secret too.
     for other in (token + "x", token[:-1], f"eop_{record.prefix}_guess", "eop_zzzzzzzz_x",
                   "ea_12345678_x", "", "eop__", token.upper()):
-        assert store.operator_for_token(other) is None, other
-    revoked = store.revoke_operator("alice", 200.0)
+        assert store.operators.operator_for_token(other) is None, other
+    revoked = store.operators.revoke_operator("alice", 200.0)
     assert revoked is not None and revoked.revoked == 200.0
-    assert store.operator_for_token(token) is None
-    assert not store.any_operator()
-    assert store.revoke_operator("alice", 300.0) is None  # nothing live left to revoke
+    assert store.operators.operator_for_token(token) is None
+    assert not store.operators.any_operator()
+    assert store.operators.revoke_operator("alice", 300.0) is None  # nothing live left to revoke
 
 
 def test_a_name_has_one_live_token_and_may_get_a_new_one_once_revoked(
         store: ControllerStore) -> None:
-    first, _ = store.create_operator("bob", "viewer", 1.0)
+    first, _ = store.operators.create_operator("bob", "viewer", 1.0)
     with pytest.raises(OperatorConflict, match="has a token already"):
-        store.create_operator("bob", "admin", 2.0)
-    store.revoke_operator("bob", 3.0)
-    second, record = store.create_operator("bob", "admin", 4.0)
-    assert store.operator_for_token(first) is None
-    found = store.operator_for_token(second)
+        store.operators.create_operator("bob", "admin", 2.0)
+    store.operators.revoke_operator("bob", 3.0)
+    second, record = store.operators.create_operator("bob", "admin", 4.0)
+    assert store.operators.operator_for_token(first) is None
+    found = store.operators.operator_for_token(second)
     assert found is not None and found.role == "admin"
-    listed = store.operators()
+    listed = store.operators.operators()
     assert [(r.name, r.role, r.revoked) for r in listed] == \
         [("bob", "viewer", 3.0), ("bob", "admin", None)]
-    assert [r.prefix for r in store.operators(revoked=False)] == [record.prefix]
+    assert [r.prefix for r in store.operators.operators(revoked=False)] == [record.prefix]
 
 
 def test_only_the_hash_is_stored(tmp_path: Path) -> None:
     store = SQLiteStore(tmp_path / "controller.db")
-    token, _ = store.create_operator("carol", "admin", 1.0)
+    token, _ = store.operators.create_operator("carol", "admin", 1.0)
     store.close()
     raw = (tmp_path / "controller.db").read_bytes()
     wal = tmp_path / "controller.db-wal"
@@ -117,7 +117,7 @@ def test_the_cli_creates_lists_and_revokes(tmp_path: Path) -> None:
     assert code == 1 and "operator 'alice' has no live token" in err
     store = SQLiteStore(state / "controller.db")
     try:
-        assert store.operator_for_token(token) is None
-        assert store.operator_for_token(made["token"]) is not None
+        assert store.operators.operator_for_token(token) is None
+        assert store.operators.operator_for_token(made["token"]) is not None
     finally:
         store.close()

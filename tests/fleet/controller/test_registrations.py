@@ -59,8 +59,9 @@ def test_admins_register_through_the_api_and_rollouts_wait_for_a_birth(
     try:
         store.birth("f1", "d0", {"bdseq": 1, "boot_id": BOOT}, 1.0)
         api = TestClient(create_app(store, ControllerMetrics(store), state_dir=state))
-        admin = {"Authorization": f"Bearer {store.create_operator('ada', 'admin', 1.0)[0]}"}
-        operator = {"Authorization": f"Bearer {store.create_operator('otto', 'operator', 1.0)[0]}"}
+        create = store.operators.create_operator
+        admin = {"Authorization": f"Bearer {create('ada', 'admin', 1.0)[0]}"}
+        operator = {"Authorization": f"Bearer {create('otto', 'operator', 1.0)[0]}"}
         body = {"devices": ["d1", "d2", "d0"], "fleet": "f1"}
         assert api.post("/devices", json=body, headers=operator).status_code == 403
         made = api.post("/devices", json=body, headers=admin)
@@ -100,7 +101,7 @@ def test_admins_register_through_the_api_and_rollouts_wait_for_a_birth(
         gone = api.post("/devices/d1/unregister", headers=admin)
         assert gone.status_code == 404 and "is not registered" in gone.json()["error"]
         # (a body that does not parse never reaches the route: not an action)
-        trail = [(a.action, a.operator, a.status) for a in store.actions()
+        trail = [(a.action, a.operator, a.status) for a in store.audit.actions()
                  if a.action.startswith("device.")]
         assert trail == [("device.register", "ada", 200), ("device.register", "ada", 200)] + \
             [("device.register", "ada", 400)] * 2 + \

@@ -38,7 +38,7 @@ class Desk:
         (self.repo.keys.path / "targets.pem").unlink()  # the controller cannot sign one
         self.keys = KeyDir(desk)
         self.store = SQLiteStore(tmp_path / "controller.db")
-        self.tokens = {role: self.store.create_operator(f"{role}-1", role, 1.0)[0]
+        self.tokens = {role: self.store.operators.create_operator(f"{role}-1", role, 1.0)[0]
                        for role in ("viewer", "operator")}
         self.http = TestClient(create_app(self.store, ControllerMetrics(self.store),
                                           state_dir=tmp_path / "state", loopback=False))
@@ -102,7 +102,7 @@ def test_a_release_signed_at_the_desk_is_published_with_snapshot_and_timestamp_r
     assert not any((desk.repo.repo.root / "incoming").iterdir())  # moved in, nothing left
     # What a box reads: the chain from root, as published.
     assert desk.targets().signed.targets[entry.path] == entry
-    trail = [(a.operator, a.action, a.status, a.target) for a in desk.store.actions()]
+    trail = [(a.operator, a.action, a.status, a.target) for a in desk.store.audit.actions()]
     assert trail == [("operator-1", "release.upload", 200, entry.hashes["sha256"]),
                      ("operator-1", "release.upload", 200, entry.hashes["sha256"]),
                      ("operator-1", "release.publish", 200, "simmodel:1b@2")]
@@ -123,7 +123,7 @@ def test_an_upload_that_is_not_what_it_claims_is_refused_and_nothing_is_kept(
     assert viewer.status_code == 403 and set(viewer.json()) == {"error"}
     assert list((desk.repo.repo.root / "incoming").iterdir()) == []
     sha = hashlib.sha256(gguf.read_bytes()).hexdigest()
-    trail = [(a.action, a.status) for a in desk.store.actions()]
+    trail = [(a.action, a.status) for a in desk.store.audit.actions()]
     assert trail == [("release.upload", 400)] * 3 + [(f"PUT /release-files/{sha}", 403)]
 
 
@@ -185,7 +185,7 @@ def test_targets_the_repository_cannot_take_are_refused_naming_why(desk: Desk) -
     nothing.sign(desk.keys.signer("targets"))
     refused(nothing, 400, "add no release")
     assert desk.publish(desk.signed(other_entry), role="viewer").status_code == 403
-    statuses = [a.status for a in desk.store.actions() if a.action == "release.publish"]
+    statuses = [a.status for a in desk.store.audit.actions() if a.action == "release.publish"]
     assert 500 not in statuses and statuses.count(200) == 1
 
 

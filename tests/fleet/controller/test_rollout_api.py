@@ -49,7 +49,7 @@ def api(store: SQLiteStore, state: Path) -> TestClient:
 
 
 def _auth(store: SQLiteStore, name: str, role: str) -> dict[str, str]:
-    token, _ = store.create_operator(name, role, 1.0)
+    token, _ = store.operators.create_operator(name, role, 1.0)
     return {"Authorization": f"Bearer {token}"}
 
 
@@ -101,7 +101,7 @@ def test_an_operator_starts_and_drives_a_rollout_and_the_trail_names_them(
         local[0]["operator"].startswith("local:") and local[0]["role"] == "host"
     assert all(a["source"] == "testclient" for a in status["actions"] if a not in local)
     # A viewer's attempts never reached a handler; the access check put them on the trail.
-    assert [(a.action, a.status) for a in store.actions(operator="vic")] == \
+    assert [(a.action, a.status) for a in store.audit.actions(operator="vic")] == \
         [("POST /rollouts", 403), ("POST /rollouts/r1/abort", 403)]
 
     code, shown, _ = _cli_json(state, "status", "r1")
@@ -161,8 +161,8 @@ def test_the_api_refuses_what_the_cli_refuses_with_its_words(
     result = CliRunner().invoke(main, ["fleet", "rollout", "start", *map(str, args),
                                        "--state-dir", str(state)])
     assert result.exit_code != 0 and error in result.stderr
-    assert store.rollouts() == []
-    trail = store.actions(operator="alice")
+    assert store.rollouts.rollouts() == []
+    trail = store.audit.actions(operator="alice")
     assert len(trail) == 1 and trail[0].status == response.status_code and \
         error in trail[0].outcome
 
@@ -181,7 +181,7 @@ def test_hostile_bodies_get_a_400_in_one_shape(api: TestClient, store: SQLiteSto
     response = api.post("/rollouts", content=raw, headers=auth)
     assert response.status_code == 400, (raw[:60], response.text[:300])
     assert set(response.json()) == {"error"} and response.json()["error"]
-    assert store.rollouts() == []
+    assert store.rollouts.rollouts() == []
 
 
 @pytest.mark.broker
@@ -235,7 +235,7 @@ def test_a_retired_box_keeps_its_history_and_no_rollout_selects_it(
     made = api.post("/rollouts", headers=operator,
                     json={"release": f"{NAME}@2", "waves": "100%", "id": "all-but-d3"})
     assert made.json()["devices_total"] == 3
-    assert "d3" not in {d.device for d in store.rollout_devices("all-but-d3")}
+    assert "d3" not in {d.device for d in store.rollouts.rollout_devices("all-but-d3")}
 
     shown = CliRunner().invoke(main, ["fleet", "devices", "--state-dir", str(state)])
     assert shown.exit_code == 0 and any(
@@ -245,7 +245,7 @@ def test_a_retired_box_keeps_its_history_and_no_rollout_selects_it(
     assert back.exit_code == 0 and "restored d3" in back.stdout, back.stderr
     assert store.device("d3")["retired"] is None  # type: ignore[index]
     # The operator's refused retire is filed under d3 too.
-    assert [(a.action, a.operator, a.status) for a in store.actions(target="d3")] == [
+    assert [(a.action, a.operator, a.status) for a in store.audit.actions(target="d3")] == [
         ("POST /devices/d3/retire", "otto", 403), ("device.retire", "ada", 200),
         ("device.restore", local_operator(), 200)]
 
@@ -261,4 +261,4 @@ def test_a_body_too_large_or_without_a_length_is_refused_before_it_is_read(
 
     chunked = api.post("/rollouts", content=chunks(), headers=auth)
     assert chunked.status_code == 411 and set(chunked.json()) == {"error"}
-    assert store.rollouts() == []
+    assert store.rollouts.rollouts() == []

@@ -126,7 +126,7 @@ def test_the_engine_signs_records_publishes_and_follows_reports(
         assert command["args"] == {"rollout_id": "r1", "name": NAME, "version": "2"}
         assert command["expires_at"] - command["issued_at"] == pytest.approx(600)
     first = sorted(c["device"] for c in sent.sent)
-    rows = {d.device: d for d in store.rollout_devices("r1")}
+    rows = {d.device: d for d in store.rollouts.rollout_devices("r1")}
     assert all(rows[d].started_at == clock() and rows[d].state == "SENT" for d in first)
     assert len(store.command_results(sent.sent[0]["id"])) == 0  # recorded as commands
     eng.tick()
@@ -153,15 +153,15 @@ def test_a_broker_away_holds_the_commands_back_never_the_decision(
                       rollout_id="r2")
     sent.away = True
     assert eng.tick() == {}  # recorded, not published
-    recorded = store.unpublished_commands("r2")
+    recorded = store.rollouts.unpublished_commands("r2")
     assert len(recorded) == 3
-    assert all(d.started_at is None for d in store.rollout_devices("r2"))
+    assert all(d.started_at is None for d in store.rollouts.rollout_devices("r2"))
     clock.now += 120  # no device times out while its command never left
     sent.away = False
     eng.tick()
     assert [c["id"] for c in sent.sent] == [c["id"] for c in recorded]  # the same commands
-    assert store.unpublished_commands("r2") == []
-    assert all(d.started_at == clock() for d in store.rollout_devices("r2"))
+    assert store.rollouts.unpublished_commands("r2") == []
+    assert all(d.started_at == clock() for d in store.rollouts.rollout_devices("r2"))
 
 
 def test_a_busy_box_is_sent_a_new_start_for_what_is_left_of_its_timeout(
@@ -216,8 +216,8 @@ def test_a_start_never_published_is_withdrawn_when_the_rollout_stops(
     sent.away = False
     assert eng.tick()["r4"].settled
     assert sent.sent == []  # neither the starts nor cancels of starts that never left
-    assert {d.outcome for d in store.rollout_devices("r4")} == {"skipped"}
-    assert store.unpublished_commands("r4") == [] and eng.tick() == {}
+    assert {d.outcome for d in store.rollouts.rollout_devices("r4")} == {"skipped"}
+    assert store.rollouts.unpublished_commands("r4") == [] and eng.tick() == {}
 
 
 def test_without_a_key_rollouts_wait(store: SQLiteStore, repo: Repo,
@@ -298,9 +298,9 @@ def test_the_cli_writes_the_store_and_refuses_what_it_cannot_start(
     text = cli(config, "status", "c1")
     assert "ABORTED" in text and f"abort by {local_operator()}" in text
     # Each action from the controller host's CLI is on the trail, refused ones too.
-    assert [(a.action, a.status) for a in store.actions(target="c1")][-3:] == \
+    assert [(a.action, a.status) for a in store.audit.actions(target="c1")][-3:] == \
         [("rollout.pause", 200), ("rollout.pause", 409), ("rollout.abort", 200)]
-    assert {a.operator for a in store.actions()} == {local_operator()}
+    assert {a.operator for a in store.audit.actions()} == {local_operator()}
 
 
 def test_the_cli_needs_a_store(tmp_path: Path) -> None:
@@ -340,8 +340,9 @@ def test_the_status_shows_a_downloading_boxs_progress_and_watches_to_the_end(
             time.sleep(after_s)
             if state == "ABORTED":
                 rollout_ops.act(store, "p1", "abort", now=time.time())
-            assert store.apply_plan("p1", expect=state, state=state, wave=1, reason=None,
-                                    settled=True, timed_out=[], skipped=[], now=time.time())
+            assert store.rollouts.apply_plan("p1", expect=state, state=state, wave=1,
+                                             reason=None, settled=True, timed_out=[],
+                                             skipped=[], now=time.time())
         thread = threading.Thread(target=end)
         thread.start()
         return thread

@@ -93,39 +93,40 @@ def command(device: str, type_: str, cid: str, seq: int = 1) -> dict[str, Any]:
 
 
 def devices_of(store: ControllerStore, rid: str = "r1") -> dict[str, Any]:
-    return {d.device: d for d in store.rollout_devices(rid)}
+    return {d.device: d for d in store.rollouts.rollout_devices(rid)}
 
 
 def test_one_live_rollout_per_name(store: ControllerStore) -> None:
-    r = store.create_rollout(new(), now=1.0)
+    r = store.rollouts.create_rollout(new(), now=1.0)
     assert (r.state, r.live, r.settled, r.wave, r.waves_total, r.devices_total) == (
         RUNNING, True, False, 0, 2, 3)
     assert r.policy() == POLICY
-    assert {d.state for d in store.rollout_devices("r1")} == {PENDING}
+    assert {d.state for d in store.rollouts.rollout_devices("r1")} == {PENDING}
     with pytest.raises(RolloutConflict, match="one live rollout per model name"):
-        store.create_rollout(new("r2"), now=2.0)
+        store.rollouts.create_rollout(new("r2"), now=2.0)
     with pytest.raises(RolloutConflict, match="exists already"):
-        store.create_rollout(new("r1", name="other:1b"), now=2.0)
-    store.create_rollout(new("r3", name="other:1b"), now=3.0)  # another name: fine
-    store.set_rollout_state("r1", ABORTED, ACTIONS["abort"][1], reason="abort", now=4.0)
-    assert store.create_rollout(new("r2"), now=5.0).state == RUNNING  # r1 no longer live
-    assert [r.id for r in store.rollouts()] == ["r2", "r3", "r1"]
-    assert [r.id for r in store.rollouts(unsettled=True)] == ["r2", "r3", "r1"]
+        store.rollouts.create_rollout(new("r1", name="other:1b"), now=2.0)
+    store.rollouts.create_rollout(new("r3", name="other:1b"), now=3.0)  # another name: fine
+    store.rollouts.set_rollout_state("r1", ABORTED, ACTIONS["abort"][1], reason="abort", now=4.0)
+    assert store.rollouts.create_rollout(new("r2"), now=5.0).state == RUNNING  # r1 no longer live
+    assert [r.id for r in store.rollouts.rollouts()] == ["r2", "r3", "r1"]
+    assert [r.id for r in store.rollouts.rollouts(unsettled=True)] == ["r2", "r3", "r1"]
 
 
 def test_operator_transitions_follow_the_rules(store: ControllerStore) -> None:
-    store.create_rollout(new(), now=1.0)
+    store.rollouts.create_rollout(new(), now=1.0)
     to, allowed = ACTIONS["resume"]
     with pytest.raises(RolloutConflict, match="is RUNNING"):
-        store.set_rollout_state("r1", to, allowed, reason="resume", now=2.0)
-    paused = store.set_rollout_state("r1", PAUSED, ACTIONS["pause"][1], reason="p", now=2.0)
+        store.rollouts.set_rollout_state("r1", to, allowed, reason="resume", now=2.0)
+    paused = store.rollouts.set_rollout_state("r1", PAUSED, ACTIONS["pause"][1], reason="p",
+                                              now=2.0)
     assert (paused.state, paused.live, paused.reason) == (PAUSED, True, "p")
     with pytest.raises(NotFound):
-        store.set_rollout_state("nope", PAUSED, ACTIONS["pause"][1], reason="p", now=2.0)
+        store.rollouts.set_rollout_state("nope", PAUSED, ACTIONS["pause"][1], reason="p", now=2.0)
 
 
 def test_reports_reach_the_devices_rows_newest_first_wins(store: ControllerStore) -> None:
-    store.create_rollout(new(), now=1.0)
+    store.rollouts.create_rollout(new(), now=1.0)
     acks = store.ingest([transition("d0", "RECEIVED", 10), transition("d0", "DOWNLOADING", 11),
                          transition("d1", "RECEIVED", 10),
                          transition("d9", "RECEIVED", 10),  # not in the rollout
@@ -144,7 +145,7 @@ def test_reports_reach_the_devices_rows_newest_first_wins(store: ControllerStore
 
 
 def test_failed_counts_as_final_only_once_the_box_stops_retrying(store: ControllerStore) -> None:
-    store.create_rollout(new(), now=1.0)
+    store.rollouts.create_rollout(new(), now=1.0)
     store.ingest([transition("d0", "FAILED", 10, details={"failures": 1, "limit": 3},
                              reason="unreachable")])
     d0 = devices_of(store)["d0"]
@@ -155,8 +156,8 @@ def test_failed_counts_as_final_only_once_the_box_stops_retrying(store: Controll
 
 
 def test_refusals_from_events_and_results(store: ControllerStore) -> None:
-    store.create_rollout(new(), now=1.0)
-    store.claim_commands("r1", {"d0": command("d0", "rollout.start", "c0"),
+    store.rollouts.create_rollout(new(), now=1.0)
+    store.rollouts.claim_commands("r1", {"d0": command("d0", "rollout.start", "c0"),
                                 "d1": command("d1", "rollout.start", "c1")}, 2.0)
     busy = {"event": "rollout.refused", "accepted": False, "refused": "busy",
             "rollout_id": "r1", "name": "gemma3:270m",
@@ -183,10 +184,10 @@ def test_refusals_from_events_and_results(store: ControllerStore) -> None:
 
 
 def test_a_busy_box_gets_a_new_start_and_only_a_busy_one(store: ControllerStore) -> None:
-    store.create_rollout(new(), now=1.0)
-    store.claim_commands("r1", {"d0": command("d0", "rollout.start", "c0"),
+    store.rollouts.create_rollout(new(), now=1.0)
+    store.rollouts.claim_commands("r1", {"d0": command("d0", "rollout.start", "c0"),
                                 "d1": command("d1", "rollout.start", "c1")}, 2.0)
-    store.mark_published(["c0", "c1"], 3.0)
+    store.rollouts.mark_published(["c0", "c1"], 3.0)
     busy = {"id": "c0", "type": "rollout.start", "status": "ok",
             "result": {"accepted": False, "refused": "busy"}}
     expired = {"id": "c1", "type": "rollout.start", "status": "refused", "reason": "expired",
@@ -196,21 +197,22 @@ def test_a_busy_box_gets_a_new_start_and_only_a_busy_one(store: ControllerStore)
     assert devices_of(store)["d0"].retrying is True
     again = {"d0": command("d0", "rollout.start", "c2"),
              "d1": command("d1", "rollout.start", "c3")}
-    assert store.claim_commands("r1", again, 40.0, require_state="RUNNING") == []  # no retry
-    assert store.claim_commands("r1", again, 40.0, require_state="RUNNING",
-                                retry=True) == ["d0"]
-    store.mark_published(["c2"], 41.0)
+    claim = store.rollouts.claim_commands
+    assert claim("r1", again, 40.0, require_state="RUNNING") == []  # no retry
+    assert store.rollouts.claim_commands("r1", again, 40.0, require_state="RUNNING",
+                                         retry=True) == ["d0"]
+    store.rollouts.mark_published(["c2"], 41.0)
     d0 = devices_of(store)["d0"]
     assert (d0.state, d0.retrying, d0.command_id) == (SENT, False, "c2")
     assert d0.started_at == 3.0  # its device timeout counts from the first start
-    assert [c["id"] for c in store.unpublished_commands("r1")] == []
+    assert [c["id"] for c in store.rollouts.unpublished_commands("r1")] == []
     # The second start goes ahead: the box reports, as for any start.
     store.ingest([transition("d0", "RECEIVED", 50)])
     assert devices_of(store)["d0"].state == "RECEIVED"
 
 
 def test_a_bad_report_is_stored_and_changes_nothing(store: ControllerStore) -> None:
-    store.create_rollout(new(), now=1.0)
+    store.rollouts.create_rollout(new(), now=1.0)
     acks = store.ingest([transition("d0", "EXPLODED", 10),
                          report("d0", {"event": "rollout.transition", "rollout_id": 5}, ts=11)])
     assert acks.stored == 2
@@ -225,7 +227,7 @@ def progress(device: str, done: int, ts: float, rid: str = "r1") -> Inbound:
 
 def test_the_latest_download_progress_is_kept_and_shown_while_downloading(
         store: ControllerStore) -> None:
-    r = store.create_rollout(new(), now=1.0)
+    r = store.rollouts.create_rollout(new(), now=1.0)
     store.ingest([transition("d0", "DOWNLOADING", 10), progress("d0", 200, 11),
                   progress("d0", 600, 13), progress("d1", 100, 11),  # d1: still PENDING
                   progress("d2", 100, 11, rid="someone-else")])
@@ -234,7 +236,7 @@ def test_the_latest_download_progress_is_kept_and_shown_while_downloading(
     assert rows["d0"].progress == DownloadProgress(600, 1000, 250.0, 1.6, 13.0)
     assert rows["d2"].progress is None
     shown = {d["device"]: d["progress"]
-             for d in status_report(r, store.rollout_devices("r1"), 20.0)["devices"]}
+             for d in status_report(r, store.rollouts.rollout_devices("r1"), 20.0)["devices"]}
     assert shown["d0"] == {"bytes": 600, "total": 1000, "rate_bps": 250.0, "eta_s": 1.6,
                            "ts": 13.0, "percent": 60.0}
     assert shown["d1"] is None  # only a DOWNLOADING device's is shown
@@ -255,53 +257,54 @@ def test_the_latest_download_progress_is_kept_and_shown_while_downloading(
 
 
 def test_commands_are_claimed_once_and_published(store: ControllerStore) -> None:
-    store.create_rollout(new(), now=1.0)
+    store.rollouts.create_rollout(new(), now=1.0)
     starts = {d: command(d, "rollout.start", f"s-{d}") for d in ("d0", "d1")}
-    assert store.claim_commands("r1", starts, 2.0, require_state=RUNNING) == ["d0", "d1"]
+    assert store.rollouts.claim_commands("r1", starts, 2.0, require_state=RUNNING) == ["d0", "d1"]
     again = {"d0": command("d0", "rollout.start", "s-d0-again")}
-    assert store.claim_commands("r1", again, 3.0, require_state=RUNNING) == []
+    assert store.rollouts.claim_commands("r1", again, 3.0, require_state=RUNNING) == []
     rows = devices_of(store)
     assert (rows["d0"].state, rows["d0"].command_id, rows["d0"].started_at) == (
         SENT, "s-d0", None)
-    assert [c["id"] for c in store.unpublished_commands("r1")] == ["s-d0", "s-d1"]
-    store.mark_published(["s-d0"], 5.0)
-    assert [c["id"] for c in store.unpublished_commands("r1")] == ["s-d1"]
+    assert [c["id"] for c in store.rollouts.unpublished_commands("r1")] == ["s-d0", "s-d1"]
+    store.rollouts.mark_published(["s-d0"], 5.0)
+    assert [c["id"] for c in store.rollouts.unpublished_commands("r1")] == ["s-d1"]
     assert devices_of(store)["d0"].started_at == 5.0
     cancel = {"d0": command("d0", "rollout.cancel", "k-d0", 2)}
-    assert store.claim_commands("r1", cancel, 6.0) == ["d0"]
-    assert store.claim_commands("r1", {"d0": command("d0", "rollout.cancel", "k2", 3)},
-                                7.0) == []
+    assert store.rollouts.claim_commands("r1", cancel, 6.0) == ["d0"]
+    assert store.rollouts.claim_commands("r1", {"d0": command("d0", "rollout.cancel", "k2", 3)},
+                                         7.0) == []
     assert devices_of(store)["d0"].cancel_sent and not devices_of(store)["d0"].rollback_sent
-    store.set_rollout_state("r1", PAUSED, ACTIONS["pause"][1], reason="p", now=8.0)
-    assert store.claim_commands("r1", {"d2": command("d2", "rollout.start", "s-d2")}, 9.0,
-                                require_state=RUNNING) == []  # paused meanwhile: not sent
+    store.rollouts.set_rollout_state("r1", PAUSED, ACTIONS["pause"][1], reason="p", now=8.0)
+    assert store.rollouts.claim_commands("r1", {"d2": command("d2", "rollout.start", "s-d2")}, 9.0,
+                                         require_state=RUNNING) == []  # paused meanwhile: not sent
 
 
 def test_the_engines_decision_applies_only_to_the_state_it_read(store: ControllerStore) -> None:
-    store.create_rollout(new(), now=1.0)
-    assert store.apply_plan("r1", expect=RUNNING, state=RUNNING, wave=1, reason=None,
-                            settled=False, timed_out=[], skipped=[], now=2.0)
-    r = store.rollout("r1")
+    store.rollouts.create_rollout(new(), now=1.0)
+    assert store.rollouts.apply_plan("r1", expect=RUNNING, state=RUNNING, wave=1, reason=None,
+                                     settled=False, timed_out=[], skipped=[], now=2.0)
+    r = store.rollouts.rollout("r1")
     assert r is not None and (r.wave, r.wave_started_at) == (1, 2.0)
-    store.set_rollout_state("r1", ABORTED, ACTIONS["abort"][1], reason="abort", now=3.0)
-    assert not store.apply_plan("r1", expect=RUNNING, state=RUNNING, wave=2, reason=None,
-                                settled=False, timed_out=[], skipped=[], now=4.0)
-    assert store.apply_plan("r1", expect=ABORTED, state=ABORTED, wave=1, reason=None,
-                            settled=True, timed_out=["d0"], skipped=["d1", "d2"], now=5.0)
-    r = store.rollout("r1")
+    store.rollouts.set_rollout_state("r1", ABORTED, ACTIONS["abort"][1], reason="abort", now=3.0)
+    assert not store.rollouts.apply_plan("r1", expect=RUNNING, state=RUNNING, wave=2, reason=None,
+                                         settled=False, timed_out=[], skipped=[], now=4.0)
+    assert store.rollouts.apply_plan("r1", expect=ABORTED, state=ABORTED, wave=1, reason=None,
+                                     settled=True, timed_out=["d0"], skipped=["d1", "d2"], now=5.0)
+    r = store.rollouts.rollout("r1")
     assert r is not None and (r.state, r.settled, r.reason, r.live) == (
         ABORTED, True, "abort", False)
     rows = devices_of(store)
     assert (rows["d0"].outcome, rows["d0"].finished_at) == ("timed_out", 5.0)
     assert rows["d1"].outcome == "skipped" and rows["d1"].reason == "rollout stopped first"
-    assert store.rollouts(unsettled=True) == []
-    store.set_rollout_state("r1", "ROLLED_BACK", ACTIONS["rollback"][1], reason="rb", now=6.0)
-    assert [r.id for r in store.rollouts(unsettled=True)] == ["r1"]  # work again
+    assert store.rollouts.rollouts(unsettled=True) == []
+    store.rollouts.set_rollout_state("r1", "ROLLED_BACK", ACTIONS["rollback"][1], reason="rb",
+                                     now=6.0)
+    assert [r.id for r in store.rollouts.rollouts(unsettled=True)] == ["r1"]  # work again
 
 
 def test_next_command_seqs_share_the_streams_with_fleet_send(store: ControllerStore) -> None:
     assert store.next_command_seq("f1/d0") == 1
-    assert store.next_command_seqs(["f1/d0", "f1/d1"]) == {"f1/d0": 2, "f1/d1": 1}
+    assert store.rollouts.next_command_seqs(["f1/d0", "f1/d1"]) == {"f1/d0": 2, "f1/d1": 1}
     assert store.next_command_seq("f1/d1") == 2
 
 
@@ -332,7 +335,7 @@ def test_a_store_of_the_previous_schema_gains_the_rollouts_and_keeps_its_data(
         monkeypatch)
     try:
         assert len(again.messages("d0", kind="events")) == 1
-        assert again.create_rollout(new(), now=1.0).state == RUNNING
+        assert again.rollouts.create_rollout(new(), now=1.0).state == RUNNING
     finally:
         again.close()
 
@@ -342,7 +345,7 @@ def test_a_store_without_the_progress_columns_gains_them_and_keeps_its_rollouts(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest,
         monkeypatch: pytest.MonkeyPatch) -> None:
     def fill(first: ControllerStore) -> None:
-        first.create_rollout(new(), now=1.0)
+        first.rollouts.create_rollout(new(), now=1.0)
         first.ingest([transition("d0", "DOWNLOADING", 10)])
 
     # `fill` is today's code: it writes a rollout's capacity config (m013) too.
@@ -371,7 +374,7 @@ def test_a_deadlock_with_another_writer_is_a_conflict_that_leaves_nothing_behind
     other = psycopg.connect(postgres_url)
     watcher = psycopg.connect(postgres_url, autocommit=True)
     try:
-        store.create_rollout(new(devices=2), now=1.0)
+        store.rollouts.create_rollout(new(devices=2), now=1.0)
         batch = [transition("d0", "RECEIVED", 10), transition("d1", "RECEIVED", 10)]
         # This side waits long before looking for a circle: the ingest is the one it ends.
         other.execute("SET deadlock_timeout = '60s'")
@@ -396,10 +399,10 @@ def test_a_deadlock_with_another_writer_is_a_conflict_that_leaves_nothing_behind
         assert failed[0].status_code == 503 and failed[0].retry_after == 1.0
         assert "deadlock detected" in str(failed[0])
         assert store.messages("d0") == [] and store.counts() == (0, 0)
-        assert {d.state for d in store.rollout_devices("r1")} == {PENDING}
+        assert {d.state for d in store.rollouts.rollout_devices("r1")} == {PENDING}
         acks = store.ingest(batch)
         assert (acks.stored, acks.duplicates) == (2, 0)
-        assert {d.state for d in store.rollout_devices("r1")} == {"RECEIVED"}
+        assert {d.state for d in store.rollouts.rollout_devices("r1")} == {"RECEIVED"}
     finally:
         other.close()
         watcher.close()

@@ -65,7 +65,7 @@ class Central:
     def rows(self, rid: str) -> dict[str, Any]:
         store = SQLiteStore(self.state / "controller.db")
         try:
-            return {d.device: d for d in store.rollout_devices(rid)}
+            return {d.device: d for d in store.rollouts.rollout_devices(rid)}
         finally:
             store.close()
 

@@ -286,17 +286,17 @@ def test_retention_removes_old_messages_in_batches_and_keeps_loss_accounting(
                  + [msg(s, received=new) for s in (9, 11)])  # 10 never came: a loss
     settings = RetentionSettings(metrics_days=30, audit_days=365, batch=3)
     assert cutoffs(settings, new) == {"metrics": new - 30 * 86400, "audit": new - 365 * 86400}
-    assert Retention(settings, store, clock=lambda: new).run_once() == 7  # 3 + 3 + 1
+    assert Retention(settings, store.retention, clock=lambda: new).run_once() == 7  # 3 + 3 + 1
     assert store.stored_ranges("d1", BOOT) == [[8, 9], [11, 11]]
-    assert store.retired("d1", BOOT) == 7 and store.retired("d1", BOOT2) == 0
+    assert store.retention.retired("d1", BOOT) == 7 and store.retention.retired("d1", BOOT2) == 0
     assert store.gaps("d1", BOOT) == [[10, 10]]  # the purge is no loss; the loss stays
     assert store.latest_metrics("d1") is not None  # the young ones are there
     # A year on, the audit message goes too; the watermark only moves up.
     later = new + 400 * 86400
-    assert Retention(settings, store, clock=lambda: later).run_once() == 3
-    assert store.retired("d1", BOOT) == 11 and store.gaps("d1", BOOT) == []
-    assert Retention(RetentionSettings(metrics_days=None, audit_days=None), store).run_once() \
-        == 0
+    assert Retention(settings, store.retention, clock=lambda: later).run_once() == 3
+    assert store.retention.retired("d1", BOOT) == 11 and store.gaps("d1", BOOT) == []
+    assert Retention(RetentionSettings(metrics_days=None, audit_days=None),
+                     store.retention).run_once() == 0
 
 
 def test_the_retention_thread_survives_a_failed_pass(caplog: pytest.LogCaptureFixture) -> None:

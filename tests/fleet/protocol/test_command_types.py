@@ -218,7 +218,7 @@ def api(tmp_path: Path) -> Iterator[tuple[TestClient, SQLiteStore]]:
 
 
 def _as(store: SQLiteStore, name: str, role: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {store.create_operator(name, role, 1.0)[0]}"}
+    return {"Authorization": f"Bearer {store.operators.create_operator(name, role, 1.0)[0]}"}
 
 
 @pytest.mark.parametrize(("type_", "args", "error"), [
@@ -236,7 +236,7 @@ def test_the_controller_refuses_what_the_registry_does_not_hold_before_signing(
                        headers=_as(store, "alice", "operator"))
     assert sent.status_code == 400, sent.text
     assert error in sent.json()["error"]
-    assert [(a.action, a.status) for a in store.actions()] == [("command.send", 400)]
+    assert [(a.action, a.status) for a in store.audit.actions()] == [("command.send", 400)]
 
 
 def test_the_controller_holds_an_operator_to_the_types_role(

@@ -121,7 +121,8 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
         form = await _form(request)
         token = form.get("token", "").strip()
         target = _local(form.get("next"))
-        operator = await run_in_threadpool(store.operator_for_token, token) if token else None
+        operator = (await run_in_threadpool(store.operators.operator_for_token, token)
+                    if token else None)
         if operator is None:
             return page(request, "login", next=target, status=401,
                         error="That token is unknown or revoked.")
@@ -162,8 +163,8 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
                           form: dict[str, str] | None = None) -> dict[str, Any]:
         now = time.time()
         listed = []
-        for r in store.rollouts(limit=100):
-            full = rollout_ops.report(r, store.rollout_devices(r.id), now)
+        for r in store.rollouts.rollouts(limit=100):
+            full = rollout_ops.report(r, store.rollouts.rollout_devices(r.id), now)
             full.pop("devices")
             listed.append(full)
         return {"rollouts": listed, "releases": _releases(), "error": error,
@@ -203,11 +204,11 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
 
     @router.get("/console/rollouts/{rollout_id}")
     def rollout(request: Request, rollout_id: str, error: str | None = None) -> Response:
-        found = store.rollout(rollout_id)
+        found = store.rollouts.rollout(rollout_id)
         if found is None:
             return page(request, "missing", status=404, what=f"no rollout {rollout_id}")
-        report = rollout_ops.report(found, store.rollout_devices(rollout_id), time.time(),
-                                    store.actions(target=rollout_id))
+        report = rollout_ops.report(found, store.rollouts.rollout_devices(rollout_id), time.time(),
+                                    store.audit.actions(target=rollout_id))
         evidence = {d["device"]: _evidence(d["device"], rollout_id)
                     for d in report["devices"]}
         return page(request, "rollout", r=report, evidence=evidence, error=error,
@@ -243,7 +244,7 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
 
     @router.get("/console/audit")
     def audit(request: Request, operator: str = "") -> Response:
-        actions = store.actions(operator=operator or None, limit=500)
+        actions = store.audit.actions(operator=operator or None, limit=500)
         return page(request, "audit", actions=list(reversed(actions)), operator_filter=operator)
 
     return router

@@ -59,7 +59,7 @@ def start_rollout(store: ControllerStore, state_dir: Path | None, body: RolloutS
     refused: the API's and the console's one way."""
     # A model release's trail as before; a capacity release's names its settings.
     request = body.model_dump(exclude=set() if body.capacity else {"capacity"})
-    with audited(store, action="rollout.start", target=body.id, request=request,
+    with audited(store.audit, action="rollout.start", target=body.id, request=request,
                  **who) as action:
         if state_dir is None:
             raise NotFound("this controller has no release repository")
@@ -82,7 +82,7 @@ def start_rollout(store: ControllerStore, state_dir: Path | None, body: RolloutS
 def act_on_rollout(store: ControllerStore, rollout_id: str, verb: str,
                    who: Mapping[str, str]) -> RolloutRecord:
     """pause, resume, abort or rollback by `who`, on the audit trail, done or refused."""
-    with audited(store, action=f"rollout.{verb}", target=rollout_id, request={}, **who):
+    with audited(store.audit, action=f"rollout.{verb}", target=rollout_id, request={}, **who):
         return rollout_ops.act(store, rollout_id, verb, now=time.time(), by=who["operator"])
 
 
@@ -95,8 +95,8 @@ def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
     def rollouts(limit: int = Query(50, ge=1, le=1000)) -> dict[str, Any]:
         now = time.time()
         out = []
-        for r in store.rollouts(limit=limit):
-            full = rollout_ops.report(r, store.rollout_devices(r.id), now)
+        for r in store.rollouts.rollouts(limit=limit):
+            full = rollout_ops.report(r, store.rollouts.rollout_devices(r.id), now)
             full.pop("devices")
             out.append(full)
         return {"rollouts": out}
@@ -108,20 +108,20 @@ def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
         model = ModelName.parse(name)
         now = time.time()
         out = []
-        for r in store.rollouts(name=model, limit=limit):
-            full = rollout_ops.report(r, store.rollout_devices(r.id), now,
-                                      store.actions(target=r.id))
+        for r in store.rollouts.rollouts(name=model, limit=limit):
+            full = rollout_ops.report(r, store.rollouts.rollout_devices(r.id), now,
+                                      store.audit.actions(target=r.id))
             full.pop("devices")
             out.append(full)
         return {"name": model, "rollouts": out}
 
     @router.get("/rollouts/{rollout_id}")
     def rollout(rollout_id: str) -> dict[str, Any]:
-        found = store.rollout(rollout_id)
+        found = store.rollouts.rollout(rollout_id)
         if found is None:
             raise NotFound(f"no rollout {rollout_id}")
-        return rollout_ops.report(found, store.rollout_devices(rollout_id), time.time(),
-                                  store.actions(target=rollout_id))
+        return rollout_ops.report(found, store.rollouts.rollout_devices(rollout_id), time.time(),
+                                  store.audit.actions(target=rollout_id))
 
     @router.post("/rollouts", status_code=201)
     def start(body: RolloutStart, request: Request) -> dict[str, Any]:

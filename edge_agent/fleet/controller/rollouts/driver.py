@@ -93,7 +93,7 @@ class RolloutEngine:
         if not self.leading():
             return done
         try:
-            pending = self.store.rollouts(unsettled=True, limit=1000)
+            pending = self.store.rollouts.rollouts(unsettled=True, limit=1000)
         except Exception:
             self._once("store", "fleet rollouts: the store did not answer; retrying",
                        exc_info=True)
@@ -125,13 +125,14 @@ class RolloutEngine:
     def drive(self, r: RolloutRecord) -> Plan | None:
         """One step of one rollout (the module docstring's 2-4, then 1: a broker away
         holds the commands back, never the decision)."""
-        devices = self.store.rollout_devices(r.id)
+        devices = self.store.rollouts.rollout_devices(r.id)
         now = self.clock()
         plan = decide(r.state, r.wave, r.policy(), [d.view() for d in devices], now,
                       busy_retry_s=self.settings.rollout_busy_retry_s)
-        if not self.store.apply_plan(r.id, expect=r.state, state=plan.state, wave=plan.wave,
-                                     reason=plan.reason, settled=plan.settled,
-                                     timed_out=plan.timed_out, skipped=plan.skipped, now=now):
+        if not self.store.rollouts.apply_plan(r.id, expect=r.state, state=plan.state,
+                                              wave=plan.wave, reason=plan.reason,
+                                              settled=plan.settled, timed_out=plan.timed_out,
+                                              skipped=plan.skipped, now=now):
             return None  # changed under us: decided again next tick
         if plan.state != r.state:
             log.info("fleet rollout %s (%s@%s): %s -> %s: %s", r.id, r.name, r.version,
@@ -164,19 +165,19 @@ class RolloutEngine:
         for at in range(0, len(devices), CHUNK):
             chunk = devices[at:at + CHUNK]
             streams = {d: commands.stream(fleets[d], d) for d in chunk}
-            seqs = self.store.next_command_seqs(sorted(set(streams.values())))
+            seqs = self.store.rollouts.next_command_seqs(sorted(set(streams.values())))
             built = {d: commands.build(self.store, self.key, fleet=fleets[d], device=d,
                                        type_=type_, args=args, ttl_s=ttl_s, clock=self.clock,
                                        seq=seqs[streams[d]]) for d in chunk}
-            claimed = self.store.claim_commands(r.id, built, self.clock(),
-                                                require_state=require_state, retry=retry)
+            claimed = self.store.rollouts.claim_commands(r.id, built, self.clock(),
+                                                         require_state=require_state, retry=retry)
             if claimed and (type_ != START or retry):  # a wave's starts: with the wave
                 log.info("fleet rollout %s: %s%s to %d device(s)", r.id, type_,
                          " again (busy before)" if retry else "", len(claimed))
             self._publish([built[d] for d in claimed])
 
     def _republish(self, rollout_id: str) -> None:
-        waiting = self.store.unpublished_commands(rollout_id)
+        waiting = self.store.rollouts.unpublished_commands(rollout_id)
         if waiting:
             log.info("fleet rollout %s: publishing %d recorded command(s) again", rollout_id,
                      len(waiting))
@@ -187,7 +188,7 @@ class RolloutEngine:
         if not batch:
             return
         self.publisher.publish(batch)  # ServiceUnavailable: stays recorded, unpublished
-        self.store.mark_published([str(c["id"]) for c in batch], self.clock())
+        self.store.rollouts.mark_published([str(c["id"]) for c in batch], self.clock())
         if self.metrics is not None:
             for c in batch:
                 self.metrics.rollout_commands.labels(str(c["type"])).inc()

@@ -156,7 +156,7 @@ def start(store: ControllerStore, state_dir: Path, ref: str, selector: str, poli
         raise InvalidRequest(f"a rollout id is {ROLLOUT_ID_RULE}", param="id")
     devices = select_devices(store.devices(), selector)
     waves = assign_waves(rid, devices, policy.steps)
-    return store.create_rollout(NewRollout(
+    return store.rollouts.create_rollout(NewRollout(
         rid, name, version, selector,
         policy, {d: (fleet, waves[d]) for d, fleet in devices.items()},
         dict(capacity) if capacity else None), now)
@@ -167,8 +167,8 @@ def act(store: ControllerStore, rollout_id: str, action: str, *, now: float,
     """pause, resume, abort or rollback (RolloutConflict where the state does not allow it;
     NotFound for an unknown id); the rollout's reason names who (`by`)."""
     to, allowed = ACTIONS[action]
-    return store.set_rollout_state(rollout_id, to, allowed, reason=f"{action} by {by}",
-                                   now=now)
+    return store.rollouts.set_rollout_state(rollout_id, to, allowed, reason=f"{action} by {by}",
+                                            now=now)
 
 
 def report(r: RolloutRecord, devices: list[DeviceRecord], now: float,

@@ -114,7 +114,7 @@ Tx = Callable[[], AbstractContextManager["Exec"]]
 
 class RolloutQueries:
     """Rollout rows, each call in a transaction of the store that holds this object
-    (`sql.SQLStore.rollout_rows`): `tx` opens a write, `read` a read; `insert_command` is
+    (`sql.SQLStore.rollouts`): `tx` opens a write, `read` a read; `insert_command` is
     the store's own (the commands table is its)."""
 
     def __init__(self, tx: Tx, read: Tx,

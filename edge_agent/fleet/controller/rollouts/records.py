@@ -1,6 +1,7 @@
 """What the controller's rollouts are as data: a rollout, one device of it, a new one to
-write, the conflict error, and the store interface for them (`RolloutRecordStore`, part of
-`store.ControllerStore`). Plain records: the SQL is `rollouts.queries`, the rules `waves`.
+write, the conflict error, and the store interface for them (`RolloutRecordStore`, what
+`store.ControllerStore.rollouts` is). Plain records: the SQL is `rollouts.queries`, the
+rules `waves`.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class NewRollout:
 
 
 class RolloutRecordStore(Protocol):
-    """The rollout part of the store's interface (`store.ControllerStore` includes it)."""
+    """The rollouts' queries as callers hold them: `store.rollouts` (`store.ControllerStore`)."""
 
     def create_rollout(self, new: NewRollout, now: float) -> RolloutRecord: ...
 

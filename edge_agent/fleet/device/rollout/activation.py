@@ -258,9 +258,7 @@ class Activator:
                              switched_at: float, abort: Callable[[], bool]) -> GateReport:
         assert r.target_digest is not None
         report = GateReport()
-        if spec.memory_headroom_bytes is not None:
-            available = psutil.virtual_memory().available
-            report.checks.append(health_gate.check_memory(available, spec.memory_headroom_bytes))
+        report.checks.extend(_memory(spec))
         staged = await capacity.replay(spec, r.name, self.probe)
         report.checks.extend(staged.checks)
         report.checks.extend(capacity.compare(spec, baseline, staged))
@@ -314,15 +312,13 @@ class Activator:
         templates = {v.digest: v.model.chat_template
                      for v in self.ops.versions(name, missing_ok=True)}
         return health_gate.check_template(templates.get(previous) if previous else None,
-                                   templates.get(target))
+                                          templates.get(target))
 
     async def _gate(self, r: Rollout, spec: GateSpec, baseline: float | None,
                     switched_at: float, abort: Callable[[], bool]) -> GateReport:
         assert r.target_digest is not None
         report = GateReport()
-        if spec.memory_headroom_bytes is not None:
-            available = psutil.virtual_memory().available
-            report.checks.append(health_gate.check_memory(available, spec.memory_headroom_bytes))
+        report.checks.extend(_memory(spec))
         if spec.needs_baseline and r.previous_digest is not None:
             await self._settle(r.name, r.previous_digest)
         answers, checks = await health_gate.run_prompts(spec, r.name, self.probe)
@@ -506,6 +502,14 @@ def _failed(r: Rollout, exc: Exception, step: str) -> Check:
         return Check("load", False, type(exc).__name__, None, exc.message[:200])
     log.exception("rollout %s: %s failed", r.id, step)
     return Check("activation", False, type(exc).__name__, None, str(exc)[:200])
+
+
+def _memory(spec: GateSpec) -> list[Check]:
+    """The gate's memory headroom, where the release asks for one (either algorithm)."""
+    if spec.memory_headroom_bytes is None:
+        return []
+    available = psutil.virtual_memory().available
+    return [health_gate.check_memory(available, spec.memory_headroom_bytes)]
 
 
 def _requested() -> Check:
