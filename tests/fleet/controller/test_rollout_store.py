@@ -417,7 +417,7 @@ def test_two_controllers_taking_the_same_boxes_messages_in_either_order_never_de
     same boxes wait on each other and never in a circle."""
     stores = [PostgresStore(postgres_url), PostgresStore(postgres_url)]
     try:
-        stores[0].create_rollout(new(devices=20), now=1.0)
+        stores[0].rollouts.create_rollout(new(devices=20), now=1.0)
         boxes = [f"d{i}" for i in range(20)]
         batches = [[[transition(d, "DOWNLOADING", 10 + n) for d in order] for n in range(40)]
                    for order in (boxes, boxes[::-1])]
