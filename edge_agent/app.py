@@ -17,8 +17,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 from edge_agent import __version__
-from edge_agent.api import batches, ollama, ollama_models, openai, ops
+from edge_agent.api import ollama, ollama_models, ops
 from edge_agent.api.errors import install_error_handlers
+from edge_agent.api.openai import batch_routes, routes
+from edge_agent.api.openai.batch_runner import BatchRunner
+from edge_agent.api.openai.batches import BatchService
+from edge_agent.api.openai.serving import OpenAIServing
 from edge_agent.api.ops import readiness_problems
 from edge_agent.api.state import AppParts
 from edge_agent.config import Settings
@@ -26,7 +30,6 @@ from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.registry import ModelRegistry
 from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.device.rollout.name_claim import by_hand
-from edge_agent.gateway.batches import BatchService
 from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.keys import KeyStore
 from edge_agent.governance.redaction import Detectors, MetadataRedactor, Redactor, device_key
@@ -95,6 +98,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
                                 record=record, later=later)
     parts = AppParts(settings=settings, store=store, registry=registry, service=service,
                      ops=modelops, metrics=metrics, governor=governor,
+                     openai=OpenAIServing(service, store, lambda: parts.batches),
                      hold_name=functools.partial(by_hand, settings.state_dir))
 
     @contextlib.asynccontextmanager
@@ -148,16 +152,15 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     install_error_handlers(app)
     scrub = MetadataRedactor(redactor, lambda name: store.is_installed(ModelName.parse(name)))
     app.add_middleware(RequestContext, record=lambda row: record(REQUESTS, row), scrub=scrub)
-    batch_queue = BatchService(
-        settings, registry, governor, batches.line_runner(app),
-        record=lambda row: record(REQUESTS, row),
+    batch_queue = BatchService(settings, BatchRunner(
+        settings, parts.openai, governor, record=lambda row: record(REQUESTS, row),
         flushed=lambda: parts.ledger.flush() if parts.ledger is not None else True,
-        scrub=scrub)
+        scrub=scrub, metrics=parts.metrics))
     app.include_router(ops.router)
     app.include_router(ollama.router)
     app.include_router(ollama_models.router)
-    app.include_router(openai.router)
-    app.include_router(batches.router)
+    app.include_router(routes.router)
+    app.include_router(batch_routes.router)
     return app
 
 

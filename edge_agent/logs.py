@@ -10,13 +10,15 @@ or the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -98,11 +100,78 @@ class MetadataScrub(Protocol):
     def path(self, value: str) -> str: ...
 
 
+def scrubbed(scrub: MetadataScrub | None, what: str, value: str) -> str:
+    """`value` through the scrubber's `what` (trace_id, model, path). Never raises: a
+    scrubber failure drops the value rather than the line."""
+    if scrub is None:
+        return value
+    try:
+        return str(getattr(scrub, what)(value))
+    except Exception:
+        logging.getLogger(__name__).exception("redacting the %s failed", what)
+        return "<REDACTION_FAILED>"
+
+
+@dataclass
+class Served:
+    """What one request's context knows while it is served: its trace id, the fields its
+    handlers noted (`access`), and its status once known (None: nothing to write, as for a
+    batch line that will run again)."""
+
+    rid: str
+    access: dict[str, Any]
+    status: int | None = 500
+    started_at: float = field(default_factory=time.time)
+    start: float = field(default_factory=time.perf_counter)
+
+
+@contextlib.contextmanager
+def request_context(rid: str, method: str, path: str, *,
+                    record: Callable[[dict[str, Any]], None] | None = None,
+                    scrub: MetadataScrub | None = None, access: dict[str, Any] | None = None,
+                    status: int | None = 500, extra: dict[str, Any] | None = None,
+                    label: str = "") -> Iterator[Served]:
+    """The context one request is served in, for the HTTP middleware (`RequestContext`)
+    and the batch runner alike: its trace id and access fields in the context variables
+    while it runs, then one access line and, for generation and embedding endpoints, one
+    ledger row, both assembled here from scrubbed metadata. `access` starts the fields
+    (the batch's tenant); `extra` joins both line and row (`batch_id`); `label` ends the
+    access line's message."""
+    served = Served(rid, {"id": uuid.uuid4().hex, **(access or {})}, status)
+    token = request_id_var.set(rid)
+    access_token = access_var.set(served.access)
+    try:
+        yield served
+    finally:
+        try:
+            if served.status is not None:
+                _write(served, method, path, record, scrub, extra or {}, label)
+        finally:
+            access_var.reset(access_token)
+            request_id_var.reset(token)
+
+
+def _write(served: Served, method: str, path: str,
+           record: Callable[[dict[str, Any]], None] | None, scrub: MetadataScrub | None,
+           extra: dict[str, Any], label: str) -> None:
+    dialect = "openai" if path.startswith("/v1/") else "ollama"
+    fields = {"method": method, "path": scrubbed(scrub, "path", path),
+              "status": served.status, "tenant": "local", "dialect": dialect,
+              **served.access,
+              "total_ms": round((time.perf_counter() - served.start) * 1000, 1), **extra}
+    if isinstance(fields.get("model"), str):
+        fields["model"] = scrubbed(scrub, "model", fields["model"])
+    message = f"{method} {fields['path']} {served.status}" + (f" ({label})" if label else "")
+    access_log.info("%s", message, extra={"fields": fields, "request_id": served.rid})
+    if record is not None and path in LEDGER_PATHS:
+        record({**fields, "trace_id": served.rid, "ts": served.started_at, "endpoint": path})
+
+
 class RequestContext:
-    """Pure ASGI middleware: trace id in, trace id out (`X-Request-Id`), and at the end of
-    the response (after the last byte of a stream) one access line and, for generation and
-    embedding requests, one ledger row. Both are assembled here, once, from scrubbed
-    metadata; the response header carries the trace id as stored."""
+    """Pure ASGI middleware: trace id in, trace id out (`X-Request-Id`), and the request
+    served in its `request_context`, whose access line and ledger row are written at the
+    end of the response (after the last byte of a stream); the response header carries
+    the trace id as stored."""
 
     def __init__(self, app: ASGIApp, record: Callable[[dict[str, Any]], None] | None = None,
                  scrub: MetadataScrub | None = None) -> None:
@@ -110,49 +179,20 @@ class RequestContext:
         self.record = record
         self.scrub = scrub
 
-    def _scrubbed(self, what: str, value: str) -> str:
-        """Never raises: a scrubber failure drops the value rather than the line."""
-        if self.scrub is None:
-            return value
-        try:
-            return str(getattr(self.scrub, what)(value))
-        except Exception:
-            logging.getLogger(__name__).exception("redacting the %s failed", what)
-            return "<REDACTION_FAILED>"
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = self._scrubbed("trace_id", trace_id(dict(scope["headers"])))
-        token = request_id_var.set(rid)
-        access: dict[str, Any] = {"id": uuid.uuid4().hex}  # the ledger's request id
-        access_token = access_var.set(access)
-        started_at = time.time()
-        start = time.perf_counter()
-        status = 500
+        rid = scrubbed(self.scrub, "trace_id", trace_id(dict(scope["headers"])))
+        with request_context(rid, scope["method"], scope["path"], record=self.record,
+                             scrub=self.scrub) as served:
 
-        async def send_with_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
-            await send(message)
+            async def send_with_id(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    served.status = message["status"]
+                    message.setdefault("headers", [])
+                    message["headers"] = [*message["headers"],
+                                          (b"x-request-id", rid.encode())]
+                await send(message)
 
-        try:
             await self.app(scope, receive, send_with_id)
-        finally:
-            dialect = "openai" if scope["path"].startswith("/v1/") else "ollama"
-            fields = {"method": scope["method"], "path": self._scrubbed("path", scope["path"]),
-                      "status": status, "tenant": "local", "dialect": dialect, **access,
-                      "total_ms": round((time.perf_counter() - start) * 1000, 1)}
-            if isinstance(fields.get("model"), str):
-                fields["model"] = self._scrubbed("model", fields["model"])
-            access_log.info("%s %s %s", scope["method"], fields["path"], status,
-                            extra={"fields": fields, "request_id": rid})
-            if self.record is not None and scope["path"] in LEDGER_PATHS:
-                self.record({**fields, "trace_id": rid, "ts": started_at,
-                             "endpoint": scope["path"]})
-            access_var.reset(access_token)
-            request_id_var.reset(token)

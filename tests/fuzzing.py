@@ -30,7 +30,8 @@ import httpx
 from fastapi import FastAPI
 
 from edge_agent import __version__
-from edge_agent.api import batches, ollama, ollama_models, openai, ops
+from edge_agent.api import ollama, ollama_models, ops
+from edge_agent.api.openai import batch_routes, routes
 from edge_agent.config import load_settings
 from edge_agent.engine.registry import FOREVER, parse_keep_alive
 from edge_agent.errors import EdgeAgentError
@@ -60,8 +61,8 @@ def own_openapi_document() -> dict[str, Any]:
     operations are known when tests are collected (the schemathesis tests check that the
     live server serves the same)."""
     app = FastAPI(title="edge-agent", version=__version__)
-    for router in (ops.router, ollama.router, ollama_models.router, openai.router,
-                   batches.router):
+    for router in (ops.router, ollama.router, ollama_models.router, routes.router,
+                   batch_routes.router):
         app.include_router(router)
     return app.openapi()
 

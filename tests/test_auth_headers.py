@@ -11,9 +11,10 @@ import httpx
 import pytest
 from fastapi.routing import APIRoute
 
-from edge_agent.api import ollama, ollama_models, openai
+from edge_agent.api import ollama, ollama_models
 from edge_agent.api.auth import authenticate
 from edge_agent.api.errors import is_openai_path
+from edge_agent.api.openai import routes as openai_routes
 from edge_agent.config import load_settings
 from edge_agent.governance.keys import KeyStore
 from tests.conftest import LiveServer, free_port, start_server
@@ -42,7 +43,7 @@ def governed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveSer
 def _authenticated_routes() -> list[tuple[str, str]]:
     """Every route of both dialects' routers (each router requires authentication)."""
     routes = []
-    for router in (ollama.router, ollama_models.router, openai.router):
+    for router in (ollama.router, ollama_models.router, openai_routes.router):
         assert any(d.dependency is authenticate for d in router.dependencies)
         for route in router.routes:
             assert isinstance(route, APIRoute)

@@ -353,11 +353,11 @@ def test_submit_one_is_a_batch_of_one_line(
     from edge_agent.governance.tenants import TenantContext
 
     service = live.app.state.parts.batches
-    assert service is not None and service._task is not None
+    assert service is not None and service.runner._task is not None
     tenant = TenantContext("shop", TenantPolicy.model_validate({"models": ["smollm2:*"]}))
     future = asyncio.run_coroutine_threadsafe(
         service.submit_one(tenant, "/v1/chat/completions", _line(7)["body"]),
-        service._task.get_loop())
+        service.runner._task.get_loop())
     batch = future.result(timeout=30)
     assert batch["object"] == "batch" and batch["request_counts"]["total"] == 1
     done = _ended(clients["shop"], batch["id"])
@@ -444,15 +444,19 @@ def test_an_interactive_request_meeting_every_sequence_taken_by_lines_gets_one_b
                                     for i in range(n)]))
         b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")
-        service = live.app.state.parts.batches
         [model] = live.app.state.parts.registry.loaded()
-        _wait(lambda: model.slots.running == 2 and service._generating() == 2, 300,
+        stats = model.worker.stats
+        _wait(lambda: stats.running == 2 and stats.yielding == 2, 300,
               "both sequences taken by lines")
         answer = client.chat.completions.create(
             model=DEFAULT_MODEL, max_tokens=4,
             messages=[{"role": "user", "content": "Is the shop open?"}])
         assert answer.choices[0].message.content is not None
-        assert service.put_back >= 1
+        assert stats.put_back >= 1
+        metrics = httpx.get(f"{live.base_url}/metrics").text
+        [line] = [x for x in metrics.splitlines() if x.startswith(
+            f'edge_agent_batch_lines_put_back_total{{model="{DEFAULT_MODEL}"}}')]
+        assert float(line.split()[-1]) >= 1
         done = _ended(client, b.id)
         assert done.request_counts is not None
         assert (done.status, done.request_counts.completed) == ("completed", n)

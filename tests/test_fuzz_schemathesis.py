@@ -26,7 +26,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from edge_agent.api import batches, ollama, ollama_models, openai
+from edge_agent.api import ollama, ollama_models
+from edge_agent.api.openai import protocol
 from edge_agent.api.openapi import body_schema
 from edge_agent.app import create_app
 from edge_agent.config import load_settings
@@ -59,10 +60,10 @@ BODIES = {
     ("post", "/api/embeddings"): ollama.EmbeddingsBody,
     ("post", "/api/show"): ollama_models.ModelRef,
     ("delete", "/api/delete"): ollama_models.ModelRef,
-    ("post", "/v1/chat/completions"): openai.ChatBody,
-    ("post", "/v1/completions"): openai.CompletionBody,
-    ("post", "/v1/embeddings"): openai.EmbeddingBody,
-    ("post", "/v1/batches"): batches.BatchBody,
+    ("post", "/v1/chat/completions"): protocol.ChatBody,
+    ("post", "/v1/completions"): protocol.CompletionBody,
+    ("post", "/v1/embeddings"): protocol.EmbeddingBody,
+    ("post", "/v1/batches"): protocol.BatchBody,
 }
 
 

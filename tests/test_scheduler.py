@@ -16,10 +16,17 @@ import numpy as np
 import pytest
 
 from edge_agent.engine.constrained.json_grammar import schema_to_grammar
-from edge_agent.engine.request import DoneEvent, ErrorEvent, Event, SamplingParams, TokenEvent
+from edge_agent.engine.request import (
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    RestartEvent,
+    SamplingParams,
+    TokenEvent,
+)
 from edge_agent.engine.runtime.llama import BatchContext, LlamaModel
 from edge_agent.engine.scheduling.admission import AdmissionQueue
-from edge_agent.engine.scheduling.scheduler import GenerationJob, ModelScheduler
+from edge_agent.engine.scheduling.scheduler import MAX_PUT_BACKS, GenerationJob, ModelScheduler
 from edge_agent.errors import QueueFull, ServiceUnavailable
 from edge_agent.telemetry.metrics import rejection_reason
 
@@ -392,3 +399,116 @@ def test_a_schema_is_parsed_once_and_answers_the_same_with_or_without_the_forest
     assert scheduler.grammars.parses == 1
     assert len(set(texts)) == 1
     jsonschema.validate(json.loads(texts[0]), ORDER)
+
+
+def test_the_yielding_lane_waits_behind_both_classes_and_a_put_back_job_goes_first() -> None:
+    q: AdmissionQueue[GenerationJob, object] = AdmissionQueue(max_size=2, aging_s=10.0)
+    mk = lambda **kw: GenerationJob(prompt=[1], params=SamplingParams(), grammar=None,  # noqa: E731
+                                    max_tokens=1, stops=[], emit=lambda e: None, **kw)
+    lines = [mk(yields=True, priority="batch") for _ in range(2)]
+    for job in lines:
+        q.put(job)
+    with pytest.raises(QueueFull):
+        q.put(mk(yields=True, priority="batch"))  # the lane has its own bound …
+    assert len(q) == 0 and q.yielding == 2  # … and counts in neither class's
+    chat = mk()
+    q.put(chat)
+    assert q.interactive_waiting
+    assert q.pop(yielding=True) is chat  # the classes first, whatever the scheduler allows
+    assert q.pop() is None  # the lane only when the scheduler opens it
+    first = q.pop(yielding=True)
+    assert first is lines[0]
+    q.put_back(first)
+    assert q.pop(yielding=True) is first  # put back: first in its lane again
+
+
+def _events(out: _Collector, timeout: float = 120) -> list[Event]:
+    """Every event of a job, to its end."""
+    seen: list[Event] = []
+    while not seen or not isinstance(seen[-1], DoneEvent | ErrorEvent):
+        seen.append(out.events.get(timeout=timeout))
+    return seen
+
+
+def _on_first(job: GenerationJob, kind: type, then: Callable[[], object]) -> None:
+    """`then()` on the worker's thread as the job's first event of `kind` is delivered:
+    what it does happens while the job runs (its first text) or just after it ended,
+    however slow this test's own thread is."""
+    emit, done = job.emit, threading.Event()
+
+    def wrapped(event: Event) -> None:
+        emit(event)
+        if isinstance(event, kind) and not done.is_set():
+            done.set()
+            then()
+
+    job.emit = wrapped
+
+
+def test_a_yielding_job_starts_in_a_pause_and_gives_its_sequence_back_when_work_arrives(
+        make_scheduler: Callable[..., ModelScheduler]) -> None:
+    """With a pause to wait for (`yield_idle_s`): a batch line's job waits while another
+    job runs and for the pause after it; when a chat arrives while it runs it is put back
+    at once (a RestartEvent), the chat runs alone, and the line runs again to its end."""
+    sched = make_scheduler(parallel=2, yield_idle_s=1.0, yield_reserve=0)
+    seen: list[tuple[str, float]] = []
+    chat, chat_out = _job(sched, PROMPTS[0], max_tokens=24)
+    _on_first(chat, DoneEvent, lambda: seen.append(("chat", time.monotonic())))
+    sched.submit(chat)
+    line, line_out = _job(sched, PROMPTS[1], max_tokens=120, stream=False, yields=True,
+                          priority="batch")
+    other, other_out = _job(sched, PROMPTS[2], max_tokens=8)
+
+    def line_started() -> None:
+        seen.append(("line", time.monotonic()))
+        sched.submit(other)
+
+    _on_first(line, TokenEvent, line_started)
+    sched.submit(line)
+    chat_out.result()
+    other_out.result()
+    events = _events(line_out)
+    (first, chat_at), (second, line_at) = seen
+    assert (first, second) == ("chat", "line")  # held while the chat ran …
+    assert line_at - chat_at >= 0.5  # … and for the pause after it (less a step)
+    assert sched.stats.put_back == 1 and line.put_backs == 1
+    assert sum(isinstance(e, RestartEvent) for e in events) == 1
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.usage.completion_tokens == 120
+
+
+def test_without_a_pause_a_waiting_chat_takes_the_newest_lines_sequence(
+        make_scheduler: Callable[..., ModelScheduler]) -> None:
+    """`yield_idle_s` 0: lines run beside other work, and only a chat waiting with every
+    sequence taken puts one back, the newest; the other line never restarts."""
+    sched = make_scheduler(parallel=2, yield_idle_s=0.0, yield_reserve=0)
+    old, old_out = _job(sched, PROMPTS[1], max_tokens=150, stream=False, yields=True)
+    new, new_out = _job(sched, PROMPTS[2], max_tokens=150, stream=False, yields=True)
+    chat, chat_out = _job(sched, PROMPTS[0], max_tokens=8)
+    _on_first(old, TokenEvent, lambda: sched.submit(new))
+    _on_first(new, TokenEvent, lambda: sched.submit(chat))
+    sched.submit(old)
+    chat_out.result()
+    new_events, old_events = _events(new_out), _events(old_out)
+    assert (old.put_backs, new.put_backs) == (0, 1)
+    assert not any(isinstance(e, RestartEvent) for e in old_events)
+    assert sum(isinstance(e, RestartEvent) for e in new_events) == 1
+    for events in (old_events, new_events):
+        assert isinstance(events[-1], DoneEvent) and events[-1].usage.completion_tokens == 150
+
+
+def test_a_job_put_back_often_enough_runs_to_its_end_and_a_stream_is_never_put_back(
+        make_scheduler: Callable[..., ModelScheduler]) -> None:
+    """Bounded: a line put back MAX_PUT_BACKS times keeps its sequence, and the chat waits
+    for it; a yielding job whose text streams is never put back (sent text stays sent)."""
+    sched = make_scheduler(parallel=1, yield_idle_s=0.0)
+    for kw in ({"stream": False, "put_backs": MAX_PUT_BACKS}, {"stream": True}):
+        line, line_out = _job(sched, PROMPTS[1], max_tokens=60, yields=True, **kw)
+        chat, chat_out = _job(sched, PROMPTS[0], max_tokens=4)
+        _on_first(line, TokenEvent, lambda chat=chat: sched.submit(chat))
+        sched.submit(line)
+        chat_out.result()
+        events = _events(line_out, timeout=1)  # it ended before the chat could start
+        assert not any(isinstance(e, RestartEvent) for e in events)
+        assert isinstance(events[-1], DoneEvent) and events[-1].usage.completion_tokens == 60
+    assert sched.stats.put_back == 0

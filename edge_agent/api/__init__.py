@@ -1,5 +1,5 @@
-"""The HTTP side: one module per dialect (`ollama`, `ollama_models`, `openai`), the
-operator's endpoints (`ops`: health, ready, metrics), authentication (`auth`), bodies and
+"""The HTTP side: the dialects (`ollama`, `ollama_models`, and the `openai` package: its
+protocol, serving and routes, and the Batch API beside them), the operator's endpoints (`ops`: health, ready, metrics), authentication (`auth`), bodies and
 their limits (`body`), the one error tree's two wire shapes (`errors`), catalog pulls
 (`pull`) and the OpenAPI document (`openapi`).
 

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edge_agent.errors import ContextLengthExceeded, EdgeAgentError, InvalidRequest
 from edge_agent.logs import note
+from edge_agent.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +64,19 @@ def error_response(exc: EdgeAgentError, path: str) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
+def observe_refusal(metrics: Metrics | None, dialect: str, exc: EdgeAgentError) -> None:
+    """A request's refusal on its access line and in the metrics (counted once, if the
+    request path has not already): for an HTTP request's error and a batch line's alike."""
+    note(error_type=exc.error_type)
+    if metrics is not None:
+        metrics.observe_error("", dialect, exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_edge_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, EdgeAgentError)
-        note(error_type=exc.error_type)
-        metrics = getattr(request.app.state.parts, "metrics", None)
-        if metrics is not None:  # counted once, if the request path has not already
-            dialect = "openai" if is_openai_path(request.url.path) else "ollama"
-            metrics.observe_error("", dialect, exc)
+        dialect = "openai" if is_openai_path(request.url.path) else "ollama"
+        observe_refusal(getattr(request.app.state.parts, "metrics", None), dialect, exc)
         return error_response(exc, request.url.path)
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:

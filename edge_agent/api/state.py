@@ -9,11 +9,12 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from edge_agent.api.openai.batches import BatchService
+from edge_agent.api.openai.serving import OpenAIServing
 from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.registry import ModelRegistry
-from edge_agent.gateway.batches import BatchService
 from edge_agent.gateway.service import GenerationService
 from edge_agent.governance.tenants import Governor
 from edge_agent.ledger.writer import LedgerWriter
@@ -27,6 +28,7 @@ class AppParts:
     registry: ModelRegistry
     service: GenerationService
     ops: ModelOps  # every model-lifecycle handler goes through it
+    openai: OpenAIServing  # the OpenAI dialect's serving, for its routes and batch lines
     metrics: Metrics | None = None
     governor: Governor | None = None
     ledger: LedgerWriter | None = None  # set while the app runs

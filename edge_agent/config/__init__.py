@@ -206,10 +206,11 @@ class BatchSettings(_Section):
         "bounds it too: a line is a request body); a longer one gets 400 at upload.")
     max_in_flight: int = Field(
         2, ge=1, le=64,
-        description="Batch lines generating at once, all batches together, and never more "
-        "than the free sequences less reserve_slots. None starts while an interactive "
-        "request waits for a sequence, and a running one is put back (run again later) "
-        "when one does.")
+        description="Batch lines under way at once (waiting at their model or generating), "
+        "all batches together. A model's scheduler starts one only within its free "
+        "sequences less reserve_slots and while no other request waits for a sequence, "
+        "and puts a running one back (run again later) when an interactive request waits "
+        "with every sequence taken.")
     reserve_slots: int = Field(
         1, ge=0,
         description="Sequences of a model that batch lines leave free, so that an "

@@ -108,14 +108,6 @@ def _bounded(seconds: float) -> float:
     return FOREVER if seconds > _CENTURY_S else seconds
 
 
-@dataclass(frozen=True)
-class Slots:
-    parallel: int  # sequences
-    running: int  # holding a sequence now
-    interactive_waiting: int
-    batch_waiting: int
-
-
 @dataclass
 class LoadedModel:
     info: InstalledModel
@@ -154,14 +146,6 @@ class LoadedModel:
 
     # -- the narrow interface the request path uses (gateway/): nothing else of the worker
     @property
-    def slots(self) -> Slots:
-        """How busy its sequences are now (the batch queue yields by it)."""
-        w = self.worker
-        return Slots(parallel=w.stats.parallel, running=w.running,
-                     interactive_waiting=w.queue.waiting("interactive"),
-                     batch_waiting=w.queue.waiting("batch"))
-
-    @property
     def n_ctx(self) -> int:
         """Tokens per sequence: the most one request's prompt and answer may take."""
         return self.worker.n_ctx
@@ -189,7 +173,7 @@ class LoadedModel:
                             max_tokens=spec.max_tokens, stops=spec.stops,
                             emit=ThreadEmitter(loop, events), priority=spec.priority,
                             load_ns=spec.load_ns, cache_key=spec.cache_key,
-                            draft=spec.draft, stream=spec.stream)
+                            draft=spec.draft, stream=spec.stream, yields=spec.yields)
         self.worker.submit(job)
         return Generation(events=events, cancelled=job.cancelled,
                           submitted_ns=job.submitted_ns)
@@ -641,7 +625,9 @@ class ModelRegistry:
                 flash_attn=resolve_flash_attn(rt.flash_attn), kv_type=self._kv_type(info),
                 nice=rt.compute_nice,
                 prompt_lookup=lookup, draft_model=draft,
-                close_tokens=rt.structured_close_tokens)
+                close_tokens=rt.structured_close_tokens,
+                yield_idle_s=self.settings.batches.idle_ms / 1000,
+                yield_reserve=self.settings.batches.reserve_slots)
         except BaseException:
             model.close()
             raise

@@ -103,6 +103,10 @@ class GenerationSpec:
     # token); the rest is in the DoneEvent's `text`, with no wake-up of the caller's event
     # loop per step for text nobody reads until the end.
     stream: bool = True
+    # True (a batch's line, not streamed): it starts only in the pauses of other work and
+    # gives its sequence back when other work needs it, to run again from its start
+    # (`scheduling.scheduler`; the caller then gets a RestartEvent).
+    yields: bool = False
 
 
 @dataclass
@@ -181,7 +185,13 @@ class ToolCallEvent:
     name: str = ""
 
 
-Event = TokenEvent | DoneEvent | ErrorEvent | ToolCallEvent
+@dataclass(frozen=True)
+class RestartEvent:
+    """A yielding job (`GenerationSpec.yields`) gave its sequence back to other work and
+    runs again from its start: the text sent so far is void."""
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent | ToolCallEvent | RestartEvent
 
 
 @dataclass(frozen=True)

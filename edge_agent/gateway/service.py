@@ -29,6 +29,7 @@ from edge_agent.engine.request import (
     Generation,
     GenerationRequest,
     GenerationSpec,
+    RestartEvent,
     TokenEvent,
 )
 from edge_agent.errors import (
@@ -191,7 +192,7 @@ class GenerationService:
         spec = GenerationSpec(prompt=fitted.tokens, params=sampling, grammar=grammar,
                               max_tokens=fitted.max_tokens, stops=stops_for(req, model),
                               priority=priority, load_ns=load_ns, cache_key=req.cache_key,
-                              draft=req.draft, stream=req.stream)
+                              draft=req.draft, stream=req.stream, yields=req.batch_line)
         return spec, fitted
 
     def _govern(self, tenant: TenantContext | None, model: ModelName) -> None:
@@ -231,6 +232,10 @@ class GenerationService:
                     except asyncio.TimeoutError:
                         generation.cancelled.set()
                         event = ErrorEvent(RequestTimeout("the request passed its deadline"))
+                if isinstance(event, RestartEvent):  # a batch line's job put back
+                    given = 0
+                    reader = ToolAnswerReader() if prepared.tool_mode else None
+                    continue
                 if isinstance(event, TokenEvent):
                     first_token_ns = first_token_ns or time.perf_counter_ns()
                     given += len(event.text)

@@ -163,6 +163,10 @@ class _LiveCollector(Collector):
         confirmed = CounterMetricFamily(
             "edge_agent_draft_accepted_tokens", "Of them, those the sampler confirmed",
             labels=["model"])
+        put_back = CounterMetricFamily(
+            "edge_agent_batch_lines_put_back", "Batch lines whose sequence the scheduler took "
+            "back for other work, to run again later (since the model was loaded)",
+            labels=["model"])
         loaded = GaugeMetricFamily("edge_agent_loaded_models", "Models resident")
         models = self._loaded()
         loaded.add_metric([], len(models))
@@ -179,10 +183,12 @@ class _LiveCollector(Collector):
             g["edge_agent_parallel_sequences"].add_metric([name], m.parallel)
             drafted.add_metric([name], st.drafted)
             confirmed.add_metric([name], st.draft_accepted)
+            put_back.add_metric([name], st.put_back)
         yield loaded
         yield from g.values()
         yield drafted
         yield confirmed
+        yield put_back
         writer = self._ledger()
         if writer is not None:
             lag = GaugeMetricFamily("edge_agent_ledger_write_lag_seconds",

@@ -1,8 +1,9 @@
 """Where a request waits for a slot and how its steps are batched.
 
 Owns the admission queue in front of each model (`admission`: two priority classes,
-bounded, 503 when full), the worker thread that owns a model's context and decodes every
-running sequence in one batch per step (`scheduler`), the step policy's arithmetic
+bounded, 503 when full, and the lane of a batch's lines), the worker thread that owns a
+model's context, decodes every running sequence in one batch per step and makes a batch's
+lines yield to other work (`scheduler`), the step policy's arithmetic
 (`steppolicy`) and the cost of a prompt chunk it sizes steps with (`stepcost`), and the two
 ways of guessing tokens ahead: prompt lookup (`prompt_lookup`) and a draft model
 (`draftmodel`).

@@ -12,6 +12,15 @@ costs this thread measures.
 
 A failure inside a step ends only the request(s) it can be traced to, with an error event,
 and frees their sequences; the thread and every other request go on.
+
+Jobs that yield (a batch's lines: `GenerationSpec.yields`) run in the capacity the others
+leave, and this thread, which holds the sequences, is what makes them yield: one starts
+only once no other job has run or waited for `yield_idle_s`, and while more than
+`yield_reserve` sequences stay free after it. When other work arrives while they run,
+each is put back (its sequence freed at once, the job first in its lane again, its caller
+told by a RestartEvent, to run again from its start): with `yield_idle_s` set, every one
+running; else, when an interactive job waits with every sequence taken, the newest. A job
+put back MAX_PUT_BACKS times runs to its end, so a line always ends however busy the box.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from edge_agent.engine.request import (
     EmbeddingResult,
     ErrorEvent,
     Event,
+    RestartEvent,
     SamplingParams,
     Timings,
     TokenEvent,
@@ -70,6 +80,8 @@ from edge_agent.priority import lower_thread_priority
 
 log = logging.getLogger(__name__)
 
+MAX_PUT_BACKS = 3  # then a yielding job runs to its end whatever arrives
+
 
 @dataclass
 class GenerationJob:
@@ -87,6 +99,15 @@ class GenerationJob:
     cache_key: str | None = None  # the client's prompt-cache hint (OpenAI prompt_cache_key)
     draft: int | None = None  # most prompt-lookup draft tokens a step (None: the model's)
     stream: bool = True  # False: only the first text as a TokenEvent (GenerationSpec.stream)
+    yields: bool = False  # runs in the pauses of other work (GenerationSpec.yields)
+    put_backs: int = 0  # times it gave its sequence back
+
+    @property
+    def preemptible(self) -> bool:
+        """Whether it may still be put back: a yielding job whose caller reads its answer
+        whole (a stream's text, once sent, cannot be taken back), not yet put back
+        MAX_PUT_BACKS times."""
+        return self.yields and not self.stream and self.put_backs < MAX_PUT_BACKS
 
 
 @dataclass
@@ -127,6 +148,8 @@ class SchedulerStats:
     embedded_tokens: int = 0
     drafted: int = 0  # prompt-lookup draft tokens decoded
     draft_accepted: int = 0  # of them, those the sampler confirmed
+    yielding: int = 0  # sequences held by yielding jobs now (a batch's lines)
+    put_back: int = 0  # yielding jobs put back for other work, since the load
 
 
 class _Slot:
@@ -183,8 +206,16 @@ class ModelScheduler:
         prompt_lookup: int = 0,
         draft_model: LlamaModel | None = None,
         close_tokens: int = 0,
+        yield_idle_s: float = 0.0,
+        yield_reserve: int = 0,
     ) -> None:
         self.model = model
+        # Yielding jobs (see the module's docstring): the pause of other work they wait
+        # for, and the sequences they leave free (one model sequence is lent while idle,
+        # else they would never run there).
+        self.yield_idle_s = yield_idle_s
+        self.yield_reserve = min(yield_reserve, parallel - 1)
+        self._others_at = 0.0  # when a job that does not yield last ran or waited
         # A JSON answer's last tokens of max_tokens, at most, spent closing it
         # (`constrained.closing`; `_close_reserve`). 0: never.
         self.close_tokens = close_tokens
@@ -328,6 +359,7 @@ class ModelScheduler:
         while not self.queue.closed:
             try:
                 self._take_side_work()
+                self._yield_to_others()
                 self._admit()
                 if any(s.job for s in self.slots):
                     self._step()
@@ -335,7 +367,8 @@ class ModelScheduler:
                     self._embed_pass(self._embed_chunk(), None)
                 else:
                     self._flush()
-                    self.queue.wait()
+                    held = self._yielding_held_for()
+                    self.queue.wait(held, yielding_held=held is not None)
             except Exception as exc:
                 # Nothing narrower could be blamed: end the jobs this step was running, so
                 # that the next step cannot fail the same way again.
@@ -405,7 +438,7 @@ class ModelScheduler:
             free = [s for s in self.slots if s.job is None]
             if not free:
                 return
-            job = self.queue.pop()
+            job = self.queue.pop(yielding=self._yielding_may_start(len(free)))
             if job is None:
                 return
             slot = self._pick_slot(free, job)
@@ -414,6 +447,56 @@ class ModelScheduler:
             except Exception as exc:
                 slot.job = job
                 self._fail([slot], exc, "starting a request")
+
+    # -- yielding jobs: in the pauses of the others ------------------------------------------
+    def _others_seen(self) -> bool:
+        """Whether a job that does not yield runs or waits now; notes when, for
+        `yield_idle_s`."""
+        if len(self.queue) or any(s.job is not None and not s.job.yields for s in self.slots):
+            self._others_at = time.monotonic()
+            return True
+        return False
+
+    def _yielding_may_start(self, free: int) -> bool:
+        """Whether a yielding job may take one of the `free` sequences now: no other job
+        waiting, the others paused for `yield_idle_s` (with 0, it runs beside them), and
+        `yield_reserve` sequences left free after it."""
+        if not self.queue.yielding:
+            return False
+        self._others_seen()
+        return not len(self.queue) and free - 1 >= self.yield_reserve \
+            and time.monotonic() - self._others_at >= self.yield_idle_s
+
+    def _yielding_held_for(self) -> float | None:
+        """With nothing running: how long the yielding lane's jobs are held back still (the
+        rest of the pause they wait for), or None when they are not."""
+        if not self.queue.yielding:
+            return None
+        left = self._others_at + self.yield_idle_s - time.monotonic()
+        return left if left > 0 else None
+
+    def _yield_to_others(self) -> None:
+        """Puts back the yielding jobs that other work needs the sequences of (see the
+        module's docstring)."""
+        mine = [s for s in self.slots if s.job is not None and s.job.preemptible]
+        if not mine:
+            return
+        if self.yield_idle_s > 0:
+            if self._others_seen():
+                for slot in mine:
+                    self._put_back(slot)
+        elif self.queue.interactive_waiting and all(s.job is not None for s in self.slots):
+            self._put_back(max(mine, key=lambda s: s.t_start))
+
+    def _put_back(self, slot: _Slot) -> None:
+        job = slot.job
+        assert job is not None
+        log.info("a yielding job gave its sequence back to other work")
+        job.put_backs += 1
+        self.stats.put_back += 1
+        self._emit(job, RestartEvent())
+        self._release(slot, keep_cells=True)  # its prompt's cells, for when it runs again
+        self.queue.put_back(job)
 
     def _pick_slot(self, free: list[_Slot], job: GenerationJob) -> _Slot:
         """The free sequence whose cells share the longest prefix with the prompt, so a
@@ -480,7 +563,14 @@ class ModelScheduler:
         slot.draft = []
         slot.lookup = PromptLookup(prompt) \
             if slot.draft_max > 0 and self.drafter is None else None
-        self.stats.running = sum(1 for s in self.slots if s.job is not None)
+        self._count()
+
+    def _count(self) -> None:
+        """The sequences held now, by all jobs and by yielding ones, and the cells held."""
+        st = self.stats
+        st.running = sum(1 for s in self.slots if s.job is not None)
+        st.yielding = sum(1 for s in self.slots if s.job is not None and s.job.yields)
+        st.kv_used = sum(len(s.tokens) for s in self.slots)
 
     def _grammar_prefixes(self) -> TokenPrefixes | None:
         """The vocabulary's prefix forest (`token_prefixes`), once built. The first grammar
@@ -541,8 +631,7 @@ class ModelScheduler:
         st = self.stats
         st.steps += 1
         st.last_step_s = elapsed
-        st.running = sum(1 for s in self.slots if s.job is not None)
-        st.kv_used = sum(len(s.tokens) for s in self.slots)
+        self._count()
         self._step_s = 0.9 * self._step_s + 0.1 * elapsed
 
     def _rows_may_wait(self, decoding: list[_Slot], prompt_tokens: int) -> bool:
@@ -808,8 +897,7 @@ class ModelScheduler:
         slot.lookup, slot.draft = None, []
         if drop:
             slot.tokens = []
-        self.stats.running = sum(1 for s in self.slots if s.job is not None)
-        self.stats.kv_used = sum(len(s.tokens) for s in self.slots)
+        self._count()
         try:
             if sampler is not None:
                 sampler.close()

@@ -1,57 +1,30 @@
-"""OpenAI's Batch API: /v1/files (purpose `batch`) and /v1/batches, per tenant.
+"""OpenAI's Batch API over HTTP: /v1/files (purpose `batch`) and /v1/batches, per tenant.
 
-Thin over `gateway.batches.BatchService`: parse and validate, shape the objects as
-OpenAI's. An upload is `multipart/form-data` (`file`, `purpose`), read here up to
-`batches.max_file_bytes` (413 past it) and parsed by Starlette's multipart parser.
-`line_runner` is how a batch line is served: the OpenAI dialect's own handler, given the
-line's body as a request of the batch's tenant at the `batch` priority, so that a line is
-parsed, refused and answered exactly as the same request sent interactively.
+Thin over `batches.BatchService`: parse and validate, hand on. An upload is
+`multipart/form-data` (`file`, `purpose`), read here up to `batches.max_file_bytes` (413
+past it) and parsed by Starlette's multipart parser.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.types import Message
 
-from edge_agent.api import openai
 from edge_agent.api.auth import authenticate, authenticated
 from edge_agent.api.body import read_body, read_json, validate
-from edge_agent.api.errors import openai_body
+from edge_agent.api.openai.batches import BatchService
+from edge_agent.api.openai.protocol import BatchBody
 from edge_agent.api.openapi import request_body
 from edge_agent.api.state import Parts
-from edge_agent.errors import (
-    EdgeAgentError,
-    InvalidRequest,
-    ServiceUnavailable,
-    UnsupportedParameter,
-)
-from edge_agent.gateway.batches import BatchService, RunLine
-from edge_agent.governance.tenants import TenantContext
-from edge_agent.logs import note
+from edge_agent.errors import InvalidRequest, ServiceUnavailable, UnsupportedParameter
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
-log = logging.getLogger(__name__)
 _MULTIPART_SLACK = 64 * 1024  # the parts' heads and the purpose field, beside the file
-
-
-class BatchBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    input_file_id: str = Field(min_length=1, max_length=200)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
-    completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = Field(None, max_length=16)
-    output_expires_after: dict[str, Any] | None = None
 
 
 def _service(parts: Any) -> BatchService:
@@ -169,60 +142,3 @@ async def _multipart(headers: Headers, body: bytes) -> dict[str, tuple[str | Non
     finally:
         await form.close()
     return fields
-
-
-# -- a line, through the dialect's handler ---------------------------------------------------
-_HANDLERS = {"/v1/chat/completions": openai.chat_completions,
-             "/v1/completions": openai.completions, "/v1/embeddings": openai.embeddings}
-
-
-def line_runner(app: FastAPI) -> RunLine:
-    """`RunLine` for `BatchService`: the line's body as the body of a request to the
-    endpoint's handler, with the tenant set as `authenticate` sets it, `X-Priority: batch`,
-    and never a stream (a batch's answer is a whole response)."""
-
-    async def run(tenant: TenantContext, endpoint: str, body: dict[str, Any]
-                  ) -> tuple[int, dict[str, Any], float | None]:
-        try:
-            if body.get("stream"):
-                raise InvalidRequest("stream is not supported in a batch: each answer is "
-                                     "stored whole", param="stream")
-            data = json.dumps(body, ensure_ascii=False).encode()
-            request = _request(app, endpoint, data)
-            request.state.tenant = tenant
-            request.state.batch_line = True  # never degraded: a 503 waits and runs again
-            response = await _HANDLERS[endpoint](request, app.state.parts)
-            answer = json.loads(bytes(response.body))
-            return response.status_code, answer, None
-        except EdgeAgentError as exc:  # as the error handlers do for a request
-            note(error_type=exc.error_type)
-            metrics = app.state.parts.metrics
-            if metrics is not None:
-                metrics.observe_error("", "openai", exc)
-            return exc.status_code, openai_body(exc), exc.retry_after
-        except Exception:  # a failure of this line only: the batch goes on
-            log.exception("a batch line failed")
-            return 500, openai_body(EdgeAgentError("internal server error")), None
-
-    return run
-
-
-def _request(app: FastAPI, path: str, data: bytes) -> Request:
-    sent = False
-
-    async def receive() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": data, "more_body": False}
-        # Nobody disconnects: wait until cancelled (a cancel, a stop, a preemption).
-        await asyncio.Event().wait()
-        return {"type": "http.disconnect"}
-
-    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
-             "root_path": "", "scheme": "http", "query_string": b"", "app": app,
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(data)).encode()),
-                         (b"x-priority", b"batch")],
-             "client": ("batch", 0), "server": ("batch", 0), "state": {}}
-    return Request(scope, receive)

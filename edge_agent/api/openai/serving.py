@@ -1,36 +1,39 @@
-"""The OpenAI dialect (/v1/*): chat completions, completions, embeddings, models.
+"""The OpenAI dialect's serving: chat completions, completions and embeddings, each from a
+validated body (`protocol`), the request's scheduling controls and its tenant, to an
+answer object or a stream of server-sent events. No Request and no bytes in: `routes`
+calls it for an HTTP request, and the batch runner for each line of a batch, so a line is
+refused and answered exactly as the same request sent interactively.
 
-Thin: parse and validate, build a `GenerationRequest`, encode events as SSE. Unknown
-arguments are refused as OpenAI refuses them; known ones that would change behaviour and
-are not supported (n > 1, logprobs, audio …) get 400 naming the parameter. `null` is
-accepted wherever OpenAI's spec makes a parameter nullable, and means its default. Every
-stream ends with `data: [DONE]`; after an error, an error event comes just before it.
+Known parameters that would change behaviour and are not supported (n > 1, logprobs,
+audio …) get 400 naming the parameter. Every stream ends with `data: [DONE]`; after an
+error, an error event comes just before it.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import logging
 import secrets
 import struct
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.background import BackgroundTask
-
-from edge_agent.api.auth import authenticate, authenticated, tenant_of
-from edge_agent.api.body import apply_controls, read_json, validate
+from edge_agent.api.body import Controls
 from edge_agent.api.errors import openai_body
-from edge_agent.api.openapi import request_body
-from edge_agent.api.state import Parts
+from edge_agent.api.openai.protocol import (
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    EmbeddingBody,
+    Sampling,
+)
 from edge_agent.engine.constrained.tool_calls import ANY_JSON_OBJECT
-from edge_agent.engine.models.catalog import InstalledModel
+from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.request import (
     DoneEvent,
     EmbeddingRequest,
@@ -46,108 +49,65 @@ from edge_agent.errors import (
     NotDegraded,
     UnsupportedParameter,
 )
-from edge_agent.gateway.service import PreparedGeneration
+from edge_agent.gateway.service import GenerationService, PreparedGeneration
+from edge_agent.governance.tenants import TenantContext
 from edge_agent.logs import note
 from edge_agent.names import ModelName
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 log = logging.getLogger(__name__)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+@dataclass
+class Answer:
+    """A whole response: its JSON body, its status and headers."""
+
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+    status: int = 200
 
 
-class StreamOptions(_Body):
-    include_usage: bool | None = False
-    include_obfuscation: bool | None = None
+@dataclass
+class Streamed:
+    """A streamed response: its server-sent events (ending in `[DONE]`, an error event
+    first where it failed), its headers, and what to call once it has ended or was never
+    sent (the model handed back)."""
+
+    events: AsyncIterator[bytes]
+    headers: dict[str, str]
+    release: Callable[[], Awaitable[None]]
 
 
-class JsonSchemaFormat(_Body):
-    name: str
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-    description: str | None = None
+class Deferrals(Protocol):
+    """Where a deferred request is queued as a one-line batch (`batches.BatchService`)."""
+
+    async def submit_one(self, tenant: TenantContext, endpoint: str, body: dict[str, Any],
+                         *, custom_id: str = ..., metadata: dict[str, str] | None = None
+                         ) -> dict[str, Any]: ...
 
 
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+class OpenAIServing:
+    """The dialect's three model endpoints over the generation service and the model
+    store; `deferrals` gives the batch queue while it runs (None before and after)."""
 
+    def __init__(self, service: GenerationService, store: ModelStore,
+                 deferrals: Callable[[], Deferrals | None]) -> None:
+        self.service = service
+        self.store = store
+        self.deferrals = deferrals
 
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-    refusal: str | None = None
+    async def chat(self, body: ChatBody, controls: Controls, tenant: TenantContext | None
+                   ) -> Answer | Streamed:
+        return await _chat(self, body, controls.with_timeout(body.timeout_ms), tenant)
 
+    async def completions(self, body: CompletionBody, controls: Controls,
+                          tenant: TenantContext | None) -> Answer | Streamed:
+        return await _completions(self, body, controls.with_timeout(body.timeout_ms),
+                                  tenant)
 
-class _Sampling(_Body):
-    model: str
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = Field(1, ge=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # an end-user id: recorded as a keyed digest
-    # llama.cpp extensions, as its server accepts them
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repeat_penalty: float | None = Field(None, gt=0)
-    timeout_ms: int | None = Field(None, gt=0)  # deadline for this request
-
-
-class ChatBody(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-    reasoning_effort: str | None = None
-    modalities: list[str] | None = None
-    audio: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None
-    web_search_options: dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
-    safety_identifier: str | None = None  # an end-user id: recorded as a keyed digest
-    # Prompt caching: the box caches every prompt prefix in its sequences' KV cells anyway.
-    prompt_cache_key: str | None = None  # a hint: prefer the sequence this key used last
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # accepted, as a hint
-    prompt_cache_options: dict[str, Any] | None = None  # accepted; breakpoints are implicit
-    verbosity: str | None = None
-    moderation: dict[str, Any] | None = None
-
-
-class CompletionBody(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]] | None
-    max_tokens: int | None = Field(16, ge=0)
-    suffix: str | None = None
-    echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
-
-
-class EmbeddingBody(_Body):
-    model: str
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, gt=0)
-    user: str | None = None
+    async def embeddings(self, body: EmbeddingBody, controls: Controls,
+                         tenant: TenantContext | None,
+                         disconnected: Callable[[], Awaitable[bool]] | None = None) -> Answer:
+        return await _embeddings(self, body, controls, tenant, disconnected)
 
 
 def _unsupported(condition: object, param: str, what: str) -> None:
@@ -155,7 +115,7 @@ def _unsupported(condition: object, param: str, what: str) -> None:
         raise UnsupportedParameter(f"{what} is not supported", param=param)
 
 
-def _common(body: _Sampling, req: GenerationRequest) -> None:
+def _common(body: Sampling, req: GenerationRequest) -> None:
     _unsupported(body.n not in (None, 1), "n", "n > 1")
     req.stream = bool(body.stream)
     req.end_user = getattr(body, "safety_identifier", None) or body.user
@@ -248,20 +208,22 @@ def _chat_request(body: ChatBody) -> GenerationRequest:
     return req
 
 
-async def _deferred(request: Request, parts: Parts, exc: Deferrable, raw: Any) -> Response:
+async def _deferred(serving: OpenAIServing, tenant: TenantContext | None, exc: Deferrable,
+                    body: ChatBody) -> Answer:
     """A low-tier request on a saturated box that accepts a later answer (`X-Edge-Defer:
     batch`): queued as a one-line batch of its tenant, answered 202 with the batch, whose
     output file will hold the answer. Its stream and deadline are the moment's, not the
     line's: a batch's answer is stored whole, whenever the box has room."""
-    tenant, batches = tenant_of(request), parts.batches
-    if tenant is None or batches is None or not isinstance(raw, dict):
+    batches = serving.deferrals()
+    if tenant is None or batches is None:
         raise NotDegraded(exc.message, retry_after=exc.retry_after) from exc
-    line = {k: v for k, v in raw.items() if k not in ("stream", "stream_options", "timeout_ms")}
+    line = body.model_dump(by_alias=True, exclude_unset=True,
+                           exclude={"stream", "stream_options", "timeout_ms"})
     batch = await batches.submit_one(tenant, "/v1/chat/completions", line,
                                      metadata={"deferred": "risk tier low"})
-    degradation = parts.service.risk.deferred(exc)
+    degradation = serving.service.risk.deferred(exc)
     note(batch_id=batch["id"])
-    return JSONResponse(batch, status_code=202, headers={
+    return Answer(batch, status=202, headers={
         "Location": f"/v1/batches/{batch['id']}", "X-Edge-Degraded": degradation.header()})
 
 
@@ -297,29 +259,27 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-@router.post("/chat/completions", openapi_extra=request_body(ChatBody))
-async def chat_completions(request: Request, parts: Parts) -> Response:
-    raw = await read_json(request, parts.settings.server.max_body_bytes)
-    body = validate(ChatBody, raw)
+async def _chat(serving: OpenAIServing, body: ChatBody, controls: Controls,
+                tenant: TenantContext | None) -> Answer | Streamed:
     req = _chat_request(body)
-    apply_controls(request, req, body.timeout_ms)
+    controls.apply(req)
     try:
-        prepared = await parts.service.prepare(req, tenant=tenant_of(request))
+        prepared = await serving.service.prepare(req, tenant=tenant)
     except Deferrable as exc:
-        return await _deferred(request, parts, exc, raw)
+        return await _deferred(serving, tenant, exc, body)
     ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
     head = {"id": ident, "created": created, "model": prepared.model.info.name,
             "system_fingerprint": "fp_" + prepared.model.info.digest[:12]}
 
     if not body.stream:
-        done = await parts.service.complete(prepared)
+        done = await serving.service.complete(prepared)
         message: dict[str, Any] = {"role": "assistant", "content": done.text or None,
                                    "refusal": None}
         if done.tool_calls:
             message["tool_calls"] = _tool_calls(done)
         else:
             message["content"] = done.text
-        return JSONResponse({**head, "object": "chat.completion", "choices": [
+        return Answer({**head, "object": "chat.completion", "choices": [
             {"index": 0, "message": message, "logprobs": None, "finish_reason": done.reason}],
             "usage": _usage(done)}, headers=prepared.headers(done))
 
@@ -338,7 +298,7 @@ async def chat_completions(request: Request, parts: Parts) -> Response:
     async def events() -> AsyncIterator[bytes]:
         yield chunk({"role": "assistant", "content": ""})
         streamed: set[int] = set()  # calls already sent piece by piece
-        async for event in parts.service.stream(prepared, tool_deltas=True):
+        async for event in serving.service.stream(prepared, tool_deltas=True):
             if isinstance(event, TokenEvent):
                 yield (pre + json.dumps(event.text, ensure_ascii=False) + post).encode()
             elif isinstance(event, ToolCallEvent):
@@ -358,9 +318,8 @@ async def chat_completions(request: Request, parts: Parts) -> Response:
                 yield _sse(openai_body(_edge(event.error)))
                 yield _sse("[DONE]")
 
-    return StreamingResponse(_ending_in_error_event(events()), media_type="text/event-stream",
-                             headers=prepared.headers(),
-                             background=BackgroundTask(parts.service.release, prepared))
+    return Streamed(_ending_in_error_event(events()), prepared.headers(),
+                    functools.partial(serving.service.release, prepared))
 
 
 def _call_delta(event: ToolCallEvent) -> dict[str, Any]:
@@ -389,10 +348,8 @@ async def _ending_in_error_event(events: AsyncIterator[bytes]) -> AsyncIterator[
         yield _sse("[DONE]")
 
 
-@router.post("/completions", openapi_extra=request_body(CompletionBody))
-async def completions(request: Request, parts: Parts) -> Response:
-    body = validate(CompletionBody,
-                    await read_json(request, parts.settings.server.max_body_bytes))
+async def _completions(serving: OpenAIServing, body: CompletionBody, controls: Controls,
+                       tenant: TenantContext | None) -> Answer | Streamed:
     _unsupported(body.suffix, "suffix", "suffix (insertion)")
     _unsupported(body.logprobs, "logprobs", "logprobs")
     _unsupported(body.best_of not in (None, 1), "best_of", "best_of > 1")
@@ -415,7 +372,7 @@ async def completions(request: Request, parts: Parts) -> Response:
                                 context_tokens=[] if isinstance(p, str) else p,
                                 context_param="prompt")
         _common(body, req)
-        apply_controls(request, req, body.timeout_ms)
+        controls.apply(req)
         requests.append(req)
 
     def echo(req: GenerationRequest) -> str:
@@ -432,7 +389,7 @@ async def completions(request: Request, parts: Parts) -> Response:
 
     async def prepare(i: int) -> PreparedGeneration:
         with naming_prompt(i):
-            return await parts.service.prepare(requests[i], tenant=tenant_of(request))
+            return await serving.service.prepare(requests[i], tenant=tenant)
 
     if len(requests) > 1:
         # Every prompt is found acceptable (or refused, 400 naming it) before the first
@@ -440,7 +397,7 @@ async def completions(request: Request, parts: Parts) -> Response:
         # turn could only end a response already under way.
         for i, req in enumerate(requests):
             with naming_prompt(i):
-                await parts.service.check(req, tenant=tenant_of(request))
+                await serving.service.check(req, tenant=tenant)
     first = await prepare(0)  # refuse (scope, a model that is not there) before any head
     ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
     head = {"id": ident, "created": created, "object": "text_completion",
@@ -450,13 +407,13 @@ async def completions(request: Request, parts: Parts) -> Response:
     if not body.stream:
         choices, totals = [], [0, 0, 0]
         for i, req in enumerate(requests):
-            done = await parts.service.complete(await prepare(i) if i else first)
+            done = await serving.service.complete(await prepare(i) if i else first)
             choices.append({"index": i, "text": echo(req) + done.text, "logprobs": None,
                             "finish_reason": done.reason})
             totals = [totals[0] + done.usage.prompt_tokens,
                       totals[1] + done.usage.completion_tokens,
                       totals[2] + done.usage.cached_tokens]
-        return JSONResponse({**head, "choices": choices, "usage": {
+        return Answer({**head, "choices": choices, "usage": {
             "prompt_tokens": totals[0], "completion_tokens": totals[1],
             "total_tokens": totals[0] + totals[1],
             "prompt_tokens_details": {"cached_tokens": totals[2]}}})
@@ -480,7 +437,7 @@ async def completions(request: Request, parts: Parts) -> Response:
             try:
                 if body.echo and req.prompt:
                     yield chunk(i, req.prompt)
-                async for event in parts.service.stream(prepared):
+                async for event in serving.service.stream(prepared):
                     if isinstance(event, TokenEvent):
                         yield chunk(i, event.text)
                     elif isinstance(event, DoneEvent):
@@ -493,7 +450,7 @@ async def completions(request: Request, parts: Parts) -> Response:
                         yield _sse("[DONE]")
                         return
             finally:
-                await parts.service.release(prepared)
+                await serving.service.release(prepared)
         if with_usage:
             yield _sse({**head, "choices": [], "usage": {
                 "prompt_tokens": usage[0], "completion_tokens": usage[1],
@@ -501,13 +458,13 @@ async def completions(request: Request, parts: Parts) -> Response:
                 "prompt_tokens_details": {"cached_tokens": usage[2]}}})
         yield _sse("[DONE]")
 
-    return StreamingResponse(_ending_in_error_event(events()), media_type="text/event-stream",
-                             background=BackgroundTask(parts.service.release, first))
+    return Streamed(_ending_in_error_event(events()), {},
+                    functools.partial(serving.service.release, first))
 
 
-@router.post("/embeddings", openapi_extra=request_body(EmbeddingBody))
-async def embeddings(request: Request, parts: Parts) -> Response:
-    body = validate(EmbeddingBody, await read_json(request, parts.settings.server.max_body_bytes))
+async def _embeddings(serving: OpenAIServing, body: EmbeddingBody, controls: Controls,
+                      tenant: TenantContext | None,
+                      disconnected: Callable[[], Awaitable[bool]] | None) -> Answer:
     inputs: list[str | list[int]]
     if isinstance(body.input, str):
         inputs = [body.input]
@@ -518,9 +475,8 @@ async def embeddings(request: Request, parts: Parts) -> Response:
     if not inputs or any(x == "" or x == [] for x in inputs):
         raise InvalidRequest("input must not be empty", param="input")
     req = EmbeddingRequest(model=body.model, inputs=inputs)
-    apply_controls(request, req)
-    result = await parts.service.embed(req, tenant=tenant_of(request),
-                                       disconnected=request.is_disconnected)
+    controls.apply(req)
+    result = await serving.service.embed(req, tenant=tenant, disconnected=disconnected)
     dims = len(result.vectors[0])
     if body.dimensions is not None and body.dimensions != dims:
         raise UnsupportedParameter(f"this model gives {dims} dimensions; "
@@ -532,30 +488,9 @@ async def embeddings(request: Request, parts: Parts) -> Response:
         if body.encoding_format == "base64":
             emb = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
         data.append({"object": "embedding", "index": i, "embedding": emb})
-    served = parts.store.get(ModelName.parse(body.model)).name
-    return JSONResponse({"object": "list", "data": data, "model": served,
+    served = serving.store.get(ModelName.parse(body.model)).name
+    return Answer({"object": "list", "data": data, "model": served,
                          "usage": {"prompt_tokens": result.prompt_tokens,
                                    "total_tokens": result.prompt_tokens}})
 
 
-def _model_obj(m: InstalledModel) -> dict[str, Any]:
-    """OpenAI's model object; `digest` (the active version's sha256) is an extra field,
-    which OpenAI's clients keep as it is."""
-    return {"id": m.name, "object": "model", "created": int(m.installed_at),
-            "owned_by": "edge-agent", "digest": m.digest}
-
-
-@router.get("/models")
-async def list_models(request: Request, parts: Parts) -> dict[str, Any]:
-    """The models the key may use (OpenAI lists what a key can access)."""
-    tenant = authenticated(request)
-    return {"object": "list", "data": [_model_obj(m) for m in parts.ops.installed()
-                                       if tenant.reaches(m.name)]}
-
-
-@router.get("/models/{model_id:path}")
-async def get_model(request: Request, model_id: str, parts: Parts) -> dict[str, Any]:
-    # Outside the scope: 403 on the name alone, as /api/show and generation answer.
-    name = ModelName.parse(model_id)
-    authenticated(request).check_reach(name)
-    return _model_obj(parts.ops.show(name))
