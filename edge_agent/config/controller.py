@@ -40,7 +40,7 @@ from edge_agent.config import (
 )
 
 # How long a box that answered "busy" waits before the controller sends it the rollout again
-# (the wave policy, `fleet.controller.rollouts.waves`, reads it from here).
+# (the wave policy, `fleet.controller.waves`, reads it from here).
 BUSY_RETRY_S = 30.0
 DEFAULT_CONFIG_FILE = Path("/etc/edge-agent-fleet/controller.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/edge-agent-fleet")

@@ -187,8 +187,7 @@ class BatchRunner:
         for batch in list(self._open.values()):
             if batch.row["status"] != "in_progress" or batch.resume_at > now:
                 continue
-            room = self.settings.batches.max_in_flight - sum(
-                len(b.running) for b in self._open.values())
+            room = self.settings.batches.max_in_flight - self._unanswered()
             if room <= 0:
                 break
             lines = store.pending(batch.row["id"], skip=set(batch.running), limit=room)
@@ -197,6 +196,12 @@ class BatchRunner:
                 continue
             for line in lines:
                 self._start(batch, line)
+
+    def _unanswered(self) -> int:
+        """Lines under way whose answers are not in: a line whose answer is in is only
+        being written (its ledger row flushed first), and the next one starts meanwhile."""
+        return sum(not line.answered for b in self._open.values()
+                   for line in b.running.values())
 
     def _start(self, batch: _Open, row: dict[str, Any]) -> None:
         try:
@@ -241,6 +246,7 @@ class BatchRunner:
                 log.exception("a batch line failed")
                 status, body = 500, openai_body(EdgeAgentError("internal server error"))
             line.answered = True
+            self._wake.set()  # the next line may start while this one is written
             served.status = status
             result = {"id": line.line_id, "custom_id": line.custom_id,
                       "response": {"status_code": status, "request_id": served.access["id"],

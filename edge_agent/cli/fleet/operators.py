@@ -87,7 +87,7 @@ def _since(text: str | None) -> float | None:
     import datetime
 
     from edge_agent.errors import InvalidRequest
-    from edge_agent.fleet.controller.rollouts.waves import parse_duration
+    from edge_agent.fleet.controller.waves import parse_duration
 
     if text is None:
         return None

@@ -119,7 +119,7 @@ def pki_renew(folder: Path, within: str, as_json: bool) -> None:
     from a timer, then copy and reload what it names."""
     from edge_agent.errors import InvalidRequest
     from edge_agent.fleet.controller.pki import FleetCA
-    from edge_agent.fleet.controller.rollouts.waves import parse_duration
+    from edge_agent.fleet.controller.waves import parse_duration
 
     try:
         days = parse_duration(within, param="within") / 86400

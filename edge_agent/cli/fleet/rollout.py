@@ -11,7 +11,7 @@ These commands go through the controller's API (`client`: to a remote `fleet ser
 --controller, or in-process on the controller host) and only write its store: the running
 `fleet serve` signs and publishes the rollout.* commands (with `command_signing_key_file`),
 starts each wave, watches the boxes' reports, soaks, aborts. A rollout written while `fleet
-serve` is down starts when it comes back. Thin: the rules are `fleet.controller.rollouts.waves` and
+serve` is down starts when it comes back. Thin: the rules are `fleet.controller.waves` and
 `fleet.controller.rollouts.operations`, the routes `fleet.controller.rollouts.api`.
 """
 
@@ -86,7 +86,7 @@ def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_exe
                   rollout_id: str | None, capacity: str | None, as_json: bool) -> None:
     """Start rolling NAME@VERSION out (with --capacity: a capacity change gated by it):
     written to the store, driven by `fleet serve`."""
-    from edge_agent.fleet.controller.rollouts.waves import parse_waves, wave_sizes
+    from edge_agent.fleet.controller.waves import parse_waves, wave_sizes
 
     with controller_client() as api:
         record = api.post("/rollouts", {

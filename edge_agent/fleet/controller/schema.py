@@ -1,7 +1,7 @@
 """Every table the controller stores, in one place: the schema steps, in order, that
 `store.SQLiteStore` and `store.PostgresStore` run once each (`fleet_migrations` records
 them). The queries that read and write these tables are `sql.SQLStore` (devices,
-messages, commands), `rollouts.queries.RolloutQueries` (rollouts) and
+messages, commands), `rollout_queries.RolloutQueries` (rollouts) and
 `retention.RetentionQueries` (what retention removed).
 
 | table | one row per | written by |

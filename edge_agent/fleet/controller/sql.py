@@ -21,7 +21,7 @@ from edge_agent.fleet.controller.audit import AuditQueries
 from edge_agent.fleet.controller.inbound import Acks, Inbound
 from edge_agent.fleet.controller.operators import OperatorQueries
 from edge_agent.fleet.controller.retention import RetentionQueries
-from edge_agent.fleet.controller.rollouts.queries import RolloutQueries
+from edge_agent.fleet.controller.rollout_queries import RolloutQueries
 from edge_agent.fleet.controller.transaction import Exec
 from edge_agent.fleet.protocol.envelope import (
     Ranges,
@@ -149,7 +149,7 @@ class SQLStore:
 
     def _side_effects(self, db: Exec, msg: Inbound) -> None:
         """What a new message means beyond itself: a dropped-metrics report, a command's
-        result, a rollout's report (`rollouts.queries`). Bad shapes are logged, never fatal:
+        result, a rollout's report (`rollout_queries`). Bad shapes are logged, never fatal:
         the message itself is stored."""
         body = msg.body
         try:

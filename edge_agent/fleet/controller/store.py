@@ -23,7 +23,7 @@ from edge_agent.fleet.controller.audit import AuditStore
 from edge_agent.fleet.controller.inbound import Acks, Inbound
 from edge_agent.fleet.controller.operators import OperatorStore
 from edge_agent.fleet.controller.retention import RetentionQueries
-from edge_agent.fleet.controller.rollouts.records import RolloutRecordStore
+from edge_agent.fleet.controller.rollout_records import RolloutRecordStore
 from edge_agent.fleet.controller.schema import SCHEMA
 from edge_agent.fleet.controller.sql import SQLStore
 from edge_agent.fleet.controller.transaction import Exec

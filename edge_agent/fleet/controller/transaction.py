@@ -1,6 +1,6 @@
 """What every query of the controller's store is written against: a connection inside a
 transaction, with `?` placeholders (`Exec`). Its own module because every part of the store
-uses it — the ingest (`sql`), rollouts (`rollouts.queries`), retention, operators and the audit
+uses it — the ingest (`sql`), rollouts (`rollout_queries`), retention, operators and the audit
 trail — while `sql` imports those parts: the type beside them would close a circle.
 
 The drivers' side (`store._SQLiteExec`, `store._PostgresExec`) implements it; nothing here

@@ -28,8 +28,8 @@ from edge_agent.fleet.controller.leadership import (
     AdvisoryLeadership,
     FileLeadership,
 )
-from edge_agent.fleet.controller.rollouts.waves import assign_waves, parse_waves
 from edge_agent.fleet.controller.store import PostgresStore
+from edge_agent.fleet.controller.waves import assign_waves, parse_waves
 from edge_agent.fleet.device.link.core import LinkOptions
 from edge_agent.fleet.protocol.signing import load_public
 from edge_agent.fleet.sim.fleet import SimOptions, Simulator

@@ -22,8 +22,8 @@ from edge_agent.fleet.controller.audit import local_operator
 from edge_agent.fleet.controller.inbound import Inbound
 from edge_agent.fleet.controller.rollouts import operations as rollout_ops
 from edge_agent.fleet.controller.rollouts.driver import RolloutEngine
-from edge_agent.fleet.controller.rollouts.waves import Policy, parse_waves
 from edge_agent.fleet.controller.store import PostgresStore, SQLiteStore
+from edge_agent.fleet.controller.waves import Policy, parse_waves
 from edge_agent.fleet.protocol.signing import load_private, load_public, verify
 from tests.ggufgen import write_tiny_gguf
 from tests.support.releasekit import Repo, make_repo

@@ -1,4 +1,4 @@
-"""Controller rollouts in the store (`rollouts.queries`): the same tests on SQLite and on a
+"""Controller rollouts in the store (`rollout_queries`): the same tests on SQLite and on a
 private PostgreSQL — one live rollout per name, the boxes' reports applied by the ingest
 (their download progress too), commands claimed once and published, the engine's
 conditional decisions, the migrations."""
@@ -15,14 +15,21 @@ import pytest
 from edge_agent.errors import NotFound
 from edge_agent.fleet.controller import store as store_module
 from edge_agent.fleet.controller.inbound import Inbound
-from edge_agent.fleet.controller.rollouts.operations import ACTIONS
-from edge_agent.fleet.controller.rollouts.operations import report as status_report
-from edge_agent.fleet.controller.rollouts.records import (
+from edge_agent.fleet.controller.rollout_records import (
     DownloadProgress,
     NewRollout,
     RolloutConflict,
 )
-from edge_agent.fleet.controller.rollouts.waves import (
+from edge_agent.fleet.controller.rollouts.operations import ACTIONS
+from edge_agent.fleet.controller.rollouts.operations import report as status_report
+from edge_agent.fleet.controller.schema import SCHEMA
+from edge_agent.fleet.controller.store import (
+    ControllerStore,
+    PostgresStore,
+    SQLiteStore,
+    StoreConflict,
+)
+from edge_agent.fleet.controller.waves import (
     ABORTED,
     PAUSED,
     PENDING,
@@ -31,13 +38,6 @@ from edge_agent.fleet.controller.rollouts.waves import (
     SENT,
     Policy,
     parse_waves,
-)
-from edge_agent.fleet.controller.schema import SCHEMA
-from edge_agent.fleet.controller.store import (
-    ControllerStore,
-    PostgresStore,
-    SQLiteStore,
-    StoreConflict,
 )
 from tests.support.fleetkit import wait_until
 

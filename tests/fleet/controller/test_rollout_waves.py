@@ -27,8 +27,8 @@ from click.testing import CliRunner
 
 from edge_agent.cli import main
 from edge_agent.fleet.controller.audit import local_operator
-from edge_agent.fleet.controller.rollouts.waves import assign_waves, parse_waves
 from edge_agent.fleet.controller.store import SQLiteStore
+from edge_agent.fleet.controller.waves import assign_waves, parse_waves
 from tests.conftest import free_port
 from tests.ggufgen import write_tiny_gguf
 from tests.support.brokers import Mosquitto

@@ -1,4 +1,4 @@
-"""The controller's wave policy (`fleet.controller.rollouts.waves`): parsing, the waves' sizes and
+"""The controller's wave policy (`fleet.controller.waves`): parsing, the waves' sizes and
 assignment, how a device counts, the abort math with its minimum, the soak, timeouts and
 what each decision sends. Pure: no broker, no store."""
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from edge_agent.fleet.controller.rollouts.waves import (
+from edge_agent.fleet.controller.waves import (
     ABORTED,
     COMPLETED,
     PAUSED,

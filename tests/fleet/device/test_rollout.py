@@ -233,7 +233,7 @@ def test_a_name_that_stays_busy_through_the_drain_fails_and_is_retried(
 
     async def scenario() -> Any:
         manager = box.manager()
-        manager.activator.drain_timeout_s = 0.1
+        manager.activator.act.drain_timeout_s = 0.1
         await manager.start()
         manager.begin("r1", NAME, "2")
         r = await manager.settled("r1", SETTLE_S)

@@ -27,8 +27,8 @@ from edge_agent.config import ConfigError
 from edge_agent.errors import NotFound, ServiceUnavailable
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
+from edge_agent.fleet.controller.rollout_records import RolloutRecord
 from edge_agent.fleet.controller.rollouts import operations as rollout_ops
-from edge_agent.fleet.controller.rollouts.records import RolloutRecord
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.names import ModelName
 

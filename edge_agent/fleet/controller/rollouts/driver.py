@@ -6,7 +6,7 @@ Each tick, for each rollout the store says is not settled:
 1. commands recorded but not taken by the broker (a crash, a broker outage) are published
    again, the same signed bytes (a box runs a command id once);
 2. `waves.decide` reads the rollout's per-device states (which the ingest keeps current,
-   in its own transaction: `rollouts.queries`) and the clock: abort, next wave, completion,
+   in its own transaction: `rollout_queries`) and the clock: abort, next wave, completion,
    timed-out devices, what to cancel or roll back;
 3. the decision is committed only if the rollout is still in the state it was read in
    (an operator's pause/abort/rollback in between wins, and is decided at the next tick);
@@ -38,9 +38,9 @@ from edge_agent.config.controller import ControllerSettings
 from edge_agent.errors import ServiceUnavailable
 from edge_agent.fleet.controller import commands
 from edge_agent.fleet.controller.metrics import ControllerMetrics
-from edge_agent.fleet.controller.rollouts.records import RolloutRecord
-from edge_agent.fleet.controller.rollouts.waves import RUNNING, Plan, decide
+from edge_agent.fleet.controller.rollout_records import RolloutRecord
 from edge_agent.fleet.controller.store import ControllerStore, StoreConflict
+from edge_agent.fleet.controller.waves import RUNNING, Plan, decide
 
 log = logging.getLogger(__name__)
 

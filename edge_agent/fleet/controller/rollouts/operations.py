@@ -25,8 +25,9 @@ from typing import Any
 from edge_agent.errors import InvalidRequest
 from edge_agent.fleet.controller.audit import AuditEntry
 from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
-from edge_agent.fleet.controller.rollouts.records import DeviceRecord, NewRollout, RolloutRecord
-from edge_agent.fleet.controller.rollouts.waves import (
+from edge_agent.fleet.controller.rollout_records import DeviceRecord, NewRollout, RolloutRecord
+from edge_agent.fleet.controller.store import ControllerStore
+from edge_agent.fleet.controller.waves import (
     ABORTED,
     COMPLETED,
     LIVE,
@@ -44,7 +45,6 @@ from edge_agent.fleet.controller.rollouts.waves import (
     phase,
     tally,
 )
-from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol.command_types import CAPACITY_KEYS, BadArgs, lookup
 from edge_agent.fleet.protocol.ids import ROLLOUT_ID, ROLLOUT_ID_RULE, VERSION, check_id
 from edge_agent.fleet.protocol.rollout_states import ROLLED_BACK

@@ -3,8 +3,9 @@ gated, and kept or rolled back.
 
 Owns: the runner and the `rollout.*` commands it takes (`runner`), the persisted
 rollouts and their transitions (`store`), the rules it applies (`rules`), activation
-(`activation`), the health gate a release must pass (`health_gate`), how a fetch can end
-(`outcomes`), download progress (`progress`) and the one-change-per-name claim
+(`activation`, and its two implementations: `model_release`, and `capacity_release` over
+`capacity`'s helpers), the health gate a release must pass (`health_gate`), how a fetch
+can end (`outcomes`), download progress (`progress`) and the one-change-per-name claim
 (`name_claim`).
 
 Never: publish except through the link's outbox, or act on a transition before it is

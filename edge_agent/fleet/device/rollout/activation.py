@@ -1,30 +1,16 @@
-"""A staged release's activation: load beside (or drain), switch, gate, and keep or roll back.
+"""A staged release's activation: what both kinds of release share, and the one door the
+runner goes through.
 
-    ACTIVATING  previous digest committed; a release that would take the chat template
-                away (the previous version has one, the new one none) rolled back before
-                anything loads; the previous version measured on the golden
-                prompts (when a tokens/s floor is set); the new version loaded beside the
-                old one when it fits without evicting anything — both held loaded —, else
-                the name drained (new requests 503 + Retry-After, running ones finish on
-                the old weights, old unloaded); the pointer switched (`rollout:<id>`).
-    GATING      the gate (`fleet.device.rollout.health_gate`) on the new version: golden prompts
-    as real             requests, served digest, tokens/s floor, TTFT ceiling, memory headroom,
-                optional soak (the first N real requests without a server error). With
-                a speed floor the prompts wait (up to 60 s) for the requests still
-                running on the old version to end, and a speed below the floor is
-                measured once more before it counts.
-    ACTIVE      gate passed: the old version is let go (unloaded once idle).
-    ROLLED_BACK gate failed (or the load failed, or an operator asked): committed first,
-                then the pointer goes back to the previous digest at once — the old version
-                is still loaded, so no request waits — and the new version stays installed
-                for diagnosis; the failing check is named with its figure.
-
-Requests already running when the pointer moves finish on the weights they started on
-(the registry resolves the pointer per request), so a client sees no failed request.
-Every attempt ends with one evidence row (`ledger.evidence`), also sent as `audit`.
-
-A capacity release (a rollout with `config`) takes the same states on the version served,
-its runtime staged instead of a new version: `fleet.device.rollout.capacity`.
+A release is switched to and gated by one of two implementations of `Release`:
+`model_release.ModelRelease` (a new version, loaded beside the old one or after a drain,
+the pointer switched) and `capacity_release.CapacityRelease` (the runtime of the version
+served, staged). Both take the same states — ACTIVATING, GATING, then ACTIVE or
+ROLLED_BACK — through the same `Activation`, which holds what they share: the committed
+moves, the gate's common checks (memory headroom, the soak of real requests, an operator's
+rollback), the commit of ACTIVE and of ROLLED_BACK, draining and settling, and the evidence
+row every attempt ends with (`ledger.evidence`, also sent as `audit`). The runner picks
+the implementation by the rollout (`Activator.release`) to activate it, and to finish its
+way back after a restart or an operator's rollback (`Release.restore`).
 
 Runs on the server's event loop; blocking work goes to threads. Must never import the
 registry, the scheduler, the runtime or the request path's service (`ModelOps` and the
@@ -49,17 +35,10 @@ from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError
 from edge_agent.fleet.device.link.birth import llama_cpp_version
-from edge_agent.fleet.device.link.overlay import MISSING, apply_patch, copy_keys, overlay_values
-from edge_agent.fleet.device.rollout import capacity, health_gate
+from edge_agent.fleet.device.rollout import health_gate
 from edge_agent.fleet.device.rollout.health_gate import Check, GateReport, GateSpec, Probe
 from edge_agent.fleet.device.rollout.store import Rollout, RolloutStore
-from edge_agent.fleet.protocol.rollout_states import (
-    ACTIVATING,
-    ACTIVE,
-    GATING,
-    ROLLED_BACK,
-    STAGED,
-)
+from edge_agent.fleet.protocol.rollout_states import ACTIVE, GATING, ROLLED_BACK
 from edge_agent.ledger.evidence import record_evidence, served_since
 from edge_agent.names import ModelName
 
@@ -85,24 +64,25 @@ class RetryLater(Exception):
         self.details = dict(details)
 
 
-def by(rollout: Rollout) -> str:
-    return f"rollout:{rollout.id}"
+class Release(Protocol):
+    """One kind of release's activation."""
+
+    async def activate(self, r: Rollout, spec: GateSpec, abort: Callable[[], bool]
+                       ) -> Rollout:
+        """STAGED → ACTIVATING → GATING → ACTIVE | ROLLED_BACK (raises RetryLater when
+        nothing was switched and another attempt may work)."""
+
+    async def restore(self, r: Rollout) -> None:
+        """Finishes the way back of a rollout committed ROLLED_BACK with `restored` 0;
+        idempotent."""
+
+    def evidence(self, r: Rollout, checks: list[Check]) -> None:
+        """The attempt's evidence row, with what the release runs with here."""
 
 
-def restore_pointer(ops: ModelOps, store: RolloutStore, rollout: Rollout) -> Rollout:
-    """The switch back a ROLLED_BACK row committed: if the name still serves the rollout's
-    digest, back to the previous one (a name that had none is removed: nothing may serve
-    a release whose gate did not pass). Idempotent; `restored` once done."""
-    active = ops.active_digest(rollout.name)
-    if active is not None and active == rollout.target_digest:
-        if rollout.previous_digest:
-            ops.activate(rollout.name, rollout.previous_digest, by=by(rollout))
-        else:
-            ops.remove(rollout.name, by=by(rollout))  # 503 while in use: resume retries
-    return store.update(rollout.id, restored=True)
+class Activation:
+    """What both implementations of `Release` share (see the module's docstring)."""
 
-
-class Activator:
     def __init__(self, settings: Settings, ops: ModelOps, store: RolloutStore, probe: Probe,
                  move: Move, emit: Callable[[Mapping[str, Any]], None], *,
                  clock: Callable[[], float] = time.time, poll_s: float = 1.0,
@@ -126,222 +106,24 @@ class Activator:
     def ledger_path(self) -> Path:
         return self.settings.state_dir / "ledger.db"
 
-    async def run(self, r: Rollout, abort: Callable[[], bool]) -> Rollout:
-        """STAGED → ACTIVATING → GATING → ACTIVE | ROLLED_BACK (or FAILED: RetryLater)."""
-        spec = health_gate.parse_spec(((r.release or {}).get("manifest") or {}).get("gate"))
-        target = r.target_digest
-        assert target is not None
-        if r.capacity is not None:
-            return await self._run_capacity(r, spec, target, abort)
-        previous = self.ops.active_digest(r.name)
-        r = await self.move(r, ACTIVATING, expect=STAGED, previous_digest=previous)
-        if previous == target:
-            r = await self.move(r, ACTIVE, reason="already active")
-            self.evidence(r, [])
-            return r
-        template = self._template_check(r.name, previous, target)
-        if not template.passed:  # before the switch: no chat is refused meanwhile
-            return await self._roll_back(r, [template], held=False)
-        checks: list[Check] = []
-        baseline = None
-        loader = self.ops.loader is not None
-        drained = held = False
-        try:
-            if spec.needs_baseline and previous is not None:
-                answers, _ = await health_gate.run_prompts(spec, r.name, self.probe)
-                baseline = health_gate.tokens_per_s(answers)
-            if loader and await self.ops.fits(r.name, target):
-                held = True
-                if previous is not None:
-                    self.ops.hold(r.name, previous)
-                self.ops.hold(r.name, target)
-                await self.ops.load(r.name, digest=target)
-            elif loader:
-                drained = True
-                self.ops.drain(r.name, True)
-                await self._wait_idle(r.name)
-                if previous is not None:
-                    await self.ops.unload(r.name, previous)
-            if abort():
-                checks.append(_requested())
-            else:
-                await asyncio.to_thread(self.ops.activate, r.name, target, by=by(r))
-                self._tell("switched", r)
-                if drained:  # by digest: the drain refuses requests for the name
-                    await self.ops.load(r.name, digest=target)
-        except RetryLater:
-            self._let_go(r, held, drained)
-            raise
-        except Exception as exc:  # a bug must still end in a consistent pointer
-            checks.append(_failed(r, exc, "activation"))
-        finally:
-            if drained:
-                self.ops.drain(r.name, False)
-        if checks:
-            return await self._roll_back(r, checks, held)
-        switched_at = self.clock()
-        r = await self.move(r, GATING, expect=ACTIVATING)
-        report = await self._gate(r, spec, baseline, switched_at, abort)
-        if not report.passed:
-            return await self._roll_back(r, report.checks, held)
-        r = await self.move(r, ACTIVE, expect=GATING, gate={"checks": report.as_list()},
-                            details={"checks": len(report.checks)})
-        await self._release(r, held, keep=target)
-        self.evidence(r, report.checks)
-        return r
-
-    # -- a capacity release ----------------------------------------------------------------
-    async def _run_capacity(self, r: Rollout, spec: GateSpec, target: str,
-                            abort: Callable[[], bool]) -> Rollout:
-        """STAGED → ACTIVATING (baseline, staged runtime) → GATING → ACTIVE | ROLLED_BACK,
-        on the version served (`capacity`'s docstring)."""
-        change = r.capacity
-        assert change is not None
-        keys = capacity.overlay_changes(r.name, change)
-        live = self.settings
-        was = live.model_copy(deep=True)
-        config = {"change": change, "before": capacity.effective(was, r.name),
-                  "values_before": capacity.raw_values(was, keys),
-                  "overlay_before": {k: v for k, v in
-                                     overlay_values(live.state_dir, keys).items()
-                                     if v is not MISSING}}
-        previous = self.ops.active_digest(r.name)
-        r = await self.move(r, ACTIVATING, expect=STAGED, previous_digest=previous,
-                            config=config)
-        checks: list[Check] = []
-        if previous != target:
-            checks.append(Check("serving_version", False, (previous or "none")[:12],
-                                target[:12], "a capacity release is gated on the version "
-                                "the box serves; this box serves another"))
-            return await self._capacity_back(r, checks, was, keys, swapped=False)
-        try:
-            staged = capacity.staged_settings(was, r.name, change)
-        except EdgeAgentError as exc:
-            checks.append(Check("config", False, "invalid", None, exc.message[:200]))
-            return await self._capacity_back(r, checks, was, keys, swapped=False)
-        config["after"] = capacity.effective(staged, r.name)
-        r = await asyncio.to_thread(self.store.update, r.id, config=config)
-        if self.ops.loader is not None:  # the baseline: the serving runtime, as it is
-            await self.ops.load(r.name)
-        baseline = await capacity.replay(spec, r.name, self.probe)
-        swapped = False
-        try:
-            if abort():
-                checks.append(_requested())
-            else:
-                swapped = True
-                await capacity.swap_runtime(
-                    self.ops, r.name, target, self.wait_idle,
-                    lambda: copy_keys(live, staged, keys))
-                self._tell("switched", r)
-        except RetryLater:
-            if swapped:  # drained too long: nothing changed, the old settings stand
-                copy_keys(live, was, keys)
-            raise
-        except Exception as exc:  # a bug must still end on the previous settings
-            checks.append(_failed(r, exc, "staging the runtime"))
-        if checks:
-            return await self._capacity_back(r, checks, was, keys, swapped=swapped)
-        switched_at = self.clock()
-        r = await self.move(r, GATING, expect=ACTIVATING)
-        report = await self._capacity_gate(r, spec, baseline, switched_at, abort)
-        if not report.passed:
-            return await self._capacity_back(r, report.checks, was, keys, swapped=True)
-        await asyncio.to_thread(apply_patch, was, live.state_dir, keys, capacity=True,
-                                texts=True)
-        r = await self.move(r, ACTIVE, expect=GATING, gate={"checks": report.as_list()},
-                            details={"checks": len(report.checks), "config": change})
-        self.evidence(r, report.checks)
-        return r
-
-    async def _capacity_gate(self, r: Rollout, spec: GateSpec, baseline: capacity.Replay,
-                             switched_at: float, abort: Callable[[], bool]) -> GateReport:
-        assert r.target_digest is not None
+    # -- the gate's common checks ------------------------------------------------------------
+    @staticmethod
+    def gate_report(spec: GateSpec) -> GateReport:
+        """A report opened with the memory headroom, where the release asks for one."""
         report = GateReport()
-        report.checks.extend(_memory(spec))
-        staged = await capacity.replay(spec, r.name, self.probe)
-        report.checks.extend(staged.checks)
-        report.checks.extend(capacity.compare(spec, baseline, staged))
-        if staged.answers:
-            report.checks.append(health_gate.check_served(list(staged.answers.values()),
-                                                          r.target_digest))
-        if spec.prompts:
-            speed = capacity.compare_speed(spec, baseline, staged)
-            if not all(c.passed for c in speed) and not abort():
-                # One more pass before a verdict on speed (a burst of the store's own
-                # traffic must not roll a sound change back): the better pass counts.
-                again = await capacity.replay(spec, r.name, self.probe)
-                better = capacity.compare_speed(spec, baseline, again)
-                if sum(c.passed for c in better) > sum(c.passed for c in speed):
-                    speed = better
-            report.checks.extend(speed)
-            burst = await capacity.replay(spec, r.name, self.probe, burst=True)
-            report.checks.append(capacity.check_burst(burst, spec))
-        if spec.ttft_ms_max is not None and staged.answers:
-            report.checks.append(health_gate.check_ttft(list(staged.answers.values()),
-                                                        spec.ttft_ms_max))
-        if report.passed and spec.soak_requests and not abort():
-            report.checks.append(await self._soak(r, spec, switched_at, abort))
-        if abort():
-            report.checks.append(_requested())
+        if spec.memory_headroom_bytes is not None:
+            report.checks.append(health_gate.check_memory(psutil.virtual_memory().available,
+                                                          spec.memory_headroom_bytes))
         return report
 
-    async def _capacity_back(self, r: Rollout, checks: list[Check], was: Settings,
-                             keys: Mapping[str, Any], *, swapped: bool) -> Rollout:
-        """ROLLED_BACK committed, then the previous settings copied back and the model
-        loaded with them again (the overlay never held the new ones)."""
-        report = GateReport(list(checks))
-        reason = report.reason() or "rolled back"
-        r = await self.move(r, ROLLED_BACK, reason=reason,
-                            details={"failed": [c.name for c in report.failed]},
-                            gate={"checks": report.as_list()}, restored=False)
-        if swapped:
-            try:
-                await capacity.swap_runtime(
-                    self.ops, r.name, r.target_digest or "", self.wait_idle,
-                    lambda: copy_keys(self.settings, was, keys))
-            except Exception as exc:  # the settings are back; the next request loads
-                copy_keys(self.settings, was, keys)
-                log.error("rollout %s: loading %s again with its previous settings failed: "
-                          "%s", r.id, r.name, exc)
-        r = await asyncio.to_thread(self.store.update, r.id, restored=True)
-        self.evidence(r, report.checks)
-        return r
-
-    def _template_check(self, name: ModelName, previous: str | None, target: str) -> Check:
-        templates = {v.digest: v.model.chat_template
-                     for v in self.ops.versions(name, missing_ok=True)}
-        return health_gate.check_template(templates.get(previous) if previous else None,
-                                          templates.get(target))
-
-    async def _gate(self, r: Rollout, spec: GateSpec, baseline: float | None,
-                    switched_at: float, abort: Callable[[], bool]) -> GateReport:
-        assert r.target_digest is not None
-        report = GateReport()
-        report.checks.extend(_memory(spec))
-        if spec.needs_baseline and r.previous_digest is not None:
-            await self._settle(r.name, r.previous_digest)
-        answers, checks = await health_gate.run_prompts(spec, r.name, self.probe)
-        report.checks.extend(checks)
-        if answers:
-            report.checks.append(health_gate.check_served(answers, r.target_digest))
-        if spec.tokens_per_s_floor is not None and answers:
-            speed = health_gate.check_speed(health_gate.tokens_per_s(answers), baseline,
-                                     spec.tokens_per_s_floor)
-            if not speed.passed and not abort():
-                # One more pass before a verdict on speed: a burst of the store's own
-                # traffic must not roll a sound release back (the better pass counts).
-                again, _ = await health_gate.run_prompts(spec, r.name, self.probe)
-                best = max(health_gate.tokens_per_s(answers) or 0.0,
-                           health_gate.tokens_per_s(again) or 0.0)
-                speed = health_gate.check_speed(best or None, baseline, spec.tokens_per_s_floor)
-            report.checks.append(speed)
-        if spec.ttft_ms_max is not None and answers:
-            report.checks.append(health_gate.check_ttft(answers, spec.ttft_ms_max))
+    async def gate_end(self, r: Rollout, spec: GateSpec, report: GateReport,
+                       switched_at: float, abort: Callable[[], bool]) -> GateReport:
+        """The report closed with the soak (when everything else passed) and an
+        operator's rollback."""
         if report.passed and spec.soak_requests and not abort():
             report.checks.append(await self._soak(r, spec, switched_at, abort))
         if abort():
-            report.checks.append(_requested())
+            report.checks.append(requested())
         return report
 
     async def _soak(self, r: Rollout, spec: GateSpec, since: float,
@@ -359,24 +141,25 @@ class Activator:
             if errors or len(rows) >= spec.soak_requests or self.clock() >= deadline \
                     or abort():
                 return health_gate.check_soak(errors, len(rows), spec.soak_requests,
-                                       spec.soak_within_s)
+                                              spec.soak_within_s)
             await asyncio.sleep(self.poll_s)
 
-    async def _roll_back(self, r: Rollout, checks: list[Check], held: bool) -> Rollout:
-        report = GateReport(list(checks))
-        reason = report.reason() or "rolled back"
-        failed = [c.name for c in report.failed]
-        r = await self.move(r, ROLLED_BACK, reason=reason, details={"failed": failed},
-                            gate={"checks": report.as_list()}, restored=False)
-        try:
-            r = await asyncio.to_thread(restore_pointer, self.ops, self.store, r)
-        except EdgeAgentError as exc:  # left `restored = 0`: resume finishes it
-            log.error("rollout %s: switching back failed: %s", r.id, exc.message)
-        await self._release(r, held, keep=r.previous_digest)
-        self.evidence(r, report.checks)
-        return r
+    # -- the two ends ------------------------------------------------------------------------
+    async def activated(self, r: Rollout, report: GateReport, **details: Any) -> Rollout:
+        """GATING → ACTIVE committed, with the gate's checks."""
+        return await self.move(r, ACTIVE, expect=GATING, gate={"checks": report.as_list()},
+                               details={"checks": len(report.checks), **details})
 
-    async def _settle(self, name: ModelName, previous: str) -> None:
+    async def rolled_back(self, r: Rollout, checks: list[Check]) -> Rollout:
+        """ROLLED_BACK committed (`restored` 0) with the failing checks named, before the
+        release goes back."""
+        report = GateReport(list(checks))
+        return await self.move(r, ROLLED_BACK, reason=report.reason() or "rolled back",
+                               details={"failed": [c.name for c in report.failed]},
+                               gate={"checks": report.as_list()}, restored=False)
+
+    # -- waiting for the name ----------------------------------------------------------------
+    async def settle(self, name: ModelName, previous: str) -> None:
         """Before the speed is measured: the requests still running on the previous
         version (started before the switch) end first, up to `settle_s` — two versions
         decoding at once share the CPU, and the new one would look slower than it is."""
@@ -384,78 +167,48 @@ class Activator:
         while self.ops.busy(name, previous) > 0 and self.clock() < deadline:
             await asyncio.sleep(min(self.poll_s, 0.05))
 
-    async def wait_idle(self, name: str) -> None:
+    async def wait_idle(self, name: str | ModelName) -> None:
         """Returns once no request holds `name` (RetryLater past the drain timeout)."""
-        await self._wait_idle(ModelName.parse(name))
-
-    async def _wait_idle(self, name: ModelName) -> None:
+        key = name if isinstance(name, ModelName) else ModelName.parse(name)
         deadline = self.clock() + self.drain_timeout_s
-        while (busy := self.ops.busy(name)) > 0:
+        while (busy := self.ops.busy(key)) > 0:
             if self.clock() >= deadline:
                 raise RetryLater("drain_timeout", {"busy": busy,
                                                    "waited_s": self.drain_timeout_s})
             await asyncio.sleep(min(self.poll_s, 0.05))
 
-    async def _release(self, r: Rollout, held: bool, keep: str | None) -> None:
-        """Lets go of the holds; the version not kept is unloaded once idle."""
-        if not held:
-            return
-        for digest in (r.previous_digest, r.target_digest):
-            if digest is None:
-                continue
-            try:
-                self.ops.hold(r.name, digest, False)
-                if digest != keep:
-                    await self.ops.unload(r.name, digest)
-            except EdgeAgentError:  # removed meanwhile (a new name rolled back)
-                pass
-
-    def _let_go(self, r: Rollout, held: bool, drained: bool) -> None:
-        """Nothing was switched and the rollout will be retried: no hold, no drain left."""
-        if drained:
-            self.ops.drain(r.name, False)
-        for digest in (r.previous_digest, r.target_digest) if held else ():
-            if digest is not None:
-                try:
-                    self.ops.hold(r.name, digest, False)
-                except EdgeAgentError:
-                    pass
-
-    def _tell(self, event: str, r: Rollout) -> None:
+    def tell(self, event: str, r: Rollout) -> None:
         if self.hook is not None:
             self.hook(event, r)
 
     # -- evidence -----------------------------------------------------------------------------
-    def evidence(self, r: Rollout, checks: list[Check]) -> None:
-        row = evidence_row(r, checks, self.hardware(), self._parameters(r), self.clock())
+    def evidence(self, r: Rollout, checks: list[Check], parameters: Mapping[str, Any]
+                 ) -> None:
+        row = evidence_row(r, checks, self.hardware(), parameters, self.clock())
         try:
             record_evidence(self.ledger_path, row)
         except Exception:  # the rollout's outcome stands; the audit message still goes
             log.exception("rollout %s: evidence row not written", r.id)
         self.emit({"event": "rollout.evidence", **row})
 
-    def _parameters(self, r: Rollout) -> dict[str, Any]:
-        """What the release runs with here: its default sampling parameters and the
-        box's runtime plan for the name; for a capacity release, the change with the
-        name's settings before and after it."""
-        if r.config:
-            return {"capacity": {"change": r.config.get("change"),
-                                 "before": r.config.get("before"),
-                                 "after": r.config.get("after")},
-                    "quantization": ((r.release or {}).get("manifest") or {})
-                    .get("quantization")}
-        manifest = (r.release or {}).get("manifest") or {}
-        rt = self.settings.runtime
-        override = self.settings.model_override(r.name)
-        trained = manifest.get("context_length")
-        ctx = override.context_length or rt.context_length
-        return {"defaults": manifest.get("parameters") or {},
-                "quantization": manifest.get("quantization"),
-                "context_length": min(ctx, trained) if isinstance(trained, int) else ctx,
-                "parallel": override.parallel or rt.parallel,
-                "threads": override.threads or rt.threads,
-                "n_gpu_layers": override.n_gpu_layers if override.n_gpu_layers is not None
-                else rt.n_gpu_layers}
+
+class Activator:
+    """The runner's door: the two implementations over one `Activation`."""
+
+    def __init__(self, act: Activation, model: Release, capacity: Release) -> None:
+        self.act = act
+        self._model = model
+        self._capacity = capacity
+
+    def release(self, r: Rollout) -> Release:
+        """The implementation a rollout is activated and restored by (a capacity release
+        carries its change of runtime in `config`)."""
+        return self._capacity if r.config else self._model
+
+    async def run(self, r: Rollout, abort: Callable[[], bool]) -> Rollout:
+        spec = health_gate.parse_spec(((r.release or {}).get("manifest") or {}).get("gate"))
+        assert r.target_digest is not None
+        return await self.release(r).activate(r, spec, abort)
 
 
 def evidence_row(r: Rollout, checks: list[Check], hardware: Mapping[str, Any],
@@ -490,12 +243,11 @@ def _cpu_model() -> str:
     return platform.processor()[:120]
 
 
-
 def _server_error(status: Any) -> bool:
     return isinstance(status, int) and status >= 500 and status != 503
 
 
-def _failed(r: Rollout, exc: Exception, step: str) -> Check:
+def failed(r: Rollout, exc: Exception, step: str) -> Check:
     """The check an exception during the switch becomes: an EdgeAgentError is the load's
     refusal (its message says why); anything else is a flaw, logged with its traceback."""
     if isinstance(exc, EdgeAgentError):
@@ -504,15 +256,7 @@ def _failed(r: Rollout, exc: Exception, step: str) -> Check:
     return Check("activation", False, type(exc).__name__, None, str(exc)[:200])
 
 
-def _memory(spec: GateSpec) -> list[Check]:
-    """The gate's memory headroom, where the release asks for one (either algorithm)."""
-    if spec.memory_headroom_bytes is None:
-        return []
-    available = psutil.virtual_memory().available
-    return [health_gate.check_memory(available, spec.memory_headroom_bytes)]
-
-
-def _requested() -> Check:
+def requested() -> Check:
     return Check("rollback_requested", False, "requested", None,
                  "an operator asked for a rollback")
 

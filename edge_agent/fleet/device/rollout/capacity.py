@@ -4,8 +4,8 @@ through the same rollout and the same gate.
 
 `fleet rollout start NAME@VERSION --config parallel=8,context_length=2048` names the
 release whose golden set gates the change; the box must serve that very version (else the
-rollout ends REJECTED, `not_serving`, before anything changes). Then, in the activation
-(`activation.Activator`):
+rollout ends REJECTED, `not_serving`, before anything changes). Then, in its activation
+(`capacity_release.CapacityRelease`):
 
     ACTIVATING  the golden set replayed on the serving runtime: the box's own baseline
                 (each prompt's answer, tokens/s, first-token time); then the staged
@@ -28,7 +28,7 @@ restart finds ACTIVATING or GATING is converged to ROLLED_BACK ("interrupted dur
 gating") with the overlay's keys put back as they were before it and the model loaded
 again with the previous settings if the start took the new ones (a kill -9 between the
 overlay's write and ACTIVE's commit). An operator's `rollout.rollback` of an ACTIVE one
-does the same (`RolloutManager._restore_capacity`). `runtime.*` keys are the box's:
+does the same (`CapacityRelease.restore`). `runtime.*` keys are the box's:
 other models take them at their next load (only the release's name is gated).
 
 This module holds the keys, the settings' effective values, the swap of a name's runtime

@@ -54,16 +54,17 @@ from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError, InvalidRequest
 from edge_agent.fleet.device.link.command_gate import Handler, command_args
-from edge_agent.fleet.device.link.overlay import MISSING, copy_keys, restore_keys
 from edge_agent.fleet.device.rollout import capacity, health_gate
 from edge_agent.fleet.device.rollout.activation import (
     SETTLE_S,
+    Activation,
     Activator,
     RetryLater,
     interrupted,
-    restore_pointer,
 )
+from edge_agent.fleet.device.rollout.capacity_release import CapacityRelease
 from edge_agent.fleet.device.rollout.health_gate import Probe
+from edge_agent.fleet.device.rollout.model_release import ModelRelease, restore_pointer
 from edge_agent.fleet.device.rollout.name_claim import NameHeld, name_claim
 from edge_agent.fleet.device.rollout.outcomes import ReleaseFailed, ReleaseRejected
 from edge_agent.fleet.device.rollout.progress import Figures, ProgressThrottle
@@ -131,9 +132,10 @@ class RolloutManager:
         self.retry_base_s = retry_base_s
         self.hook = hook
         self.store = RolloutStore(settings.state_dir / "rollouts.db", clock=clock)
-        self.activator = Activator(settings, modelops, self.store, probe, self._move,
-                                   self._publish, clock=clock, poll_s=poll_s, hook=hook,
-                                   hardware=hardware, settle_s=settle_s)
+        act = Activation(settings, modelops, self.store, probe, self._move, self._publish,
+                         clock=clock, poll_s=poll_s, hook=hook, hardware=hardware,
+                         settle_s=settle_s)
+        self.activator = Activator(act, ModelRelease(act), CapacityRelease(act))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stop_ids: set[str] = set()  # rollouts whose download must stop
@@ -347,15 +349,13 @@ class RolloutManager:
     async def _converge(self, r: Rollout) -> None:
         """A rollout a restart found switching, or rolled back with its switch back
         undone: the previous digest serves again; never the new one without its gate (a
-        capacity release: the previous settings, `_restore_capacity`)."""
+        capacity release: the previous settings, `CapacityRelease.restore`)."""
+        release = self.activator.release(r)
         if r.state in SWITCHING:
             r = await self._move(r, ROLLED_BACK, reason=interrupted(r.state),
                                  expect=r.state, restored=False)
-            self.activator.evidence(r, [])
-        if r.config:  # a capacity release: the settings go back, the version never moved
-            await self._restore_capacity(r)
-            return
-        await asyncio.to_thread(restore_pointer, self.ops, self.store, r)
+            release.evidence(r, [])
+        await release.restore(r)
 
     # -- helpers ------------------------------------------------------------------------------
     async def _move(self, r: Rollout, to: str, *, reason: str | None = None,
@@ -518,39 +518,17 @@ class RolloutManager:
     def _restore_capacity_soon(self, r: Rollout) -> None:
         """A capacity release's way back, committed (`restored` 0) and run on the loop:
         the overlay put back as it was for its keys and the model loaded with the previous
-        settings (`_restore_capacity`; a restart finishes what a crash cut)."""
+        settings (`CapacityRelease.restore`; a restart finishes what a crash cut)."""
         loop = self._loop
 
         async def finish() -> None:
             try:
-                await self._restore_capacity(r)
+                await self.activator.release(r).restore(r)
             except Exception:  # left `restored = 0`: the next start finishes it
                 log.exception("rollout %s: restoring the previous settings failed", r.id)
 
         if loop is not None and not self._stopping:
             loop.call_soon_threadsafe(lambda: loop.create_task(finish()))
-
-    async def _restore_capacity(self, r: Rollout) -> None:
-        """A capacity release's way back, idempotent: its overlay keys as they were before
-        it (nothing to do if it never wrote them), the live settings as they were, and the
-        model loaded again with them if they had changed; `restored` once done."""
-        config = r.config or {}
-        keys = capacity.overlay_changes(r.name, config.get("change") or {})
-        before = config.get("overlay_before") or {}
-        await asyncio.to_thread(restore_keys, self.settings.state_dir,
-                                {k: before.get(k, MISSING) for k in keys})
-        values = config.get("values_before") or {}
-        if values and capacity.raw_values(self.settings, keys) != values:
-            previous = capacity.with_values(self.settings, values)
-            try:
-                await capacity.swap_runtime(
-                    self.ops, r.name, r.target_digest or "", self.activator.wait_idle,
-                    lambda: copy_keys(self.settings, previous, keys))
-            except Exception:  # the settings are back; the next request loads with them
-                copy_keys(self.settings, previous, keys)
-                log.exception("rollout %s: loading %s again with its previous settings "
-                              "failed", r.id, r.name)
-        await asyncio.to_thread(self.store.update, r.id, restored=True)
 
     def _find(self, rollout_id: str | None, name: str | None,
               prefer: str | None = None) -> Rollout | None:

@@ -1,6 +1,6 @@
 """What the controller's rollouts are as data: a rollout, one device of it, a new one to
 write, the conflict error, and the store interface for them (`RolloutRecordStore`, what
-`store.ControllerStore.rollouts` is). Plain records: the SQL is `rollouts.queries`, the
+`store.ControllerStore.rollouts` is). Plain records: the SQL is `rollout_queries`, the
 rules `waves`.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from edge_agent.errors import Conflict
-from edge_agent.fleet.controller.rollouts.waves import DeviceView, Policy, parse_waves
+from edge_agent.fleet.controller.waves import DeviceView, Policy, parse_waves
 from edge_agent.fleet.protocol.rollout_states import DOWNLOADING
 
 

@@ -1,6 +1,6 @@
 """The controller store's rollouts, in the SQL SQLite and PostgreSQL share: `RolloutQueries`,
 which `sql.SQLStore` holds (its tables are listed in `schema`; its records are
-`rollouts.records`).
+`rollout_records`).
 
     rollouts          one row per `fleet rollout start`: release, selector, policy, state
                       (RUNNING|PAUSED|ABORTED|COMPLETED|ROLLED_BACK), the wave reached,
@@ -32,7 +32,7 @@ from typing import Any
 
 from edge_agent.errors import NotFound
 from edge_agent.fleet.controller.inbound import Inbound
-from edge_agent.fleet.controller.rollouts.records import (
+from edge_agent.fleet.controller.rollout_records import (
     DeviceRecord,
     DownloadProgress,
     NewRollout,
@@ -40,8 +40,8 @@ from edge_agent.fleet.controller.rollouts.records import (
     RolloutRecord,
     rollout_from_row,
 )
-from edge_agent.fleet.controller.rollouts.waves import LIVE, PENDING, REFUSED, SENT
 from edge_agent.fleet.controller.transaction import Exec
+from edge_agent.fleet.controller.waves import LIVE, PENDING, REFUSED, SENT
 from edge_agent.fleet.protocol.rollout_states import (
     ACTIVE,
     FAILED,
