@@ -170,11 +170,13 @@ def _fleet_device(settings: Settings, parts: AppParts, governor: Governor,
     requests through the real request path; None if it could not be built (logged: the
     box serves without it)."""
     try:
+        from edge_agent.fleet.device.rollout.health_gate import GATE_DIALECT
         from edge_agent.fleet.device.service import FleetDevice
         from edge_agent.gateway.probe import ServiceProbe
 
         return FleetDevice(settings, modelops=parts.ops, governor=governor,
-                           sampler=sampler, probe=ServiceProbe(parts.service),
+                           sampler=sampler,
+                           probe=ServiceProbe(parts.service, dialect=GATE_DIALECT),
                            ready=lambda: not readiness_problems(parts),
                            metrics=parts.metrics.registry if parts.metrics is not None
                            else None, gpus=_gpus)

@@ -122,16 +122,17 @@ def test_a_health_gate_request_is_high_tier_never_answered_by_a_fallback() -> No
     import asyncio
 
     from edge_agent.engine.request import GenerationRequest
+    from edge_agent.gateway.controls import Controls
     from edge_agent.gateway.probe import ServiceProbe
 
-    asked: list[GenerationRequest] = []
+    asked: list[Controls] = []
 
     class Saturated:
-        async def prepare(self, request: GenerationRequest) -> None:
-            asked.append(request)
+        async def prepare(self, request: GenerationRequest, controls: Controls) -> None:
+            asked.append(controls)
             raise NotDegraded("risk tier high: not degraded")
 
     with pytest.raises(NotDegraded):
-        asyncio.run(ServiceProbe(Saturated())(  # type: ignore[arg-type]
+        asyncio.run(ServiceProbe(Saturated(), dialect="gate")(  # type: ignore[arg-type]
             GenerationRequest(model=str(SMOL), prompt="Hi")))
-    assert [r.risk for r in asked] == ["high"]
+    assert [(c.risk, c.dialect) for c in asked] == [("high", "gate")]

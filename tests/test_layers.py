@@ -139,3 +139,21 @@ def test_an_import_circle_is_found(copy: Path) -> None:
     found = circles(copy / "edge_agent")
     assert any({"edge_agent.fleet.controller.sql", "edge_agent.fleet.controller.transaction"}
                <= set(c) for c in found), found
+
+
+def test_the_engines_request_types_name_no_request_path_policy() -> None:
+    """How the request path treats a request (`gateway.controls.Controls`) travels beside
+    the engine's request types, never on them: nothing below the request path can act on
+    a tier, a deadline or an end user it was handed."""
+    from edge_agent.engine.request import EmbeddingRequest, GenerationRequest
+    from edge_agent.gateway.controls import Controls
+
+    policy = set(fields_of(Controls)) - {"draft"}  # draft tokens: asked of the model too
+    for kind in (GenerationRequest, EmbeddingRequest):
+        assert not policy & set(fields_of(kind)), kind.__name__
+
+
+def fields_of(kind: type) -> list[str]:
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(kind)]

@@ -17,19 +17,16 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, replace
-from typing import Any, Literal, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from edge_agent.config import MAX_DRAFT
-from edge_agent.engine.request import EmbeddingRequest, GenerationRequest
 from edge_agent.errors import InvalidRequest, PayloadTooLarge
+from edge_agent.gateway.controls import Controls, Priority, Tier
 
 M = TypeVar("M", bound=BaseModel)
-Priority = Literal["interactive", "batch"]
-Tier = Literal["low", "normal", "high"]
 
 MAX_JSON_DEPTH = 64  # objects and arrays inside one another; the body itself is level 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -150,54 +147,6 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
         raise InvalidRequest(f"invalid value for '{param}': {err['msg']}", param=param) from exc
 
 
-@dataclass(frozen=True)
-class Controls:
-    """A request's scheduling controls, read from its headers once for every kind of
-    request, so that a generation and an embedding refuse the same bad value alike; a
-    batch's line has its own (`BATCH_LINE`)."""
-
-    dialect: str  # "openai" (under /v1/) or "ollama"
-    priority: Priority | None = None
-    risk: Tier | None = None
-    defer: bool = False
-    draft: int | None = None  # None: no header (or an Ollama body's option won)
-    timeout_s: float | None = None
-    batch_line: bool = False
-
-    def with_timeout(self, timeout_ms: int | None) -> Controls:
-        """With a body's own deadline (OpenAI's `timeout_ms`) beside the header's: the
-        smaller wins."""
-        if not timeout_ms:
-            return self
-        asked = timeout_ms / 1000
-        return replace(self, timeout_s=asked if self.timeout_s is None
-                       else min(asked, self.timeout_s))
-
-    def apply(self, req: GenerationRequest | EmbeddingRequest) -> None:
-        """The controls onto the request. An embedding takes its dialect, tier, deadline
-        and whether it is a batch's line; its priority and prompt lookup are checked and
-        have no effect (it runs in a lane of its own beside the generations, and drafts
-        nothing)."""
-        req.dialect = self.dialect
-        if self.risk is not None:
-            req.risk = self.risk
-        if self.timeout_s is not None:
-            req.timeout_s = self.timeout_s
-        req.batch_line = self.batch_line
-        if isinstance(req, EmbeddingRequest):
-            return
-        if self.priority is not None:
-            req.priority = self.priority
-        if self.defer:
-            req.defer = True
-        if self.draft is not None:
-            req.draft = self.draft
-
-
-# A batch's line: at the batch priority, and never degraded (a 503 waits and runs again).
-BATCH_LINE = Controls(dialect="openai", priority="batch", batch_line=True)
-
-
 def read_controls(request: Request, timeout_ms: int | None = None, *, lookup: bool = True
                   ) -> Controls:
     """Scheduling controls common to both dialects: `X-Priority: interactive|batch`, a
@@ -250,11 +199,3 @@ def read_controls(request: Request, timeout_ms: int | None = None, *, lookup: bo
     return Controls(dialect=dialect, priority=cast(Priority | None, priority),
                     risk=cast(Tier | None, risk), defer=defer is not None, draft=draft,
                     timeout_s=min(values) / 1000 if values else None)
-
-
-def apply_controls(request: Request, req: GenerationRequest | EmbeddingRequest,
-                   timeout_ms: int | None = None) -> None:
-    """`read_controls` onto the request (`Controls.apply`); an Ollama body's prompt_lookup
-    option wins over the header."""
-    lookup = isinstance(req, EmbeddingRequest) or req.draft is None
-    read_controls(request, timeout_ms, lookup=lookup).apply(req)

@@ -29,7 +29,7 @@ from starlette.background import BackgroundTask
 
 from edge_agent import __version__
 from edge_agent.api.auth import authenticate, authenticated, tenant_of
-from edge_agent.api.body import apply_controls, read_json, validate
+from edge_agent.api.body import read_controls, read_json, validate
 from edge_agent.api.openapi import request_body
 from edge_agent.api.state import AppParts, Parts
 from edge_agent.config import MAX_DRAFT
@@ -47,6 +47,7 @@ from edge_agent.errors import (
     InvalidRequest,
     UnsupportedParameter,
 )
+from edge_agent.gateway.controls import Controls
 from edge_agent.logs import note
 from edge_agent.names import ModelName
 
@@ -354,11 +355,12 @@ def _keep_alive(request: Request, parts: AppParts, model: str, value: object
 
 
 async def _run(request: Request, parts: AppParts, req: GenerationRequest,
-               keep_alive: tuple[float | None, dict[str, str]], stream: bool, chat: bool
-               ) -> Response:
+               controls: Controls, keep_alive: tuple[float | None, dict[str, str]],
+               stream: bool, chat: bool) -> Response:
     seconds, extra_headers = keep_alive
     req.stream = stream
-    prepared = await parts.service.prepare(req, tenant=tenant_of(request), keep_alive=seconds)
+    prepared = await parts.service.prepare(req, controls, tenant=tenant_of(request),
+                                           keep_alive=seconds)
     name = prepared.model.info.name
 
     def message(text: str, done: DoneEvent | None = None) -> dict[str, Any]:
@@ -463,10 +465,10 @@ async def chat(request: Request, parts: Parts) -> Response:
     req = GenerationRequest(model=body.model, messages=messages, tools=body.tools or [],
                             tool_choice=choice, json_schema=_schema(body.format))
     _apply_options(req, options, limit_param)
-    apply_controls(request, req)
+    controls = read_controls(request, lookup=req.draft is None)  # the body's option wins
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
-    return await _run(request, parts, req, (seconds, {**headers, **named}), body.stream,
-                      chat=True)
+    return await _run(request, parts, req, controls, (seconds, {**headers, **named}),
+                      body.stream, chat=True)
 
 
 @router.post("/api/generate", openapi_extra=request_body(GenerateBody))
@@ -493,10 +495,10 @@ async def generate(request: Request, parts: Parts) -> Response:
                             system=body.system, context_tokens=list(body.context or []),
                             json_schema=_schema(body.format))
     _apply_options(req, options, limit_param)
-    apply_controls(request, req)
+    controls = read_controls(request, lookup=req.draft is None)  # the body's option wins
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
-    return await _run(request, parts, req, (seconds, {**headers, **named}), body.stream,
-                      chat=False)
+    return await _run(request, parts, req, controls, (seconds, {**headers, **named}),
+                      body.stream, chat=False)
 
 
 @router.post("/api/embed", openapi_extra=request_body(EmbedBody))
@@ -507,18 +509,19 @@ async def embed(request: Request, parts: Parts) -> Response:
     inputs: list[str | list[int]] = [body.input] if isinstance(body.input, str) else \
         list(body.input)
     req = EmbeddingRequest(model=body.model, inputs=inputs, truncate=body.truncate)
-    apply_controls(request, req)
+    controls = read_controls(request)
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
     headers.update(named)
     if not inputs:  # as Ollama: nothing to embed is an empty answer, not an error
         name = ModelName.parse(body.model)
         tenant = authenticated(request)
         tenant.check_model(name)
-        parts.service.risk.tier(tenant, req.risk)  # a tier it may not ask is 403 all the same
+        parts.service.risk.tier(tenant, controls.risk)  # a tier it may not ask: 403 the same
         return JSONResponse({"model": parts.store.get(name).name, "embeddings": [],
                              "total_duration": 0, "load_duration": 0,
                              "prompt_eval_count": 0}, headers=headers)
-    result = await parts.service.embed(req, tenant=tenant_of(request), keep_alive=seconds,
+    result = await parts.service.embed(req, controls, tenant=tenant_of(request),
+                                       keep_alive=seconds,
                                        disconnected=request.is_disconnected)
     vectors = result.vectors
     if body.dimensions is not None:
@@ -549,16 +552,17 @@ async def embeddings(request: Request, parts: Parts) -> Response:
     body = validate(EmbeddingsBody, data)
     named = _name_ignored(_ignored_fields(body, data, []))
     req = EmbeddingRequest(model=body.model, inputs=[body.prompt])
-    apply_controls(request, req)
+    controls = read_controls(request)
     if not body.prompt:
         name = ModelName.parse(body.model)
         tenant = authenticated(request)
         tenant.check_reach(name)
-        parts.service.risk.tier(tenant, req.risk)  # a tier it may not ask is 403 all the same
+        parts.service.risk.tier(tenant, controls.risk)  # a tier it may not ask: 403 the same
         parts.store.get(name)
         return JSONResponse({"embedding": []}, headers=named)
     seconds, headers = _keep_alive(request, parts, body.model, body.keep_alive)
     headers.update(named)
-    result = await parts.service.embed(req, tenant=tenant_of(request), keep_alive=seconds,
+    result = await parts.service.embed(req, controls, tenant=tenant_of(request),
+                                       keep_alive=seconds,
                                        disconnected=request.is_disconnected)
     return JSONResponse({"embedding": result.vectors[0]}, headers=headers)

@@ -1,7 +1,9 @@
 """The dialect-free request and the events a generation yields.
 
 Both API dialects translate into `GenerationRequest` and out of the `Event`s; everything
-below them (templates, limits, scheduling, llama.cpp) sees only these types.
+below them (templates, limits, scheduling, llama.cpp) sees only these types. They say what
+is asked of a model, never how the request path treats the request (its tier, deadline,
+priority, end user: `gateway.controls.Controls`, which travels beside them).
 """
 
 from __future__ import annotations
@@ -52,20 +54,9 @@ class GenerationRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool objects
     tool_choice: ToolChoice = "auto"
     num_ctx: int | None = None  # Ollama's load-time size, as sent; the box's context applies
-    priority: Literal["interactive", "batch"] | None = None  # None: the tenant's default
-    dialect: str = ""  # "openai" or "ollama", for metrics and logs
     max_tokens_param: str = "max_tokens"  # how the dialect names it, for errors
-    timeout_s: float | None = None  # deadline from submission; None: the operator's default
     cache_key: str | None = None  # a client's prompt-cache hint: prefer the slot it used last
     draft: int | None = None  # prompt-lookup draft tokens a step (None: the model's setting)
-    end_user: str | None = None  # a client's end-user id; only its keyed digest is recorded
-    # The risk tier the client asked (X-Edge-Risk; None: the tenant's), and whether it
-    # accepts a deferred answer (X-Edge-Defer: batch) if the box is saturated.
-    risk: Literal["low", "normal", "high"] | None = None
-    defer: bool = False
-    # A line of a batch: never degraded (no fallback, not queued again); on a saturated
-    # box it gets the plain 503, and the batch runner tries it again later.
-    batch_line: bool = False
     # Whether the client reads the answer as it is written (False: a whole response, whose
     # text the engine hands over once, at its end).
     stream: bool = True
@@ -76,13 +67,6 @@ class EmbeddingRequest:
     model: str
     inputs: list[str | list[int]]
     truncate: bool = False
-    dialect: str = ""
-    # The risk tier asked (X-Edge-Risk; None: the tenant's). It is decided and recorded as
-    # for a generation, but buys no degraded answer: a saturated model refuses every tier,
-    # since another model's vectors would not compare with the asked one's.
-    risk: Literal["low", "normal", "high"] | None = None
-    timeout_s: float | None = None  # deadline from submission; None: the operator's default
-    batch_line: bool = False  # a line of a batch: a saturated model gives the plain 503
 
 
 @dataclass(frozen=True)

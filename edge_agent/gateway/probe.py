@@ -9,12 +9,12 @@ and hands it to the rollout manager, which sees only `fleet.device.rollout.healt
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
 from edge_agent.engine.request import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 from edge_agent.errors import EdgeAgentError
+from edge_agent.gateway.controls import Controls
 from edge_agent.gateway.observe import as_edge_error
 from edge_agent.gateway.service import GenerationService
 
@@ -31,14 +31,17 @@ class ProbeResult:
 
 
 class ServiceProbe:
-    def __init__(self, service: GenerationService) -> None:
+    """`dialect`: how the gate's own requests are labelled in metrics and logs."""
+
+    def __init__(self, service: GenerationService, *, dialect: str) -> None:
         self.service = service
+        self.controls = Controls(dialect=dialect, risk="high")
 
     async def __call__(self, request: GenerationRequest) -> ProbeResult:
         """Runs `request` to its end; an error event is raised as the EdgeAgentError a
         client would have got. At the high risk tier: a gate judges the version it asked
         for, so a saturated box refuses its request rather than answer with a fallback."""
-        prepared = await self.service.prepare(dataclasses.replace(request, risk="high"))
+        prepared = await self.service.prepare(request, self.controls)
         first_ns = 0
         async for event in self.service.stream(prepared):
             if isinstance(event, TokenEvent):

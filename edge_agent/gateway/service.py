@@ -40,6 +40,7 @@ from edge_agent.errors import (
     ShuttingDown,
 )
 from edge_agent.gateway import embeddings
+from edge_agent.gateway.controls import Controls
 from edge_agent.gateway.degrade import Degradation, RiskPolicy, saturation
 from edge_agent.gateway.limits import Fit, fit, requested_output, window_for
 from edge_agent.gateway.observe import Observer, Served, as_edge_error
@@ -49,6 +50,8 @@ from edge_agent.governance.tenants import Governor, TenantContext
 from edge_agent.logs import note
 from edge_agent.names import ModelName
 from edge_agent.telemetry.metrics import Metrics
+
+NO_CONTROLS = Controls()  # a request the request path treats by its tenant's defaults
 
 
 @dataclass
@@ -103,34 +106,37 @@ class GenerationService:
         # entry per running `stream`).
         self._live: dict[int, Generation] = {}
 
-    async def prepare(self, req: GenerationRequest, *, tenant: TenantContext | None = None,
-                      keep_alive: float | None = None) -> PreparedGeneration:
+    async def prepare(self, req: GenerationRequest, controls: Controls = NO_CONTROLS, *,
+                      tenant: TenantContext | None = None, keep_alive: float | None = None
+                      ) -> PreparedGeneration:
         """Everything that can refuse the request, done before any response starts; on
         success the job is queued."""
         loop = asyncio.get_running_loop()
-        deadline = self._deadline(loop, req.timeout_s)
-        note(model=req.model, dialect=req.dialect)
-        if req.end_user:
-            note(end_user=self.privacy.end_user_digest(req.end_user))
+        deadline = self._deadline(loop, controls.timeout_s)
+        note(model=req.model, dialect=controls.dialect)
+        if controls.end_user:
+            note(end_user=self.privacy.end_user_digest(controls.end_user))
         name = ModelName.parse(req.model)  # the request path's one parse of the name
         self._govern(tenant, name)
-        tier = self.risk.tier(tenant, req.risk)
+        tier = self.risk.tier(tenant, controls.risk)
         req = self.privacy.redact_prompt(req, tenant)
         try:
-            return await self._start(req, name, tenant, keep_alive, deadline)
+            return await self._start(req, controls, name, tenant, keep_alive, deadline)
         except ServiceUnavailable as exc:
             reason = saturation(exc)
-            if reason is None or req.batch_line:
+            if reason is None or controls.batch_line:
                 raise
-            fallback = self.risk.degrade(tier, reason, name, tenant, exc, defer=req.defer)
+            fallback = self.risk.degrade(tier, reason, name, tenant, exc,
+                                         defer=controls.defer)
         try:
-            prepared = await self._start(req, fallback, tenant, keep_alive, deadline)
+            prepared = await self._start(req, controls, fallback, tenant, keep_alive,
+                                         deadline)
         except ServiceUnavailable as exc:
             raise self.risk.fallback_failed(tier, reason, name, fallback, exc) from exc
         prepared.degradation = self.risk.fell_back(tier, reason, name)
         return prepared
 
-    async def _start(self, req: GenerationRequest, name: ModelName,
+    async def _start(self, req: GenerationRequest, controls: Controls, name: ModelName,
                      tenant: TenantContext | None, keep_alive: float | None,
                      deadline: float | None) -> PreparedGeneration:
         """The request queued on the model `name`."""
@@ -139,14 +145,15 @@ class GenerationService:
         try:
             # A new schema's grammar is checked in a child process (0.1-0.3 s): off the loop.
             grammar = await asyncio.to_thread(grammar_for, req)
-            spec, fitted = self._plan(req, tenant, model, load_ns, grammar)
+            spec, fitted = self._plan(req, controls, tenant, model, load_ns, grammar)
             if deadline is not None:
                 _check_deadline(model, deadline - loop.time())
             generation = model.generate(spec, loop)
         except BaseException:
             await self.registry.release(model)
             raise
-        served = Served(model=model.info.name, digest=model.info.digest, dialect=req.dialect,
+        served = Served(model=model.info.name, digest=model.info.digest,
+                        dialect=controls.dialect,
                         tenant=tenant, submitted_ns=generation.submitted_ns, load_ns=load_ns,
                         constrained=grammar is not None)
         return PreparedGeneration(model=model, request=req, generation=generation,
@@ -169,7 +176,7 @@ class GenerationService:
         model, load_ns = await self.registry.acquire(name)
         try:
             grammar = await asyncio.to_thread(grammar_for, req)
-            self._plan(req, tenant, model, load_ns, grammar)
+            self._plan(req, NO_CONTROLS, tenant, model, load_ns, grammar)
         finally:
             await self.registry.release(model)
 
@@ -180,19 +187,21 @@ class GenerationService:
         return loop.time() + timeout if timeout else None
 
     @staticmethod
-    def _plan(req: GenerationRequest, tenant: TenantContext | None, model: LoadedModel,
-              load_ns: int, grammar: str | None) -> tuple[GenerationSpec, Fit]:
+    def _plan(req: GenerationRequest, controls: Controls, tenant: TenantContext | None,
+              model: LoadedModel, load_ns: int, grammar: str | None
+              ) -> tuple[GenerationSpec, Fit]:
         policy = tenant.policy if tenant is not None else None
         window = window_for(model.n_ctx, policy)
         requested, clamped = requested_output(req, policy)
         sampling = sampling_for(req, model, window)
         fitted = fit(req, model, policy, window=window, requested=requested, clamped=clamped)
-        priority = req.priority or (policy.priority if policy else "interactive")
+        priority = controls.priority or (policy.priority if policy else "interactive")
         note(truncated_tokens=fitted.truncated_tokens, clamped=int(fitted.clamped))
         spec = GenerationSpec(prompt=fitted.tokens, params=sampling, grammar=grammar,
                               max_tokens=fitted.max_tokens, stops=stops_for(req, model),
                               priority=priority, load_ns=load_ns, cache_key=req.cache_key,
-                              draft=req.draft, stream=req.stream, yields=req.batch_line)
+                              draft=req.draft if req.draft is not None else controls.draft,
+                              stream=req.stream, yields=controls.batch_line)
         return spec, fitted
 
     def _govern(self, tenant: TenantContext | None, model: ModelName) -> None:
@@ -289,8 +298,8 @@ class GenerationService:
                 raise as_edge_error(event.error)
         raise EdgeAgentError("generation ended without a result")
 
-    async def embed(self, req: EmbeddingRequest, *, tenant: TenantContext | None = None,
-                    keep_alive: float | None = None,
+    async def embed(self, req: EmbeddingRequest, controls: Controls = NO_CONTROLS, *,
+                    tenant: TenantContext | None = None, keep_alive: float | None = None,
                     disconnected: Callable[[], Awaitable[bool]] | None = None
                     ) -> EmbeddingResult:
         """See `gateway.embeddings.embed`; scope and quota are checked first, and the tier
@@ -298,18 +307,18 @@ class GenerationService:
         saturated model refuses every tier (`RiskPolicy.refuse_embedding`): vectors are
         only comparable with the same model's, so no fallback ever answers; a batch's line
         gets the plain 503, which its runner waits out."""
-        deadline = self._deadline(asyncio.get_running_loop(), req.timeout_s)
-        note(model=req.model, dialect=req.dialect)
+        deadline = self._deadline(asyncio.get_running_loop(), controls.timeout_s)
+        note(model=req.model, dialect=controls.dialect)
         embeddings.check_count(req, self.registry.settings.runtime.max_embedding_inputs)
         name = ModelName.parse(req.model)
         self._govern(tenant, name)
-        tier = self.risk.tier(tenant, req.risk)
+        tier = self.risk.tier(tenant, controls.risk)
         try:
             return await embeddings.embed(self.registry, req, name, keep_alive=keep_alive,
                                           disconnected=disconnected, deadline=deadline)
         except ServiceUnavailable as exc:
             reason = saturation(exc)
-            if reason is None or req.batch_line:
+            if reason is None or controls.batch_line:
                 raise
             raise self.risk.refuse_embedding(tier, reason, name, exc) from exc
 

@@ -3,8 +3,8 @@ batch's tenant, in the capacity interactive requests leave.
 
 Each line is served exactly as the same request sent interactively (scope, rate and quota,
 limits, redaction, metrics: `serving` on the line's validated body), with the controls of
-a batch's line (`api.body.BATCH_LINE`: the `batch` priority, and a saturated model's plain
-503, never a fallback). Yielding is the scheduler's (`engine.scheduling.scheduler`): a
+a batch's line (`gateway.controls.BATCH_LINE`: the `batch` priority, and a saturated
+model's plain 503, never a fallback). Yielding is the scheduler's (`engine.scheduling.scheduler`): a
 line's job starts once interactive work has paused for `batches.idle_ms`, leaving
 `batches.reserve_slots` sequences free, and when interactive work arrives it is put back
 and runs again from its start (at most MAX_PUT_BACKS times). This runner keeps at most
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_agent.api.body import BATCH_LINE, check_values, validate
+from edge_agent.api.body import check_values, validate
 from edge_agent.api.errors import observe_refusal, openai_body
 from edge_agent.api.openai.protocol import (
     ChatBody,
@@ -50,6 +50,7 @@ from edge_agent.errors import (
     ServiceUnavailable,
     ShuttingDown,
 )
+from edge_agent.gateway.controls import BATCH_LINE
 from edge_agent.governance.tenants import Governor, TenantContext
 from edge_agent.ledger.batches import BatchStore
 from edge_agent.logs import MetadataScrub, request_context

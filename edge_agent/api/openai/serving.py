@@ -20,10 +20,9 @@ import secrets
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from edge_agent.api.body import Controls
 from edge_agent.api.errors import openai_body
 from edge_agent.api.openai.protocol import (
     ChatBody,
@@ -49,6 +48,7 @@ from edge_agent.errors import (
     NotDegraded,
     UnsupportedParameter,
 )
+from edge_agent.gateway.controls import Controls
 from edge_agent.gateway.service import GenerationService, PreparedGeneration
 from edge_agent.governance.tenants import TenantContext
 from edge_agent.logs import note
@@ -97,12 +97,11 @@ class OpenAIServing:
 
     async def chat(self, body: ChatBody, controls: Controls, tenant: TenantContext | None
                    ) -> Answer | Streamed:
-        return await _chat(self, body, controls.with_timeout(body.timeout_ms), tenant)
+        return await _chat(self, body, _with_body(controls, body), tenant)
 
     async def completions(self, body: CompletionBody, controls: Controls,
                           tenant: TenantContext | None) -> Answer | Streamed:
-        return await _completions(self, body, controls.with_timeout(body.timeout_ms),
-                                  tenant)
+        return await _completions(self, body, _with_body(controls, body), tenant)
 
     async def embeddings(self, body: EmbeddingBody, controls: Controls,
                          tenant: TenantContext | None,
@@ -115,10 +114,16 @@ def _unsupported(condition: object, param: str, what: str) -> None:
         raise UnsupportedParameter(f"{what} is not supported", param=param)
 
 
+def _with_body(controls: Controls, body: Sampling) -> Controls:
+    """The controls with what a generation's body adds to them: its deadline
+    (`timeout_ms`, the smaller of it and the header's wins) and its end user."""
+    end_user = getattr(body, "safety_identifier", None) or body.user
+    return replace(controls.with_timeout(body.timeout_ms), end_user=end_user)
+
+
 def _common(body: Sampling, req: GenerationRequest) -> None:
     _unsupported(body.n not in (None, 1), "n", "n > 1")
     req.stream = bool(body.stream)
-    req.end_user = getattr(body, "safety_identifier", None) or body.user
     for key in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                 "top_k", "min_p", "repeat_penalty"):
         value = getattr(body, key)
@@ -262,9 +267,8 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 async def _chat(serving: OpenAIServing, body: ChatBody, controls: Controls,
                 tenant: TenantContext | None) -> Answer | Streamed:
     req = _chat_request(body)
-    controls.apply(req)
     try:
-        prepared = await serving.service.prepare(req, tenant=tenant)
+        prepared = await serving.service.prepare(req, controls, tenant=tenant)
     except Deferrable as exc:
         return await _deferred(serving, tenant, exc, body)
     ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
@@ -372,7 +376,6 @@ async def _completions(serving: OpenAIServing, body: CompletionBody, controls: C
                                 context_tokens=[] if isinstance(p, str) else p,
                                 context_param="prompt")
         _common(body, req)
-        controls.apply(req)
         requests.append(req)
 
     def echo(req: GenerationRequest) -> str:
@@ -389,7 +392,7 @@ async def _completions(serving: OpenAIServing, body: CompletionBody, controls: C
 
     async def prepare(i: int) -> PreparedGeneration:
         with naming_prompt(i):
-            return await serving.service.prepare(requests[i], tenant=tenant)
+            return await serving.service.prepare(requests[i], controls, tenant=tenant)
 
     if len(requests) > 1:
         # Every prompt is found acceptable (or refused, 400 naming it) before the first
@@ -475,8 +478,8 @@ async def _embeddings(serving: OpenAIServing, body: EmbeddingBody, controls: Con
     if not inputs or any(x == "" or x == [] for x in inputs):
         raise InvalidRequest("input must not be empty", param="input")
     req = EmbeddingRequest(model=body.model, inputs=inputs)
-    controls.apply(req)
-    result = await serving.service.embed(req, tenant=tenant, disconnected=disconnected)
+    result = await serving.service.embed(req, controls, tenant=tenant,
+                                         disconnected=disconnected)
     dims = len(result.vectors[0])
     if body.dimensions is not None and body.dimensions != dims:
         raise UnsupportedParameter(f"this model gives {dims} dimensions; "

@@ -29,7 +29,12 @@ from edge_agent.config import Settings, load_settings
 from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.request import GenerationRequest
 from edge_agent.fleet.device.rollout import health_gate
-from edge_agent.fleet.device.rollout.health_gate import Check, GateReport, parse_spec
+from edge_agent.fleet.device.rollout.health_gate import (
+    GATE_DIALECT,
+    Check,
+    GateReport,
+    parse_spec,
+)
 from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.device.rollout.store import Rollout
 from edge_agent.fleet.protocol.rollout_states import ACTIVE, ROLLED_BACK
@@ -70,8 +75,7 @@ def test_the_documented_spec_parses() -> None:
     assert (spec.tokens_per_s_floor, spec.ttft_ms_max, spec.memory_headroom_bytes,
             spec.soak_requests, spec.soak_within_s) == (0.8, 1500.0, 1 << 28, 20, 600.0)
     req = spec.prompts[1].request(DEFAULT_MODEL)
-    assert (req.prompt, req.messages, req.max_tokens, req.dialect) == (
-        "A user record:", None, 64, "gate")
+    assert (req.prompt, req.messages, req.max_tokens) == ("A user record:", None, 64)
     assert req.sampling == {"temperature": 0.0, "seed": 0}  # greedy, always
     assert req.json_schema == SPEC["prompts"][1]["expect"]["json_schema"]  # type: ignore[index]
     assert spec.needs_baseline
@@ -296,7 +300,7 @@ def start_box(model_cache: Path, root: Path, **overrides: Any) -> Box:
     app = create_app(settings)
     parts = app.state.parts
     emitted: list[dict[str, Any]] = []
-    probe = ServiceProbe(parts.service)
+    probe = ServiceProbe(parts.service, dialect=GATE_DIALECT)
     manager = RolloutManager(settings, parts.ops, releases, probe, poll_s=0.1,
                              emit=lambda kind, cls, body: emitted.append(dict(body)))
     loops: list[asyncio.AbstractEventLoop] = []

@@ -99,7 +99,7 @@ class GoldenPrompt:
         return GenerationRequest(
             model=model, messages=self.messages, prompt=self.prompt, raw=self.raw,
             sampling={"temperature": 0.0, "seed": 0}, max_tokens=self.max_tokens,
-            json_schema=self.expect.json_schema, dialect=GATE_DIALECT)
+            json_schema=self.expect.json_schema)
 
 
 @dataclass(frozen=True)
