@@ -98,7 +98,7 @@ def done(prompt: int, cached: int, completion: int, eval_ms: float) -> DoneEvent
 
 def fake_loaded(name: str, waiting: int, running: int) -> SimpleNamespace:
     stats = SimpleNamespace(running=running, kv_used=1, kv_total=2, last_step_tokens=0,
-                            drafted=0, draft_accepted=0)
+                            drafted=0, draft_accepted=0, put_back=0)
     return SimpleNamespace(info=SimpleNamespace(name=name), memory=1, parallel=4,
                            worker=SimpleNamespace(stats=stats, queued=waiting))
 
