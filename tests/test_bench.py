@@ -323,3 +323,16 @@ def test_the_busiest_threads_count_as_the_engine_and_the_bound_is_their_cpu() ->
     _cpu_summary({c8: {"edge-agent": edge, "llama-server": llama}}, out, lines.append)
     assert out[c8.label]["cpu"]["engine_cpu_ratio"] == pytest.approx(18 / 16)
     assert any("1.12x" in line and "1000" in line and "1125" in line for line in lines), lines
+
+
+def test_the_telemetry_sections_stand_in_models_carry_what_the_metrics_read() -> None:
+    """The telemetry section times `/metrics` over four stand-in models: each must carry
+    every field the live collector reads, or the section ends the bench with an
+    AttributeError before its figures."""
+    from edge_agent.bench.serving.observability import _fake_model
+    from edge_agent.telemetry.metrics import Metrics
+
+    models = [_fake_model(i) for i in range(4)]
+    text = Metrics(lambda: models, None).render().decode()  # type: ignore[arg-type,return-value]
+    assert 'edge_agent_batch_lines_put_back_total{model="model-3:q4"} 0.0' in text
+    assert 'edge_agent_parallel_sequences{model="model-0:q4"} 4.0' in text
