@@ -147,10 +147,10 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
         raise InvalidRequest(f"invalid value for '{param}': {err['msg']}", param=param) from exc
 
 
-def read_controls(request: Request, timeout_ms: int | None = None, *, lookup: bool = True
-                  ) -> Controls:
+def read_controls(request: Request, *, lookup: bool = True) -> Controls:
     """Scheduling controls common to both dialects: `X-Priority: interactive|batch`, a
-    deadline from `X-Timeout-Ms` (or the OpenAI body's `timeout_ms`; the smaller wins),
+    deadline from `X-Timeout-Ms` (an OpenAI body's `timeout_ms` joins it in `serving`,
+    `Controls.with_timeout`: the smaller wins),
     `X-Edge-Prompt-Lookup` (draft tokens a step; OpenAI's body has no field for it), the
     risk tier `X-Edge-Risk: low|normal|high` and `X-Edge-Defer: batch` (a low-tier request
     that may be answered later, as a one-line batch, when the box is saturated). A bad
@@ -189,13 +189,13 @@ def read_controls(request: Request, timeout_ms: int | None = None, *, lookup: bo
                                  param="X-Edge-Prompt-Lookup")
         draft = int(header)
     header = request.headers.get("x-timeout-ms")
-    values = [timeout_ms] if timeout_ms else []
+    timeout_s = None
     if header is not None:
         if not _TIMEOUT_MS.fullmatch(header.strip()) or int(header) <= 0:
             raise InvalidRequest("X-Timeout-Ms must be a positive whole number of "
                                  "milliseconds (ASCII digits, at most 15)",
                                  param="X-Timeout-Ms")
-        values.append(int(header))
+        timeout_s = int(header) / 1000
     return Controls(dialect=dialect, priority=cast(Priority | None, priority),
                     risk=cast(Tier | None, risk), defer=defer is not None, draft=draft,
-                    timeout_s=min(values) / 1000 if values else None)
+                    timeout_s=timeout_s)

@@ -116,9 +116,6 @@ class EmbeddingBody(_Body):
 
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-BODIES: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatBody,
-                                      "/v1/completions": CompletionBody,
-                                      "/v1/embeddings": EmbeddingBody}
 
 
 class BatchBody(_Body):
