@@ -10,7 +10,11 @@ What it owns:
   `supervisor/` at the host hierarchy's root), and the nspawn process, started in a session
   of its own so that it, and only it, can be ended;
 - commands in a box: `nsenter` into the namespaces of the box's PID 1, and HTTP through its
-  network namespace only (the box has `--private-network`: its own loopback, no way out).
+  network namespace only (the box has `--private-network`: its own loopback, no way out);
+- a network of their own for hosts that must reach each other (`network`): a bridge in a
+  namespace of its own and, for each member, a namespace with a link to it and an address,
+  which a box boots into (`booted(network=…)`) and a desk runs commands in; nothing of it
+  reaches the host's own network.
 
 It never touches the host's services, never waits without a bound, and takes everything it
 made down again (mounts, cgroup folders, processes) when a box is left, a failed test
@@ -48,7 +52,11 @@ BUILD_TIMEOUT_S = 900
 BOOT_TIMEOUT_S = 90
 POWEROFF_TIMEOUT_S = 30
 NSENTER = ("-m", "-u", "-i", "-n", "-p", "-C")
-TOOLS = ("debootstrap", "systemd-nspawn", "nsenter", "mount", "umount")
+TOOLS = ("debootstrap", "systemd-nspawn", "nsenter", "mount", "umount", "ip")
+NETNS = Path("/run/netns")
+NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` binds NETNS_ETC/NS/hosts over /etc/hosts
+NETNS_PREFIX = "ea"
+SUBNET = "10.77.0"  # private to the network's namespaces: no host route ever sees it
 
 
 def unavailable() -> str | None:
@@ -205,11 +213,82 @@ except OSError as exc:
 """
 
 
+# --- a network of their own ------------------------------------------------------------------
+
+@dataclass
+class Network:
+    """Members on one bridge, each in a network namespace of its own with one address."""
+
+    tag: str
+    addresses: dict[str, str]
+
+    def namespace(self, member: str) -> str:
+        return f"{self.tag}-{member}"
+
+    def path(self, member: str) -> Path:
+        """What a box boots into (`booted(network=…)`)."""
+        return NETNS / self.namespace(member)
+
+    def hosts(self, names: dict[str, Sequence[str]]) -> str:
+        """An /etc/hosts giving each member (by key) its names."""
+        lines = ["127.0.0.1 localhost"]
+        lines += [f"{self.addresses[m]} {' '.join(aliases)}" for m, aliases in names.items()]
+        return "\n".join(lines) + "\n"
+
+    def resolve(self, member: str, hosts: str) -> None:
+        """The names `member`'s commands see (`run`), as a site's DNS would give them."""
+        folder = NETNS_ETC / self.namespace(member)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts").write_text(hosts)
+
+    def run(self, member: str, argv: Sequence[str], **kwargs: Any
+            ) -> subprocess.CompletedProcess[str]:
+        """A host program in `member`'s network namespace (and its /etc/hosts)."""
+        return subprocess.run(["ip", "netns", "exec", self.namespace(member), *argv],
+                              capture_output=True, text=True, check=False, **kwargs)
+
+
+@contextlib.contextmanager
+def network(members: Sequence[str]) -> Iterator[Network]:
+    """A bridge in a namespace of its own and a namespace per member linked to it
+    (addresses SUBNET.1, .2, … in order); all of it removed on leaving."""
+    remove_leftovers()
+    tag = f"{NETNS_PREFIX}{os.getpid()}"
+    net = Network(tag, {m: f"{SUBNET}.{i}" for i, m in enumerate(members, 1)})
+    lan = f"{tag}-lan"
+    made = [lan]
+    try:
+        _check(["ip", "netns", "add", lan])
+        _check(["ip", "-n", lan, "link", "add", "br0", "type", "bridge"])
+        _check(["ip", "-n", lan, "link", "set", "br0", "up"])
+        for i, member in enumerate(members):
+            ns = net.namespace(member)
+            _check(["ip", "netns", "add", ns])
+            made.append(ns)
+            _check(["ip", "-n", lan, "link", "add", f"v{i}", "type", "veth", "peer", "name",
+                    "eth0", "netns", ns])
+            _check(["ip", "-n", lan, "link", "set", f"v{i}", "master", "br0", "up"])
+            _check(["ip", "-n", ns, "addr", "add", f"{net.addresses[member]}/24", "dev", "eth0"])
+            _check(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            _check(["ip", "-n", ns, "link", "set", "lo", "up"])
+        yield net
+    finally:
+        for ns in reversed(made):
+            _remove_netns(ns)
+
+
+def _remove_netns(ns: str) -> None:
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30, check=False)
+    shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def booted(name: str, base: Path, *, ro_binds: Sequence[tuple[Path, str]] = (),
-           prepare: Callable[[Path], None] | None = None) -> Iterator[Box]:
+           prepare: Callable[[Path], None] | None = None,
+           network: Path | None = None) -> Iterator[Box]:
     """A fresh overlay of `base`, `prepare`d through the host's view of it, booted until
-    `systemctl is-system-running` answers; powered off and removed on leaving."""
+    `systemctl is-system-running` answers; powered off and removed on leaving. Alone on its
+    own loopback, or in the `network` namespace given (a member of `network(…)`)."""
     remove_leftovers()
     BOXES.mkdir(parents=True, exist_ok=True)
     workdir = BOXES / f"{os.getpid()}-{name}"
@@ -229,7 +308,9 @@ def booted(name: str, base: Path, *, ro_binds: Sequence[tuple[Path, str]] = (),
         cgroups = _make_cgroups(f"{CGROUP_PREFIX}{os.getpid()}-{name}")
         join = "".join(f'echo $$ > "{c}/cgroup.procs"; ' for c in cgroups)
         argv = ["systemd-nspawn", "-b", "-D", str(merged), f"--machine=ea-{name}",
-                "--register=no", "--keep-unit", "--private-network", "--console=pipe",
+                "--register=no", "--keep-unit",
+                f"--network-namespace-path={network}" if network else "--private-network",
+                "--console=pipe",
                 "--resolv-conf=off", "--timezone=off", "--link-journal=no",
                 *(f"--bind-ro={src}:{dst}" for src, dst in ro_binds)]
         log = open(workdir / "console.log", "wb")  # noqa: SIM115 (closed with the box)
@@ -357,6 +438,10 @@ def remove_leftovers() -> None:
         for workdir in BOXES.iterdir():
             if dead(workdir.name):
                 _remove_workdir(workdir)
+    if NETNS.is_dir():
+        for ns in NETNS.iterdir():
+            if ns.name.startswith(NETNS_PREFIX) and dead(ns.name, NETNS_PREFIX):
+                _remove_netns(ns.name)
 
 
 def _read(path: Path) -> str:

@@ -119,3 +119,6 @@ def test_show_prints_the_catalogs_template_and_parameters_where_not_installed(
     assert code == 1 and "not found" in out
     code, out = _run("models", "show", "nosuch:1b", "--template", "--state-dir", state)
     assert code == 1 and "not found" in out
+    # A catalog model whose GGUF carries its template: its release needs none, and says so.
+    code, out = _run("models", "show", "smollm2:135m", "--template", "--state-dir", state)
+    assert code == 1 and "its GGUF carries its own" in out, out

@@ -273,7 +273,8 @@ NOT_SETTINGS = {"ledger.purge", "ledger.db", "fleet.db", "models.db", "models.st
 def test_every_setting_the_prose_names_exists() -> None:
     sections = "server|runtime|telemetry|ledger|retention|redaction|fleet|models"
     wrong = [f"{_name(page)}: {key}" for page in PAGES
-             for key in sorted(set(re.findall(rf"`((?:{sections})\.[a-z_]+)", page.read_text())))
+             for key in sorted(set(re.findall(rf"`((?:{sections})\.[a-z_]+)(?![a-z_.])",
+                                              page.read_text())))
              if key not in NOT_SETTINGS and reference.settings_field("", key) is None]
     assert not wrong, wrong
 

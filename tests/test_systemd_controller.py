@@ -7,7 +7,8 @@ with systemd, dbus, python3, python3-venv and sudo; no Mosquitto, no PostgreSQL 
 network (`--private-network`). So the wheelhouse carries, besides this checkout's wheels,
 the .deb files of Mosquitto and PostgreSQL and everything they need that the box lacks,
 downloaded once against the box's own package lists (the manual's `apt-get download` step,
-done for the closure) and kept in the test cache. The inventory is the example's, changed
+done for the closure) and kept in the test cache (tests/support/controllerhost.py). The
+inventory is the example's, changed
 as the manual tells a site to: the host in `controllers`, the broker's certificate in `pki/`
 and its key in `group_vars/controllers/vault.yml` (made with `ansible-vault`).
 
@@ -27,10 +28,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,26 +40,25 @@ from tests.support.ansiblebox import (
     CONTROLLER_LIB,
     Run,
     build_wheelhouse,
-    install_ansible,
     readable,
     site_packages,
-    vault_encrypt,
 )
 from tests.support.certs import StoreCA
-from tests.support.machinecache import built_once
+from tests.support.controllerhost import (
+    ANSIBLE,
+    API,
+    PACKAGES,
+    ROOT,
+    WHEELHOUSE_IN_BOX,
+    ControllerHost,
+    controller_debs,
+    prepare,
+    write_vault,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-ANSIBLE = ROOT / "ansible"
 HOST = "fleet-test"
-ADMIN_HOME = "/root"
-SITE = f"{ADMIN_HOME}/ansible"
-WHEELHOUSE_IN_BOX = f"{SITE}/wheelhouse/x86_64-cpu"
-VAULT_PASSWORD = "vault-9b1f-central"
-PACKAGES = ("mosquitto", "postgresql")
 MAX_EXPOSURE = 2.0
-API = "http://127.0.0.1:9464"
 RELEASES = "http://127.0.0.1:9465"  # the role's release server, on every address
-BROKER_TLS_PORT = 8883
 NEW_STORE = "store-0099"
 EXAMPLE = yaml.safe_load((ANSIBLE / "inventory" / "group_vars" / "controllers" / "main.yml")
                          .read_text())
@@ -74,123 +70,40 @@ pytestmark = [
 ]
 
 
-def controller_debs(root: Path) -> list[Path]:
-    """The .deb files of PACKAGES and what they need that `root` lacks, from `root`'s own
-    apt sources and resolved against its own dpkg status, kept in the test cache (made
-    once per machine: another test run may be fetching them at the same time)."""
-    def fetch(staging: Path) -> None:
-        work = staging / "apt"
-        for sub in ("lists/partial", "cache/archives/partial"):
-            (work / sub).mkdir(parents=True, exist_ok=True)
-        options = [f"-oDir::State::status={root}/var/lib/dpkg/status",
-                   f"-oDir::Etc::sourcelist={root}/etc/apt/sources.list",
-                   "-oDir::Etc::sourceparts=/nonexistent", f"-oDir::State::Lists={work}/lists",
-                   f"-oDir::Cache={work}/cache", f"-oDir::Cache::archives={work}/cache/archives",
-                   "-oDebug::NoLocking=1"]
-        for args in (["update"], ["install", "-y", "--no-install-recommends", "--download-only",
-                                  *PACKAGES]):
-            result = subprocess.run(["apt-get", "-q", *options, *args], capture_output=True,
-                                    text=True, timeout=600, check=False)
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        for deb in (work / "cache" / "archives").glob("*.deb"):
-            deb.rename(staging / deb.name)
-        shutil.rmtree(work)
-        (staging / "complete").touch()
-
-    where = built_once(nspawnkit.CACHE / f"debs-{root.name}-controller", "complete", fetch)
-    return sorted(where.glob("*.deb"))
-
-
 @dataclass
 class Central:
-    """The provisioned controller host and its runs."""
+    """The provisioned controller host, its runs, and the CA its broker's certificate is
+    from."""
 
-    box: nspawnkit.Box
+    host: ControllerHost
     ca: StoreCA
     runs: dict[str, Run] = field(default_factory=dict)
     passwords: dict[str, dict[str, str]] = field(default_factory=dict)
     broker_pids: dict[str, str] = field(default_factory=dict)
 
     @property
+    def box(self) -> nspawnkit.Box:
+        return self.host.box
+
+    @property
     def site(self) -> Path:
-        return self.box.root / SITE.lstrip("/")
-
-    def playbook(self) -> Run:
-        started = time.monotonic()
-        result = self.box.sh(f"cd {SITE} && ansible-playbook playbook.yml --limit {HOST} -c local "
-                             f"--vault-password-file {ADMIN_HOME}/vault-pass",
-                             timeout=900, check=False)
-        return Run.of(result, time.monotonic() - started, HOST)
-
-    def credentials(self) -> dict[str, str]:
-        """Each device's broker password, as the role fetched them for the stores' vault."""
-        return {p.stem: p.read_text().strip()
-                for p in sorted((self.site / "credentials").glob("*.txt"))}
+        return self.host.site
 
     def state(self, unit: str) -> dict[str, str]:
-        return self.box.show(unit, "ActiveState", "SubState", "Type", "WatchdogUSec",
-                             "NRestarts", "MainPID")
-
-    def logs(self) -> str:
-        return "".join(f"\n--- {unit} ---\n{self.box.journal(unit, 30)}"
-                       for unit in ("edge-agent-fleet.service", "mosquitto.service"))
+        return self.host.state(unit)
 
     def login(self, user: str, password: str) -> str:
-        """The reason code the broker's TLS listener gives `user` (paho, in the box's
-        network namespace, trusting the fleet CA the boxes are given)."""
-        proc = self.box.net([sys.executable, "-c", _LOGIN, str(self.ca.cert), user, password,
-                             str(BROKER_TLS_PORT)])
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, out + err
-        return out.strip()
-
-
-_LOGIN = """\
-import sys, threading
-import paho.mqtt.client as mqtt
-ca, user, password, port = sys.argv[1:5]
-got = threading.Event()
-said = []
-def on_connect(client, userdata, flags, reason, properties):
-    said.append(str(reason))
-    got.set()
-client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"login-{user}",
-                     protocol=mqtt.MQTTv5)
-client.username_pw_set(user, password)
-client.tls_set(ca_certs=ca)
-client.on_connect = on_connect
-client.connect("127.0.0.1", int(port))
-client.loop_start()
-got.wait(20)
-client.loop_stop()
-print(said[0] if said else "no answer")
-"""
+        return self.host.login(user, password, self.ca.cert)
 
 
 def _prepare(root: Path, ca: StoreCA) -> None:
-    """Before the boot: the project's ansible/ in root's home with the site's changes to the
-    example inventory (the host in `controllers`, the broker's certificate and its vaulted
-    key), the vault password in a file, and Ansible."""
-    install_ansible(root)
-    site = root / SITE.lstrip("/")
-    subprocess.run(["cp", "-a", str(ANSIBLE), str(site)], check=True, timeout=60)
-    for leftover in ("keys", "wheelhouse", "pki", "credentials", ".ansible"):
-        subprocess.run(["rm", "-rf", str(site / leftover)], check=True, timeout=60)
-    (site / "wheelhouse" / "x86_64-cpu").mkdir(parents=True)
-    inventory = site / "inventory"
-    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
-    hosts["controllers"]["hosts"][HOST] = None
-    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    """Before the boot: the site's changes to the example inventory (the host in
+    `controllers`, the broker's certificate in `pki/` and its key in the vault)."""
     broker = ca.issue("broker")
-    (site / "pki").mkdir()
-    (site / "pki" / "broker.pem").write_bytes(broker.cert.read_bytes())
-    (site / "pki" / "fleet-ca.pem").write_bytes(ca.cert.read_bytes())
-    password_file = root / ADMIN_HOME.lstrip("/") / "vault-pass"
-    password_file.write_text(VAULT_PASSWORD + "\n")
-    password_file.chmod(0o600)
-    vault = inventory / "group_vars" / "controllers" / "vault.yml"
-    vault.write_text(yaml.safe_dump({"vault_broker_tls_key": broker.key.read_text()}))
-    vault_encrypt(vault, password_file)
+    prepare(root, host=HOST, pki={"broker.pem": broker.cert.read_bytes(),
+                                  "fleet-ca.pem": ca.cert.read_bytes()},
+            edit_hosts=lambda hosts: None)
+    write_vault(root, {"vault_broker_tls_key": broker.key.read_text()})
 
 
 def _add_store(central: Central, store: str) -> None:
@@ -221,21 +134,21 @@ def central(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     with nspawnkit.booted("controller", root, prepare=lambda r: _prepare(r, ca),
                           ro_binds=[(wheelhouse, WHEELHOUSE_IN_BOX),
                                     (site_packages(), CONTROLLER_LIB)]) as box:
-        found = Central(box, ca)
+        found = Central(ControllerHost(box, HOST), ca)
         try:
             # From scratch; with one more store in the inventory; then with nothing new.
             for name in ("first", "more", "again"):
                 if name == "more":
                     _add_store(found, NEW_STORE)
-                run = found.runs[name] = found.playbook()
-                found.passwords[name] = found.credentials()
+                run = found.runs[name] = found.host.playbook()
+                found.passwords[name] = found.host.credentials()
                 found.broker_pids[name] = box.show("mosquitto.service", "MainPID")["MainPID"]
                 print(f"ansible-playbook, {name} run: {run.seconds:.1f} s, ok={run.ok} "
                       f"changed={run.changed} failed={run.failed}")
-                assert run.rc == 0 and run.failed == 0, run.output[-8000:] + found.logs()
+                assert run.rc == 0 and run.failed == 0, run.output[-8000:] + found.host.logs()
             yield found
         finally:
-            print(found.logs())
+            print(found.host.logs())
 
 
 def test_the_first_run_installs_broker_and_database_and_converges(central: Central) -> None:

@@ -117,6 +117,7 @@ def models_show(name: ModelName, only_template: bool, only_parameters: bool, as_
     if only_template and only_parameters:
         raise BadUsage("--template and --parameters print one thing each; pick one")
     ops = _ops()
+    from_catalog = False
     try:
         data = json.loads(ops.show(name).model_dump_json())
     except ModelNotFound:
@@ -126,7 +127,11 @@ def models_show(name: ModelName, only_template: bool, only_parameters: bool, as_
         if entry is None or not (only_template or only_parameters):
             raise
         data = {"chat_template": entry.chat_template, "parameters": entry.parameters}
+        from_catalog = True
     if only_template:
+        if not data.get("chat_template") and from_catalog:
+            raise InvalidRequest(f"{name}: the catalog gives no chat template: its GGUF "
+                                 "carries its own, so its release needs no --template")
         if not data.get("chat_template"):
             raise InvalidRequest(f"{name} has no chat template")
         click.echo(data["chat_template"], nl=not data["chat_template"].endswith("\n"))
