@@ -140,6 +140,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
             await asyncio.gather(*tasks, return_exceptions=True)
             sampler.stop()
             await asyncio.to_thread(governor.flush_last_used)
+            await service.router.aclose()
             await registry.close()
             store.close()
             await asyncio.to_thread(parts.ledger.close)  # flushes what is queued

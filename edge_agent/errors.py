@@ -21,8 +21,12 @@
     │   │   │                                what else the box could do (a fallback model)
     │   │   └── Deferrable               503 … unless the API turns the request into a
     │   │                                    one-line batch (202): low tier, X-Edge-Defer
-    │   └── ShuttingDown                 503 a stream still running when the stop's drain
-    │                                        grace ran out: ended with this, not cut silently
+    │   ├── ShuttingDown                 503 a stream still running when the stop's drain
+    │   │                                    grace ran out: ended with this, not cut silently
+    │   └── UpstreamUnavailable          503 the request may run only on an upstream, and
+    │                                        none can take it now (breaker open, all busy)
+    ├── UpstreamFailed                   502 an upstream answered wrongly: an error, a broken
+    │                                        or oversized stream, an answer off its schema
     ├── RequestTimeout                   504
     ├── BodyTimeout                      408 the request body did not arrive in time
     ├── ClientDisconnected               499 the client left before its answer was ready
@@ -169,6 +173,19 @@ class ShuttingDown(ServiceUnavailable):
     connection that just closes. The ledger row says `done_reason = "shutdown"`."""
 
     code = "shutting_down"
+
+
+class UpstreamUnavailable(ServiceUnavailable):
+    code = "upstream_unavailable"
+
+
+class UpstreamFailed(EdgeAgentError):
+    """An upstream's answer could not be passed on as the box's: it failed, hung, broke
+    off, grew past its bound or missed the request's schema."""
+
+    status_code = 502
+    error_type = "server_error"
+    code = "upstream_error"
 
 
 class RequestTimeout(EdgeAgentError):

@@ -43,7 +43,13 @@ from pydantic.fields import FieldInfo  # noqa: E402
 from pydantic_core import PydanticUndefined  # noqa: E402
 
 from edge_agent.cli import main as cli_main  # noqa: E402
-from edge_agent.config import ModelOverride, ModelsSettings, Settings, TenantPolicy  # noqa: E402
+from edge_agent.config import (  # noqa: E402
+    ModelOverride,
+    ModelsSettings,
+    Settings,
+    TenantPolicy,
+    UpstreamSettings,
+)
 from edge_agent.config.controller import ControllerSettings  # noqa: E402
 from edge_agent.fleet.controller.metrics import ControllerMetrics  # noqa: E402
 from edge_agent.fleet.protocol import command_types as fleet_commands  # noqa: E402
@@ -260,6 +266,10 @@ def settings_page() -> str:
     tenants = Settings.model_fields["tenants"]
     out += ["", "### [tenants.NAME]", "",
             _prose(f"{tenants.description} {TenantPolicy.__doc__}"), ""] + _table(TenantPolicy)
+    upstreams = Settings.model_fields["upstreams"]
+    out += ["", "### [upstreams.NAME]", "",
+            _prose(f"{upstreams.description} {UpstreamSettings.__doc__}"), ""] + \
+        _table(UpstreamSettings)
     out += ["", "## The controller (`controller.toml`)", "",
             "Read from the defaults below, the TOML file (`--config FILE`, default "
             "`/etc/edge-agent-fleet/controller.toml` when present), then command-line flags; "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, Literal, NoReturn, TypeVar, cast
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -152,8 +152,9 @@ def read_controls(request: Request, *, lookup: bool = True) -> Controls:
     deadline from `X-Timeout-Ms` (an OpenAI body's `timeout_ms` joins it in `serving`,
     `Controls.with_timeout`: the smaller wins),
     `X-Edge-Prompt-Lookup` (draft tokens a step; OpenAI's body has no field for it), the
-    risk tier `X-Edge-Risk: low|normal|high` and `X-Edge-Defer: batch` (a low-tier request
-    that may be answered later, as a one-line batch, when the box is saturated). A bad
+    risk tier `X-Edge-Risk: low|normal|high`, `X-Edge-Defer: batch` (a low-tier request
+    that may be answered later, as a one-line batch, when the box is saturated) and
+    `X-Edge-Route: local|upstream` (the side it asks to run on, `gateway.routing`). A bad
     value is a 400 naming the header, on every route that takes a model's work, whether
     or not the control changes anything there. `lookup=False`: the request's body set its
     draft tokens, which win, so the header is not read at all."""
@@ -196,6 +197,13 @@ def read_controls(request: Request, *, lookup: bool = True) -> Controls:
                                  "milliseconds (ASCII digits, at most 15)",
                                  param="X-Timeout-Ms")
         timeout_s = int(header) / 1000
+    route = request.headers.get("x-edge-route")
+    if route is not None:
+        route = route.strip().lower()
+        if route not in ("local", "upstream"):
+            raise InvalidRequest("X-Edge-Route must be 'local' or 'upstream'",
+                                 param="X-Edge-Route")
     return Controls(dialect=dialect, priority=cast(Priority | None, priority),
                     risk=cast(Tier | None, risk), defer=defer is not None, draft=draft,
-                    timeout_s=timeout_s)
+                    timeout_s=timeout_s,
+                    route=cast(Literal["local", "upstream"] | None, route))

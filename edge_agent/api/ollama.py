@@ -361,7 +361,7 @@ async def _run(request: Request, parts: AppParts, req: GenerationRequest,
     req.stream = stream
     prepared = await parts.service.prepare(req, controls, tenant=tenant_of(request),
                                            keep_alive=seconds)
-    name = prepared.model.info.name
+    name = prepared.model_name
 
     def message(text: str, done: DoneEvent | None = None) -> dict[str, Any]:
         if not chat:

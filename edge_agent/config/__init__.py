@@ -40,14 +40,15 @@ from edge_agent.config.base import (
     renamed_key,
 )
 from edge_agent.config.fleet import BrokerAddress, FleetSettings, parse_broker, parse_window
+from edge_agent.config.upstreams import Egress, Route, RoutingSettings, UpstreamSettings
 
 __all__ = ["DEFAULT_CONFIG_FILE", "DRAFT_MODEL_TOKENS", "MAX_DRAFT", "MAX_INTERVAL_S",
-           "MIN_INTERVAL_S", "BatchSettings", "BrokerAddress",
-           "ConfigError", "FleetSettings", "HTTPSFiles", "LayeredSettings", "LedgerSettings",
-           "ModelOverride", "ModelsSettings", "RedactionSettings", "RetentionSettings",
-           "RiskSettings", "RuntimeSettings", "ServerSettings", "Settings", "TelemetrySettings",
-           "TenantPolicy", "load_layered", "load_settings", "parse_broker", "parse_window",
-           "renamed_key"]
+           "MIN_INTERVAL_S", "BatchSettings", "BrokerAddress", "ConfigError", "Egress",
+           "FleetSettings", "HTTPSFiles", "LayeredSettings", "LedgerSettings", "ModelOverride",
+           "ModelsSettings", "RedactionSettings", "RetentionSettings", "RiskSettings", "Route",
+           "RoutingSettings", "RuntimeSettings", "ServerSettings", "Settings",
+           "TelemetrySettings", "TenantPolicy", "UpstreamSettings", "load_layered",
+           "load_settings", "parse_broker", "parse_window", "renamed_key"]
 
 DEFAULT_CONFIG_FILE = Path("/etc/edge-agent/config.toml")
 
@@ -139,6 +140,14 @@ class TenantPolicy(_Section):
     risk_may_lower: bool = Field(
         False, description="Requests may ask a tier below `risk` (X-Edge-Risk); without it "
         "a lower tier is refused (403).")
+    egress: Egress = Field(
+        "never", description="What of the tenant's requests may leave the box for an "
+        "upstream ([upstreams]): nothing (answered here or refused, with the reason), its "
+        "text with personal data replaced by placeholders (restored in the answer), or all "
+        "of it.")
+    route: Route | None = Field(
+        None, description="Where the tenant's requests may run, over the model's and "
+        "[routing]'s route; unset: theirs.")
 
 
 class RiskSettings(_Section):
@@ -363,6 +372,10 @@ class ModelOverride(_Section):
         "while it is saturated ([risk] normal = \"fallback\"); never a high-tier request "
         "or an embedding.")
 
+    route: Route | None = Field(
+        None, description="Where this model's requests may run ([routing] route); unset: "
+        "[routing]'s.")
+
     @field_validator("fallback")
     @classmethod
     def _fallback_name(cls, name: str | None) -> str | None:
@@ -472,6 +485,11 @@ class Settings(LayeredSettings):
     models: ModelsSettings = Field(default_factory=ModelsSettings)  # type: ignore[arg-type]
     tenants: dict[str, TenantPolicy] = Field(
         default_factory=dict, description="Tenant policies; API keys name their tenant.")
+    upstreams: dict[str, UpstreamSettings] = Field(
+        default_factory=dict, description="OpenAI-compatible servers requests may be sent to "
+        "([routing]); none: every request is answered here.")
+    routing: RoutingSettings = Field(
+        default_factory=RoutingSettings)  # type: ignore[arg-type]
 
     @field_validator("state_dir", "catalog_dir")
     @classmethod

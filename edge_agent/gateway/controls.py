@@ -1,8 +1,9 @@
 """How the request path treats one request, beside what it asks of a model: its dialect,
 priority, risk tier, deadline, whether a saturated box may defer it or must refuse it (a
-batch's line), and who the end user is. The API reads them (headers, a body's field) and
-hands them to `service` beside the request; the engine's request types name none of them
-(`engine.request`), so nothing below the request path can act on policy.
+batch's line), who the end user is, and the side (here, an upstream) it asks to run on.
+The API reads them (headers, a body's field) and hands them to `service` beside the
+request; the engine's request types name none of them (`engine.request`), so nothing
+below the request path can act on policy.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class Controls:
     # box it gets the plain 503, and the batch runner tries it again later.
     batch_line: bool = False
     end_user: str | None = None  # a client's end-user id; only its keyed digest is recorded
+    # X-Edge-Route: the side the client asks for (`gateway.routing`); None: the route's.
+    route: Literal["local", "upstream"] | None = None
 
     def with_timeout(self, timeout_ms: int | None) -> Controls:
         """With a body's own deadline (OpenAI's `timeout_ms`) beside the header's: the

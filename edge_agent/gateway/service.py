@@ -33,8 +33,11 @@ from edge_agent.engine.request import (
     TokenEvent,
 )
 from edge_agent.errors import (
+    ContextLengthExceeded,
     DeadlineUnmet,
     EdgeAgentError,
+    ModelNotFound,
+    NotDegraded,
     RequestTimeout,
     ServiceUnavailable,
     ShuttingDown,
@@ -45,6 +48,7 @@ from edge_agent.gateway.degrade import Degradation, RiskPolicy, saturation
 from edge_agent.gateway.limits import Fit, fit, requested_output, window_for
 from edge_agent.gateway.observe import Observer, Served, as_edge_error
 from edge_agent.gateway.privacy import Later, Record, RequestPrivacy
+from edge_agent.gateway.routing import Plan, Router, UpstreamCall
 from edge_agent.governance.redaction import Redactor
 from edge_agent.governance.tenants import Governor, TenantContext
 from edge_agent.logs import note
@@ -56,7 +60,7 @@ NO_CONTROLS = Controls()  # a request the request path treats by its tenant's de
 
 @dataclass
 class PreparedGeneration:
-    model: LoadedModel
+    model: LoadedModel | None  # None: an upstream answers (`call`)
     request: GenerationRequest
     generation: Generation
     served: Served
@@ -65,6 +69,18 @@ class PreparedGeneration:
     fit: Fit
     released: bool = False
     degradation: Degradation | None = None  # answered by a fallback model (risk tiers)
+    call: UpstreamCall | None = None  # answered by an upstream (`gateway.routing`)
+    route_reason: str = ""
+
+    @property
+    def model_name(self) -> str:
+        """The model that answers, by the name clients use."""
+        return self.served.model
+
+    @property
+    def model_digest(self) -> str:
+        """Its digest; for an upstream's answer, `upstream:NAME`."""
+        return self.served.digest
 
     def headers(self, done: DoneEvent | None = None) -> dict[str, str]:
         """The context served, and where governance made the request smaller than asked,
@@ -86,6 +102,9 @@ class PreparedGeneration:
                                     f"decode;dur={t.eval_ns / 1e6:.1f}")
         if self.degradation is not None:
             out["X-Edge-Degraded"] = self.degradation.header()
+        if self.call is not None:
+            out["X-Edge-Route"] = (f"upstream; upstream={self.call.upstream.name}; "
+                                   f"reason={self.route_reason}")
         return out
 
 
@@ -102,6 +121,8 @@ class GenerationService:
         self.privacy = RequestPrivacy(redactor, keep_content=keep_content, record=record,
                                       later=later)
         self.observer = Observer(metrics, governor, self.privacy)
+        self.router = Router.from_settings(
+            registry.settings, redactor.detectors if redactor is not None else None, metrics)
         # The generations being streamed now, for `cut_all` at a stop (keyed by id: one
         # entry per running `stream`).
         self._live: dict[int, Generation] = {}
@@ -110,7 +131,7 @@ class GenerationService:
                       tenant: TenantContext | None = None, keep_alive: float | None = None
                       ) -> PreparedGeneration:
         """Everything that can refuse the request, done before any response starts; on
-        success the job is queued."""
+        success the job is queued here, or sent to an upstream (`gateway.routing`)."""
         loop = asyncio.get_running_loop()
         deadline = self._deadline(loop, controls.timeout_s)
         note(model=req.model, dialect=controls.dialect)
@@ -119,22 +140,81 @@ class GenerationService:
         name = ModelName.parse(req.model)  # the request path's one parse of the name
         self._govern(tenant, name)
         tier = self.risk.tier(tenant, controls.risk)
+        plan = self.router.plan(name, tenant, controls.route)
         req = self.privacy.redact_prompt(req, tenant)
+
+        def upstream(reason: str, tokens: int | None = None) -> PreparedGeneration | None:
+            return self._upstream(req, controls, name, tenant, plan, deadline, reason, tokens)
+
+        if controls.route == "upstream":
+            prepared = upstream("asked")
+            if prepared is None:
+                raise self.router.refuse_asked(plan, name, tenant)
+            return prepared
+        if plan.upstream_first and (prepared := upstream("route")) is not None:
+            return prepared
         try:
             return await self._start(req, controls, name, tenant, keep_alive, deadline)
+        except ModelNotFound:
+            if (prepared := upstream("not_installed")) is None:
+                if self.router.serves(name, plan):  # only the upstream has it: not now
+                    raise self.router.unavailable(name) from None
+                raise
+            return prepared
+        except ContextLengthExceeded as exc:
+            needed = (exc.prompt_tokens or 0) + (exc.output_tokens or 0)
+            if not _the_box_limit(exc, tenant) or \
+                    (prepared := upstream("context", needed)) is None:
+                raise
+            return prepared
         except ServiceUnavailable as exc:
             reason = saturation(exc)
-            if reason is None or controls.batch_line:
+            if reason is None:
                 raise
-            fallback = self.risk.degrade(tier, reason, name, tenant, exc,
+            saturated: ServiceUnavailable = exc
+        # Saturated. An upstream serving the model asked comes before its smaller local
+        # fallback unless [routing] saturated says otherwise; a high-tier request goes to
+        # neither (the risk tiers refuse it).
+        spill = tier != "high"
+        upstream_first = controls.batch_line or self.registry.settings.routing.saturated \
+            == "upstream"
+        if spill and upstream_first and (prepared := upstream("saturated")) is not None:
+            return prepared
+        if controls.batch_line:
+            raise saturated
+        try:
+            fallback = self.risk.degrade(tier, reason, name, tenant, saturated,
                                          defer=controls.defer)
+        except NotDegraded:
+            if spill and (prepared := upstream("saturated")) is not None:
+                return prepared
+            raise
         try:
             prepared = await self._start(req, controls, fallback, tenant, keep_alive,
                                          deadline)
         except ServiceUnavailable as exc:
+            if spill and (spilled := upstream("saturated")) is not None:
+                return spilled
             raise self.risk.fallback_failed(tier, reason, name, fallback, exc) from exc
         prepared.degradation = self.risk.fell_back(tier, reason, name)
         return prepared
+
+    def _upstream(self, req: GenerationRequest, controls: Controls, name: ModelName,
+                  tenant: TenantContext | None, plan: Plan, deadline: float | None,
+                  reason: str, tokens: int | None = None) -> PreparedGeneration | None:
+        """The request sent to the first upstream that may take it, or None."""
+        upstream = self.router.pick(req, name, plan, tokens=tokens)
+        if upstream is None:
+            return None
+        call = self.router.start(upstream, req, name, plan, reason)
+        served = Served(model=str(name), digest=f"upstream:{upstream.name}",
+                        dialect=controls.dialect, tenant=tenant,
+                        submitted_ns=call.generation.submitted_ns, load_ns=0,
+                        constrained=req.json_schema is not None)
+        return PreparedGeneration(model=None, request=req, generation=call.generation,
+                                  served=served, tool_mode=False, deadline=deadline,
+                                  fit=Fit([], req.max_tokens or 0, 0), call=call,
+                                  route_reason=reason)
 
     async def _start(self, req: GenerationRequest, controls: Controls, name: ModelName,
                      tenant: TenantContext | None, keep_alive: float | None,
@@ -173,7 +253,13 @@ class GenerationService:
         if tenant is not None:
             tenant.check_model(name)
         req = self.privacy.redact_prompt(req, tenant, keep=False)
-        model, load_ns = await self.registry.acquire(name)
+        try:
+            model, load_ns = await self.registry.acquire(name)
+        except ModelNotFound:
+            # A model only an upstream serves: each part is routed at its turn.
+            if self.router.pick(req, name, self.router.plan(name, tenant, None)) is None:
+                raise
+            return
         try:
             grammar = await asyncio.to_thread(grammar_for, req)
             self._plan(req, NO_CONTROLS, tenant, model, load_ns, grammar)
@@ -288,7 +374,10 @@ class GenerationService:
         if not prepared.released:
             prepared.released = True
             prepared.generation.cancelled.set()
-            await self.registry.release(prepared.model)
+            if prepared.call is not None:
+                prepared.call.cancel()
+            if prepared.model is not None:
+                await self.registry.release(prepared.model)
 
     async def complete(self, prepared: PreparedGeneration) -> DoneEvent:
         async for event in self.stream(prepared):
@@ -321,6 +410,13 @@ class GenerationService:
             if reason is None or controls.batch_line:
                 raise
             raise self.risk.refuse_embedding(tier, reason, name, exc) from exc
+
+
+def _the_box_limit(exc: ContextLengthExceeded, tenant: TenantContext | None) -> bool:
+    """Whether a prompt was too long for the box's context, not for the tenant's own
+    ceiling (`max_context_tokens`: policy, which no upstream may lift)."""
+    ceiling = tenant.policy.max_context_tokens if tenant is not None else None
+    return not (ceiling and exc.window is not None and exc.window <= ceiling)
 
 
 def _check_deadline(model: LoadedModel, left: float) -> None:

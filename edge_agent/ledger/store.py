@@ -27,6 +27,8 @@ COLUMNS: dict[str, type] = {
     "end_user": str, "ignored_fields": str, "risk_tier": str, "degradation": str,
     "degradation_reason": str, "requested_model": str, "batch_id": str,
     "quota_requests": int, "quota_tokens": int,
+    "route": str, "upstream": str, "route_reason": str, "egress": str, "egress_entities": int,
+    "egress_bytes": int, "upstream_ms": float,
 }
 
 
@@ -139,6 +141,23 @@ def m009_quota_charges(db: Database) -> None:
     for column in QUOTA_COLUMNS:
         if column not in db[REQUESTS].columns_dict:
             db[REQUESTS].add_column(column, int)  # type: ignore[union-attr]
+
+
+ROUTE_COLUMNS = ("route", "upstream", "route_reason", "egress", "egress_entities",
+                 "egress_bytes", "upstream_ms")
+
+
+@MIGRATIONS()
+def m010_routes(db: Database) -> None:
+    """Where a request ran when not here (`route` "upstream", which `upstream`), why
+    (`route_reason`: not_installed, context, saturated, asked, route), what left the box
+    (`egress`: redacted or allowed; the personal data replaced, `egress_entities`; the body's
+    size, `egress_bytes`) and how long the upstream took (`upstream_ms`). NULL: answered
+    here."""
+    for column in ROUTE_COLUMNS:
+        if column not in db[REQUESTS].columns_dict:
+            db[REQUESTS].add_column(column, COLUMNS[column])  # type: ignore[union-attr]
+    db[REQUESTS].create_index(["route", "ts"], if_not_exists=True)  # type: ignore[union-attr]
 
 
 def quota_usage(db: Database, since: float) -> list[tuple[str, float, int, int]]:

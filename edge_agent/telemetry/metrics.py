@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -102,6 +102,19 @@ class Metrics:
             "by risk tier, cause (queue_full, memory, deadline) and what it did (fallback: another "
             "model answered; queued: a one-line batch; refused: 503)",
             ["tier", "reason", "action"], registry=r)
+        self.upstream_requests = Counter(
+            "edge_agent_upstream_requests", "Requests sent to an upstream ([upstreams]), by "
+            "upstream, why (not_installed, context, saturated, asked, route) and how it went "
+            "(ok, client_error, server_error, timeout, unreachable, too_large, broken, schema)",
+            ["upstream", "reason", "status"], registry=r)
+        self.upstream_breaker = Gauge(
+            "edge_agent_upstream_breaker_state", "Each upstream's circuit breaker: 0 closed "
+            "(requests go), 1 half-open (a probe decides), 2 open (none go)", ["upstream"],
+            registry=r)
+        self.egress_entities = Counter(
+            "edge_agent_egress_redacted_entities", "Personal data replaced by placeholders "
+            "before a request left for an upstream (egress = \"redacted\"), by entity",
+            ["upstream", "entity"], registry=r)
         r.register(_LiveCollector(loaded, hardware, ledger or (lambda: None)))
 
     def observe_done(self, model: str, dialect: str, done: DoneEvent, ttft_s: float) -> None:
@@ -122,6 +135,17 @@ class Metrics:
 
     def observe_degradation(self, tier: str, reason: str, action: str) -> None:
         self.degradations.labels(tier, reason, action).inc()
+
+    def observe_upstream(self, upstream: str, reason: str, status: str) -> None:
+        self.upstream_requests.labels(upstream, reason, status).inc()
+
+    def set_upstream_breaker(self, upstream: str, state: str) -> None:
+        self.upstream_breaker.labels(upstream).set(
+            {"closed": 0, "half_open": 1, "open": 2}[state])
+
+    def observe_egress(self, upstream: str, entities: dict[str, int]) -> None:
+        for entity, count in entities.items():
+            self.egress_entities.labels(upstream, entity).inc(count)
 
     def observe_error(self, model: str, dialect: str, exc: EdgeAgentError) -> None:
         """Counts a request that ended in `exc`, once: the request path counts it with its

@@ -1,7 +1,8 @@
 """A TCP proxy on a free loopback port that a test can cut: `cut()` drops every connection
 through it and refuses new ones (a link that went down between two hosts), `restore()`
 lets them through again. For the bridge between a region's broker and the central one,
-cut while both brokers, and everything else, stay up."""
+cut while both brokers, and everything else, stay up. It also keeps every byte the clients
+sent through it (`sent`), for a test that must prove what never went out."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class TCPProxy:
         self._open: list[socket.socket] = []
         self._up = True
         self._closed = False
+        self.sent = bytearray()  # every byte from the clients to the target, in order
         self._thread = threading.Thread(target=self._accept, name="tcp-proxy", daemon=True)
         self._thread.start()
 
@@ -41,13 +43,15 @@ class TCPProxy:
             upstream.settimeout(None)
             with self._lock:
                 self._open += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, keep in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(a, b, keep), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, keep: bool) -> None:
         try:
             while data := src.recv(65536):
+                if keep:
+                    with self._lock:
+                        self.sent += data
                 dst.sendall(data)
         except OSError:
             pass

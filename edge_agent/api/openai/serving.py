@@ -272,8 +272,8 @@ async def _chat(serving: OpenAIServing, body: ChatBody, controls: Controls,
     except Deferrable as exc:
         return await _deferred(serving, tenant, exc, body)
     ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-    head = {"id": ident, "created": created, "model": prepared.model.info.name,
-            "system_fingerprint": "fp_" + prepared.model.info.digest[:12]}
+    head = {"id": ident, "created": created, "model": prepared.model_name,
+            "system_fingerprint": "fp_" + prepared.model_digest[:12]}
 
     if not body.stream:
         done = await serving.service.complete(prepared)
@@ -404,8 +404,8 @@ async def _completions(serving: OpenAIServing, body: CompletionBody, controls: C
     first = await prepare(0)  # refuse (scope, a model that is not there) before any head
     ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
     head = {"id": ident, "created": created, "object": "text_completion",
-            "model": first.model.info.name,
-            "system_fingerprint": "fp_" + first.model.info.digest[:12]}
+            "model": first.model_name,
+            "system_fingerprint": "fp_" + first.model_digest[:12]}
 
     if not body.stream:
         choices, totals = [], [0, 0, 0]
