@@ -37,11 +37,13 @@ from tests.conftest import (
     free_port,
     start_server,
 )
+from tests.support.hostile_upstream import HostileUpstream
 from tests.support.tcpproxy import TCPProxy
 
 pytestmark = pytest.mark.integration
 
 POOL_ONLY = "pool-only:1b"
+HOSTILE = ("hang", "trickle", "error", "cut", "offschema", "huge")
 TENANTS = {"open": "allowed", "careful": "redacted", "private": "never"}
 
 
@@ -50,6 +52,7 @@ class Gateway:
     box: LiveServer
     pool: LiveServer
     relay: TCPProxy
+    hostile: HostileUpstream
     keys: dict[str, str]
 
     def openai(self, tenant: str, **kwargs: Any) -> openai.OpenAI:
@@ -84,6 +87,7 @@ def gateway(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
                                       **{"server.port": free_port(),
                                          "runtime.context_length": 2048}))
     relay = TCPProxy(int(pool.base_url.rsplit(":", 1)[1]))
+    hostile = HostileUpstream()
     state = clone_state(model_cache, root / "box")
     store = KeyStore(state)
     keys = {tenant: store.create(tenant)[0] for tenant in TENANTS}
@@ -100,12 +104,23 @@ failures_to_open = 2
 open_s = 1.0
 first_token_timeout_s = 20
 read_timeout_s = 20
+
+[upstreams.hostile]
+base_url = "http://127.0.0.1:{hostile.port}/v1"
+models = {{ {", ".join(f'"{m}:1b" = "{m}"' for m in HOSTILE)} }}
+json_schema = true
+first_token_timeout_s = 2
+read_timeout_s = 2
+max_response_bytes = 1048576
+failures_to_open = 100
+max_concurrency = 32
 """)
     box = start_server(load_settings(config, state_dir=state, **{
         "server.port": free_port(), "runtime.context_length": 512, "runtime.parallel": 1,
         "runtime.max_queue": 1}))
-    yield Gateway(box, pool, relay, keys)
+    yield Gateway(box, pool, relay, hostile, keys)
     box.stop()
+    hostile.close()
     relay.close()
     pool.stop()
 
@@ -306,6 +321,59 @@ def test_nothing_of_a_never_tenant_ever_leaves_the_box(gateway: Gateway, text: s
         assert "risk_not_degraded" in answer.text
     assert len(gateway.relay.sent) == before
     assert not re.search(re.escape(marker).encode(), bytes(gateway.relay.sent))
+
+
+# --- an upstream that misbehaves ------------------------------------------------------------
+
+def test_a_hostile_upstream_gets_a_clear_error_and_the_box_stays_responsive(
+        gateway: Gateway) -> None:
+    """Hanging, trickling, a 500, a stream cut short, an answer off its schema, 50 MB in
+    one line: each request ends within its bounds with a 502 in the dialect's shape (an
+    error event where a stream had started: only the cut one, whose first tokens came),
+    the ledger keeps its row, and the box's own model answers meanwhile as fast as it
+    does alone."""
+    import concurrent.futures
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+    def ask(mode: str, stream: bool) -> tuple[str, bool, int, str, float, str]:
+        body: dict[str, Any] = {"model": f"{mode}:1b", "max_tokens": 8, "stream": stream,
+                                "messages": [{"role": "user", "content": "Hi"}]}
+        if mode == "offschema":
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "a", "schema": schema}}
+        started = time.monotonic()
+        answer = gateway.post("open", "/v1/chat/completions", body)
+        return (mode, stream, answer.status_code, answer.text,
+                time.monotonic() - started, answer.headers.get("x-request-id", ""))
+
+    def local() -> float:
+        started = time.monotonic()
+        answer = gateway.post("open", "/v1/chat/completions", {
+            "model": DEFAULT_MODEL, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Hi"}]}, {"X-Edge-Route": "local"})
+        assert answer.status_code == 200, answer.text
+        return time.monotonic() - started
+
+    alone = sorted(local() for _ in range(3))[1]
+    with concurrent.futures.ThreadPoolExecutor(len(HOSTILE) * 2) as pool:
+        futures = [pool.submit(ask, mode, stream) for mode in HOSTILE
+                   for stream in (False, True)]
+        beside = sorted(local() for _ in range(3))[1]
+        results = [f.result(timeout=60) for f in futures]
+    assert beside < max(1.0, alone * 3), (alone, beside)  # not held up by the upstream
+    for mode, stream, status, text, seconds, request_id in results:
+        assert seconds < 15, (mode, stream, seconds)
+        if stream and mode == "cut":  # the head went out: the error is the last event
+            assert status == 200 and "upstream_error" in text and "[DONE]" in text, \
+                (mode, text[-300:])
+        else:  # failed before its first token: the response's own status
+            assert status == 502, (mode, text)
+            error = json.loads(text)["error"]
+            assert error["code"] == "upstream_error" and "hostile" in error["message"]
+        row = gateway.box.ledger_row(request_id)
+        assert row["upstream"] == "hostile" and row["route_reason"] == "not_installed"
+    assert gateway.hostile.sent_bytes.get("huge", 0) < 50 * 1024 * 1024  # it stopped reading
 
 
 # --- a link that fails -----------------------------------------------------------------------

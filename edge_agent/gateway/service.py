@@ -41,6 +41,7 @@ from edge_agent.errors import (
     RequestTimeout,
     ServiceUnavailable,
     ShuttingDown,
+    UpstreamFailed,
 )
 from edge_agent.gateway import embeddings
 from edge_agent.gateway.controls import Controls
@@ -71,6 +72,7 @@ class PreparedGeneration:
     degradation: Degradation | None = None  # answered by a fallback model (risk tiers)
     call: UpstreamCall | None = None  # answered by an upstream (`gateway.routing`)
     route_reason: str = ""
+    first: Event | None = None  # an upstream's first event, read before the answer starts
 
     @property
     def model_name(self) -> str:
@@ -143,20 +145,26 @@ class GenerationService:
         plan = self.router.plan(name, tenant, controls.route)
         req = self.privacy.redact_prompt(req, tenant)
 
-        def upstream(reason: str, tokens: int | None = None) -> PreparedGeneration | None:
-            return self._upstream(req, controls, name, tenant, plan, deadline, reason, tokens)
+        async def upstream(reason: str, tokens: int | None = None
+                           ) -> PreparedGeneration | None:
+            return await self._upstream(req, controls, name, tenant, plan, deadline, reason,
+                                        tokens)
 
         if controls.route == "upstream":
-            prepared = upstream("asked")
+            prepared = await upstream("asked")
             if prepared is None:
                 raise self.router.refuse_asked(plan, name, tenant)
             return prepared
-        if plan.upstream_first and (prepared := upstream("route")) is not None:
-            return prepared
+        if plan.upstream_first:
+            try:
+                if (prepared := await upstream("route")) is not None:
+                    return prepared
+            except UpstreamFailed:
+                pass  # upstream first, then here: the answer comes from the box
         try:
             return await self._start(req, controls, name, tenant, keep_alive, deadline)
         except ModelNotFound:
-            if (prepared := upstream("not_installed")) is None:
+            if (prepared := await upstream("not_installed")) is None:
                 if self.router.serves(name, plan):  # only the upstream has it: not now
                     raise self.router.unavailable(name) from None
                 raise
@@ -164,7 +172,7 @@ class GenerationService:
         except ContextLengthExceeded as exc:
             needed = (exc.prompt_tokens or 0) + (exc.output_tokens or 0)
             if not _the_box_limit(exc, tenant) or \
-                    (prepared := upstream("context", needed)) is None:
+                    (prepared := await upstream("context", needed)) is None:
                 raise
             return prepared
         except ServiceUnavailable as exc:
@@ -178,7 +186,7 @@ class GenerationService:
         spill = tier != "high"
         upstream_first = controls.batch_line or self.registry.settings.routing.saturated \
             == "upstream"
-        if spill and upstream_first and (prepared := upstream("saturated")) is not None:
+        if spill and upstream_first and (prepared := await upstream("saturated")) is not None:
             return prepared
         if controls.batch_line:
             raise saturated
@@ -186,23 +194,27 @@ class GenerationService:
             fallback = self.risk.degrade(tier, reason, name, tenant, saturated,
                                          defer=controls.defer)
         except NotDegraded:
-            if spill and (prepared := upstream("saturated")) is not None:
+            if spill and (prepared := await upstream("saturated")) is not None:
                 return prepared
             raise
         try:
             prepared = await self._start(req, controls, fallback, tenant, keep_alive,
                                          deadline)
         except ServiceUnavailable as exc:
-            if spill and (spilled := upstream("saturated")) is not None:
+            if spill and (spilled := await upstream("saturated")) is not None:
                 return spilled
             raise self.risk.fallback_failed(tier, reason, name, fallback, exc) from exc
         prepared.degradation = self.risk.fell_back(tier, reason, name)
         return prepared
 
-    def _upstream(self, req: GenerationRequest, controls: Controls, name: ModelName,
-                  tenant: TenantContext | None, plan: Plan, deadline: float | None,
-                  reason: str, tokens: int | None = None) -> PreparedGeneration | None:
-        """The request sent to the first upstream that may take it, or None."""
+    async def _upstream(self, req: GenerationRequest, controls: Controls, name: ModelName,
+                        tenant: TenantContext | None, plan: Plan, deadline: float | None,
+                        reason: str, tokens: int | None = None
+                        ) -> PreparedGeneration | None:
+        """The request sent to the first upstream that may take it, or None. Its first
+        event is read here, before any response starts: an upstream that fails at once
+        (unreachable, a 5xx, no answer in its bound) is the response's status, as a local
+        refusal is, not an error inside a stream that began with 200."""
         upstream = self.router.pick(req, name, plan, tokens=tokens)
         if upstream is None:
             return None
@@ -211,10 +223,24 @@ class GenerationService:
                         dialect=controls.dialect, tenant=tenant,
                         submitted_ns=call.generation.submitted_ns, load_ns=0,
                         constrained=req.json_schema is not None)
-        return PreparedGeneration(model=None, request=req, generation=call.generation,
-                                  served=served, tool_mode=False, deadline=deadline,
-                                  fit=Fit([], req.max_tokens or 0, 0), call=call,
-                                  route_reason=reason)
+        prepared = PreparedGeneration(model=None, request=req, generation=call.generation,
+                                      served=served, tool_mode=False, deadline=deadline,
+                                      fit=Fit([], req.max_tokens or 0, 0), call=call,
+                                      route_reason=reason)
+        try:
+            left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+            prepared.first = await asyncio.wait_for(call.generation.events.get(), left)
+        except (TimeoutError, asyncio.TimeoutError):
+            await self.release(prepared)
+            raise RequestTimeout("the request passed its deadline") from None
+        except BaseException:
+            await self.release(prepared)
+            raise
+        if isinstance(prepared.first, ErrorEvent):
+            await self.release(prepared)
+            note(route="upstream", upstream=upstream.name, route_reason=reason)
+            raise as_edge_error(prepared.first.error)
+        return prepared
 
     async def _start(self, req: GenerationRequest, controls: Controls, name: ModelName,
                      tenant: TenantContext | None, keep_alive: float | None,
@@ -318,7 +344,9 @@ class GenerationService:
         self._live[id(generation)] = generation
         try:
             while True:
-                if prepared.deadline is None:
+                if prepared.first is not None:  # an upstream's, read by `prepare`
+                    event, prepared.first = prepared.first, None
+                elif prepared.deadline is None:
                     event = await generation.events.get()
                 else:
                     try:

@@ -157,38 +157,48 @@ class Upstream:
 
     async def _read(self, response: httpx.Response, *, streamed: bool
                     ) -> AsyncIterator[dict[str, Any]]:
+        """The answer's objects, read as bytes arrive and split into lines here, so that
+        neither a line that never ends nor one that trickles can hold more than
+        `max_response_bytes` or take longer than its bound: each event must be whole
+        within `read_timeout_s` of the last (the first within `first_token_timeout_s`)."""
         s = self.settings
+        loop = asyncio.get_running_loop()
+        chunks = response.aiter_bytes()
+        deadline = loop.time() + s.first_token_timeout_s
+        pending = b""
         size = 0
-        lines = response.aiter_lines()
-        wait = s.first_token_timeout_s
-        buffered: list[str] = []
-        ended = False
+        whole: list[bytes] = []
         while True:
             try:
-                line = await asyncio.wait_for(anext(lines), wait)
+                chunk = await asyncio.wait_for(anext(chunks), max(0.0, deadline - loop.time()))
             except StopAsyncIteration:
                 break
             except (TimeoutError, asyncio.TimeoutError):
-                raise self._failed("timeout", f"nothing for {wait:g} s in its answer") from None
-            wait = s.read_timeout_s
-            size += len(line) + 1
+                raise self._failed("timeout", "sent no whole event within its bound "
+                                   f"({s.first_token_timeout_s:g} s first, "
+                                   f"{s.read_timeout_s:g} s after)") from None
+            size += len(chunk)
             if size > s.max_response_bytes:
                 raise self._failed("too_large", f"its answer passed {s.max_response_bytes} "
                                    "bytes")
             if not streamed:
-                buffered.append(line)
+                whole.append(chunk)
                 continue
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                ended = True
-                break
-            yield _json(data, self._failed)
+            pending += chunk
+            while b"\n" in pending:
+                raw, pending = pending.split(b"\n", 1)
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                deadline = loop.time() + s.read_timeout_s
+                yield _json(data, self._failed)
         if not streamed:
-            yield _json("\n".join(buffered), self._failed)
-        elif not ended:
-            raise self._failed("broken", "its stream ended before [DONE]")
+            yield _json(b"".join(whole).decode("utf-8", "replace"), self._failed)
+            return
+        raise self._failed("broken", "its stream ended before [DONE]")
 
     def _failed(self, kind: str, why: str, *, count: bool = True) -> Failed:
         if count:
