@@ -21,7 +21,7 @@ from typing import Literal
 
 import httpx
 
-from edge_agent.config import Settings
+from edge_agent.config import Settings, UpstreamSettings
 from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.runtime import native
 from edge_agent.errors import EdgeAgentError
@@ -83,6 +83,8 @@ def run_checks(settings: Settings) -> list[Check]:
     checks += _tls(settings)
     checks.append(_port(settings))
     checks += _fleet(settings)
+    for name, upstream in settings.upstreams.items():
+        checks += _upstream(name, upstream)
     return checks
 
 
@@ -471,6 +473,51 @@ def _fleet(settings: Settings, timeout_s: float = 5.0) -> list[Check]:
                          fixes.get(found.kind, "see the broker's log")))
     out.append(_outbox(settings.state_dir / "outbox.db"))
     return out
+
+
+def _upstream(name: str, up: UpstreamSettings, timeout_s: float = 5.0) -> list[Check]:
+    """An upstream ([upstreams.NAME]): its key file, then `GET /models` as the box asks it
+    (the key, the CA): reachable, its certificate trusted, the key taken, and every model
+    the box maps to it listed. Unreachable is a warning (the box answers here meanwhile);
+    a refused key or certificate, or a model it does not list, is a configuration to fix."""
+    where = f"upstream {name}"
+    try:
+        key = up.api_key()
+    except OSError as exc:
+        return [Check("fail", where, f"api_key_file {up.api_key_file}: "
+                                     f"{getattr(exc, 'strerror', None) or exc}",
+                      "chmod 600 the key file, owned by the service user")]
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    verify: bool | str = str(up.ca_file) if up.ca_file is not None else True
+    try:
+        answer = httpx.get(f"{up.base_url}/models", headers=headers, verify=verify,
+                           timeout=timeout_s, trust_env=False)
+    except httpx.ConnectError as exc:
+        tls = "certificate" in str(exc).lower() or "ssl" in str(exc).lower()
+        return [Check("fail" if tls else "warn", where, f"{up.base_url}: {exc}; requests "
+                      "are answered here meanwhile",
+                      "check ca_file and the upstream's certificate (its name must match "
+                      "base_url's host)" if tls else "check the network path to it")]
+    except httpx.HTTPError as exc:
+        return [Check("warn", where, f"{up.base_url}: {type(exc).__name__}: {exc}",
+                      "check the network path to it")]
+    if answer.status_code in (401, 403):
+        return [Check("fail", where, f"{up.base_url} refused the key ({answer.status_code})",
+                      "check api_key_file against the upstream's keys")]
+    if answer.status_code != 200:
+        return [Check("warn", where, f"GET {up.base_url}/models answered "
+                                     f"{answer.status_code}", "see the upstream's log")]
+    try:
+        listed = {str(m.get("id")) for m in answer.json().get("data", [])}
+    except (ValueError, AttributeError):
+        listed = set()
+    missing = sorted(theirs for theirs in up.models.values() if theirs not in listed)
+    if missing:
+        return [Check("warn", where, f"{up.base_url} does not list {', '.join(missing)}",
+                      "fix the names in its `models` table (the upstream's own names)")]
+    return [Check("ok", where, f"{up.base_url}: reachable in "
+                               f"{answer.elapsed.total_seconds() * 1000:.0f} ms, "
+                               f"{len(up.models)} model(s) listed")]
 
 
 def _outbox(path: Path) -> Check:

@@ -411,3 +411,39 @@ def test_a_dead_upstream_opens_the_breaker_and_closes_it_again(gateway: Gateway)
         assert time.monotonic() < deadline, answer.text
         time.sleep(0.2)
     assert gateway.metric("edge_agent_upstream_breaker_state", upstream="pool") == 0
+
+
+# --- what the technician sees -----------------------------------------------------------------
+
+def test_doctor_checks_each_upstream(gateway: Gateway, tmp_path: Path) -> None:
+    """Reachable with its models listed (the pool); reachable but missing a model it is
+    mapped to (the hostile one lists none); a key file others may read; nothing there."""
+    from edge_agent.config import UpstreamSettings
+    from edge_agent.doctor import run_checks
+
+    checks = {c.name: c for c in run_checks(gateway.box.settings)}
+    assert checks["upstream pool"].status == "ok", checks["upstream pool"]
+    assert checks["upstream hostile"].status == "warn" and \
+        "does not list" in checks["upstream hostile"].detail
+    key = tmp_path / "key"
+    key.write_text("sk-test\n")
+    key.chmod(0o644)
+    loose = UpstreamSettings(base_url=gateway.pool.openai_url, api_key_file=key)
+    shown = {c.name: c for c in run_checks(gateway.box.settings.model_copy(
+        update={"upstreams": {"loose": loose, "gone": UpstreamSettings(
+            base_url=f"http://127.0.0.1:{free_port()}/v1")}}))}
+    assert shown["upstream loose"].status == "fail" and "chmod 600" in shown[
+        "upstream loose"].fix
+    assert shown["upstream gone"].status == "warn" and "answered here meanwhile" in shown[
+        "upstream gone"].detail
+
+
+def test_the_manuals_example_runs(gateway: Gateway, capsys: pytest.CaptureFixture[str]) -> None:
+    page = Path(__file__).resolve().parents[1] / "docs" / "api" / "upstreams.md"
+    block = re.search(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)
+    assert block is not None
+    code = block.group(1).replace("http://store-box.local:11434/v1", gateway.box.openai_url)
+    code = code.replace('"ea-pos-…"', repr(gateway.keys["open"]))
+    exec(compile(code, str(page), "exec"), {})
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] and out[-1] == "upstream; upstream=pool; reason=not_installed", out
