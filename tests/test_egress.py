@@ -3,6 +3,8 @@ the originals back in the answer, whatever chunks a stream arrives in."""
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +36,7 @@ def test_a_streamed_answer_is_restored_whatever_its_chunks(cuts: list[int]) -> N
     answer = names.hide(TEXT) + " <EMA"  # ends inside something that looks like one
     bounds = sorted({0, len(answer), *(min(c, len(answer)) for c in cuts)})
     restorer = names.restorer()
-    out = "".join(restorer.feed(answer[a:b]) for a, b in zip(bounds, bounds[1:]))
+    out = "".join(restorer.feed(answer[a:b]) for a, b in itertools.pairwise(bounds))
     out += restorer.flush()
     assert out == names.restore(answer) == TEXT + " <EMA"
 
