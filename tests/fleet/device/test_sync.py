@@ -115,6 +115,8 @@ def test_metrics_carry_per_model_deltas_and_percentiles_of_the_interval(
     request_row(writer, model="m:2", ttft=500.0, completion=1)
     metrics.observe_error("m:1", "openai", RateLimited("slow down"))
     request_row(writer, status=429)
+    for status in ("ok", "ok", "timeout"):  # three of them went to the pool
+        metrics.observe_upstream("pool", "saturated", status)
     assert writer.flush()
     assert sync.tick_metrics(now=1000.0)
     [m] = sent(outbox, "metrics")
@@ -133,6 +135,8 @@ def test_metrics_carry_per_model_deltas_and_percentiles_of_the_interval(
     assert two["ttft_ms"] == {"p50": 500.0, "p95": 500.0, "n": 1}
     assert two["tpot_ms"] is None  # one output token: no TPOT (as the histogram)
     assert body["rejections"] == {"quota": 1}
+    assert body["upstream"] == {"requests": 3, "share": round(3 / 12, 4), "by": {
+        "pool": {"saturated": {"ok": 2, "timeout": 1}}}}
     assert body["outbox"]["depth"] == 0 and body["outbox"]["buffered"] >= 0
     [errors] = sent(outbox, "events")
     assert errors.cls == "audit"
@@ -151,6 +155,7 @@ def test_metrics_carry_per_model_deltas_and_percentiles_of_the_interval(
     assert one["tokens"] == {"in": 20, "out": 6, "cached": 0, "cached_share": 0.0}
     assert one["ttft_ms"] == {"p50": 20.0, "p95": 30.0, "n": 2}
     assert "m:2" not in second["models"] and second["rejections"] == {}
+    assert second["upstream"] == {"requests": 0, "share": 0.0, "by": {}}
     assert len(sent(outbox, "events")) == 1  # no new errors: no new event
 
 

@@ -26,7 +26,9 @@ REJECTIONS = "edge_agent_rejections_total"  # label reason
 EVALUATED = "llamacpp:prompt_tokens_total"  # prompt tokens evaluated (cached ones excluded)
 CACHED = "edge_agent_cached_prompt_tokens_total"  # prompt tokens reused from the KV cache
 PREDICTED = "llamacpp:tokens_predicted_total"
-COUNTERS = frozenset({REQUESTS, REJECTIONS, EVALUATED, CACHED, PREDICTED})
+# labels upstream, reason, status: requests sent to an upstream ([upstreams])
+UPSTREAM = "edge_agent_upstream_requests_total"
+COUNTERS = frozenset({REQUESTS, REJECTIONS, EVALUATED, CACHED, PREDICTED, UPSTREAM})
 WAITING = "llamacpp:requests_deferred"  # label model
 RUNNING = "llamacpp:requests_processing"
 GAUGES = frozenset({WAITING, RUNNING})
@@ -132,6 +134,23 @@ def rejections(gained: Series) -> dict[str, int]:
             reason = dict(labels).get("reason", "")
             out[reason] = out.get(reason, 0) + int(value)
     return out
+
+
+def upstream_share(gained: Series) -> dict[str, Any]:
+    """Requests sent to upstreams in the interval: how many, their share of every request
+    the box answered or refused (None when there were none), and per upstream by reason
+    and outcome, so the central team sees which stores spill to the pool, and why."""
+    total = sum(int(v) for (name, _), v in gained.items() if name == REQUESTS)
+    by: dict[str, dict[str, dict[str, int]]] = {}
+    sent = 0
+    for (name, labels), value in gained.items():
+        if name != UPSTREAM:
+            continue
+        d = dict(labels)
+        reasons = by.setdefault(d.get("upstream", ""), {}).setdefault(d.get("reason", ""), {})
+        reasons[d.get("status", "")] = reasons.get(d.get("status", ""), 0) + int(value)
+        sent += int(value)
+    return {"requests": sent, "share": round(sent / total, 4) if total else None, "by": by}
 
 
 def errors(gained: Series) -> list[dict[str, Any]]:
