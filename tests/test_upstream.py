@@ -447,3 +447,19 @@ def test_the_manuals_example_runs(gateway: Gateway, capsys: pytest.CaptureFixtur
     exec(compile(code, str(page), "exec"), {})
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0] and out[-1] == "upstream; upstream=pool; reason=not_installed", out
+
+
+def test_the_upstream_bench_runs_its_three_servers(model_cache: Path, tmp_path: Path) -> None:
+    """`edge-agent bench upstream`, small: every request of both phases answered (none
+    refused: what the box cannot take spills), the added time and the chunks measured."""
+    from edge_agent.bench.serving.upstream import run_upstream_bench
+
+    lines: list[str] = []
+    result = run_upstream_bench(
+        clone_state(model_cache, tmp_path / "box"), DEFAULT_MODEL, threads=1, context=512,
+        clients=5, requests=1, parallel=1, pool_parallel=2, max_tokens=8, passes=2,
+        pool_dir=clone_state(model_cache, tmp_path / "pool"), echo=lines.append)
+    assert result["refused_local"] == 0 and result["refused_spill"] == 0, lines
+    assert result["tokens_per_s_local"] > 0 and result["tokens_per_s_spill"] > 0
+    assert len(result["added_ttft_ms_passes"]) == 2 and result["chunks_ratio"] > 0
+    assert any("TTFT the box adds" in line for line in lines), lines

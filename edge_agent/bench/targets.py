@@ -105,6 +105,12 @@ TARGETS: tuple[Target, ...] = (
     Target("batches.ttft_ratio",
            "interactive TTFT p50, {streams} streams, a {lines}-line batch running / none",
            "<=", 1.2),
+    # `edge-agent bench upstream`: a request passed to an upstream (bench/upstream.py).
+    Target("upstream.added_ttft_ms",
+           "TTFT the box adds to a request it passes to an upstream (p50)", "<=", 5, "ms"),
+    Target("upstream.chunks_ratio",
+           "streamed chunks through the box / straight from the upstream (1: unbuffered)",
+           ">=", 0.9),
     Target("ledger.rows_per_s", "ledger writer, {rows} rows through the batching thread",
            ">=", 5000, "/s"),
     # Per entity type, on the labelled samples (redaction.jsonl beside this module).

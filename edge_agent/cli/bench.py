@@ -115,6 +115,46 @@ def bench_batches(model: str | None, lines: int, streams: int, rounds: int, gap_
         echo_json(result)
 
 
+@bench.command("upstream")
+@common_options
+@click.option("--model", help="Model to measure (default: the configured default).")
+@click.option("--clients", type=click.IntRange(1), default=16, show_default=True,
+              help="Concurrent clients.")
+@click.option("--requests", type=click.IntRange(1), default=2, show_default=True,
+              help="Streamed chats each client sends, one after another.")
+@click.option("--parallel", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="The box's sequences.")
+@click.option("--passes", type=click.IntRange(1), default=20, show_default=True,
+              help="Requests measured straight and through the box, alternating.")
+@json_option("Print the figures as JSON too.")
+def bench_upstream(model: str | None, clients: int, requests: int, parallel: int,
+                   passes: int, as_json: bool) -> None:
+    """A saturated box with and without a loopback upstream (tokens/s, TTFT p95), and the
+    time the box adds to a request it passes through, on servers of their own over
+    --state-dir (the pool's models in STATE_DIR/bench-upstream-pool)."""
+    from edge_agent.bench.serving.upstream import run_upstream_bench
+    from edge_agent.engine.models.catalog import ModelStore
+    from edge_agent.engine.runtime.llama import default_threads
+
+    settings = load()
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    name = ModelName.parse(model or settings.default_model)
+    store = ModelStore(settings.state_dir)
+    try:
+        if not store.is_installed(name):
+            store.pull(name)
+        served = store.get(name).name
+    finally:
+        store.close()
+    result = run_upstream_bench(settings.state_dir, str(served),
+                                threads=settings.runtime.threads or default_threads(),
+                                context=settings.runtime.context_length, clients=clients,
+                                requests=requests, parallel=parallel, passes=passes,
+                                echo=click.echo)
+    if as_json:
+        echo_json(result)
+
+
 @bench.command("fleet")
 @common_options
 @click.option("--devices", "sizes", default="1000", show_default=True, callback=_devices,

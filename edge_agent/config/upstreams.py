@@ -7,7 +7,7 @@ the upstream's own, and `json_schema`, `tools` and `streaming` say what it honou
 a request the upstream would answer otherwise than asked stays on the box. Where a request
 may run is `route` ([routing] for every model, a model's [models."name"] and a tenant's
 [tenants.NAME] over it), and whether its data may leave the box at all is the tenant's
-`egress` ([routing] egress for requests without a tenant): `never` unless an operator says
+`egress` (on a box without keys, the tenant `local`'s): `never` unless an operator says
 otherwise.
 """
 
@@ -115,10 +115,6 @@ class RoutingSettings(_Section):
         "upstream when the box cannot serve it as asked (saturated, the model not "
         "installed, the prompt over its context); or an upstream first, here when none "
         "can take it. Nothing leaves a tenant whose egress is `never`.")
-    egress: Egress = Field(
-        "never", description="What of a request without a tenant (a box without keys) may "
-        "leave the box for an upstream: nothing, its text with personal data replaced by "
-        "placeholders (restored in the answer), or all of it.")
     saturated: Literal["upstream", "fallback"] = Field(
         "upstream", description="On a saturated box, for a normal-tier request, which comes "
         "first: an upstream serving the model asked, or the model's smaller local fallback "

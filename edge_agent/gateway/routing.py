@@ -126,7 +126,8 @@ class Router:
         route = override or route
         if tenant is not None and tenant.policy.route is not None:
             route = tenant.policy.route
-        egress = tenant.policy.egress if tenant is not None else self.settings.routing.egress
+        # No tenant: a request the box makes itself (the health gate's probe), never sent.
+        egress = tenant.policy.egress if tenant is not None else "never"
         if egress == "redacted" and self.detectors is None:
             egress = "never"  # nothing can redact here: nothing leaves
         return Plan(route, egress, asked)
