@@ -8,13 +8,16 @@ options go before a subcommand's name, the subcommand's after it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import click
 
 from edge_agent.cli.common import BadUsage, common_options, load
 from edge_agent.cli.output import echo_json, json_option
 from edge_agent.names import ModelName
+
+if TYPE_CHECKING:
+    from edge_agent.config import Settings
 
 
 def _levels(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -77,6 +80,22 @@ def bench(ctx: click.Context, model: str | None, levels: list[int], requests: in
         echo_json(result)
 
 
+def _installed(settings: Settings, model: str | None) -> ModelName:
+    """The model to measure (the default one unless named), pulled into the state dir if
+    it is not there, by the name it is served under."""
+    from edge_agent.engine.models.catalog import ModelStore
+
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    name = ModelName.parse(model or settings.default_model)
+    store = ModelStore(settings.state_dir)
+    try:
+        if not store.is_installed(name):
+            store.pull(name)
+        return store.get(name).name
+    finally:
+        store.close()
+
+
 @bench.command("batches")
 @common_options
 @click.option("--model", help="Model to measure (default: the configured default).")
@@ -94,19 +113,10 @@ def bench_batches(model: str | None, lines: int, streams: int, rounds: int, gap_
     """Interactive TTFT p50 with a batch running over without one, and the batch's
     lines/s, on a server of its own over --state-dir."""
     from edge_agent.bench.serving.batches import run_batch_bench
-    from edge_agent.engine.models.catalog import ModelStore
     from edge_agent.engine.runtime.llama import default_threads
 
     settings = load()
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
-    name = ModelName.parse(model or settings.default_model)
-    store = ModelStore(settings.state_dir)
-    try:
-        if not store.is_installed(name):
-            store.pull(name)
-        served = store.get(name).name
-    finally:
-        store.close()
+    served = _installed(settings, model)
     result = run_batch_bench(settings.state_dir, served,
                              threads=settings.runtime.threads or default_threads(),
                              context=settings.runtime.context_length, lines=lines,
@@ -133,19 +143,10 @@ def bench_upstream(model: str | None, clients: int, requests: int, parallel: int
     time the box adds to a request it passes through, on servers of their own over
     --state-dir (the pool's models in STATE_DIR/bench-upstream-pool)."""
     from edge_agent.bench.serving.upstream import run_upstream_bench
-    from edge_agent.engine.models.catalog import ModelStore
     from edge_agent.engine.runtime.llama import default_threads
 
     settings = load()
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
-    name = ModelName.parse(model or settings.default_model)
-    store = ModelStore(settings.state_dir)
-    try:
-        if not store.is_installed(name):
-            store.pull(name)
-        served = store.get(name).name
-    finally:
-        store.close()
+    served = _installed(settings, model)
     result = run_upstream_bench(settings.state_dir, str(served),
                                 threads=settings.runtime.threads or default_threads(),
                                 context=settings.runtime.context_length, clients=clients,
