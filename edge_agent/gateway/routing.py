@@ -34,6 +34,7 @@ and checked against the schema: one that does not match is never passed on (502)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -269,28 +270,31 @@ async def _pump(upstream: Upstream, path: str, body: dict[str, Any], reason: str
     restorer = pseudonyms.restorer() if pseudonyms is not None else None
     hold = req.json_schema is not None  # checked whole before any of it goes out
     try:
-        async for obj in upstream.events(path, body, reason=reason):
-            if generation.cancelled.is_set():
-                return
-            usage = obj.get("usage") or usage
-            for choice in obj.get("choices") or []:
-                finish = choice.get("finish_reason") or finish
-                delta = choice.get("delta") or choice.get("message") or {}
-                text = delta.get("content") if "messages" in body else choice.get("text")
-                for call in delta.get("tool_calls") or []:
-                    slot = calls.setdefault(int(call.get("index", len(calls))),
-                                            {"id": "", "name": "", "arguments": ""})
-                    function = call.get("function") or {}
-                    slot["id"] = call.get("id") or slot["id"]
-                    slot["name"] = function.get("name") or slot["name"]
-                    slot["arguments"] += function.get("arguments") or ""
-                if not text:
-                    continue
-                first = first or time.perf_counter_ns()
-                parts.append(text)
-                out = restorer.feed(text) if restorer is not None else text
-                if out and not hold:
-                    put(TokenEvent(out))
+        # Closed here, on a cancel too: its place (`in_flight`) is given back at once, not
+        # whenever the generator is collected.
+        async with contextlib.aclosing(upstream.events(path, body, reason=reason)) as events:
+            async for obj in events:
+                if generation.cancelled.is_set():
+                    return
+                usage = obj.get("usage") or usage
+                for choice in obj.get("choices") or []:
+                    finish = choice.get("finish_reason") or finish
+                    delta = choice.get("delta") or choice.get("message") or {}
+                    text = delta.get("content") if "messages" in body else choice.get("text")
+                    for call in delta.get("tool_calls") or []:
+                        slot = calls.setdefault(int(call.get("index", len(calls))),
+                                                {"id": "", "name": "", "arguments": ""})
+                        function = call.get("function") or {}
+                        slot["id"] = call.get("id") or slot["id"]
+                        slot["name"] = function.get("name") or slot["name"]
+                        slot["arguments"] += function.get("arguments") or ""
+                    if not text:
+                        continue
+                    first = first or time.perf_counter_ns()
+                    parts.append(text)
+                    out = restorer.feed(text) if restorer is not None else text
+                    if out and not hold:
+                        put(TokenEvent(out))
         whole = "".join(parts)
         text = pseudonyms.restore(whole) if pseudonyms is not None else whole
         tail = restorer.flush() if restorer is not None else ""

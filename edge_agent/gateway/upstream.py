@@ -21,7 +21,7 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
 import httpx
@@ -119,7 +119,7 @@ class Upstream:
         self._report()
 
     async def events(self, path: str, body: dict[str, Any], *, reason: str
-                     ) -> AsyncIterator[dict[str, Any]]:
+                     ) -> AsyncGenerator[dict[str, Any], None]:
         """The JSON objects of a streamed answer (`data:` lines, up to `[DONE]`), or of a
         whole one (one object) when `body` asks for no stream; each counted toward the
         breaker. The caller holds a place (`in_flight`) for the whole iteration."""
