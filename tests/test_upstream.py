@@ -463,3 +463,31 @@ def test_the_upstream_bench_runs_its_three_servers(model_cache: Path, tmp_path: 
     assert result["tokens_per_s_local"] > 0 and result["tokens_per_s_spill"] > 0
     assert len(result["added_ttft_ms_passes"]) == 2 and result["chunks_ratio"] > 0
     assert any("TTFT the box adds" in line for line in lines), lines
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "find_product", "description": "Look a product up by its name.",
+    "parameters": {"type": "object", "properties": {"name": {"type": "string"}},
+                   "required": ["name"]}}}]
+
+
+def test_tools_pass_through_to_the_pool_in_both_dialects(gateway: Gateway) -> None:
+    """A tool call answered by the pool comes back as the dialect's tool call, streamed
+    and not: the box passes `tools` to an upstream that declares them."""
+    ask = [{"role": "user", "content": "Find the product called oat milk."}]
+    client = gateway.openai("open")
+    answer = client.chat.completions.create(model=POOL_ONLY, messages=ask, tools=TOOLS,
+                                            tool_choice="required", max_tokens=48)
+    [call] = answer.choices[0].message.tool_calls or []
+    assert call.function.name == "find_product" and "name" in json.loads(
+        call.function.arguments)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(
+        model=POOL_ONLY, messages=ask, tools=TOOLS, tool_choice="required", max_tokens=48,
+        stream=True))
+    named = [d.function.name for c in chunks if c.choices
+             for d in (c.choices[0].delta.tool_calls or []) if d.function and d.function.name]
+    assert named == ["find_product"]
+    said = gateway.ollama("open").chat(model=POOL_ONLY, messages=ask, tools=TOOLS,
+                                       options={"num_predict": 48, "temperature": 0})
+    assert [c.function.name for c in said.message.tool_calls or []] == ["find_product"], said
