@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -491,3 +492,45 @@ def test_tools_pass_through_to_the_pool_in_both_dialects(gateway: Gateway) -> No
     said = gateway.ollama("open").chat(model=POOL_ONLY, messages=ask, tools=TOOLS,
                                        options={"num_predict": 48, "temperature": 0})
     assert [c.function.name for c in said.message.tool_calls or []] == ["find_product"], said
+
+
+def test_a_batch_drains_through_the_pool_while_the_box_is_busy(gateway: Gateway) -> None:
+    """While a long answer holds the box's one sequence, a batch's lines go to the pool
+    (it is idle: at most half of its places taken) instead of waiting for the sequence;
+    their rows say `batch`, and the batch completes before the long answer ends."""
+    auth = {"Authorization": f"Bearer {gateway.keys['open']}"}
+    lines = "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST",
+                                "url": "/v1/chat/completions", "body": {
+                                    "model": DEFAULT_MODEL, "max_tokens": 4, "messages": [
+                                        {"role": "user", "content": f"Name fruit {i}."}]}})
+                    + "\n" for i in range(3))
+    body = {"model": DEFAULT_MODEL, "stream": True, "logit_bias": NO_EOS, "max_tokens": 400,
+            "messages": [{"role": "user", "content": "Tell a long story."}]}
+    with httpx.Client(base_url=gateway.box.base_url, timeout=120, headers=auth) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as running:
+            events = running.iter_lines()
+            next(line for line in events if line.startswith("data:"))
+            uploaded = client.post("/v1/files", files={"file": ("b.jsonl", lines.encode())},
+                                   data={"purpose": "batch"})
+            assert uploaded.status_code == 200, uploaded.text
+            batch = client.post("/v1/batches", json={
+                "input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions",
+                "completion_window": "24h"}).json()
+            deadline = time.monotonic() + 60
+            while (status := client.get(f"/v1/batches/{batch['id']}").json())["status"] \
+                    not in ("completed", "failed", "expired", "cancelled"):
+                assert time.monotonic() < deadline, status
+                time.sleep(0.1)
+            still = next(line for line in events if line.startswith("data:"))
+            assert '"finish_reason":null' in still.replace(" ", "")  # the answer goes on
+            running.close()
+        assert status["status"] == "completed" and status["request_counts"]["completed"] == 3
+        output = client.get(f"/v1/files/{status['output_file_id']}/content").text
+        ids = [json.loads(line)["response"]["request_id"] for line in output.splitlines()]
+    assert gateway.box.app.state.parts.ledger.flush()
+    db = sqlite3.connect(gateway.box.settings.state_dir / "ledger.db")
+    rows = db.execute(f"SELECT route, route_reason, batch_id FROM requests WHERE id IN "
+                      f"({','.join('?' * len(ids))})", ids).fetchall()
+    db.close()
+    assert set(rows) == {("upstream", "batch", batch["id"])} and len(rows) == 3, rows
+    _wait_idle(gateway)

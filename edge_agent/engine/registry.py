@@ -144,6 +144,12 @@ class LoadedModel:
         """Sequences decoded together (`parallel`, "auto" resolved at load)."""
         return self.worker.stats.parallel
 
+    @property
+    def saturated(self) -> bool:
+        """Every sequence is taken: a job queued now waits for one to end."""
+        stats = self.worker.stats
+        return stats.running >= stats.parallel
+
     # -- the narrow interface the request path uses (gateway/): nothing else of the worker
     @property
     def n_ctx(self) -> int:

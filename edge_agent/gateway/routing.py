@@ -16,7 +16,10 @@ upstream`, each the ledger's `route_reason`:
   ([routing] saturated says which comes first: by default the upstream, since it answers
   with the model asked where the fallback is a smaller one); never for a high-tier request,
   which the risk tiers refuse rather than answer elsewhere;
-- `asked` (the header) and `route` (`upstream, then local`).
+- `asked` (the header) and `route` (`upstream, then local`);
+- `batch`: a batch's line whose model has every sequence taken, while an upstream is at
+  most half busy (the rest is left to interactive work): a batch drains faster when the
+  pool has room, and never takes it from a store's customers.
 
 Nothing of a tenant whose `egress` is `never` leaves the box, whatever the route or the
 header. `redacted` sends the text with personal data as placeholders (`gateway.egress`)
@@ -157,9 +160,10 @@ class Router:
                                    "retry later", retry_after=retry)
 
     def pick(self, req: GenerationRequest, name: ModelName, plan: Plan, *,
-             tokens: int | None = None) -> Upstream | None:
+             tokens: int | None = None, spare: bool = False) -> Upstream | None:
         """The first upstream that may take the request now; `tokens`: the request needs
-        that much context there."""
+        that much context there; `spare`: only one at most half busy (a batch's line
+        takes what interactive work leaves over)."""
         if not plan.may_leave or req.context_tokens:
             return None
         for upstream in self.upstreams:
@@ -171,6 +175,8 @@ class Router:
             if req.tools and not s.tools:
                 continue
             if tokens is not None and (s.context_length is None or tokens > s.context_length):
+                continue
+            if spare and upstream.in_flight * 2 >= s.max_concurrency:
                 continue
             if upstream.available():
                 return upstream

@@ -145,15 +145,18 @@ class GenerationService:
         plan = self.router.plan(name, tenant, controls.route)
         req = self.privacy.redact_prompt(req, tenant)
 
-        async def upstream(reason: str, tokens: int | None = None
+        async def upstream(reason: str, tokens: int | None = None, spare: bool = False
                            ) -> PreparedGeneration | None:
             return await self._upstream(req, controls, name, tenant, plan, deadline, reason,
-                                        tokens)
+                                        tokens, spare)
 
         if controls.route == "upstream":
             prepared = await upstream("asked")
             if prepared is None:
                 raise self.router.refuse_asked(plan, name, tenant)
+            return prepared
+        if controls.batch_line and self._busy(name) and \
+                (prepared := await upstream("batch", spare=True)) is not None:
             return prepared
         if plan.upstream_first:
             try:
@@ -207,15 +210,19 @@ class GenerationService:
         prepared.degradation = self.risk.fell_back(tier, reason, name)
         return prepared
 
+    def _busy(self, name: ModelName) -> bool:
+        """Whether `name` is loaded with every sequence taken (a line queued would wait)."""
+        return any(m.info.name == name and m.saturated for m in self.registry.loaded())
+
     async def _upstream(self, req: GenerationRequest, controls: Controls, name: ModelName,
                         tenant: TenantContext | None, plan: Plan, deadline: float | None,
-                        reason: str, tokens: int | None = None
+                        reason: str, tokens: int | None = None, spare: bool = False
                         ) -> PreparedGeneration | None:
         """The request sent to the first upstream that may take it, or None. Its first
         event is read here, before any response starts: an upstream that fails at once
         (unreachable, a 5xx, no answer in its bound) is the response's status, as a local
         refusal is, not an error inside a stream that began with 200."""
-        upstream = self.router.pick(req, name, plan, tokens=tokens)
+        upstream = self.router.pick(req, name, plan, tokens=tokens, spare=spare)
         if upstream is None:
             return None
         call = self.router.start(upstream, req, name, plan, reason)

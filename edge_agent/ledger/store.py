@@ -150,7 +150,7 @@ ROUTE_COLUMNS = ("route", "upstream", "route_reason", "egress", "egress_entities
 @MIGRATIONS()
 def m010_routes(db: Database) -> None:
     """Where a request ran when not here (`route` "upstream", which `upstream`), why
-    (`route_reason`: not_installed, context, saturated, asked, route), what left the box
+    (`route_reason`: not_installed, context, saturated, asked, route, batch), what left the box
     (`egress`: redacted or allowed; the personal data replaced, `egress_entities`; the body's
     size, `egress_bytes`) and how long the upstream took (`upstream_ms`). NULL: answered
     here."""

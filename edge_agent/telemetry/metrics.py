@@ -104,7 +104,8 @@ class Metrics:
             ["tier", "reason", "action"], registry=r)
         self.upstream_requests = Counter(
             "edge_agent_upstream_requests", "Requests sent to an upstream ([upstreams]), by "
-            "upstream, why (not_installed, context, saturated, asked, route) and how it went "
+            "upstream, why (not_installed, context, saturated, asked, route, batch) and how it "
+            "went "
             "(ok, client_error, server_error, timeout, unreachable, too_large, broken, schema)",
             ["upstream", "reason", "status"], registry=r)
         self.upstream_breaker = Gauge(
