@@ -105,8 +105,7 @@ class Metrics:
         self.upstream_requests = Counter(
             "edge_agent_upstream_requests", "Requests sent to an upstream ([upstreams]), by "
             "upstream, why (not_installed, context, saturated, asked, route, batch) and how it "
-            "went "
-            "(ok, client_error, server_error, timeout, unreachable, too_large, broken, schema)",
+            "went (ok, client_error, server_error, timeout, unreachable, too_large, broken)",
             ["upstream", "reason", "status"], registry=r)
         self.upstream_breaker = Gauge(
             "edge_agent_upstream_breaker_state", "Each upstream's circuit breaker: 0 closed "
