@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import psutil
 
+from tests.conftest import free_port
 from tests.support.fleetkit import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,15 +27,33 @@ class FleetServe:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> FleetServe:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "edge_agent", "fleet", "serve", "--config",
-                 str(self.config), "--log-level", "info"],
-                env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                stdout=subprocess.DEVNULL, stderr=out)
-        assert wait_until(lambda: self.health() is not None, 60, 0.2), \
-            self.log.read_text()[-3000:]
-        return self
+        """Started and connected. A port another process took between `free_port()` and the
+        bind (a race any busy machine can lose: the controller refuses a taken port before
+        it starts) is replaced by a new free one in the config, and `port` follows."""
+        for _ in range(3):
+            with self.log.open("ab") as out:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "edge_agent", "fleet", "serve", "--config",
+                     str(self.config), "--log-level", "info"],
+                    env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                    stdout=subprocess.DEVNULL, stderr=out)
+            proc = self.proc
+
+            def up_or_gone(proc: subprocess.Popen[bytes] = proc) -> bool:
+                return self.health() is not None or proc.poll() is not None
+
+            assert wait_until(up_or_gone, 60, 0.2), self.log.read_text()[-3000:]
+            if proc.poll() is None:
+                return self
+            if f":{self.port} is taken by" not in self.log.read_text():
+                break
+            port = free_port()
+            text = self.config.read_text()
+            assert f"port = {self.port}\n" in text, text
+            self.config.write_text(text.replace(f"port = {self.port}\n", f"port = {port}\n"))
+            self.port = port
+        raise AssertionError(f"fleet serve exited {self.proc.returncode}: "
+                             + self.log.read_text()[-3000:])
 
     def health(self) -> dict[str, Any] | None:
         """`/healthz` once the broker is connected, else None."""
