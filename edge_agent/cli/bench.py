@@ -136,9 +136,13 @@ def bench_batches(model: str | None, lines: int, streams: int, rounds: int, gap_
               help="The box's sequences.")
 @click.option("--passes", type=click.IntRange(1), default=20, show_default=True,
               help="Requests measured straight and through the box, alternating.")
+@click.option("--llama-server", "llama_server",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="llama.cpp's llama-server binary: measure the time the box adds with it "
+              "as the upstream too.")
 @json_option("Print the figures as JSON too.")
 def bench_upstream(model: str | None, clients: int, requests: int, parallel: int,
-                   passes: int, as_json: bool) -> None:
+                   passes: int, llama_server: Path | None, as_json: bool) -> None:
     """A saturated box with and without a loopback upstream (tokens/s, TTFT p95), and the
     time the box adds to a request it passes through, on servers of their own over
     --state-dir (the pool's models in STATE_DIR/bench-upstream-pool)."""
@@ -151,7 +155,7 @@ def bench_upstream(model: str | None, clients: int, requests: int, parallel: int
                                 threads=settings.runtime.threads or default_threads(),
                                 context=settings.runtime.context_length, clients=clients,
                                 requests=requests, parallel=parallel, passes=passes,
-                                echo=click.echo)
+                                llama_server=llama_server, echo=click.echo)
     if as_json:
         echo_json(result)
 

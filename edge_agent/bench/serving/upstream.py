@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from edge_agent.bench.serving.peers import EdgeAgentPeer, Sample
+from edge_agent.bench.serving.peers import EdgeAgentPeer, HttpPeer, LlamaServerPeer, Sample
 from edge_agent.bench.serving.run import TOPICS, _ask, _pct
 from edge_agent.bench.targets import report
 from edge_agent.engine.models.catalog import ModelStore
@@ -35,6 +35,7 @@ from edge_agent.names import ModelName
 
 Echo = Callable[[str], None]
 POOL_DIR = "bench-upstream-pool"
+VIA_LLAMA_SERVER = "via-llama-server:1"  # the name the box maps to a llama-server upstream
 
 
 def _phase(peer: EdgeAgentPeer, clients: int, requests: int, max_tokens: int, start: int
@@ -65,14 +66,17 @@ def _tokens_per_s(samples: list[Sample], seconds: float) -> float:
 def run_upstream_bench(state_dir: Path, model: str, *, threads: int, context: int,
                        clients: int = 16, requests: int = 2, parallel: int = 2,
                        pool_parallel: int = 4, max_tokens: int = 32, passes: int = 20,
-                       pool_dir: Path | None = None, echo: Echo) -> dict[str, Any]:
+                       pool_dir: Path | None = None, llama_server: Path | None = None,
+                       echo: Echo) -> dict[str, Any]:
     """`pool_dir`: the pool's state dir (default STATE_DIR/bench-upstream-pool), given the
-    model if it lacks it."""
+    model if it lacks it; `llama_server`: llama.cpp's server binary, measured as an
+    upstream too (the pass-through figures, on the same file)."""
     pool_dir = pool_dir or state_dir / POOL_DIR
     store = ModelStore(pool_dir)
     try:
         if not store.is_installed(ModelName.parse(model)):
             store.pull(ModelName.parse(model))
+        model_path = store.get(ModelName.parse(model)).blob_path(pool_dir)
     finally:
         store.close()
     # One machine: the pool and the spilling box split its cores, as the box alone has
@@ -83,9 +87,15 @@ def run_upstream_bench(state_dir: Path, model: str, *, threads: int, context: in
     pool = EdgeAgentPeer(pool_dir, model, threads=pool_threads, context=context,
                          parallel=pool_parallel)
     config = state_dir / "bench-upstream.toml"
+    other = None if llama_server is None else LlamaServerPeer(
+        llama_server, model_path, model, threads=pool_threads, context=context,
+        parallel=pool_parallel)
     config.write_text(f'[upstreams.pool]\nbase_url = "{pool.url}/v1"\n'
                       f'models = {{ "{model}" = "{model}" }}\nmax_concurrency = 64\n'
-                      '[tenants.local]\negress = "allowed"\n')  # the box has no keys
+                      '[tenants.local]\negress = "allowed"\n'  # the box has no keys
+                      + ("" if other is None else
+                         f'[upstreams.llama-server]\nbase_url = "{other.url}/v1"\n'
+                         f'models = {{ "{VIA_LLAMA_SERVER}" = "{model}" }}\n'))
     try:
         echo(f"upstream: {clients} clients x {requests} streamed chats ({max_tokens} tokens), "
              f"a box with {parallel} sequences ({threads} threads alone, {box_threads} beside "
@@ -103,25 +113,51 @@ def run_upstream_bench(state_dir: Path, model: str, *, threads: int, context: in
         try:
             box.chat(_ask(-2), 4)
             spill, spill_s, spill_refused = _phase(box, clients, requests, max_tokens, 9500)
-            added, direct_chunks, through_chunks = [], [], []
-            for i in range(passes):
-                # Two new prompts of one shape (the same topic, numbers of the same length),
-                # neither in the pool's cache; which goes first alternates.
-                first = 20000 + i * len(TOPICS) * 2
-                asks = (_ask(first), _ask(first + len(TOPICS)))
-                for turn in ((0, 1) if i % 2 == 0 else (1, 0)):
-                    if turn == 0:
-                        direct = pool.chat(asks[0], max_tokens)
-                    else:
-                        through = box.chat(asks[1], max_tokens,
-                                           {"headers": {"X-Edge-Route": "upstream"}})
-                added.append((through.ttft_s - direct.ttft_s) * 1000)
-                direct_chunks.append(direct.tokens)
-                through_chunks.append(through.tokens)
+            added, direct_chunks, through_chunks = _pass_through(pool, box, passes,
+                                                                 max_tokens, model)
+            peer_added: list[float] = []
+            if other is not None:
+                peer_added, _, _ = _pass_through(other, box, passes, max_tokens,
+                                                 VIA_LLAMA_SERVER)
         finally:
             box.close()
     finally:
         pool.close()
+        if other is not None:
+            other.close()
+    return _figures(echo, alone, alone_s, alone_refused, spill, spill_s, spill_refused,
+                    added, direct_chunks, through_chunks, peer_added)
+
+
+def _pass_through(pool: HttpPeer, box: EdgeAgentPeer, passes: int, max_tokens: int,
+                  name: str) -> tuple[list[float], list[int], list[int]]:
+    """(added TTFT ms, chunks direct, chunks through) of `passes` pairs of requests: one to
+    `pool` directly and one through the box under `name`, the name the box maps to it
+    (`X-Edge-Route: upstream`). Two new prompts of one shape each pass (the same topic,
+    numbers of the same length), neither in the pool's cache; which goes first alternates."""
+    added: list[float] = []
+    direct_chunks: list[int] = []
+    through_chunks: list[int] = []
+    for i in range(passes):
+        first = 20000 + i * len(TOPICS) * 2
+        asks = (_ask(first), _ask(first + len(TOPICS)))
+        samples: dict[int, Sample] = {}
+        for turn in ((0, 1) if i % 2 == 0 else (1, 0)):
+            if turn == 0:
+                samples[0] = pool.chat(asks[0], max_tokens)
+            else:
+                samples[1] = box.chat(asks[1], max_tokens, {
+                    "model": name, "headers": {"X-Edge-Route": "upstream"}})
+        added.append((samples[1].ttft_s - samples[0].ttft_s) * 1000)
+        direct_chunks.append(samples[0].tokens)
+        through_chunks.append(samples[1].tokens)
+    return added, direct_chunks, through_chunks
+
+
+def _figures(echo: Echo, alone: list[Sample], alone_s: float, alone_refused: int,
+             spill: list[Sample], spill_s: float, spill_refused: int, added: list[float],
+             direct_chunks: list[int], through_chunks: list[int], peer_added: list[float]
+             ) -> dict[str, Any]:
     tps_alone, tps_spill = _tokens_per_s(alone, alone_s), _tokens_per_s(spill, spill_s)
     p95_alone = _pct([s.ttft_s for s in alone], 0.95)
     p95_spill = _pct([s.ttft_s for s in spill], 0.95)
@@ -135,8 +171,15 @@ def run_upstream_bench(state_dir: Path, model: str, *, threads: int, context: in
     report(echo, "upstream.added_ttft_ms", added_p50, rounds=added)
     unbuffered = sum(through_chunks) / max(1, sum(direct_chunks))
     report(echo, "upstream.chunks_ratio", unbuffered)
-    return {"tokens_per_s_local": tps_alone, "tokens_per_s_spill": tps_spill,
-            "ttft_p95_local_ms": p95_alone * 1000, "ttft_p95_spill_ms": p95_spill * 1000,
-            "refused_local": alone_refused, "refused_spill": spill_refused,
-            "added_ttft_ms": added_p50, "added_ttft_ms_passes": added,
-            "chunks_ratio": unbuffered}
+    out: dict[str, Any] = {
+        "tokens_per_s_local": tps_alone, "tokens_per_s_spill": tps_spill,
+        "ttft_p95_local_ms": p95_alone * 1000, "ttft_p95_spill_ms": p95_spill * 1000,
+        "refused_local": alone_refused, "refused_spill": spill_refused,
+        "added_ttft_ms": added_p50, "added_ttft_ms_passes": added,
+        "chunks_ratio": unbuffered}
+    if peer_added:
+        out["added_ttft_ms_llama_server"] = statistics.median(peer_added)
+        echo(f"  with llama-server as the upstream: the box adds "
+             f"{out['added_ttft_ms_llama_server']:.1f} ms (p50; passes "
+             f"{min(peer_added):.1f} to {max(peer_added):.1f})")
+    return out
