@@ -241,6 +241,46 @@ def test_a_saturated_box_spills_normal_requests_to_the_pool(gateway: Gateway) ->
     _wait_idle(gateway)
 
 
+def test_a_saturated_box_whose_upstream_fails_keeps_its_own_policy(gateway: Gateway) -> None:
+    """The link cut while the box is saturated: the request gets the box's own answer for
+    a saturated model (here 503, no fallback model set) at once, never the upstream's
+    failure; the link back, the pool answers again."""
+    body = {"model": DEFAULT_MODEL, "stream": True, "logit_bias": NO_EOS, "max_tokens": 400,
+            "messages": [{"role": "user", "content": "Tell a long story."}]}
+    auth = {"Authorization": f"Bearer {gateway.keys['open']}"}
+    quick = {"model": DEFAULT_MODEL, "max_tokens": 4,
+             "messages": [{"role": "user", "content": "Hi"}]}
+    with httpx.Client(base_url=gateway.box.base_url, timeout=120, headers=auth) as one, \
+            one.stream("POST", "/v1/chat/completions", json=body) as running, \
+            httpx.Client(base_url=gateway.box.base_url, timeout=120, headers=auth) as two, \
+            two.stream("POST", "/v1/chat/completions", json=body) as waiting:
+        next(line for line in running.iter_lines() if line.startswith("data:"))
+        gateway.relay.cut()
+        try:
+            deadline = time.monotonic() + 30
+            while (answer := gateway.post("open", "/v1/chat/completions", quick)
+                   ).status_code == 200:  # until the second stream waits
+                assert time.monotonic() < deadline, "the second stream never waited"
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "risk_not_degraded", answer.text
+        finally:
+            gateway.relay.restore()
+        waiting.close()
+        running.close()
+    _wait_idle(gateway)
+    _wait_pool(gateway)
+
+
+def _wait_pool(gateway: Gateway) -> None:
+    """Until the pool answers through the box again (its breaker closed)."""
+    deadline = time.monotonic() + 60
+    while gateway.post("open", "/v1/chat/completions", {
+            "model": POOL_ONLY, "max_tokens": 1, "messages": [
+                {"role": "user", "content": "Hi"}]}).status_code != 200:
+        assert time.monotonic() < deadline, "the pool never came back"
+        time.sleep(0.2)
+
+
 def _wait_idle(gateway: Gateway) -> None:
     """Until the box's own sequence answers again (the closed streams cancelled)."""
     deadline = time.monotonic() + 60

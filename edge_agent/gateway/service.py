@@ -147,8 +147,17 @@ class GenerationService:
 
         async def upstream(reason: str, tokens: int | None = None, spare: bool = False
                            ) -> PreparedGeneration | None:
-            return await self._upstream(req, controls, name, tenant, plan, deadline, reason,
-                                        tokens, spare)
+            """An upstream's answer, or None. Where the box has a way of its own (a route
+            that tries an upstream first, a batch's line, a saturated box's fallback or
+            refusal), an upstream that fails before its first token is passed over and the
+            box goes its own way; where it has none, the failure is the answer (502)."""
+            try:
+                return await self._upstream(req, controls, name, tenant, plan, deadline,
+                                            reason, tokens, spare)
+            except UpstreamFailed:
+                if reason in ("asked", "not_installed", "context"):
+                    raise
+                return None
 
         if controls.route == "upstream":
             prepared = await upstream("asked")
@@ -158,12 +167,8 @@ class GenerationService:
         if controls.batch_line and self._busy(name) and \
                 (prepared := await upstream("batch", spare=True)) is not None:
             return prepared
-        if plan.upstream_first:
-            try:
-                if (prepared := await upstream("route")) is not None:
-                    return prepared
-            except UpstreamFailed:
-                pass  # upstream first, then here: the answer comes from the box
+        if plan.upstream_first and (prepared := await upstream("route")) is not None:
+            return prepared
         try:
             return await self._start(req, controls, name, tenant, keep_alive, deadline)
         except ModelNotFound:
