@@ -147,6 +147,10 @@ def test_a_model_only_the_pool_has_is_answered_there_in_both_dialects(
         ("upstream", "pool", "not_installed", "allowed")
     assert row["model"] == POOL_ONLY and row["model_digest"] == "upstream:pool"
     assert row["egress_bytes"] > 0 and row["upstream_ms"] > 0 and row["status"] == 200
+    # Counted with the box's requests, never as the local engine's tokens.
+    assert gateway.metric("edge_agent_requests_total", model=POOL_ONLY, dialect="openai",
+                          status="200", error_type="") >= 1
+    assert gateway.metric("llamacpp:tokens_predicted_total", model=POOL_ONLY) == 0
 
     chunks = list(client.chat.completions.create(
         model=POOL_ONLY, messages=[{"role": "user", "content": "Count to five."}],
@@ -526,9 +530,12 @@ def test_tools_pass_through_to_the_pool_in_both_dialects(gateway: Gateway) -> No
     chunks = list(client.chat.completions.create(
         model=POOL_ONLY, messages=ask, tools=TOOLS, tool_choice="required", max_tokens=48,
         stream=True))
-    named = [d.function.name for c in chunks if c.choices
-             for d in (c.choices[0].delta.tool_calls or []) if d.function and d.function.name]
-    assert named == ["find_product"]
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas if d.function and d.function.name] == \
+        ["find_product"]
+    # The arguments as they came, in pieces after the name (OpenAI's streamed shape).
+    pieces = [d.function.arguments for d in deltas if d.function and d.function.arguments]
+    assert len(pieces) > 1 and "name" in json.loads("".join(pieces)), pieces
     said = gateway.ollama("open").chat(model=POOL_ONLY, messages=ask, tools=TOOLS,
                                        options={"num_predict": 48, "temperature": 0})
     assert [c.function.name for c in said.message.tool_calls or []] == ["find_product"], said

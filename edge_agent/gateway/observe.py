@@ -26,6 +26,7 @@ class Served:
     submitted_ns: int
     load_ns: int
     constrained: bool  # answered under a grammar (schema or tool call)
+    upstream: bool = False  # answered by an upstream: its tokens are not the engine's
 
 
 class Observer:
@@ -64,7 +65,8 @@ class Observer:
              done_reason="closed" if event.closed else event.reason,
              structured_failure=int(failed))
         if self.metrics is not None:
-            self.metrics.observe_done(served.model, served.dialect, event, ttft)
+            self.metrics.observe_done(served.model, served.dialect, event, ttft,
+                                      engine=not served.upstream)
         self.privacy.keep_answer(event.text)
         if self.governor is not None and served.tenant is not None:
             self.governor.charge(served.tenant, u.prompt_tokens - u.cached_tokens

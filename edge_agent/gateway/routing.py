@@ -30,7 +30,8 @@ them stays here.
 
 An upstream's answer arrives as the engine's events (`engine.request`), so each dialect
 writes it exactly as a local one: streamed text restored as it comes, tool calls and usage
-carried, the finish reason mapped. An answer to a schema request is held until it is whole
+carried (a tool call as it comes, in OpenAI's streamed shape, unless its arguments must be
+restored whole), the finish reason mapped. An answer to a schema request is held until it is whole
 and checked against the schema: one that does not match is never passed on (502).
 """
 
@@ -58,6 +59,7 @@ from edge_agent.engine.request import (
     Timings,
     TokenEvent,
     ToolCall,
+    ToolCallEvent,
     Usage,
 )
 from edge_agent.errors import EdgeAgentError, Forbidden, UpstreamFailed, UpstreamUnavailable
@@ -288,12 +290,20 @@ async def _pump(upstream: Upstream, path: str, body: dict[str, Any], reason: str
                     delta = choice.get("delta") or choice.get("message") or {}
                     text = delta.get("content") if "messages" in body else choice.get("text")
                     for call in delta.get("tool_calls") or []:
-                        slot = calls.setdefault(int(call.get("index", len(calls))),
-                                                {"id": "", "name": "", "arguments": ""})
+                        index = int(call.get("index", len(calls)))
+                        slot = calls.setdefault(index, {"id": "", "name": "", "arguments": ""})
                         function = call.get("function") or {}
+                        named = not slot["name"] and function.get("name")
                         slot["id"] = call.get("id") or slot["id"]
                         slot["name"] = function.get("name") or slot["name"]
-                        slot["arguments"] += function.get("arguments") or ""
+                        piece = function.get("arguments") or ""
+                        slot["arguments"] += piece
+                        if pseudonyms is None and not hold:  # as it comes, OpenAI's shape
+                            if named:
+                                put(ToolCallEvent(index, "", slot["id"] or f"call_{index}",
+                                                  slot["name"]))
+                            if piece and slot["name"]:
+                                put(ToolCallEvent(index, piece))
                     if not text:
                         continue
                     first = first or time.perf_counter_ns()

@@ -31,6 +31,7 @@ from edge_agent.engine.request import (
     GenerationSpec,
     RestartEvent,
     TokenEvent,
+    ToolCallEvent,
 )
 from edge_agent.errors import (
     ContextLengthExceeded,
@@ -234,7 +235,7 @@ class GenerationService:
         served = Served(model=str(name), digest=f"upstream:{upstream.name}",
                         dialect=controls.dialect, tenant=tenant,
                         submitted_ns=call.generation.submitted_ns, load_ns=0,
-                        constrained=req.json_schema is not None)
+                        constrained=req.json_schema is not None, upstream=True)
         prepared = PreparedGeneration(model=None, request=req, generation=call.generation,
                                       served=served, tool_mode=False, deadline=deadline,
                                       fit=Fit([], req.max_tokens or 0, 0), call=call,
@@ -367,6 +368,10 @@ class GenerationService:
                     except asyncio.TimeoutError:
                         generation.cancelled.set()
                         event = ErrorEvent(RequestTimeout("the request passed its deadline"))
+                if isinstance(event, ToolCallEvent):  # an upstream's call, as it comes
+                    if tool_deltas:
+                        yield event
+                    continue
                 if isinstance(event, RestartEvent):  # a batch line's job put back
                     given = 0
                     reader = ToolAnswerReader() if prepared.tool_mode else None

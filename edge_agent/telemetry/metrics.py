@@ -117,13 +117,17 @@ class Metrics:
             ["upstream", "entity"], registry=r)
         r.register(_LiveCollector(loaded, hardware, ledger or (lambda: None)))
 
-    def observe_done(self, model: str, dialect: str, done: DoneEvent, ttft_s: float) -> None:
+    def observe_done(self, model: str, dialect: str, done: DoneEvent, ttft_s: float, *,
+                     engine: bool = True) -> None:
+        """`engine` False: an upstream answered; its latency and outcome count with the
+        box's requests, its tokens not in the engine's own (`llamacpp:*`) counters."""
         u, t = done.usage, done.timings
-        self.prompt_tokens.labels(model).inc(u.prompt_tokens - u.cached_tokens)
-        self.predicted.labels(model).inc(u.completion_tokens)
-        self.prompt_seconds.labels(model).inc(t.prompt_ns / 1e9)
-        self.predicted_seconds.labels(model).inc(t.eval_ns / 1e9)
-        self.cached.labels(model).inc(u.cached_tokens)
+        if engine:
+            self.prompt_tokens.labels(model).inc(u.prompt_tokens - u.cached_tokens)
+            self.predicted.labels(model).inc(u.completion_tokens)
+            self.prompt_seconds.labels(model).inc(t.prompt_ns / 1e9)
+            self.predicted_seconds.labels(model).inc(t.eval_ns / 1e9)
+            self.cached.labels(model).inc(u.cached_tokens)
         self.ttft.labels(model, dialect).observe(ttft_s)
         if u.completion_tokens > 1:
             self.tpot.labels(model, dialect).observe(t.eval_ns / 1e9 / (u.completion_tokens - 1))
