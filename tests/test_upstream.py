@@ -12,6 +12,7 @@ draw the data boundary: `open` (egress allowed), `careful` (redacted) and `priva
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sqlite3
@@ -213,65 +214,63 @@ def test_a_schema_answer_from_the_pool_is_checked_and_valid(gateway: Gateway) ->
         ("red", "blue")
 
 
+LONG = {"model": DEFAULT_MODEL, "stream": True, "logit_bias": NO_EOS, "max_tokens": 400,
+        "messages": [{"role": "user", "content": "Tell a long story."}]}
+QUICK = {"model": DEFAULT_MODEL, "max_tokens": 4,
+         "messages": [{"role": "user", "content": "Hi"}]}
+
+
+@contextlib.contextmanager
+def _saturated(gateway: Gateway) -> Iterator[None]:
+    """The box's one sequence held by a long answer and its one place by a second: the
+    model is saturated until the block ends (both closed, the box idle again)."""
+    auth = {"Authorization": f"Bearer {gateway.keys['open']}"}
+    with httpx.Client(base_url=gateway.box.base_url, timeout=120, headers=auth) as one, \
+            one.stream("POST", "/v1/chat/completions", json=LONG) as running:
+        lines = running.iter_lines()  # held: a dropped iterator would close the stream
+        next(line for line in lines if line.startswith("data:"))
+        with httpx.Client(base_url=gateway.box.base_url, timeout=120,
+                          headers=auth) as two, \
+                two.stream("POST", "/v1/chat/completions", json=LONG) as waiting:
+            yield
+            waiting.close()
+        running.close()
+    _wait_idle(gateway)
+
+
 def test_a_saturated_box_spills_normal_requests_to_the_pool(gateway: Gateway) -> None:
     """One sequence, one place to wait: while a long answer holds the one and another waits
     in the other, a normal-tier request is answered by the pool (the ledger says
     `saturated`); a high-tier one is refused, never sent elsewhere."""
-    body = {"model": DEFAULT_MODEL, "stream": True, "logit_bias": NO_EOS, "max_tokens": 400,
-            "messages": [{"role": "user", "content": "Tell a long story."}]}
-    auth = {"Authorization": f"Bearer {gateway.keys['open']}"}
-    quick = {"model": DEFAULT_MODEL, "max_tokens": 4,
-             "messages": [{"role": "user", "content": "Hi"}]}
-    with httpx.Client(base_url=gateway.box.base_url, timeout=120, headers=auth) as client, \
-            client.stream("POST", "/v1/chat/completions", json=body) as running:
-        lines = running.iter_lines()
-        next(line for line in lines if line.startswith("data:"))  # the sequence is taken
-        with httpx.Client(base_url=gateway.box.base_url, timeout=120,
-                          headers=auth) as other, \
-                other.stream("POST", "/v1/chat/completions", json=body) as waiting:
-            deadline = time.monotonic() + 30
-            while (spilled := gateway.post("open", "/v1/chat/completions", quick)
-                   ).status_code == 200 and not _route(spilled):
-                assert time.monotonic() < deadline, "the second stream never waited"
-            assert spilled.status_code == 200, spilled.text
-            assert _route(spilled).endswith("reason=saturated")
-            row = gateway.box.ledger_row(spilled.headers["x-request-id"])
-            assert row["route_reason"] == "saturated" and row["risk_tier"] == "normal"
-            refused = gateway.post("open", "/v1/chat/completions", quick,
-                                   {"X-Edge-Risk": "high"})
-            assert refused.status_code == 503, refused.text
-            waiting.close()
-        running.close()
-    _wait_idle(gateway)
+    with _saturated(gateway):
+        deadline = time.monotonic() + 30
+        while (spilled := gateway.post("open", "/v1/chat/completions", QUICK)
+               ).status_code == 200 and not _route(spilled):
+            assert time.monotonic() < deadline, "the second stream never waited"
+        assert spilled.status_code == 200, spilled.text
+        assert _route(spilled).endswith("reason=saturated")
+        row = gateway.box.ledger_row(spilled.headers["x-request-id"])
+        assert row["route_reason"] == "saturated" and row["risk_tier"] == "normal"
+        refused = gateway.post("open", "/v1/chat/completions", QUICK,
+                               {"X-Edge-Risk": "high"})
+        assert refused.status_code == 503, refused.text
 
 
 def test_a_saturated_box_whose_upstream_fails_keeps_its_own_policy(gateway: Gateway) -> None:
     """The link cut while the box is saturated: the request gets the box's own answer for
     a saturated model (here 503, no fallback model set) at once, never the upstream's
     failure; the link back, the pool answers again."""
-    body = {"model": DEFAULT_MODEL, "stream": True, "logit_bias": NO_EOS, "max_tokens": 400,
-            "messages": [{"role": "user", "content": "Tell a long story."}]}
-    auth = {"Authorization": f"Bearer {gateway.keys['open']}"}
-    quick = {"model": DEFAULT_MODEL, "max_tokens": 4,
-             "messages": [{"role": "user", "content": "Hi"}]}
-    with httpx.Client(base_url=gateway.box.base_url, timeout=120, headers=auth) as one, \
-            one.stream("POST", "/v1/chat/completions", json=body) as running, \
-            httpx.Client(base_url=gateway.box.base_url, timeout=120, headers=auth) as two, \
-            two.stream("POST", "/v1/chat/completions", json=body) as waiting:
-        next(line for line in running.iter_lines() if line.startswith("data:"))
+    with _saturated(gateway):
         gateway.relay.cut()
         try:
             deadline = time.monotonic() + 30
-            while (answer := gateway.post("open", "/v1/chat/completions", quick)
+            while (answer := gateway.post("open", "/v1/chat/completions", QUICK)
                    ).status_code == 200:  # until the second stream waits
                 assert time.monotonic() < deadline, "the second stream never waited"
             assert answer.status_code == 503, answer.text
             assert answer.json()["error"]["code"] == "risk_not_degraded", answer.text
         finally:
             gateway.relay.restore()
-        waiting.close()
-        running.close()
-    _wait_idle(gateway)
     _wait_pool(gateway)
 
 
@@ -551,10 +550,8 @@ def test_a_batch_drains_through_the_pool_while_the_box_is_busy(gateway: Gateway)
                                     "model": DEFAULT_MODEL, "max_tokens": 4, "messages": [
                                         {"role": "user", "content": f"Name fruit {i}."}]}})
                     + "\n" for i in range(3))
-    body = {"model": DEFAULT_MODEL, "stream": True, "logit_bias": NO_EOS, "max_tokens": 400,
-            "messages": [{"role": "user", "content": "Tell a long story."}]}
     with httpx.Client(base_url=gateway.box.base_url, timeout=120, headers=auth) as client:
-        with client.stream("POST", "/v1/chat/completions", json=body) as running:
+        with client.stream("POST", "/v1/chat/completions", json=LONG) as running:
             events = running.iter_lines()
             next(line for line in events if line.startswith("data:"))
             uploaded = client.post("/v1/files", files={"file": ("b.jsonl", lines.encode())},

@@ -43,7 +43,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import jsonschema
@@ -94,8 +94,7 @@ class Plan:
 
     @property
     def upstream_first(self) -> bool:
-        return self.may_leave and (self.asked == "upstream"
-                                   or self.route == "upstream, then local")
+        return self.may_leave and self.route == "upstream, then local"
 
 
 @dataclass
@@ -104,6 +103,7 @@ class UpstreamCall:
 
     upstream: Upstream
     generation: Generation
+    reason: str  # why it went there (the ledger's `route_reason`)
     task: asyncio.Task[None] | None = None
 
     def cancel(self) -> None:
@@ -118,7 +118,6 @@ class Router:
     upstreams: list[Upstream]
     detectors: Detectors | None = None
     metrics: Metrics | None = None
-    _closed: bool = field(default=False, init=False)
 
     @classmethod
     def from_settings(cls, settings: Settings, detectors: Detectors | None,
@@ -127,11 +126,8 @@ class Router:
                               for name, up in settings.upstreams.items()], detectors, metrics)
 
     def plan(self, name: ModelName, tenant: TenantContext | None, asked: Side | None) -> Plan:
-        route = self.settings.routing.route
-        override = self.settings.model_override(str(name)).route
-        route = override or route
-        if tenant is not None and tenant.policy.route is not None:
-            route = tenant.policy.route
+        route = (tenant.policy.route if tenant is not None else None) \
+            or self.settings.model_override(str(name)).route or self.settings.routing.route
         # No tenant: a request the box makes itself (the health gate's probe), never sent.
         egress = tenant.policy.egress if tenant is not None else "never"
         if egress == "redacted" and self.detectors is None:
@@ -188,29 +184,30 @@ class Router:
               reason: str) -> UpstreamCall:
         """The request sent: its body built (redacted where the tenant says), its answer
         read into events by a task of the event loop."""
+        # `plan` says "redacted" only where there are detectors to redact with.
         pseudonyms = Pseudonyms(self.detectors) if plan.egress == "redacted" and \
             self.detectors is not None else None
         model = upstream.model_for(name)
         assert model is not None
-        path, body = _body(req, model, pseudonyms, stream=upstream.settings.streaming)
-        sent = len(json.dumps(body, ensure_ascii=False).encode())
+        stream = upstream.settings.streaming
+        path, body = _body(req, model, pseudonyms, stream=stream)
+        data = json.dumps(body, ensure_ascii=False).encode()  # what leaves, encoded once
         entities = dict(pseudonyms.entities) if pseudonyms is not None else {}
         note(route="upstream", upstream=upstream.name, route_reason=reason,
-             egress=plan.egress, egress_entities=sum(entities.values()), egress_bytes=sent)
+             egress=plan.egress, egress_entities=sum(entities.values()),
+             egress_bytes=len(data))
         if self.metrics is not None and entities:
             self.metrics.observe_egress(upstream.name, entities)
         loop = asyncio.get_running_loop()
         generation = Generation(asyncio.Queue(), threading.Event(), time.perf_counter_ns())
-        call = UpstreamCall(upstream, generation)
-        call.task = loop.create_task(_pump(upstream, path, body, reason, req, pseudonyms,
-                                           generation.events.put_nowait, generation))
+        call = UpstreamCall(upstream, generation, reason)
+        call.task = loop.create_task(_pump(upstream, path, data, stream, req, call,
+                                           pseudonyms))
         return call
 
     async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            for upstream in self.upstreams:
-                await upstream.aclose()
+        for upstream in self.upstreams:
+            await upstream.aclose()
 
 
 def _body(req: GenerationRequest, model: str, pseudonyms: Pseudonyms | None, *,
@@ -265,10 +262,12 @@ def _hidden_message(message: dict[str, Any], hide: Callable[[str], str]) -> dict
     return out
 
 
-async def _pump(upstream: Upstream, path: str, body: dict[str, Any], reason: str,
-                req: GenerationRequest, pseudonyms: Pseudonyms | None,
-                put: Callable[[Event], None], generation: Generation) -> None:
+async def _pump(upstream: Upstream, path: str, data: bytes, stream: bool,
+                req: GenerationRequest, call: UpstreamCall,
+                pseudonyms: Pseudonyms | None) -> None:
     """Reads the upstream's answer into events; exactly one DoneEvent or ErrorEvent last."""
+    put: Callable[[Event], None] = call.generation.events.put_nowait
+    chat = path == "/chat/completions"
     started = time.perf_counter_ns()
     first = 0
     parts: list[str] = []
@@ -280,21 +279,22 @@ async def _pump(upstream: Upstream, path: str, body: dict[str, Any], reason: str
     try:
         # Closed here, on a cancel too: its place (`in_flight`) is given back at once, not
         # whenever the generator is collected.
-        async with contextlib.aclosing(upstream.events(path, body, reason=reason)) as events:
+        async with contextlib.aclosing(upstream.events(
+                path, data, streamed=stream, reason=call.reason)) as events:
             async for obj in events:
-                if generation.cancelled.is_set():
+                if call.generation.cancelled.is_set():
                     return
                 usage = obj.get("usage") or usage
                 for choice in obj.get("choices") or []:
                     finish = choice.get("finish_reason") or finish
                     delta = choice.get("delta") or choice.get("message") or {}
-                    text = delta.get("content") if "messages" in body else choice.get("text")
-                    for call in delta.get("tool_calls") or []:
-                        index = int(call.get("index", len(calls)))
+                    text = delta.get("content") if chat else choice.get("text")
+                    for part in delta.get("tool_calls") or []:
+                        index = int(part.get("index", len(calls)))
                         slot = calls.setdefault(index, {"id": "", "name": "", "arguments": ""})
-                        function = call.get("function") or {}
+                        function = part.get("function") or {}
                         named = not slot["name"] and function.get("name")
-                        slot["id"] = call.get("id") or slot["id"]
+                        slot["id"] = part.get("id") or slot["id"]
                         slot["name"] = function.get("name") or slot["name"]
                         piece = function.get("arguments") or ""
                         slot["arguments"] += piece

@@ -72,7 +72,6 @@ class PreparedGeneration:
     released: bool = False
     degradation: Degradation | None = None  # answered by a fallback model (risk tiers)
     call: UpstreamCall | None = None  # answered by an upstream (`gateway.routing`)
-    route_reason: str = ""
     first: Event | None = None  # an upstream's first event, read before the answer starts
 
     @property
@@ -107,7 +106,7 @@ class PreparedGeneration:
             out["X-Edge-Degraded"] = self.degradation.header()
         if self.call is not None:
             out["X-Edge-Route"] = (f"upstream; upstream={self.call.upstream.name}; "
-                                   f"reason={self.route_reason}")
+                                   f"reason={self.call.reason}")
         return out
 
 
@@ -191,11 +190,18 @@ class GenerationService:
             saturated: ServiceUnavailable = exc
         # Saturated. An upstream serving the model asked comes before its smaller local
         # fallback unless [routing] saturated says otherwise; a high-tier request goes to
-        # neither (the risk tiers refuse it).
-        spill = tier != "high"
-        upstream_first = controls.batch_line or self.registry.settings.routing.saturated \
-            == "upstream"
-        if spill and upstream_first and (prepared := await upstream("saturated")) is not None:
+        # neither (the risk tiers refuse it). The upstream is tried once, first or last.
+        tried = tier == "high"
+
+        async def spill() -> PreparedGeneration | None:
+            nonlocal tried
+            if tried:
+                return None
+            tried = True
+            return await upstream("saturated")
+
+        if (controls.batch_line or self.registry.settings.routing.saturated == "upstream") \
+                and (prepared := await spill()) is not None:
             return prepared
         if controls.batch_line:
             raise saturated
@@ -203,14 +209,14 @@ class GenerationService:
             fallback = self.risk.degrade(tier, reason, name, tenant, saturated,
                                          defer=controls.defer)
         except NotDegraded:
-            if spill and (prepared := await upstream("saturated")) is not None:
+            if (prepared := await spill()) is not None:
                 return prepared
             raise
         try:
             prepared = await self._start(req, controls, fallback, tenant, keep_alive,
                                          deadline)
         except ServiceUnavailable as exc:
-            if spill and (spilled := await upstream("saturated")) is not None:
+            if (spilled := await spill()) is not None:
                 return spilled
             raise self.risk.fallback_failed(tier, reason, name, fallback, exc) from exc
         prepared.degradation = self.risk.fell_back(tier, reason, name)
@@ -238,8 +244,7 @@ class GenerationService:
                         constrained=req.json_schema is not None, upstream=True)
         prepared = PreparedGeneration(model=None, request=req, generation=call.generation,
                                       served=served, tool_mode=False, deadline=deadline,
-                                      fit=Fit([], req.max_tokens or 0, 0), call=call,
-                                      route_reason=reason)
+                                      fit=Fit([], req.max_tokens or 0, 0), call=call)
         try:
             left = None if deadline is None else deadline - asyncio.get_running_loop().time()
             prepared.first = await asyncio.wait_for(call.generation.events.get(), left)
@@ -251,7 +256,6 @@ class GenerationService:
             raise
         if isinstance(prepared.first, ErrorEvent):
             await self.release(prepared)
-            note(route="upstream", upstream=upstream.name, route_reason=reason)
             raise as_edge_error(prepared.first.error)
         return prepared
 

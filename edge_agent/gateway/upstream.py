@@ -32,6 +32,7 @@ from edge_agent.names import ModelName
 from edge_agent.telemetry.metrics import Metrics
 
 BreakerState = Literal["closed", "open", "half_open"]
+JSON = {"content-type": "application/json"}
 
 
 class Failed(UpstreamFailed):
@@ -118,11 +119,12 @@ class Upstream:
             self.breaker.failure()
         self._report()
 
-    async def events(self, path: str, body: dict[str, Any], *, reason: str
+    async def events(self, path: str, data: bytes, *, streamed: bool, reason: str
                      ) -> AsyncGenerator[dict[str, Any], None]:
-        """The JSON objects of a streamed answer (`data:` lines, up to `[DONE]`), or of a
-        whole one (one object) when `body` asks for no stream; each counted toward the
-        breaker. The caller holds a place (`in_flight`) for the whole iteration."""
+        """The JSON objects of the answer to `data` (a JSON body): of a streamed one
+        (`data:` lines, up to `[DONE]`), or the one object of a whole one; each answer
+        counted toward the breaker. The caller holds a place (`in_flight`) for the whole
+        iteration."""
         s = self.settings
         self.in_flight += 1
         outcome = "ok"
@@ -130,7 +132,8 @@ class Upstream:
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     response = await asyncio.wait_for(stack.enter_async_context(
-                        self.client.stream("POST", path, json=body)), s.first_token_timeout_s)
+                        self.client.stream("POST", path, content=data, headers=JSON)),
+                        s.first_token_timeout_s)
                 except (TimeoutError, asyncio.TimeoutError):
                     raise self._failed("timeout", f"no answer within "
                                        f"{s.first_token_timeout_s:g} s") from None
@@ -139,7 +142,7 @@ class Upstream:
                     kind = "server_error" if response.status_code >= 500 else "client_error"
                     raise self._failed(kind, f"answered {response.status_code}: "
                                        f"{_message(text)}", count=kind == "server_error")
-                async for obj in self._read(response, streamed=bool(body.get("stream"))):
+                async for obj in self._read(response, streamed=streamed):
                     yield obj
         except Failed as exc:
             outcome = exc.kind
