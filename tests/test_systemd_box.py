@@ -94,6 +94,7 @@ PORT = 11434
 BASE_URL = f"http://127.0.0.1:{PORT}"
 STATE_DIR = "/var/lib/edge-agent"
 CLI = "/opt/edge-agent/bin/edge-agent"
+RELEASES_DIR = "/opt/edge-agent/releases"
 RUNTIME_DEBS = ("libgomp1",)
 # [Service] settings that say how the process is run and supervised, not what it may touch:
 # left out of the write probe's transient unit.
@@ -536,6 +537,100 @@ def test_a_desk_rolls_a_release_out_to_the_box_over_https(site: Site) -> None:
     site.generate()
 
 
+def agent_wheelhouse(store: Path, where: Path, version: str, *, broken: bool = False
+                     ) -> Path:
+    """The store's wheelhouse with this checkout rebuilt as agent `version` in place of its
+    own wheel (`broken`: a build whose server cannot start, as a bad release would)."""
+    src = where / f"src-{version}"
+    src.mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("edge_agent", "models"):
+        shutil.copytree(ROOT / name, src / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    for name, old, new in (("pyproject.toml", 'version = "0.1.0"', f'version = "{version}"'),
+                           ("edge_agent/__init__.py", '__version__ = "0.1.0"',
+                            f'__version__ = "{version}"')):
+        text = (src / name).read_text()
+        assert old in text, name
+        (src / name).write_text(text.replace(old, new, 1))
+    if broken:
+        with (src / "edge_agent" / "app.py").open("a") as fh:
+            fh.write('\nraise RuntimeError("a build that cannot start")\n')
+    house = where / f"house-{version}"
+    house.mkdir()
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+                            "--disable-pip-version-check", str(src), "-w", str(house)],
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert built.returncode == 0, built.stdout + built.stderr
+    for wheel in store.glob("*.whl"):
+        if not wheel.name.startswith("edge_agent_appliance-"):
+            os.link(wheel, house / wheel.name)
+    return house
+
+
+def test_a_desk_rolls_an_agent_release_out_and_a_broken_one_comes_back(
+        site: Site, wheelhouses: dict[str, Path], tmp_path: Path) -> None:
+    """This checkout rebuilt as agent 0.1.1, published from the desk as an agent release
+    (signed there with the targets key) and rolled out: the box installs it beside the
+    base install, switches, restarts through systemd, gates it and commits it; the service
+    runs 0.1.1 from its release, the ledger's rows are all there, `fleet devices` shows it.
+    Then 0.1.2, a build that cannot start: systemd restarts it until the boot counter
+    gives up, and 0.1.1 comes back by itself with the rollout ROLLED_BACK saying why."""
+    central, box, desk = site.central, site.box, site.central.desk
+    desk.export(page_blocks()[4])
+    site.generate()
+    rows = nspawnkit.wait_for(site.ledger_ids, 20, 0.5, "the request's ledger row")
+
+    def roll(version: str, rid: str) -> dict[str, Any]:
+        house = agent_wheelhouse(wheelhouses["store"], tmp_path, version,
+                                 broken=version == "0.1.2")
+        added = desk.run(f"edge-agent fleet release add-agent {version} --wheelhouse {house} "
+                         "--keys ./release-keys --root ./ansible/pki/root.json")
+        assert added.returncode == 0, added.stdout + added.stderr
+        desk.cli("fleet", "rollout", "start", "--agent", version, "--waves", "1,100%",
+                 "--id", rid)
+        began = time.monotonic()
+        report: dict[str, Any] = json.loads(desk.cli(
+            "fleet", "rollout", "status", rid, "--watch", "--json"))
+        row = report["devices"][0]
+        print(f"agent {version}: rollout {report['state']}, {HOST} {row['state']} "
+              f"({row.get('reason')}) in {time.monotonic() - began:.0f} s; "
+              f"restarts {box.show('edge-agent.service', 'NRestarts')['NRestarts']}")
+        return report
+
+    def running() -> str:
+        status, body = box.http("GET", f"{BASE_URL}/api/version")
+        return str(json.loads(body)["edge_agent"]) if status == 200 else ""
+
+    good = roll("0.1.1", "ag-good")
+    assert good["state"] == "COMPLETED" and good["states"] == {"ACTIVE": 1}, (
+        good, box.journal("edge-agent.service", 80))
+    assert running() == "0.1.1"
+    exe = box.sh(f"readlink /proc/{site.main_pid()}/exe").stdout.strip()
+    prefix = box.sh(f"tr '\\0' ' ' < /proc/{site.main_pid()}/cmdline").stdout
+    assert f"{RELEASES_DIR}/0.1.1/bin/edge-agent" in prefix, (exe, prefix)
+    assert box.sh(f"readlink {RELEASES_DIR}/current").stdout.strip() == "0.1.1"
+    assert rows <= site.ledger_ids()
+    site.generate()
+    nspawnkit.wait_for(lambda: any(d["device"] == HOST and d["agent_version"] == "0.1.1"
+                                   for d in json.loads(desk.cli("fleet", "devices",
+                                                                "--json"))),
+                       60, 1.0, "fleet devices to show agent 0.1.1")
+
+    bad = roll("0.1.2", "ag-broken")
+    row = bad["devices"][0]
+    assert bad["state"] == "COMPLETED" and row["state"] == "ROLLED_BACK", (
+        bad, box.journal("edge-agent.service", 120))
+    assert "without passing its gate" in (row.get("reason") or ""), row
+    nspawnkit.wait_for(lambda: running() == "0.1.1", 120, 1.0, "0.1.1 serving again")
+    assert box.sh(f"readlink {RELEASES_DIR}/current").stdout.strip() == "0.1.1"
+    assert "a build that cannot start" in box.journal("edge-agent.service", 400)
+    assert rows <= site.ledger_ids()
+    site.generate()
+    print(central.host.box.journal("edge-agent-fleet.service", 5))
+
+
 def _sha256(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -643,10 +738,12 @@ def service_properties(*texts: str) -> list[str]:
 
 
 @pytest.mark.parametrize("dropin", [None, "nvidia.conf", "jetson.conf"])
-def test_the_sandbox_writes_only_the_state_dir(site: Site, dropin: str | None) -> None:
+def test_the_sandbox_writes_only_the_state_dir_and_its_releases(site: Site,
+                                                                dropin: str | None) -> None:
     """A probe with the unit's own [Service] settings (as installed on the box, plus the
     drop-in) creates a file in every directory it can write, then waits while the test
-    looks from outside: only the state dir's file is there for the box to see (a private
+    looks from outside: only the state dir's file and the agent releases' (where the fleet
+    installs agent versions) are there for the box to see (a private
     /tmp, /var/tmp and /dev/shm are writable, but the service's alone)."""
     box = site.box
     unit = (box.root / "etc/systemd/system/edge-agent.service").read_text()
@@ -676,7 +773,7 @@ def test_the_sandbox_writes_only_the_state_dir(site: Site, dropin: str | None) -
             probe.kill()
             probe.wait(10)
     print(f"{dropin or 'the unit'}: writable {writable}, of which the box sees {seen_outside}")
-    assert seen_outside == [STATE_DIR], writable
+    assert sorted(seen_outside) == sorted([STATE_DIR, RELEASES_DIR]), writable
     assert {"/tmp", "/var/tmp", "/dev/shm"} <= set(writable)
 
 

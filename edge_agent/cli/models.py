@@ -300,9 +300,17 @@ def models_history(name: ModelName, limit: int | None, as_json: bool) -> None:
     by whom), copies, removals; the versions installed now; and the release evidence of
     each fleet rollout's activation (gate checks with their figures, outcome)."""
     from edge_agent.engine.modelops import ModelOps
+    from edge_agent.fleet.protocol.agent_release import is_agent_name
     from edge_agent.ledger.evidence import evidence_for
 
     settings = load()
+    if is_agent_name(name):  # agent releases: their evidence is all there is
+        evidence = evidence_for(settings.state_dir / "ledger.db", name, limit)
+        if as_json:
+            echo_json({"name": name, "versions": [], "history": [], "evidence": evidence})
+        else:
+            _print_evidence(evidence)
+        return
     ops = ModelOps.for_settings(settings)
     entries = ops.history(name, limit)
     try:
@@ -362,6 +370,16 @@ def _print_evidence(rows: list[dict[str, Any]]) -> None:
                    f"{hw.get('cpu_count')} CPUs, {(hw.get('ram_bytes') or 0) / 2**30:.1f} GiB "
                    f"RAM, {hw.get('machine', '')}")
         _print_capacity(ev.get("parameters") or {})
+        agent = (ev.get("parameters") or {}).get("agent")
+        if agent:
+            restored = "; ".join(f"{db} {what}" for db, what in
+                                 (agent.get("restored") or {}).items())
+            click.echo(f"  switch    {agent.get('from')} → {agent.get('to')} (previous "
+                       f"{agent.get('previous') or 'the base install'}), "
+                       f"{agent.get('boots') or 0} start(s)"
+                       + (f", {agent['switch_s']:.0f} s from the switch"
+                          if agent.get("switch_s") is not None else "")
+                       + (f"; {restored}" if restored else ""))
         timings = ev.get("timings") or {}
         if timings:  # in the order the states come
             order = {state: i for i, state in enumerate(STATES)}

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import click
 
 from edge_agent.cli.common import BadUsage, CheckFailed, common_options, load
+from edge_agent.config import Settings
 from edge_agent.logs import configure_logging
 from edge_agent.netaddr import is_loopback, port_holder
 
@@ -29,6 +32,7 @@ def serve(host: str | None, port: int | None, log_level: str | None) -> None:
     from edge_agent.tls import TLSFileError
 
     settings = load(log_level=log_level, **{"server.host": host, "server.port": port})
+    _run_current_agent(settings)
     loopback = is_loopback(settings.server.host)
     if not loopback and not KeyStore(settings.state_dir).any_active():
         raise BadUsage(f"refusing to listen on {settings.server.host}: no API key exists, so "
@@ -54,3 +58,22 @@ def serve(host: str | None, port: int | None, log_level: str | None) -> None:
     if not run_server(create_app(settings), settings, tls=tls):
         raise CheckFailed(f"the server did not start on {settings.server.scheme}://"
                           f"{settings.server.host}:{settings.server.port} (see the log above)")
+    from edge_agent.fleet.device.agent.boot import RESTART_EXIT, restart_requested
+
+    if restart_requested(settings.state_dir):
+        log.info("stopped for an agent switch: exiting %d for systemd to start it again",
+                 RESTART_EXIT)
+        raise SystemExit(RESTART_EXIT)
+
+
+def _run_current_agent(settings: Settings) -> None:
+    """Before anything opens the state: the agent version that should run now (the entry's
+    boot counter, `fleet.device.agent.boot`), exec'd in place of this one."""
+    from edge_agent.fleet.device.agent.boot import at_start, restart_requested
+
+    configure_logging(settings.log_level, settings.log_format)
+    restart_requested(settings.state_dir)  # a mark a killed process left
+    target = at_start(settings)
+    if target is not None:
+        log.info("running agent %s (%s)", target.parent.parent.name, target)
+        os.execv(target, [str(target), *sys.argv[1:]])

@@ -154,6 +154,18 @@ class FleetSettings(_Section):
     rollout_max_failures: int = Field(
         3, ge=1, description="Attempts of a FAILED rollout (transfer, verification) before it "
         "stays FAILED.")
+    agent_releases_dir: Path | None = Field(
+        None, description="Where agent releases (edge-agent and its llama.cpp, `fleet "
+        "rollout start --agent`) are installed side by side, with the `current` link the "
+        "service runs. Unset: this box refuses agent releases. The Ansible role sets "
+        "/opt/edge-agent/releases.")
+    agent_max_boots: int = Field(
+        3, ge=1, le=20, description="Starts a new agent version gets to pass its gate; at "
+        "the next, the previous version comes back by itself.")
+    agent_ready_timeout_s: float = Field(
+        600.0, gt=0, le=86400, description="Longest from an agent switch to the new version "
+        "passing its gate (its start, its default model loaded, the golden set); past it, "
+        "the previous version comes back by itself.")
 
     @model_validator(mode="before")
     @classmethod

@@ -160,6 +160,31 @@ def fleet_devices(ctx: click.Context, as_json: bool) -> None:
                    "fleet devices --json lists the ranges per boot")
 
 
+@fleet_devices.command("agents")
+@client_options
+@json_option()
+def devices_agents(as_json: bool) -> None:
+    """Which boxes run which agent: the devices counted by agent and llama.cpp version (as
+    each last said at its birth), online ones apart; retired boxes left out."""
+    with controller_client() as api:
+        devices = api.get("/devices")["devices"]
+    counts: dict[tuple[str, str], list[int]] = {}
+    for d in devices:
+        if d.get("retired") or d.get("never_seen"):
+            continue
+        key = (d["agent_version"] or "-", d["llama_cpp_version"] or "-")
+        seen = counts.setdefault(key, [0, 0])
+        seen[0] += 1
+        seen[1] += bool(d["online"])
+    rows = sorted(counts.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    if as_json:
+        echo_json([{"agent_version": a, "llama_cpp_version": ll, "devices": n,
+                    "online": on} for (a, ll), (n, on) in rows])
+        return
+    table([("AGENT", "<12"), ("LLAMA.CPP", "<10"), ("DEVICES", ">8"), ("ONLINE", ">8")],
+          ([a, ll, n, on] for (a, ll), (n, on) in rows))
+
+
 def _status(d: dict[str, Any]) -> str:
     if d.get("never_seen"):
         return "never seen"

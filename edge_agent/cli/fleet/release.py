@@ -8,7 +8,10 @@ its signed release repository (The Update Framework).
                       [--license L]
     fleet release push FILE.gguf --name N --version V --keys DESK_KEYS --root root.json
                       --controller https://HOST:PORT --token-file F [the options of add]
-    fleet release list|show NAME@VERSION|status [--json]
+    fleet release add-agent VERSION --wheelhouse DIR [--build cpu|cpu:F,F|cuda:CC,CC]
+                      [--gate F] [--controller URL --token-file F --keys DESK_KEYS
+                      --root root.json]
+    fleet release list|agents|show NAME@VERSION|status [--json]
     fleet release timestamp              the cron job (every few hours)
     fleet release root-sign --root-keys DIR   yearly, with the offline root keys
 
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
 
     from edge_agent.fleet.controller.releases.repository import ReleaseEntry, ReleaseRepository
     from edge_agent.fleet.controller.releases.signing_keys import KeyDir
+    from edge_agent.fleet.protocol.agent_release import AgentManifest
     from edge_agent.fleet.protocol.manifest import ReleaseManifest
 
 _DURATION = re.compile(r"(\d+)([smhd]?)")
@@ -221,6 +225,63 @@ def release_add(keys_dir: Path | None, file: Path, name: str, version: str,
     click.echo(f"target {entry.target_path} -> {entry.blob}", err=True)
 
 
+@release.command("add-agent")
+@_keys_option
+@client_options
+@click.option("--root", "root_file",
+              type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="With --controller: the release root (root.json) the boxes were given, "
+                   "as for `release push`.")
+@click.option("--expires", default="365d", show_default=True,
+              help="With --controller: expiry of the targets this push signs.")
+@click.argument("version")
+@click.option("--wheelhouse", required=True,
+              type=click.Path(path_type=Path, file_okay=False, exists=True),
+              help="The wheelhouse the Ansible role installs from: edge-agent VERSION's "
+                   "wheel, its llama-cpp-python build and every dependency.")
+@click.option("--build", default="cpu", show_default=True,
+              help="What the llama.cpp build needs of a box: cpu, cpu:FLAG[,FLAG] (CPU "
+                   "flags, e.g. cpu:avx2,fma) or cuda:CC[,CC] (compute capabilities, e.g. "
+                   "cuda:86,89).")
+@click.option("--gate", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="Health gate spec, TOML or JSON: golden prompts the box's default model "
+                   "answers before and after the switch.")
+@json_option()
+def release_add_agent(keys_dir: Path | None, root_file: Path | None, expires: str,
+                      version: str, wheelhouse: Path, build: str, gate: Path | None,
+                      as_json: bool) -> None:
+    """Publish a wheelhouse as agent release VERSION (edge-agent and its llama.cpp): on
+    the controller host with its keys, or from a desk with --controller, --keys (the
+    targets key) and --root, signed there as `release push` signs a model."""
+    import tempfile
+
+    from edge_agent.fleet.controller.releases.agent_build import manifest_for, pack
+
+    manifest = manifest_for(wheelhouse, version=version, build=build,
+                            gate=_table(gate, "--gate"))
+    if remote():
+        if keys_dir is None or root_file is None:
+            raise BadUsage("add-agent with --controller signs at this desk: --keys (the "
+                           "targets key) and --root (the release root) are needed")
+        with tempfile.TemporaryDirectory(prefix="agent-release-") as tmp:
+            tar = pack(wheelhouse, manifest, Path(tmp) / "wheelhouse.tar")
+            _push(tar, manifest, keys_dir, root_file, expires, as_json)
+        return
+    repo = _repo()
+    keys = _keys(repo, keys_dir)
+    with tempfile.TemporaryDirectory(prefix="agent-release-") as tmp:
+        tar = pack(wheelhouse, manifest, Path(tmp) / "wheelhouse.tar")
+        entry = repo.add_agent(tar, manifest, keys,
+                               progress=None if as_json else progress("publishing"))
+    if as_json:
+        echo_json(entry.to_json())
+        return
+    m = entry.manifest
+    click.echo(f"published agent {m.version}: {len(m.wheels)} wheels, "
+               f"{entry.length / 1e6:.1f} MB, sha256 {entry.sha256[:12]}, llama-cpp-python "
+               f"{m.llama_cpp_python} {m.python}-{m.abi}-{m.platform} {m.build}")
+
+
 @release.command("push")
 @client_options
 @_manifest_options
@@ -239,6 +300,19 @@ def release_push(file: Path, name: str, version: str, template: Path | None,
                  expires: str, as_json: bool) -> None:
     """Publish a GGUF as NAME@VERSION from a desk: signed here with the targets key,
     uploaded through the controller's API, verified from the release root."""
+    if not remote():
+        raise BadUsage("release push publishes through a controller's API: --controller "
+                       "https://HOST:PORT (on the controller host, with the targets key "
+                       "there: fleet release add)")
+    manifest = _manifest(file, name, version, template, parameters, gate, min_agent_version,
+                         tier, license_)
+    _push(file, manifest, keys_dir, root_file, expires, as_json)
+
+
+def _push(file: Path, manifest: ReleaseManifest | AgentManifest, keys_dir: Path,
+          root_file: Path, expires: str, as_json: bool) -> None:
+    """`file` as `manifest`'s release, signed here and published through the controller's
+    API (`releases.push`): a model's or an agent's alike."""
     import tempfile
 
     from edge_agent.fleet.controller.releases.push import (
@@ -248,16 +322,10 @@ def release_push(file: Path, name: str, version: str, template: Path | None,
     )
     from edge_agent.fleet.controller.releases.signing_keys import KeyDir
 
-    if not remote():
-        raise BadUsage("release push publishes through a controller's API: --controller "
-                       "https://HOST:PORT (on the controller host, with the targets key "
-                       "there: fleet release add)")
     expires_s = _duration(expires, "--expires")
     signer = KeyDir(keys_dir).signer("targets")
     root = root_file.read_bytes()
     started = time.perf_counter()
-    manifest = _manifest(file, name, version, template, parameters, gate, min_agent_version,
-                         tier, license_)
     entry = file_target(file, manifest)
     sha256 = entry.hashes["sha256"]
     with controller_client() as api, tempfile.TemporaryDirectory() as work:
@@ -307,6 +375,22 @@ def release_list(as_json: bool) -> None:
             e.manifest.architecture, e.manifest.quantization,
             e.manifest.context_length or "-", e.manifest.tier,
             e.manifest.min_agent_version or "-", e.sha256[:12]] for e in entries))
+
+
+@release.command("agents")
+@files_options
+@json_option()
+def release_agents(as_json: bool) -> None:
+    """The agent releases the current signed targets list."""
+    entries = _repo().agents()
+    if as_json:
+        echo_json([e.to_json() for e in entries])
+        return
+    table([("VERSION", "<12"), ("LLAMA-CPP", "<10"), ("BUILT FOR", "<28"), ("BUILD", "<14"),
+           ("SIZE", ">9"), ("SHA256", "")],
+          ([e.manifest.version, e.manifest.llama_cpp_python,
+            f"{e.manifest.python}-{e.manifest.abi}-{e.manifest.platform}", e.manifest.build,
+            f"{e.length / 1e6:.0f}MB", e.sha256[:12]] for e in entries))
 
 
 @release.command("show")

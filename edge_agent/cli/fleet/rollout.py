@@ -1,6 +1,6 @@
 """`edge-agent fleet rollout …`: a release to the fleet in waves, with an abort threshold.
 
-    fleet rollout start NAME@VERSION [--devices SELECTOR] --waves 1,10%,50%,100%
+    fleet rollout start NAME@VERSION | --agent VERSION [--devices SELECTOR] --waves 1,10%,50%,100%
                         [--abort-above 10%] [--min-executed 3] [--soak 10m]
                         [--device-timeout 2h] [--rollback-on-abort] [--id ID]
                         [--capacity parallel=8,context_length=2048]
@@ -55,7 +55,11 @@ def _when(ts: float | None) -> str:
 
 @rollout.command("start")
 @client_options
-@click.argument("ref", metavar="NAME@VERSION")
+@click.argument("ref", metavar="NAME@VERSION", required=False)
+@click.option("--agent", "agent", metavar="VERSION",
+              help="An agent release (`fleet release add-agent`) in place of NAME@VERSION: "
+                   "edge-agent and its llama.cpp, installed beside the running version, "
+                   "switched to, gated, and put back by each box where the gate fails.")
 @click.option("--devices", "selector", default="all", show_default=True, help=SELECTOR_HELP)
 @click.option("--waves", required=True, metavar="SPEC",
               help="Cumulative targets, counts or percentages of the selected devices, the "
@@ -81,16 +85,20 @@ def _when(ts: float | None) -> str:
                    "against their own baseline; a failing gate restores the previous "
                    "settings.")
 @json_option()
-def rollout_start(ref: str, selector: str, waves: str, abort_above: str, min_executed: int,
-                  soak: str, device_timeout: str, rollback_on_abort: bool,
-                  rollout_id: str | None, capacity: str | None, as_json: bool) -> None:
-    """Start rolling NAME@VERSION out (with --capacity: a capacity change gated by it):
-    written to the store, driven by `fleet serve`."""
+def rollout_start(ref: str | None, agent: str | None, selector: str, waves: str,
+                  abort_above: str, min_executed: int, soak: str, device_timeout: str,
+                  rollback_on_abort: bool, rollout_id: str | None, capacity: str | None,
+                  as_json: bool) -> None:
+    """Start rolling NAME@VERSION out (with --capacity: a capacity change gated by it; with
+    --agent VERSION: an agent release): written to the store, driven by `fleet serve`."""
     from edge_agent.fleet.controller.waves import parse_waves, wave_sizes
 
+    if (ref is None) == (agent is None):
+        raise BadUsage("give NAME@VERSION or --agent VERSION, one of the two")
     with controller_client() as api:
         record = api.post("/rollouts", {
-            "release": ref, "devices": selector, "waves": waves, "abort_above": abort_above,
+            "release": ref, "agent": agent, "devices": selector, "waves": waves,
+            "abort_above": abort_above,
             "min_executed": min_executed, "soak": soak, "device_timeout": device_timeout,
             "rollback_on_abort": rollback_on_abort, "id": rollout_id, "capacity": capacity})
     if as_json:

@@ -87,7 +87,7 @@ class FleetDevice:
             settings = self.settings
             return RolloutManager(settings, self.modelops,
                                   SignedReleases(settings.fleet, settings.state_dir),
-                                  self.probe, emit=self._emit)
+                                  self.probe, emit=self._emit, ready=self.ready)
         except Exception:
             log.exception("fleet rollouts not available; the link runs without them")
             return None

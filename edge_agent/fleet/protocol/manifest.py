@@ -175,10 +175,14 @@ def parse(data: Mapping[str, Any]) -> ReleaseManifest:
     try:
         return ReleaseManifest.model_validate(dict(data))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "manifest"
-        raise ManifestError(f"{where}: {first['msg'].removeprefix('Value error, ')}"
-                            ) from None
+        raise ManifestError(first_error(exc)) from None
+
+
+def first_error(exc: ValidationError) -> str:
+    """`field: what is wrong`, of the first error pydantic found."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "manifest"
+    return f"{where}: {first['msg'].removeprefix('Value error, ')}"
 
 
 def target_path(name: str, version: str) -> str:

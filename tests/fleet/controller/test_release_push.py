@@ -122,6 +122,27 @@ def test_a_desk_pushes_a_release_it_signed_and_a_box_finds_it_verified(
                 ("desk-view", f"PUT /release-files/{sha}", 403),
                 ("desk-op", "release.upload", 200),
                 ("desk-op", "release.publish", 200)]
+
+            # An agent release signed at the same desk (`add-agent --controller`).
+            house = tmp_path / "house"
+            house.mkdir()
+            for name in ("edge_agent_appliance-0.2.0-py3-none-any.whl",
+                         "llama_cpp_python-0.3.36-cp311-cp311-linux_x86_64.whl"):
+                (house / name).write_bytes(name.encode())
+            agent = cli("fleet", "release", "add-agent", "0.2.0", "--wheelhouse", str(house),
+                        "--keys", str(desk), "--root", str(root), "--controller", url,
+                        "--token-file", str(tokens["desk-op"]), "--ca-file",
+                        str(ca.ca_cert), "--json", check=False)
+            assert agent.returncode == 0, agent.stdout + agent.stderr
+            added = json.loads(agent.stdout)["releases"]
+            assert [(r["kind"], r["version"], r["target"]) for r in added] == [
+                ("agent", "0.2.0", "agent/0.2.0/wheelhouse.tar")]
+            work = tmp_path / "box-agent"
+            work.mkdir()
+            found = trusted_targets(box, root.read_bytes(), work).signed.targets
+            assert found["agent/0.2.0/wheelhouse.tar"].custom["platform"] == "linux_x86_64"
+            agents = json.loads(cli("fleet", "release", "agents", "--json", *host).stdout)
+            assert [a["version"] for a in agents] == ["0.2.0"]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)

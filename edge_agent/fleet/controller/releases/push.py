@@ -31,6 +31,7 @@ from tuf.api.metadata import Metadata, TargetFile, Targets
 from tuf.ngclient import FetcherInterface, Updater
 
 from edge_agent.fleet.controller.releases.repository import release_target
+from edge_agent.fleet.protocol.agent_release import AgentManifest
 from edge_agent.fleet.protocol.manifest import ReleaseManifest
 
 METADATA = "/releases/metadata/"
@@ -70,7 +71,7 @@ def trusted_targets(http: httpx.Client, root: bytes, work: Path) -> Metadata[Tar
     return Metadata[Targets].from_file(str(work / "targets.json"))
 
 
-def file_target(file: Path, manifest: ReleaseManifest) -> TargetFile:
+def file_target(file: Path, manifest: ReleaseManifest | AgentManifest) -> TargetFile:
     """The targets entry of `file` as `manifest`'s release (one read, to hash it)."""
     digest, length = hashlib.sha256(), 0
     with file.open("rb") as fh:

@@ -6,6 +6,7 @@ Metadata API) and the model files it signs, in `<state>/releases/`.
     releases/metadata/N.targets.json N.snapshot.json   versioned (consistent snapshots)
     releases/metadata/timestamp.json              the only unversioned name
     releases/targets/gemma3/270m/2/<sha256>.model.gguf   a release's file, by content
+    releases/targets/agent/0.2.0/<sha256>.wheelhouse.tar  an agent release's wheelhouse
     releases/repo.json                            expiry per role, the key dir (not served)
 
 What changes, and what is re-signed, in this order (a device never sees metadata that
@@ -38,6 +39,7 @@ import json
 import os
 import re
 import shutil
+import tarfile
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -74,6 +76,13 @@ from edge_agent.errors import (
 )
 from edge_agent.files import atomic_write, locked
 from edge_agent.fleet.controller.releases.signing_keys import KeyDir, root_keys, root_signers
+from edge_agent.fleet.protocol.agent_release import (
+    AgentManifest,
+    AgentManifestError,
+    agent_target_path,
+    is_agent,
+    is_agent_name,
+)
 from edge_agent.fleet.protocol.manifest import (
     ManifestError,
     ReleaseManifest,
@@ -110,6 +119,22 @@ class ReleaseEntry:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.manifest.name, "version": self.manifest.version,
+                "target": self.target_path, "length": self.length, "sha256": self.sha256,
+                "blob": str(self.blob), "manifest": self.manifest.model_dump()}
+
+
+@dataclass(frozen=True)
+class AgentEntry:
+    """One published agent release (`fleet.protocol.agent_release`)."""
+
+    target_path: str
+    length: int
+    sha256: str
+    manifest: AgentManifest
+    blob: Path
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "agent", "version": self.manifest.version,
                 "target": self.target_path, "length": self.length, "sha256": self.sha256,
                 "blob": str(self.blob), "manifest": self.manifest.model_dump()}
 
@@ -188,8 +213,27 @@ class ReleaseRepository:
     def releases(self) -> list[ReleaseEntry]:
         """Every release the current signed targets list, by name then version."""
         state = self._load()
-        entries = [self._entry(tf) for tf in state.targets.signed.targets.values()]
+        entries = [self._entry(tf) for tf in state.targets.signed.targets.values()
+                   if not is_agent(tf.custom)]
         return sorted(entries, key=lambda e: (e.manifest.name, e.manifest.version))
+
+    def agents(self) -> list[AgentEntry]:
+        """Every agent release the current signed targets list, by version."""
+        state = self._load()
+        entries = [self._agent_entry(tf) for tf in state.targets.signed.targets.values()
+                   if is_agent(tf.custom)]
+        return sorted(entries, key=lambda e: e.manifest.version)
+
+    def agent(self, version: str) -> AgentEntry:
+        try:
+            path = agent_target_path(version)
+        except AgentManifestError as exc:
+            raise InvalidRequest(str(exc), param="version") from None
+        tf = self._load().targets.signed.targets.get(path)
+        if tf is None:
+            raise ModelNotFound(f"no agent release {version} in {self.root} (fleet release "
+                                "add-agent)")
+        return self._agent_entry(tf)
 
     def get(self, name: str, version: str) -> ReleaseEntry:
         path = target_path(name, version)
@@ -216,6 +260,22 @@ class ReleaseRepository:
             progress: Progress | None = None) -> ReleaseEntry:
         """Publish `gguf` as `manifest.name@manifest.version`: the file is copied in under
         its hash, then targets, snapshot and timestamp are re-signed."""
+        if is_agent_name(manifest.name):
+            raise InvalidRequest(f"{manifest.name.given!r} is the name agent releases roll "
+                                 "out under; give the model another name", param="name")
+        return self._entry(self._publish_file(gguf, manifest, keys, progress))
+
+    def add_agent(self, tar: Path, manifest: AgentManifest, keys: KeyDir,
+                  progress: Progress | None = None) -> AgentEntry:
+        """Publish the packed wheelhouse `tar` as agent release `manifest.version`, as `add`
+        publishes a model."""
+        return self._agent_entry(self._publish_file(tar, manifest, keys, progress))
+
+    def _publish_file(self, file: Path, manifest: ReleaseManifest | AgentManifest,
+                      keys: KeyDir, progress: Progress | None) -> TargetFile:
+        """`file` in under its hash as `manifest`'s release (a model's is checked to be a
+        GGUF), then targets, snapshot and timestamp re-signed; ReleaseExists if it is
+        published already."""
         signers = {role: keys.signer(role) for role in ("targets", "snapshot", "timestamp")}
         expiry = self.expiry_s()
         path = manifest.target_path
@@ -226,13 +286,15 @@ class ReleaseRepository:
                 raise ReleaseExists(f"release {manifest.ref} exists (sha256 "
                                     f"{old.hashes.get('sha256', '?')[:12]}); a release never "
                                     "changes: publish a new version")
-            length, digest = self._store_blob(gguf, path, progress)
+            length, digest = self._store_blob(
+                file, path, progress, check_gguf=isinstance(manifest, ReleaseManifest))
             tf = release_target(manifest, length, digest)
             state.targets.signed.targets[path] = tf
             self._publish_targets(state, signers, expiry)
-        return self._entry(tf)
+        return tf
 
-    def publish_signed(self, md: Metadata[Targets], keys: KeyDir) -> list[ReleaseEntry]:
+    def publish_signed(self, md: Metadata[Targets], keys: KeyDir
+                       ) -> list[ReleaseEntry | AgentEntry]:
         """Publish targets metadata signed elsewhere (a desk's `fleet release push`): it
         must be the next version, signed by the targets key(s) root trusts, keep every
         release as it was, and name only files uploaded already (`Upload`). Its new files
@@ -256,7 +318,8 @@ class ReleaseRepository:
             self._write(md, f"{md.signed.version}.targets.json")
             state.snapshot.signed.meta["targets.json"] = MetaFile(version=md.signed.version)
             self._publish_snapshot(state, signers, expiry)
-        return [self._entry(tf) for tf in added]
+        return [self._agent_entry(tf) if is_agent(tf.custom) else self._entry(tf)
+                for tf in added]
 
     def _check_signed(self, root: Metadata[Root], old: Metadata[Targets],
                       md: Metadata[Targets]) -> list[TargetFile]:
@@ -286,10 +349,15 @@ class ReleaseRepository:
         if not added:
             raise InvalidRequest("the targets add no release")
         for tf in added:
+            manifest: ReleaseManifest | AgentManifest
             try:
-                manifest = ReleaseManifest.from_custom(tf.custom)
-            except ManifestError as exc:
+                manifest = AgentManifest.from_custom(tf.custom) if is_agent(tf.custom) \
+                    else ReleaseManifest.from_custom(tf.custom)
+            except (ManifestError, AgentManifestError) as exc:
                 raise InvalidRequest(f"{tf.path}: {exc}") from None
+            if isinstance(manifest, ReleaseManifest) and is_agent_name(manifest.name):
+                raise InvalidRequest(f"{tf.path}: {manifest.name.given!r} is the name agent "
+                                     "releases roll out under")
             if manifest.target_path != tf.path:
                 raise InvalidRequest(f"{tf.path}: its manifest names {manifest.ref} "
                                      f"({manifest.target_path})")
@@ -301,6 +369,10 @@ class ReleaseRepository:
             if blob.stat().st_size != tf.length:
                 raise InvalidRequest(f"{manifest.ref}: the targets say {tf.length} bytes; "
                                      f"the upload has {blob.stat().st_size}")
+            agent = isinstance(manifest, AgentManifest)
+            if (not agent and not _is_gguf(blob)) or (agent and not tarfile.is_tarfile(blob)):
+                raise InvalidRequest(f"{manifest.ref}: its upload is not "
+                                     f"{'a wheelhouse tar' if agent else 'a GGUF'}")
         return added
 
     def refresh(self, keys: KeyDir, *, timestamp_expires_s: int | None = None,
@@ -399,18 +471,20 @@ class ReleaseRepository:
         ts.sign(signers["timestamp"])
         self._write(ts, "timestamp.json")  # last: it makes everything before it visible
 
-    def _store_blob(self, gguf: Path, path: str, progress: Progress | None
-                    ) -> tuple[int, str]:
+    def _store_blob(self, gguf: Path, path: str, progress: Progress | None, *,
+                    check_gguf: bool = True) -> tuple[int, str]:
         """Copy `gguf` into targets/ under its content name, hashing on the way (one read).
         Its header is walked first (bounded, `precheck_open`; `manifest_for` read it in the
-        child already), so a file that is not a GGUF never reaches the repository."""
+        child already), so a file that is not a GGUF never reaches the repository
+        (`check_gguf` False: an agent's wheelhouse, which has none)."""
         directory, base = (self.targets / path).parent, Path(path).name
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".incoming-{os.getpid()}-{time.monotonic_ns()}"
         try:
             with os.fdopen(open_regular(gguf), "rb") as src, tmp.open("wb") as dest:
-                precheck_open(src, gguf)
-                src.seek(0)
+                if check_gguf:
+                    precheck_open(src, gguf)
+                    src.seek(0)
                 digest = hash_copy(src, dest, progress)
                 dest.flush()
                 os.fsync(dest.fileno())
@@ -420,6 +494,11 @@ class ReleaseRepository:
         finally:
             tmp.unlink(missing_ok=True)
         return length, digest
+
+    def _agent_entry(self, tf: TargetFile) -> AgentEntry:
+        return AgentEntry(tf.path, tf.length, tf.hashes["sha256"],
+                          AgentManifest.from_custom(tf.custom),
+                          self.targets / tf.get_prefixed_paths()[0])
 
     def _entry(self, tf: TargetFile) -> ReleaseEntry:
         manifest = ReleaseManifest.from_custom(tf.custom)
@@ -448,7 +527,9 @@ class ReleaseRepository:
 class Upload:
     """One release file arriving over HTTP (`PUT /release-files/<sha256>`): written under
     incoming/ and hashed as it comes, kept under its digest only when the digest is the one
-    announced, the length the one announced and the file a GGUF. Where a file of that digest
+    announced, the length the one announced and the file a GGUF or a tar (an agent's
+    wheelhouse; which of the two its targets entry may name is checked at publish, where its
+    kind is known). Where a file of that digest
     is waiting already it is kept and this one dropped. Uploads older than a day that no
     targets named are removed when a new one starts."""
 
@@ -488,11 +569,13 @@ class Upload:
             if self._hash.hexdigest() != self.sha256:
                 raise InvalidRequest(f"the body's sha256 is {self._hash.hexdigest()}, not "
                                      f"{self.sha256}")
-            with os.fdopen(open_regular(self.tmp), "rb") as src:
-                try:
-                    precheck_open(src, self.tmp)
-                except ModelFileError as exc:
-                    raise InvalidRequest(f"not a release file: {exc.message}") from None
+            if not _is_gguf(self.tmp) and not tarfile.is_tarfile(self.tmp):
+                with os.fdopen(open_regular(self.tmp), "rb") as src:
+                    try:
+                        precheck_open(src, self.tmp)
+                    except ModelFileError as exc:
+                        raise InvalidRequest(f"not a release file (a GGUF or an agent's "
+                                             f"wheelhouse tar): {exc.message}") from None
             if self.dest.exists():
                 return False
             self.tmp.chmod(0o644)
@@ -507,6 +590,16 @@ class Upload:
         self.tmp.unlink(missing_ok=True)
 
 
+def _is_gguf(path: Path) -> bool:
+    """A GGUF whose header walks (`precheck_open`), False otherwise."""
+    try:
+        with os.fdopen(open_regular(path), "rb") as src:
+            precheck_open(src, path)
+    except (ModelFileError, OSError):
+        return False
+    return True
+
+
 def _sweep(directory: Path, before: float) -> None:
     for leftover in directory.iterdir():
         try:
@@ -516,7 +609,8 @@ def _sweep(directory: Path, before: float) -> None:
             continue  # gone meanwhile, or another upload's: the next sweep decides
 
 
-def release_target(manifest: ReleaseManifest, length: int, digest: str) -> TargetFile:
+def release_target(manifest: ReleaseManifest | AgentManifest, length: int, digest: str
+                   ) -> TargetFile:
     """The targets entry of a release: its file's length and sha256, and its manifest in
     `custom` (inside `signed`: signed with them)."""
     tf = TargetFile(length, {"sha256": digest}, manifest.target_path)

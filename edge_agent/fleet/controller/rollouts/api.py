@@ -24,7 +24,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from edge_agent.config import ConfigError
-from edge_agent.errors import NotFound, ServiceUnavailable
+from edge_agent.errors import InvalidRequest, NotFound, ServiceUnavailable
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
 from edge_agent.fleet.controller.rollout_records import RolloutRecord
@@ -38,7 +38,11 @@ class RolloutStart(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    release: str = Field(max_length=200, description="NAME@VERSION, published already.")
+    release: str | None = Field(None, max_length=200,
+                                description="NAME@VERSION, published already.")
+    agent: str | None = Field(None, max_length=40,
+                              description="An agent release's VERSION (`fleet release "
+                              "add-agent`), in place of `release`.")
     devices: str = Field("all", max_length=10_000, description="The selector.")
     waves: str = Field(max_length=1000, description="Cumulative targets: 1,10%,50%,100%.")
     abort_above: str = Field("10%", max_length=20)
@@ -57,8 +61,9 @@ def start_rollout(store: ControllerStore, state_dir: Path | None, body: RolloutS
                   who: Mapping[str, str]) -> RolloutRecord:
     """A rollout started by `who` (`access.actor`) and put on the audit trail, done or
     refused: the API's and the console's one way."""
-    # A model release's trail as before; a capacity release's names its settings.
-    request = body.model_dump(exclude=set() if body.capacity else {"capacity"})
+    # A model release's trail as before; a capacity or agent release's names them.
+    request = body.model_dump(exclude={k for k in ("capacity", "agent", "release")
+                                       if getattr(body, k) is None})
     with audited(store.audit, action="rollout.start", target=body.id, request=request,
                  **who) as action:
         if state_dir is None:
@@ -69,10 +74,21 @@ def start_rollout(store: ControllerStore, state_dir: Path | None, body: RolloutS
             rollback_on_abort=body.rollback_on_abort)
         capacity = rollout_ops.parse_capacity(body.capacity) \
             if body.capacity is not None else None
+        if (body.release is None) == (body.agent is None):
+            raise InvalidRequest("give a release (NAME@VERSION) or an agent release "
+                                 "(--agent VERSION), one of the two", param="release")
+        if body.agent is not None and capacity is not None:
+            raise InvalidRequest("--capacity goes with a model release, not --agent",
+                                 param="capacity")
         try:
-            record = rollout_ops.start(store, state_dir, body.release, body.devices, policy,
-                                       now=time.time(), rollout_id=body.id,
-                                       capacity=capacity)
+            if body.agent is not None:
+                record = rollout_ops.start_agent(store, state_dir, body.agent, body.devices,
+                                                 policy, now=time.time(), rollout_id=body.id)
+            else:
+                assert body.release is not None
+                record = rollout_ops.start(store, state_dir, body.release, body.devices,
+                                           policy, now=time.time(), rollout_id=body.id,
+                                           capacity=capacity)
         except ConfigError as exc:  # the repository is not there: the controller's to fix
             raise ServiceUnavailable(str(exc)) from exc
         action.target = record.id

@@ -45,6 +45,7 @@ from edge_agent.fleet.controller.waves import (
     phase,
     tally,
 )
+from edge_agent.fleet.protocol.agent_release import AGENT_NAME, is_agent_name
 from edge_agent.fleet.protocol.command_types import CAPACITY_KEYS, BadArgs, lookup
 from edge_agent.fleet.protocol.ids import ROLLOUT_ID, ROLLOUT_ID_RULE, VERSION, check_id
 from edge_agent.fleet.protocol.rollout_states import ROLLED_BACK
@@ -150,7 +151,28 @@ def start(store: ControllerStore, state_dir: Path, ref: str, selector: str, poli
     with `capacity`, a capacity release of those settings, gated by that release's
     golden set on the boxes that serve it."""
     name, version = parse_ref(ref)
+    if is_agent_name(name):
+        raise InvalidRequest(f"{AGENT_NAME.given} is an agent release: --agent {version}",
+                             param="release")
     ReleaseRepository(releases_dir(state_dir)).get(name, version)
+    return _create(store, name, version, selector, policy, now=now, rollout_id=rollout_id,
+                   capacity=capacity)
+
+
+def start_agent(store: ControllerStore, state_dir: Path, version: str, selector: str,
+                policy: Policy, *, now: float, rollout_id: str | None = None
+                ) -> RolloutRecord:
+    """A new RUNNING rollout of a published agent release, under the reserved name
+    (`protocol.agent_release.AGENT_NAME`: one agent rollout live at a time). Each box
+    checks the release against its own platform before it downloads anything."""
+    ReleaseRepository(releases_dir(state_dir)).agent(version)
+    return _create(store, AGENT_NAME, version, selector, policy, now=now,
+                   rollout_id=rollout_id)
+
+
+def _create(store: ControllerStore, name: str, version: str, selector: str, policy: Policy,
+            *, now: float, rollout_id: str | None,
+            capacity: Mapping[str, Any] | None = None) -> RolloutRecord:
     rid = rollout_id or f"ro-{uuid.uuid4().hex[:12]}"
     if not ROLLOUT_ID.fullmatch(rid):
         raise InvalidRequest(f"a rollout id is {ROLLOUT_ID_RULE}", param="id")

@@ -16,6 +16,7 @@ from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.models.entries import blobs_dir
 from edge_agent.fleet.device.release import source as signed
 from edge_agent.fleet.device.release import transfer
+from edge_agent.fleet.protocol.agent_release import AgentManifest
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,12 @@ class Found:
     def manifest(self) -> Mapping[str, Any]:
         return self.release.manifest.model_dump()
 
+    @property
+    def agent(self) -> AgentManifest | None:
+        """An agent release's manifest (None: a model's)."""
+        m = self.release.manifest
+        return m if isinstance(m, AgentManifest) else None
+
 
 class SignedReleases:
     def __init__(self, fleet: FleetSettings, state_dir: Path, *,
@@ -54,6 +61,9 @@ class SignedReleases:
 
     def lookup(self, name: str, version: str) -> Found:
         return Found(self.source.lookup(name, version))
+
+    def lookup_agent(self, version: str) -> Found:
+        return Found(self.source.lookup_agent(version))
 
     def download(self, release: Found, dest_dir: Path, *,
                  progress: Callable[[int, int], None], max_bytes_per_s: int | None = None,

@@ -73,6 +73,13 @@ from edge_agent.errors import ModelFileError
 from edge_agent.files import atomic_write, locked
 from edge_agent.fleet.device.release.cutoff import Cutoff
 from edge_agent.fleet.device.rollout.outcomes import ReleaseError, ReleaseFailed, ReleaseRejected
+from edge_agent.fleet.protocol.agent_release import (
+    AGENT_NAME,
+    AgentManifest,
+    AgentManifestError,
+    agent_target_path,
+    is_agent,
+)
 from edge_agent.fleet.protocol.manifest import (
     ManifestError,
     ReleaseManifest,
@@ -98,6 +105,7 @@ UNSUPPORTED_ARCHITECTURE = "unsupported_architecture"
 BAD_TARGET = "bad_target"
 NO_SPACE = "no_space"
 INVALID_MODEL = "invalid_model"
+NOT_FOR_THIS_BOX = "not_for_this_box"  # an agent release built for another platform
 # Failed (retried)
 EXPIRED = "expired"
 UNREACHABLE = "unreachable"
@@ -126,7 +134,7 @@ class Release:
     length: int
     sha256: str
     url: str
-    manifest: ReleaseManifest
+    manifest: ReleaseManifest | AgentManifest  # an agent release's: its wheelhouse
 
     def __post_init__(self) -> None:
         # However it was built (a lookup, a stored row): the download names its files
@@ -147,9 +155,11 @@ class Release:
         """A release as `to_json` stored it (a rollout's row), to resume its download
         after a restart without a new lookup. Only what this box verified may be stored:
         the row is as trusted as the state dir it lives in."""
+        manifest = data["manifest"]
         return cls(ModelName(str(data["name"])), str(data["version"]), str(data["target"]),
                    int(data["length"]), str(data["sha256"]), str(data["url"]),
-                   parse(data["manifest"]))
+                   AgentManifest.from_custom(manifest) if is_agent(manifest)
+                   else parse(manifest))
 
 
 def check_target(ref: str, length: object, sha256: object) -> None:
@@ -344,17 +354,8 @@ class ReleaseSource:
             path = target_path(name, version)
         except ManifestError as exc:
             raise ReleaseRejected(UNKNOWN_RELEASE, f"{ref}: {exc}") from None
-        base = self._base_url(ref)
-        root = self._trusted_root(ref)
-        try:
-            info = self._targetinfo(base, root, path)
-        except Exception as exc:  # every python-tuf and transport error has its class
-            raise classify(exc, ref) from exc
-        if info is None:
-            raise ReleaseRejected(UNKNOWN_RELEASE, f"{ref}: not in the signed release list "
-                                  f"(no target {path})", target=path)
+        base, info = self._verified(ref, path)
         sha = info.hashes.get("sha256")
-        check_target(ref, info.length, sha)
         try:
             manifest = ReleaseManifest.from_custom(info.custom)
         except ManifestError as exc:
@@ -365,6 +366,41 @@ class ReleaseSource:
         self.check_compatible(manifest)
         url = base + "targets/" + quote(info.get_prefixed_paths()[0])
         return Release(manifest.name, version, path, info.length, str(sha), url, manifest)
+
+    def lookup_agent(self, version: str) -> Release:
+        """The verified agent release `version` (`protocol.agent_release`); whether it is
+        built for this box is the caller's to decide (before downloading)."""
+        ref = f"{AGENT_NAME.given}@{version}"
+        try:
+            path = agent_target_path(version)
+        except AgentManifestError as exc:
+            raise ReleaseRejected(UNKNOWN_RELEASE, f"{ref}: {exc}") from None
+        base, info = self._verified(ref, path)
+        sha = info.hashes.get("sha256")
+        try:
+            manifest = AgentManifest.from_custom(info.custom)
+        except AgentManifestError as exc:
+            raise ReleaseRejected(BAD_MANIFEST, f"{ref}: {exc}") from None
+        if manifest.version != version:
+            raise ReleaseRejected(BAD_MANIFEST, f"{ref}: the signed manifest names "
+                                  f"{manifest.ref}")
+        url = base + "targets/" + quote(info.get_prefixed_paths()[0])
+        return Release(AGENT_NAME, version, path, info.length, str(sha), url, manifest)
+
+    def _verified(self, ref: str, path: str) -> tuple[str, TargetFile]:
+        """The repository's base URL and the verified target at `path`, its hash and
+        length checked (`check_target`); ReleaseRejected or ReleaseFailed otherwise."""
+        base = self._base_url(ref)
+        root = self._trusted_root(ref)
+        try:
+            info = self._targetinfo(base, root, path)
+        except Exception as exc:  # every python-tuf and transport error has its class
+            raise classify(exc, ref) from exc
+        if info is None:
+            raise ReleaseRejected(UNKNOWN_RELEASE, f"{ref}: not in the signed release list "
+                                  f"(no target {path})", target=path)
+        check_target(ref, info.length, info.hashes.get("sha256"))
+        return base, info
 
     def _targetinfo(self, base: str, root: bytes, path: str) -> TargetFile | None:
         """python-tuf's refresh and target lookup in a private copy of what the box has
@@ -553,6 +589,7 @@ def install(release: Release, path: Path, modelops: ModelOps, *, by: str) -> Ins
     where it is on the blobs' filesystem (else copies it) and checks length, sha256 and the
     header once more on what it keeps; the download is gone afterwards. ReleaseFailed when
     the store refuses the file."""
+    assert isinstance(release.manifest, ReleaseManifest)  # an agent's: `device.agent.slots`
     try:
         model = modelops.install_verified(
             path, release.name, release.sha256, by=by, expected_size=release.length,

@@ -82,6 +82,7 @@ from edge_agent.fleet.device.release.source import (
     ReleaseFailed,
     ReleaseRejected,
 )
+from edge_agent.fleet.protocol.manifest import ReleaseManifest
 
 DOWNLOADS_DIR = "downloads"
 CHUNK = 1 << 20
@@ -471,6 +472,8 @@ def verify(release: Release, path: Path) -> Path:
 
 
 def _prechecked(path: Path, release: Release) -> Path:
+    if not isinstance(release.manifest, ReleaseManifest):
+        return path  # an agent's wheelhouse: its install checks it (`device.agent.slots`)
     try:
         info = probe(path, label=Path(release.target_path))
     except ModelFileError as exc:

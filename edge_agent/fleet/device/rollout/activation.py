@@ -38,6 +38,7 @@ from edge_agent.fleet.device.link.birth import llama_cpp_version
 from edge_agent.fleet.device.rollout import health_gate
 from edge_agent.fleet.device.rollout.health_gate import Check, GateReport, GateSpec, Probe
 from edge_agent.fleet.device.rollout.store import Rollout, RolloutStore
+from edge_agent.fleet.protocol.agent_release import is_agent_name
 from edge_agent.fleet.protocol.rollout_states import ACTIVE, GATING, ROLLED_BACK
 from edge_agent.ledger.evidence import record_evidence, served_since
 from edge_agent.names import ModelName
@@ -195,14 +196,19 @@ class Activation:
 class Activator:
     """The runner's door: the two implementations over one `Activation`."""
 
-    def __init__(self, act: Activation, model: Release, capacity: Release) -> None:
+    def __init__(self, act: Activation, model: Release, capacity: Release,
+                 agent: Release | None = None) -> None:
         self.act = act
         self._model = model
         self._capacity = capacity
+        self._agent = agent
 
     def release(self, r: Rollout) -> Release:
-        """The implementation a rollout is activated and restored by (a capacity release
-        carries its change of runtime in `config`)."""
+        """The implementation a rollout is activated and restored by (an agent release
+        goes by its reserved name; a capacity release carries its change of runtime in
+        `config`)."""
+        if self._agent is not None and is_agent_name(r.name):
+            return self._agent
         return self._capacity if r.config else self._model
 
     async def run(self, r: Rollout, abort: Callable[[], bool]) -> Rollout:

@@ -47,13 +47,23 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from edge_agent import __version__
 from edge_agent.config import Settings
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.errors import EdgeAgentError, InvalidRequest
+from edge_agent.fleet.device.agent.boot import request_restart
+from edge_agent.fleet.device.agent.platform import box_platform
+from edge_agent.fleet.device.agent.slots import InstallFailed, Slots
 from edge_agent.fleet.device.link.command_gate import Handler, command_args
+from edge_agent.fleet.device.release.source import (
+    INSTALL_FAILED,
+    NOT_CONFIGURED,
+    NOT_FOR_THIS_BOX,
+)
 from edge_agent.fleet.device.rollout import capacity, health_gate
 from edge_agent.fleet.device.rollout.activation import (
     SETTLE_S,
@@ -62,6 +72,7 @@ from edge_agent.fleet.device.rollout.activation import (
     RetryLater,
     interrupted,
 )
+from edge_agent.fleet.device.rollout.agent_release import AgentRelease
 from edge_agent.fleet.device.rollout.capacity_release import CapacityRelease
 from edge_agent.fleet.device.rollout.health_gate import Probe
 from edge_agent.fleet.device.rollout.model_release import ModelRelease, restore_pointer
@@ -80,6 +91,7 @@ from edge_agent.fleet.device.rollout.store import (
     Rollout,
     RolloutStore,
 )
+from edge_agent.fleet.protocol.agent_release import is_agent_name, refusal
 from edge_agent.fleet.protocol.command import Command
 from edge_agent.fleet.protocol.command_types import StartArgs
 from edge_agent.fleet.protocol.envelope import AUDIT
@@ -118,10 +130,18 @@ class RolloutManager:
                  local_now: Callable[[], datetime] = datetime.now,
                  poll_s: float = 1.0, retry_base_s: float = 30.0, settle_s: float = SETTLE_S,
                  hook: Callable[[str, Rollout], None] | None = None,
-                 hardware: Callable[[], Mapping[str, Any]] | None = None) -> None:
+                 hardware: Callable[[], Mapping[str, Any]] | None = None,
+                 restart: Callable[[], None] | None = None,
+                 ready: Callable[[], bool] = lambda: True,
+                 agent_version: str = __version__,
+                 running_release: Callable[[], str | None] | None = None) -> None:
         """`emit`: the link's `emit(kind, cls, body)` (None: nothing is published).
         `hook(event, rollout)`: called after each committed transition (event = the new
-        state) and after the pointer switch ("switched"), for logs and tests."""
+        state) and after the pointer switch ("switched"), for logs and tests.
+        `restart`: how an agent release asks for a new start (default: systemd's, through
+        `device.agent.boot.request_restart`); `ready`: whether the box serves (an agent
+        release's gate waits for it); `agent_version`, `running_release`: which agent this
+        process is and the release it runs from (`AgentRelease`)."""
         self.settings = settings
         self.ops = modelops
         self.releases = releases
@@ -135,7 +155,10 @@ class RolloutManager:
         act = Activation(settings, modelops, self.store, probe, self._move, self._publish,
                          clock=clock, poll_s=poll_s, hook=hook, hardware=hardware,
                          settle_s=settle_s)
-        self.activator = Activator(act, ModelRelease(act), CapacityRelease(act))
+        self.agent = AgentRelease(
+            act, restart=restart or (lambda: request_restart(settings.state_dir)),
+            ready=ready, version=agent_version, running=running_release)
+        self.activator = Activator(act, ModelRelease(act), CapacityRelease(act), self.agent)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stop_ids: set[str] = set()  # rollouts whose download must stop
@@ -159,7 +182,10 @@ class RolloutManager:
         rollouts on."""
         for r in await asyncio.to_thread(self.store.unfinished):
             try:
-                if r.state in SWITCHING or (r.state == ROLLED_BACK and not r.restored):
+                if is_agent_name(r.name) and (
+                        r.state in SWITCHING or (r.state == ROLLED_BACK and not r.restored)):
+                    await self.agent.converge(r, partial(self._spawn_coro, r.id))
+                elif r.state in SWITCHING or (r.state == ROLLED_BACK and not r.restored):
                     await self._converge(r)
                 else:
                     self._publish({"event": "rollout.resumed", **r.summary()})
@@ -203,7 +229,22 @@ class RolloutManager:
     def _spawn(self, rollout_id: str) -> None:
         if rollout_id in self._tasks or self._stopping:
             return
-        task = asyncio.get_running_loop().create_task(self._drive(rollout_id))
+        self._spawn_coro(rollout_id, self._drive(rollout_id))
+
+    def _spawn_coro(self, rollout_id: str, coro: Any) -> None:
+        if rollout_id in self._tasks or self._stopping:
+            coro.close()
+            return
+
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                log.exception("rollout %s: failed", rollout_id)
+
+        task = asyncio.get_running_loop().create_task(guarded())
         self._tasks[rollout_id] = task
         task.add_done_callback(lambda _t: self._tasks.pop(rollout_id, None))
 
@@ -230,6 +271,9 @@ class RolloutManager:
                 self._aborts.discard(rollout_id)
 
     async def _fetch(self, r: Rollout) -> None:
+        if is_agent_name(r.name):
+            await self._fetch_agent(r)
+            return
         try:
             release = await asyncio.to_thread(self.releases.lookup, r.name, r.version)
             digest = release.sha256.lower().removeprefix("sha256:")
@@ -255,26 +299,8 @@ class RolloutManager:
                 await self._stage(r, release=facts, target_digest=digest,
                                   reason="already installed")
                 return
-            if r.state == RECEIVED:
-                r = await self._move(r, DOWNLOADING, expect=RECEIVED, release=facts,
-                                     target_digest=digest,
-                                     details={"bytes": release.length})
+            r, path = await self._download(r, release, facts, digest)
             fleet = self.settings.fleet
-            throttle = ProgressThrottle(fleet.progress_interval_s)
-            try:
-                path = await run_niced(
-                    fleet.rollout_nice, self.releases.download, release, self.work_dir / r.id,
-                    progress=self._progress(r, throttle),
-                    max_bytes_per_s=fleet.max_download_bytes_per_s,
-                    headroom=fleet.download_headroom_bytes)
-            except (ReleaseFailed, ReleaseRejected):
-                held = throttle.held()  # where it stopped, if that report was kept back
-                if held is not None:
-                    self._publish_progress(r, held)
-                raise
-            if r.state == DOWNLOADING:
-                r = await self._move(r, VERIFYING, expect=DOWNLOADING)
-            self._check_stop(r.id)
             await run_niced(fleet.rollout_nice, self.releases.install, release, path,
                             self.ops, by=f"rollout:{r.id}")
             if not self._installed(r.name, digest):
@@ -289,6 +315,75 @@ class RolloutManager:
         except EdgeAgentError as exc:  # a file that did not verify, a store error
             await self._fail(r, type(exc).__name__, {"message": exc.message[:300]})
 
+    async def _download(self, r: Rollout, release: Any, facts: Mapping[str, Any],
+                        digest: str) -> tuple[Rollout, Path]:
+        """RECEIVED → DOWNLOADING → VERIFYING around the resumable download; the file."""
+        if r.state == RECEIVED:
+            r = await self._move(r, DOWNLOADING, expect=RECEIVED, release=facts,
+                                 target_digest=digest, details={"bytes": release.length})
+        fleet = self.settings.fleet
+        throttle = ProgressThrottle(fleet.progress_interval_s)
+        try:
+            path = await run_niced(
+                fleet.rollout_nice, self.releases.download, release, self.work_dir / r.id,
+                progress=self._progress(r, throttle),
+                max_bytes_per_s=fleet.max_download_bytes_per_s,
+                headroom=fleet.download_headroom_bytes)
+        except (ReleaseFailed, ReleaseRejected):
+            held = throttle.held()  # where it stopped, if that report was kept back
+            if held is not None:
+                self._publish_progress(r, held)
+            raise
+        if r.state == DOWNLOADING:
+            r = await self._move(r, VERIFYING, expect=DOWNLOADING)
+        self._check_stop(r.id)
+        return r, path
+
+    async def _fetch_agent(self, r: Rollout) -> None:
+        """An agent release: looked up, refused here if not built for this box (before any
+        download), downloaded as a model is, installed beside the running version."""
+        try:
+            root = self.settings.fleet.agent_releases_dir
+            if root is None:
+                raise ReleaseRejected(NOT_CONFIGURED, "this box takes no agent releases: "
+                                      "fleet.agent_releases_dir is not set")
+            release = await asyncio.to_thread(self.releases.lookup_agent, r.version)
+            manifest = release.agent
+            why = refusal(manifest, await asyncio.to_thread(box_platform))
+            if why is not None:
+                raise ReleaseRejected(NOT_FOR_THIS_BOX, why, build=manifest.build,
+                                      platform=f"{manifest.python}-{manifest.abi}-"
+                                      f"{manifest.platform}")
+            try:
+                health_gate.parse_spec(manifest.gate)
+            except ValueError as exc:
+                raise ReleaseRejected("bad_gate", error=str(exc)[:300]) from None
+            digest = release.sha256.lower().removeprefix("sha256:")
+            if r.target_digest is not None and r.target_digest != digest:
+                raise ReleaseRejected("release_changed", was=r.target_digest, now=digest)
+            facts = {"length": release.length, "sha256": digest,
+                     "manifest": dict(release.manifest)}
+            slots = Slots(root)
+            if r.version == self.agent.version and self.agent.running() in (None, r.version):
+                raise ReleaseRejected("already_running",
+                                      f"this box runs agent {self.agent.version}")
+            if slots.installed(r.version):
+                await self._stage(r, release=facts, target_digest=digest,
+                                  reason="already installed")
+                return
+            r, path = await self._download(r, release, facts, digest)
+            try:
+                await run_niced(self.settings.fleet.rollout_nice, slots.install, path,
+                                manifest)
+            except InstallFailed as exc:
+                raise ReleaseRejected(INSTALL_FAILED, f"{manifest.ref}: {exc}",
+                                      step=exc.step) from None
+            await self._stage(r)
+        except ReleaseRejected as exc:
+            await self._end(r, REJECTED, exc.reason, {**exc.details, "message": exc.message})
+        except ReleaseFailed as exc:
+            await self._fail(r, exc.reason, {**exc.details, "message": exc.message})
+
     async def _stage(self, r: Rollout, **fields: Any) -> None:
         r = await self._move(r, STAGED, expect=r.state, staged_at=self.clock(), **fields)
         shutil.rmtree(self.work_dir / r.id, ignore_errors=True)
@@ -298,8 +393,10 @@ class RolloutManager:
         while True:
             fleet = self.settings.fleet
             now = self.local_now()
+            name = ModelName.parse(self.settings.default_model) if is_agent_name(r.name) \
+                else r.name  # an agent switch stops every model; the default is the busy one
             why = hold_reason(minute=now.hour * 60 + now.minute,
-                              window=fleet.maintenance_window, busy=self.ops.busy(r.name),
+                              window=fleet.maintenance_window, busy=self.ops.busy(name),
                               defer=fleet.defer_while_busy,
                               staged_for_s=self.clock() - (r.staged_at or r.entered_at),
                               deadline_s=fleet.defer_deadline_s)
@@ -501,6 +598,8 @@ class RolloutManager:
             return self.cancel(r.id)
         if r.state != ACTIVE:
             return {"accepted": r.state == ROLLED_BACK, **r.summary()}
+        if is_agent_name(r.name):
+            return self._rollback_agent(r)
         if not r.config and self.ops.active_digest(r.name) != r.target_digest:
             return {"accepted": False, "refused": "superseded", **r.summary()}
         try:
@@ -513,6 +612,21 @@ class RolloutManager:
             self._restore_capacity_soon(r)
         else:
             r = restore_pointer(self.ops, self.store, r)
+        return {"accepted": True, **r.summary()}
+
+    def _rollback_agent(self, r: Rollout) -> dict[str, Any]:
+        """An ACTIVE agent release: `current` back to the version it replaced, committed
+        ROLLED_BACK, then a restart into it."""
+        refused = self.agent.back_to_previous(r)
+        if refused is not None:
+            return {"accepted": False, "refused": refused, **r.summary()}
+        try:
+            r = self.store.transition(r.id, ROLLED_BACK, reason="rollback requested",
+                                      expect=ACTIVE, restored=True)
+        except IllegalTransition:
+            return self.rollback(r.id)
+        self._published(r, None)
+        self.agent.restart()
         return {"accepted": True, **r.summary()}
 
     def _restore_capacity_soon(self, r: Rollout) -> None:

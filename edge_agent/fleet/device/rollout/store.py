@@ -124,7 +124,8 @@ class Rollout:
     @property
     def capacity(self) -> dict[str, Any] | None:
         """The settings a capacity release changes (None: a model release)."""
-        return dict(self.config["change"]) if self.config else None
+        return dict(self.config["change"]) if self.config and "change" in self.config \
+            else None
 
     def summary(self) -> dict[str, Any]:
         """What a command result and an audit message carry about the rollout."""
@@ -133,7 +134,7 @@ class Rollout:
                 "reason": self.reason, "target_digest": self.target_digest,
                 "previous_digest": self.previous_digest,
                 "timings": {k: round(v, 3) for k, v in self.timings.items()},
-                **({"config": self.capacity} if self.config else {})}
+                **({"config": self.capacity} if self.capacity is not None else {})}
 
 
 @dataclass(frozen=True)
