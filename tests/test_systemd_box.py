@@ -603,7 +603,38 @@ def test_a_desk_rolls_an_agent_release_out_and_a_broken_one_comes_back(
         status, body = box.http("GET", f"{BASE_URL}/api/version")
         return str(json.loads(body)["edge_agent"]) if status == 200 else ""
 
-    good = roll("0.1.1", "ag-good")
+    # A store's app all along: each request gets an answer from one version or the other,
+    # or a clean refusal while the port is closed (status 0: refused), never a hang.
+    seen: list[tuple[float, int, str, float]] = []
+    stop = threading.Event()
+
+    def app() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            status, body = box.http("POST", f"{BASE_URL}/api/generate", {
+                "model": DEFAULT_MODEL, "prompt": "Say hello.", "stream": False,
+                "options": {"num_predict": 2}}, timeout=30)
+            version = running() if status == 200 else body[:60]
+            seen.append((t0, status, version, time.monotonic() - t0))
+            if status != 200:
+                time.sleep(0.5)
+
+    client = threading.Thread(target=app, daemon=True)
+    client.start()
+    try:
+        good = roll("0.1.1", "ag-good")
+    finally:
+        stop.set()
+        client.join(120)
+    old = [t for t, status, v, _ in seen if status == 200 and v == "0.1.0"]
+    new = [t for t, status, v, _ in seen if status == 200 and v == "0.1.1"]
+    refused = [(status, v) for _, status, v, _ in seen if status != 200]
+    assert old and new and max(old) < min(new), seen
+    assert all(took < 30 for *_, took in seen), seen  # no request hung
+    assert all(status in (0, 503) for status, _ in refused), refused
+    print(f"agent switch seen by an app: {len(seen)} requests, {len(refused)} refused "
+          f"(connection refused or 503), none hung; last answer of 0.1.0 to first of 0.1.1: "
+          f"{min(new) - max(old):.1f} s")
     assert good["state"] == "COMPLETED" and good["states"] == {"ACTIVE": 1}, (
         good, box.journal("edge-agent.service", 80))
     assert running() == "0.1.1"

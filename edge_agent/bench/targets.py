@@ -146,6 +146,9 @@ TARGETS: tuple[Target, ...] = (
     Target("rollout.waves_cpu_ms_per_box",
            "controller CPU per box, a rollout in waves over {devices:,} simulated boxes",
            "<=", 10, "ms"),
+    Target("agent_rollout.view_right",
+           "the controller's view of agent versions matches {devices:,} simulated boxes "
+           "after every agent rollout (1 = yes)", ">=", 1, ""),
 )
 
 BY_KEY: dict[str, Target] = {t.key: t for t in TARGETS}

@@ -334,6 +334,34 @@ def bench_structured_coverage(model: str | None, llama_server: Path | None,
         echo_json(result)
 
 
+@bench.command("agent-rollout")
+@click.option("--boxes", type=click.IntRange(10, 100_000), default=10_000, show_default=True,
+              help="Simulated boxes (the agent's own link code each, on one loop).")
+@click.option("--runs", type=click.IntRange(1), default=3, show_default=True,
+              help="Runs, each an agent release that completes and one that aborts.")
+@click.option("--fail", "fail_share", type=click.FloatRange(0, 0.5), default=0.01,
+              show_default=True, help="Share of the boxes scripted to fail their gate "
+              "(each rolls back by itself).")
+@click.option("--soak", "soak_s", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds each wave soaks.")
+@json_option("Print the figures as JSON on stdout (the report goes to stderr).")
+def bench_agent_rollout(boxes: int, runs: int, fail_share: float, soak_s: float,
+                        as_json: bool) -> None:
+    """Agent releases in waves over simulated boxes, driven by `fleet serve`: one that
+    completes with the failing share rolled back by the boxes themselves, one that the
+    abort threshold stops in the wave that crosses it; the controller's view of versions
+    checked after each."""
+    from edge_agent.bench.fleet.agent_rollout import run_agent_rollout_bench
+
+    def echo(line: str) -> None:
+        click.echo(line, err=as_json)
+
+    result = run_agent_rollout_bench(boxes=boxes, runs=runs, fail_share=fail_share,
+                                     soak_s=soak_s, echo=echo)
+    if as_json:
+        echo_json(result)
+
+
 @bench.command("rollout")
 @common_options
 @click.option("--model", help="Model to roll out (default: the configured default).")

@@ -17,6 +17,12 @@ Outcomes:
     busy_once     refused so the first time; the next rollout.start goes on as `active`
     silent        nothing at all (a box that lost its way: the device timeout)
 
+An agent release (`rollout.start` of `protocol.agent_release.AGENT_NAME`) takes the same
+path with the box's restart in it: at the switch the box goes away and comes back running
+the new version (a new birth saying so, `restart(version)`); `rolled_back` comes back once
+more on the version it ran, its starts spent ("started 3 time(s) without passing its
+gate"), as the base entry of a real box puts it back.
+
 Cancels and rollbacks follow the box's rules (`fleet.device.rollout.runner`): a cancel before the
 switch, a rollback of an ACTIVE release, a rollback while switching fails the gate.
 Must never: block the simulator's loop (steps run as its timers, scripts on its pool).
@@ -26,18 +32,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from edge_agent.fleet.device.link.core import LinkOptions
+from edge_agent.fleet.protocol.agent_release import is_agent_name
 from edge_agent.fleet.protocol.command import Command
 from edge_agent.fleet.protocol.envelope import AUDIT
-from edge_agent.fleet.sim.device import SimDevice
+from edge_agent.fleet.sim.device import SimDevice, default_facts
 from edge_agent.fleet.sim.fleet import SimOptions, Simulator
 
+Step = tuple[str, "str | None", dict[str, Any]] | Callable[[], None]
 PATH = ("RECEIVED", "DOWNLOADING", "VERIFYING", "STAGED", "ACTIVATING", "GATING")
 BEFORE_SWITCH = {"RECEIVED", "DOWNLOADING", "VERIFYING", "STAGED", "FAILED"}
 FINAL = {"ACTIVE", "ROLLED_BACK", "REJECTED", "CANCELLED"}
@@ -51,7 +59,10 @@ class BoxRollouts:
 
     def __init__(self, outcome: str, step_s: float, emit: Callable[[str, dict[str, Any]], Any],
                  later: Callable[[float, Callable[[], None]], None], *,
-                 slow_step_s: float | None = None) -> None:
+                 slow_step_s: float | None = None,
+                 restart: Callable[[str | None], None] | None = None) -> None:
+        """`restart(version)`: the box restarts into agent `version` (None: the one it
+        ran before the switch)."""
         self.outcome = outcome
         self.step_s = (5 * step_s if slow_step_s is None else slow_step_s) \
             if outcome == "slow" else step_s
@@ -61,6 +72,7 @@ class BoxRollouts:
         self.states: list[tuple[float, str, str]] = []
         self.rollouts: dict[str, str] = {}  # rollout id -> state
         self.aborts: set[str] = set()  # rollouts asked to roll back while switching
+        self.restart = restart
         self.lock = threading.RLock()
 
     def command(self, type_: str, args: dict[str, Any]) -> dict[str, Any] | None:
@@ -68,14 +80,14 @@ class BoxRollouts:
         self.commands.append((time.monotonic(), type_, dict(args)))
         rid = str(args.get("rollout_id"))
         if type_ == "rollout.start":
-            return self._start(rid)
+            return self._start(rid, str(args.get("name")), str(args.get("version")))
         if type_ == "rollout.cancel":
             return self._cancel(rid)
         if type_ == "rollout.rollback":
             return self._rollback(rid)
         return None
 
-    def _start(self, rid: str) -> dict[str, Any] | None:
+    def _start(self, rid: str, name: str = "", version: str = "") -> dict[str, Any] | None:
         if self.outcome == "silent":
             return None
         if self.outcome == "busy" or (self.outcome == "busy_once" and not any(
@@ -92,16 +104,36 @@ class BoxRollouts:
                               ("FAILED", "unreachable", {"failures": 1, "limit": 2}),
                               ("RECEIVED", "retry 2", {}), ("DOWNLOADING", None, {}),
                               ("FAILED", "unreachable", {"failures": 2, "limit": 2})])
+        elif is_agent_name(name) and self.restart is not None:
+            restart = self.restart
+            steps: list[Step] = [(s, None, {}) for s in PATH[1:5]]
+            steps.append(lambda: restart(version))
+            if self.outcome == "rolled_back":  # the new version never passes its gate
+                steps += [lambda: restart(None),
+                          ("ROLLED_BACK", f"{version} started 3 time(s) without passing its "
+                           "gate (fleet.agent_max_boots)", {})]
+            else:
+                steps += [("GATING", None, {}), ("ACTIVE", None, {})]
+            self._chain(rid, steps)
         else:
             end = ("ROLLED_BACK", "gate check prompt:hello:contains failed") \
                 if self.outcome == "rolled_back" else ("ACTIVE", None)
             self._chain(rid, [(s, None, {}) for s in PATH[1:]] + [(end[0], end[1], {})])
         return {"accepted": True, "rollout_id": rid}
 
-    def _chain(self, rid: str, steps: list[tuple[str, str | None, dict[str, Any]]]) -> None:
+    def _chain(self, rid: str, steps: Sequence[Step]) -> None:
         if not steps:
             return
-        (state, reason, details), rest = steps[0], steps[1:]
+        first, rest = steps[0], steps[1:]
+        if callable(first):  # the box's restart: no transition of its own
+            def act() -> None:
+                if self.rollouts.get(rid) not in FINAL:
+                    first()
+                self._chain(rid, rest)
+
+            self.later(self.step_s, act)
+            return
+        state, reason, details = first
 
         def step() -> None:
             with self.lock:
@@ -167,18 +199,42 @@ class LinkFleet:
     def __init__(self, broker_url: str, *, fleet: str, password_file: Callable[[str], Path],
                  public_key: Ed25519PublicKey, devices: Iterable[str], root: Path,
                  outcomes: dict[str, str] | None = None, step_s: float = 0.05,
-                 slow_step_s: float | None = None, ack_timeout_s: float = 60.0) -> None:
+                 slow_step_s: float | None = None, ack_timeout_s: float = 60.0,
+                 agent_version: str = "0.1.0", restart_s: float = 0.5) -> None:
+        """`agent_version`: what every box runs at first (its births say it; an agent
+        release changes it, `BoxRollouts`); `restart_s`: how long a box is away when it
+        restarts."""
         names = list(devices)
+        self.versions = dict.fromkeys(names, agent_version)
+        self.restart_s = restart_s
         self.sim = Simulator(broker_url, fleet=fleet, devices=names,
                              password_file=password_file, root=root,
-                             script=self._script, public_key=public_key,
+                             script=self._script, public_key=public_key, facts=self._facts,
                              options=SimOptions(reconnect_min_s=0.2, reconnect_max_s=1.0,
                                                 sweep_s=2.0, stop_wait_s=3.0,
                                                 link=LinkOptions(ack_timeout_s=ack_timeout_s)))
         self.boxes = {d: BoxRollouts((outcomes or {}).get(d, "active"), step_s,
                                      self._emitter(self.sim.devices[d]), self.sim.call_later,
-                                     slow_step_s=slow_step_s)
+                                     slow_step_s=slow_step_s, restart=self._restarter(d))
                       for d in names}
+
+    def _facts(self, device: SimDevice) -> dict[str, Any]:
+        return {**default_facts(device), "agent_version": self.versions[device.device]}
+
+    def _restarter(self, device: str) -> Callable[[str | None], None]:
+        """The box's restart into an agent version (None: back to the one before)."""
+        before: list[str] = []
+
+        def restart(version: str | None) -> None:
+            if version is not None:
+                before[:] = [self.versions[device]]
+                self.versions[device] = version
+            elif before:
+                self.versions[device] = before[0]
+            self.sim.take_offline(device)
+            self.sim.call_later(self.restart_s, lambda: self.sim.bring_online(device))
+
+        return restart
 
     @staticmethod
     def _emitter(device: SimDevice) -> Callable[[str, dict[str, Any]], Any]:

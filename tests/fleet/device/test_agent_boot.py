@@ -207,3 +207,28 @@ def test_an_install_whose_llama_cpp_does_not_load_is_removed(tmp_path: Path) -> 
     with pytest.raises(InstallFailed, match="llama.cpp check: .*libgomp.so.1 missing"):
         slots.install(tar, m)  # type: ignore[arg-type]
     assert not (tmp_path / "releases" / "0.2.0").exists()
+
+
+def test_an_install_a_kill_cut_is_done_again(tmp_path: Path) -> None:
+    tar, m = agent_tar(tmp_path, native_exit=0)
+    slots = Slots(tmp_path / "releases")
+    cut = tmp_path / "releases" / "0.2.0"
+    (cut / "bin").mkdir(parents=True)  # a venv half made, no `.installed`
+    (tmp_path / "releases" / ".wheelhouse-0.2.0").mkdir()
+    assert not slots.installed("0.2.0")
+    Slots(tmp_path / "releases").switch("0.2.0")
+    assert boot.at_start(settings(tmp_path)) is None  # never run unfinished
+    slots.install(tar, m)  # type: ignore[arg-type]
+    assert slots.installed("0.2.0") and (cut / "bin" / "python").exists()
+
+
+def test_a_wheelhouse_with_anything_but_plain_files_is_refused(tmp_path: Path) -> None:
+    _, m = agent_tar(tmp_path, native_exit=0)
+    evil = tmp_path / "evil.tar"
+    with tarfile.open(evil, "w") as t:
+        info = tarfile.TarInfo("../outside.whl")
+        t.addfile(info)
+    with pytest.raises(InstallFailed, match="unpack: '../outside.whl' is not a wheel's"):
+        Slots(tmp_path / "releases").install(evil, m)  # type: ignore[arg-type]
+    assert not (tmp_path / "outside.whl").exists()
+    assert not (tmp_path / "releases" / "0.2.0").exists()

@@ -89,11 +89,7 @@ class Slots:
         shutil.rmtree(wheels, ignore_errors=True)
         try:
             wheels.mkdir(mode=0o700)
-            try:
-                with tarfile.open(tar) as archive:
-                    archive.extractall(wheels, filter="data")
-            except (tarfile.TarError, OSError) as exc:
-                raise InstallFailed("unpack", str(exc)[:300]) from None
+            _unpack(tar, wheels)
             base = python or _base_python()
             _run("venv", [base, "-m", "venv", str(dest)], CHECK_TIMEOUT_S)
             env = {**os.environ, "PIP_CONFIG_FILE": os.devnull,
@@ -125,6 +121,25 @@ class Slots:
                 shutil.rmtree(entry, ignore_errors=True)
                 gone.append(entry.name)
         return gone
+
+
+def _unpack(tar: Path, dest: Path) -> None:
+    """The wheelhouse's files into `dest`: plain files with plain names only (what
+    `add-agent` packs), anything else refused; by hand, as Python before 3.11.4 (Debian
+    12's) has no extraction filter."""
+    try:
+        with tarfile.open(tar) as archive:
+            for member in archive:
+                name = member.name
+                if not member.isfile() or "/" in name or name.startswith(".") or not name:
+                    raise InstallFailed("unpack", f"{name[:80]!r} is not a wheel's plain "
+                                        "file name")
+                source = archive.extractfile(member)
+                assert source is not None
+                with source, (dest / name).open("xb") as out:
+                    shutil.copyfileobj(source, out, 1 << 20)
+    except (tarfile.TarError, OSError) as exc:
+        raise InstallFailed("unpack", str(exc)[:300]) from None
 
 
 def _base_python() -> str:

@@ -383,6 +383,11 @@ class RolloutManager:
             await self._end(r, REJECTED, exc.reason, {**exc.details, "message": exc.message})
         except ReleaseFailed as exc:
             await self._fail(r, exc.reason, {**exc.details, "message": exc.message})
+        except (_Stopped, asyncio.CancelledError, IllegalTransition):
+            raise
+        except Exception as exc:  # a flaw must still end in a state the controller sees
+            log.exception("rollout %s: fetching agent %s failed", r.id, r.version)
+            await self._fail(r, type(exc).__name__, {"message": str(exc)[:300]})
 
     async def _stage(self, r: Rollout, **fields: Any) -> None:
         r = await self._move(r, STAGED, expect=r.state, staged_at=self.clock(), **fields)
