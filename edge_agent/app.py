@@ -171,12 +171,14 @@ def _fleet_device(settings: Settings, parts: AppParts, governor: Governor,
     requests through the real request path; None if it could not be built (logged: the
     box serves without it)."""
     try:
+        from edge_agent.fleet.device.agent.boot import request_restart
         from edge_agent.fleet.device.rollout.health_gate import GATE_DIALECT
         from edge_agent.fleet.device.service import FleetDevice
         from edge_agent.gateway.probe import ServiceProbe
 
         return FleetDevice(settings, modelops=parts.ops, governor=governor,
                            sampler=sampler,
+                           restart=lambda: request_restart(settings.state_dir, parts.stop),
                            probe=ServiceProbe(parts.service, dialect=GATE_DIALECT),
                            ready=lambda: not readiness_problems(parts),
                            metrics=parts.metrics.registry if parts.metrics is not None

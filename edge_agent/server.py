@@ -130,13 +130,15 @@ def build_server(app: Any, settings: Settings, *, environ: Mapping[str, str] | N
     server = settings.server
     if tls is None:
         tls = server_tls(settings)
-    return SupervisedServer(
+    built = SupervisedServer(
         uvicorn_config(app, settings, log_level=log_level, tls=tls),
         Notifier.from_environ(environ),
         grace_s=server.stop_grace_s, cut=parts.service.cut_all,
         problems=lambda: readiness_problems(parts), tls=tls,
         serving=f"serving on {server.scheme}://{server.host}:{server.port}, default model "
                 f"{settings.default_model} loaded")
+    parts.stop = built.request_stop
+    return built
 
 
 class SupervisedServer(uvicorn.Server):
@@ -188,6 +190,13 @@ class SupervisedServer(uvicorn.Server):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def request_stop(self) -> None:
+        """The drain of a SIGTERM, asked from inside (any thread): uvicorn re-raises a
+        signal it caught once it has stopped, and a process that dies of SIGTERM is a
+        clean stop to systemd, which restarts only a failure (`fleet.device.agent.boot`:
+        exit 75)."""
+        self.should_exit = True
 
     def reload(self) -> bool:
         """SIGHUP: the certificate files read again (see the module's docstring); False,

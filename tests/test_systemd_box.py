@@ -537,10 +537,20 @@ def test_a_desk_rolls_a_release_out_to_the_box_over_https(site: Site) -> None:
     site.generate()
 
 
+BROKEN_MIGRATION = """
+
+@MIGRATIONS()
+def m999_fails_half_way(db: Database) -> None:
+    db.execute("ALTER TABLE requests ADD COLUMN half_way TEXT")
+    raise RuntimeError("a migration that fails half-way")
+"""
+
+
 def agent_wheelhouse(store: Path, where: Path, version: str, *, broken: bool = False
                      ) -> Path:
     """The store's wheelhouse with this checkout rebuilt as agent `version` in place of its
-    own wheel (`broken`: a build whose server cannot start, as a bad release would)."""
+    own wheel (`broken`: a build whose ledger migration fails half-way, so that its server
+    cannot start, as a bad release would)."""
     src = where / f"src-{version}"
     src.mkdir(parents=True)
     for name in ("pyproject.toml", "README.md"):
@@ -554,9 +564,9 @@ def agent_wheelhouse(store: Path, where: Path, version: str, *, broken: bool = F
         text = (src / name).read_text()
         assert old in text, name
         (src / name).write_text(text.replace(old, new, 1))
-    if broken:
-        with (src / "edge_agent" / "app.py").open("a") as fh:
-            fh.write('\nraise RuntimeError("a build that cannot start")\n')
+    if broken:  # its new ledger migration fails half-way: the service cannot start
+        with (src / "edge_agent" / "ledger" / "store.py").open("a") as fh:
+            fh.write(BROKEN_MIGRATION)
     house = where / f"house-{version}"
     house.mkdir()
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
@@ -575,8 +585,9 @@ def test_a_desk_rolls_an_agent_release_out_and_a_broken_one_comes_back(
     (signed there with the targets key) and rolled out: the box installs it beside the
     base install, switches, restarts through systemd, gates it and commits it; the service
     runs 0.1.1 from its release, the ledger's rows are all there, `fleet devices` shows it.
-    Then 0.1.2, a build that cannot start: systemd restarts it until the boot counter
-    gives up, and 0.1.1 comes back by itself with the rollout ROLLED_BACK saying why."""
+    Then 0.1.2, a build whose ledger migration fails half-way, so that it cannot start:
+    systemd restarts it until the boot counter gives up, and 0.1.1 comes back by itself,
+    the ledger as it was with every row, the rollout ROLLED_BACK saying why."""
     central, box, desk = site.central, site.box, site.central.desk
     desk.export(page_blocks()[4])
     site.generate()
@@ -651,12 +662,18 @@ def test_a_desk_rolls_an_agent_release_out_and_a_broken_one_comes_back(
 
     bad = roll("0.1.2", "ag-broken")
     row = bad["devices"][0]
-    assert bad["state"] == "COMPLETED" and row["state"] == "ROLLED_BACK", (
+    # One box, and it failed: above the abort threshold, so the controller aborts too.
+    assert bad["state"] == "ABORTED" and row["state"] == "ROLLED_BACK", (
         bad, box.journal("edge-agent.service", 120))
     assert "without passing its gate" in (row.get("reason") or ""), row
     nspawnkit.wait_for(lambda: running() == "0.1.1", 120, 1.0, "0.1.1 serving again")
     assert box.sh(f"readlink {RELEASES_DIR}/current").stdout.strip() == "0.1.1"
-    assert "a build that cannot start" in box.journal("edge-agent.service", 400)
+    assert "a migration that fails half-way" in box.journal("edge-agent.service", 400)
+    evidence = json.loads(site.cli("models", "history", "edge-agent", "--json").stdout)
+    last = evidence["evidence"][0]
+    print(f"evidence of {last['rollout_id']}: {last['outcome']}, {last['reason']}; "
+          f"{last['parameters']['agent']}")
+    assert last["rollout_id"] == "ag-broken" and last["outcome"] == "ROLLED_BACK"
     assert rows <= site.ledger_ids()
     site.generate()
     print(central.host.box.journal("edge-agent-fleet.service", 5))

@@ -37,6 +37,9 @@ class AppParts:
     # name and refused (409) while a fleet rollout of it is live
     # (`fleet.device.rollout.name_claim`).
     hold_name: Callable[[str, str], AbstractContextManager[None]] | None = None
+    # stop(): the server asked to stop as at SIGTERM, without a signal (set by
+    # `server.build_server`): an agent switch stops it so, and exits for systemd's restart.
+    stop: Callable[[], None] | None = None
 
     def held(self, name: str, change: str) -> AbstractContextManager[None]:
         return nullcontext() if self.hold_name is None else self.hold_name(name, change)

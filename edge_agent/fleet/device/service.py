@@ -34,7 +34,8 @@ class FleetDevice:
     def __init__(self, settings: Settings, *, modelops: ModelOps, governor: Governor,
                  sampler: HardwareSampler, probe: Probe, ready: Callable[[], bool],
                  metrics: CollectorRegistry | None = None,
-                 gpus: Callable[[], list[dict[str, Any]]] = list) -> None:
+                 gpus: Callable[[], list[dict[str, Any]]] = list,
+                 restart: Callable[[], None] | None = None) -> None:
         self.settings = settings
         self.modelops = modelops
         self.governor = governor
@@ -43,6 +44,7 @@ class FleetDevice:
         self.ready = ready
         self.metrics = metrics
         self.gpus = gpus
+        self.restart = restart  # an agent switch's new start (`fleet.device.agent.boot`)
         self.link: Link | None = None
         self.rollouts: RolloutManager | None = None
         self.sync: Sync | None = None
@@ -87,7 +89,8 @@ class FleetDevice:
             settings = self.settings
             return RolloutManager(settings, self.modelops,
                                   SignedReleases(settings.fleet, settings.state_dir),
-                                  self.probe, emit=self._emit, ready=self.ready)
+                                  self.probe, emit=self._emit, ready=self.ready,
+                                  restart=self.restart)
         except Exception:
             log.exception("fleet rollouts not available; the link runs without them")
             return None

@@ -200,7 +200,7 @@ class LinkFleet:
                  public_key: Ed25519PublicKey, devices: Iterable[str], root: Path,
                  outcomes: dict[str, str] | None = None, step_s: float = 0.05,
                  slow_step_s: float | None = None, ack_timeout_s: float = 60.0,
-                 agent_version: str = "0.1.0", restart_s: float = 0.5) -> None:
+                 agent_version: str = "sim", restart_s: float = 0.5) -> None:
         """`agent_version`: what every box runs at first (its births say it; an agent
         release changes it, `BoxRollouts`); `restart_s`: how long a box is away when it
         restarts."""

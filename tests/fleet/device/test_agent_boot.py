@@ -232,3 +232,11 @@ def test_a_wheelhouse_with_anything_but_plain_files_is_refused(tmp_path: Path) -
         Slots(tmp_path / "releases").install(evil, m)  # type: ignore[arg-type]
     assert not (tmp_path / "outside.whl").exists()
     assert not (tmp_path / "releases" / "0.2.0").exists()
+
+
+def test_a_restart_is_asked_of_the_server_and_marked_for_the_exit(tmp_path: Path) -> None:
+    stopped: list[bool] = []
+    boot.request_restart(tmp_path, lambda: stopped.append(True))
+    assert stopped == [True]
+    assert boot.restart_requested(tmp_path)  # `serve` exits 75 …
+    assert not boot.restart_requested(tmp_path)  # … once

@@ -17,6 +17,7 @@ token.
 
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,13 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
         versions = {e["sha256"]: e["version"] for e in _releases()}
         now = time.time()
         controllers = [{**c, "state": presence_state(c, now)} for c in store.controllers()]
+        agents = collections.Counter(
+            (d["agent_version"] or "-", d["llama_cpp_version"] or "-") for d in devices
+            if not d.get("retired") and not d.get("never_seen"))
         return page(request, "fleet", devices=devices, prefix=prefix, state=state,
                     controllers=controllers,
+                    agents=[{"agent": a, "llama": ll, "count": n}
+                            for (a, ll), n in agents.most_common()],
                     online=sum(1 for d in devices if d["online"]),
                     version_of=lambda digest: versions.get(
                         str(digest or "").removeprefix("sha256:")))

@@ -18,8 +18,10 @@ systemd's notify socket and watchdog carry over), or, with no `current`, goes on
 base version. A version started that way finds itself running from its slot and goes on.
 
 `request_restart` is how a runner asks systemd for a new start: a mark in the state dir and
-SIGTERM to itself (the usual drain); `serve` exits with `RESTART_EXIT` once the server has
-stopped and the mark is there, and the unit's `Restart=on-failure` starts it again.
+the server's own stop (the drain of a SIGTERM, without the signal: uvicorn would raise it
+again once stopped, and a process that dies of SIGTERM is a clean stop to systemd); `serve`
+exits with `RESTART_EXIT` once the server has stopped and the mark is there, and the unit's
+`Restart=on-failure` starts it again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from edge_agent.config import Settings
@@ -99,11 +102,17 @@ def roll_back(settings: Settings, slots: Slots, t: Trial, reason: str) -> Trial:
                                                  restored=restored))
 
 
-def request_restart(state_dir: Path) -> None:
+def request_restart(state_dir: Path, stop: Callable[[], None] | None = None) -> None:
+    """The mark, then the server's own stop (`stop`: `SupervisedServer.request_stop`);
+    without one, SIGTERM (a process that dies of it is a clean stop to systemd: only a
+    server `serve` built exits 75)."""
     mark = trial.agent_dir(state_dir) / _RESTART_MARK
     mark.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     mark.write_text(str(time.time()), encoding="utf-8")
-    os.kill(os.getpid(), signal.SIGTERM)
+    if stop is not None:
+        stop()
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def restart_requested(state_dir: Path) -> bool:
