@@ -5,11 +5,8 @@ wheelhouse of this test's own wheels."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import sqlite3
 import tarfile
-import zipfile
 from contextlib import closing
 from pathlib import Path
 
@@ -26,6 +23,7 @@ from edge_agent.fleet.device.agent.trial import (
     Trial,
 )
 from edge_agent.fleet.protocol.agent_release import parse
+from tests.support.agentkit import wheel
 
 
 def settings(tmp_path: Path, **fleet: object) -> Settings:
@@ -149,25 +147,6 @@ def test_a_link_to_an_unfinished_install_runs_the_base_version(tmp_path: Path) -
 
 
 # -- an install side by side ----------------------------------------------------------------
-
-def wheel(where: Path, name: str, version: str, files: dict[str, str]) -> Path:
-    dist = f"{name.replace('-', '_')}-{version}"
-    files = {**files, f"{dist}.dist-info/METADATA":
-             f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-             f"{dist}.dist-info/WHEEL":
-             "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = []
-    path = where / f"{dist}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as z:
-        for arc, text in files.items():
-            data = text.encode()
-            z.writestr(arc, data)
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
-            record.append(f"{arc},sha256={digest.decode()},{len(data)}")
-        record.append(f"{dist}.dist-info/RECORD,,")
-        z.writestr(f"{dist}.dist-info/RECORD", "\n".join(record) + "\n")
-    return path
-
 
 def agent_tar(tmp_path: Path, *, native_exit: int) -> tuple[Path, object]:
     house = tmp_path / "house"

@@ -13,8 +13,11 @@ systemd and a real controller: `tests/test_systemd_box.py`."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import sqlite3
-import tarfile
+import subprocess
+import sys
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -23,7 +26,6 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from packaging import tags
 
 from edge_agent.cli import main
 from edge_agent.config import Settings
@@ -32,7 +34,7 @@ from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.fleet.device.agent import boot, trial
 from edge_agent.fleet.device.agent.slots import Slots
 from edge_agent.fleet.device.rollout.runner import RolloutManager
-from edge_agent.fleet.protocol.agent_release import AGENT_NAME, AgentManifest, parse
+from edge_agent.fleet.protocol.agent_release import AGENT_NAME
 from edge_agent.fleet.protocol.rollout_states import (
     ACTIVATING,
     ACTIVE,
@@ -41,53 +43,12 @@ from edge_agent.fleet.protocol.rollout_states import (
     ROLLED_BACK,
 )
 from edge_agent.ledger.evidence import evidence_for
-from tests.fleet.device.test_agent_boot import wheel
+from tests.support.agentkit import AgentReleases, VersionProbe, agent_release
 from tests.support.pace import SETTLE_S
-from tests.support.rollout_support import Answer, DirReleases, PaperLoader, write_gguf
+from tests.support.rollout_support import PaperLoader, write_gguf
 
 MODEL = "m:1"
-GATE = {"prompts": [{"id": "hello", "prompt": "Say hello", "max_tokens": 8,
-                     "expect": {"contains": ["hello"]}}], "tokens_per_s_floor": None}
-
-
-@dataclass(frozen=True)
-class AgentFound:
-    name: str
-    version: str
-    length: int
-    sha256: str
-    manifest: dict[str, Any]
-    path: Path
-    agent: AgentManifest
-
-
-class AgentReleases(DirReleases):
-    def add_agent(self, tar: Path, manifest: AgentManifest) -> AgentFound:
-        base = self.add(AGENT_NAME, manifest.version, tar)
-        found = AgentFound(AGENT_NAME, manifest.version, base.length, base.sha256,
-                           manifest.model_dump(), tar, manifest)
-        self.releases[(AGENT_NAME, manifest.version)] = found  # type: ignore[assignment]
-        return found
-
-    def lookup_agent(self, version: str) -> AgentFound:
-        return self.lookup(AGENT_NAME, version)  # type: ignore[return-value]
-
-    def _check(self, path: Path, release: Any) -> None:
-        pass  # a wheelhouse has no GGUF header; length and sha256 are the transfer's tests
-
-
-@dataclass
-class VersionProbe:
-    """Answers as the agent version that runs (`running`), as the box's request path would."""
-
-    answers: dict[str, str]
-    running: list[str]
-    calls: list[str] = field(default_factory=list)
-
-    async def __call__(self, request: Any) -> Answer:
-        version = self.running[0]
-        self.calls.append(version)
-        return Answer(self.answers.get(version, "hello"), 3, 20.0, 40.0, "d")
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass
@@ -125,27 +86,6 @@ class Box:
         exe = boot.at_start(self.settings)
         self.running[0] = "0.1.0" if exe is None else exe.parent.parent.name
         return self.running[0]
-
-
-def agent_release(tmp: Path, version: str = "0.2.0", *,
-                  platform: tuple[str, str, str] | None = None) -> tuple[Path, AgentManifest]:
-    house = tmp / f"house-{version}"
-    house.mkdir()
-    wheel(house, "edge-agent-appliance", version, {
-        "edge_agent/__init__.py": f"__version__ = '{version}'\n",
-        "edge_agent/engine/__init__.py": "", "edge_agent/engine/runtime/__init__.py": "",
-        "edge_agent/engine/runtime/native.py": "print('ok')\n"})
-    mine = next(iter(tags.sys_tags()))
-    python, abi, plat = platform or (mine.interpreter, mine.abi, mine.platform)
-    m = parse({"version": version, "edge_agent": version, "llama_cpp_python": "0.3.36",
-               "python": python, "abi": abi, "platform": plat,
-               "requirement": f"edge-agent-appliance=={version}", "gate": GATE,
-               "wheels": [p.name for p in house.iterdir()]})
-    tar = tmp / f"agent-{version}.tar"
-    with tarfile.open(tar, "w") as t:
-        for p in house.iterdir():
-            t.add(p, arcname=p.name)
-    return tar, m
 
 
 @pytest.fixture
@@ -315,3 +255,38 @@ def test_a_release_built_for_another_platform_is_refused_before_download(box: Bo
     assert "built for cp39-cp39-win_amd64" in r.details["message"]
     assert box.releases.copied == 0  # nothing downloaded
     assert not (box.tmp / "releases" / "0.2.0").exists()
+
+
+@pytest.mark.parametrize(("kill_at", "ends"), [
+    ("DOWNLOADING", ACTIVE), ("VERIFYING", ACTIVE), ("installing", ACTIVE),
+    (ACTIVATING, ROLLED_BACK), ("trial", None), ("switched", ACTIVE)])
+def test_kill_9_at_each_step_ends_on_one_version(box: Box, kill_at: str,
+                                                  ends: str | None) -> None:
+    """The running version killed (SIGKILL, its own process) at a step of the switch; then
+    the starts a box makes (the base entry, then whichever version it runs, again while
+    one asks for a restart) until the rollout is final: on the new version, ACTIVE, or on
+    the one before, ROLLED_BACK, never between; the rows all there. Killed just as the trial
+    is written, either end is right: the switch may or may not have happened."""
+    tar, m = agent_release(box.tmp)
+    spec = {"tar": str(tar), "manifest": m.model_dump(), "releases_dir":
+            str(box.tmp / "releases"), "model": MODEL, "rollout_id": "ag-k", "kill_at": kill_at}
+    child = subprocess.run([sys.executable, "-m", "tests.support.agent_child",
+                            str(box.settings.state_dir), json.dumps(spec)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == -signal.SIGKILL, (child.returncode, child.stderr[-3000:])
+    box.releases.add_agent(tar, m)
+    r = None
+    for _ in range(6):  # the starts: each until the rollout settles or asks for one more
+        box.boot()
+        asked = len(box.restarts)
+        r = _settle(box, "ag-k")
+        if len(box.restarts) == asked:
+            break
+    assert r is not None and not r.live and r.restored, r
+    current = Slots(box.tmp / "releases").current()
+    assert (r.state, current, box.running[0]) in (
+        (ACTIVE, "0.2.0", "0.2.0"), (ROLLED_BACK, None, "0.1.0")), (r.state, r.reason)
+    assert ends is None or r.state == ends, (r.state, r.reason)
+    assert trial.read(box.settings.state_dir) is None
+    assert box.rows() == ["before"]
+    assert box.boot() == box.running[0]  # and the next start runs the same
