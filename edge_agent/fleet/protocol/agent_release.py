@@ -77,8 +77,7 @@ class AgentManifest(BaseModel):
     @field_validator("version")
     @classmethod
     def _version(cls, value: str) -> str:
-        if not VERSION.fullmatch(value):
-            raise ValueError(f"version {value[:40]!r} must be {VERSION_RULE}")
+        agent_target_path(value)
         return value
 
     @field_validator("build")
@@ -144,8 +143,11 @@ def is_agent_name(name: str) -> bool:
 
 
 def agent_target_path(version: str) -> str:
-    if not VERSION.fullmatch(version):
-        raise AgentManifestError(f"version {version[:40]!r} must be {VERSION_RULE}")
+    """`0.2.0` -> `agent/0.2.0/wheelhouse.tar`; a version is also a folder name on the box,
+    beside the `current` link, which no version may be called."""
+    if not VERSION.fullmatch(version) or version == "current":
+        raise AgentManifestError(f"version {version[:40]!r} must be {VERSION_RULE}, and not "
+                                 "'current'")
     return f"{KIND}/{version}/{TARGET_FILE}"
 
 

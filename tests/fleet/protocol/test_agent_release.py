@@ -65,6 +65,7 @@ def test_the_manifest_travels_in_custom_and_is_told_from_a_models() -> None:
 
 @pytest.mark.parametrize(("fields", "where"), [
     ({"build": "gpu"}, "build"), ({"version": "../1"}, "version"),
+    ({"version": "current"}, "version"),
     ({"platform": "linux x86"}, "platform")])
 def test_a_bad_manifest_names_its_field(fields: dict[str, str], where: str) -> None:
     with pytest.raises(AgentManifestError, match=f"^{where}"):
