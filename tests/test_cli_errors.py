@@ -34,6 +34,7 @@ COMMANDS = _walk(main)
 LEAVES = [(path, cmd) for path, cmd in COMMANDS if not isinstance(cmd, click.Group)]
 # Commands that read no settings (their own input errors are tested beside them).
 NO_SETTINGS = {("fleet", "broker-config"), ("bench", "fleet-scale"),  # no settings read
+               ("bench", "agent-rollout"),
                ("fleet", "pki", "init"), ("fleet", "pki", "issue"), ("fleet", "pki", "list"),
                ("fleet", "pki", "renew")}  # files only, in --dir
 

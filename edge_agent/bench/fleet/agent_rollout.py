@@ -72,7 +72,7 @@ def _wheelhouse(where: Path, version: str) -> Path:
 
 def failing(devices: Sequence[str], share: float) -> set[str]:
     """Every 1/share-th device (1%: sim-0000, sim-0100, …): spread over the waves."""
-    if share <= 0:
+    if not share:
         return set()
     step = max(1, round(1 / share))
     return {d for i, d in enumerate(devices) if i % step == 0}

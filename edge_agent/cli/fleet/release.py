@@ -235,8 +235,7 @@ def release_add(keys_dir: Path | None, file: Path, name: str, version: str,
 @click.option("--expires", default="365d", show_default=True,
               help="With --controller: expiry of the targets this push signs.")
 @click.argument("version")
-@click.option("--wheelhouse", required=True,
-              type=click.Path(path_type=Path, file_okay=False, exists=True),
+@click.option("--wheelhouse", required=True, type=click.Path(path_type=Path),
               help="The wheelhouse the Ansible role installs from: edge-agent VERSION's "
                    "wheel, its llama-cpp-python build and every dependency.")
 @click.option("--build", default="cpu", show_default=True,
@@ -257,9 +256,12 @@ def release_add_agent(keys_dir: Path | None, root_file: Path | None, expires: st
 
     from edge_agent.fleet.controller.releases.agent_build import manifest_for, pack
 
+    pushed = remote()  # the settings first: a bad one is the first thing said
+    if not wheelhouse.is_dir():
+        raise BadUsage(f"--wheelhouse {wheelhouse}: not a folder")
     manifest = manifest_for(wheelhouse, version=version, build=build,
                             gate=_table(gate, "--gate"))
-    if remote():
+    if pushed:
         if keys_dir is None or root_file is None:
             raise BadUsage("add-agent with --controller signs at this desk: --keys (the "
                            "targets key) and --root (the release root) are needed")

@@ -93,9 +93,9 @@ def rollout_start(ref: str | None, agent: str | None, selector: str, waves: str,
     --agent VERSION: an agent release): written to the store, driven by `fleet serve`."""
     from edge_agent.fleet.controller.waves import parse_waves, wave_sizes
 
-    if (ref is None) == (agent is None):
-        raise BadUsage("give NAME@VERSION or --agent VERSION, one of the two")
     with controller_client() as api:
+        if (ref is None) == (agent is None):
+            raise BadUsage("give NAME@VERSION or --agent VERSION, one of the two")
         record = api.post("/rollouts", {
             "release": ref, "agent": agent, "devices": selector, "waves": waves,
             "abort_above": abort_above,
