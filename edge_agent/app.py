@@ -75,7 +75,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     registry = ModelRegistry(settings, store)
     modelops.loader = registry  # load and unload go through the registry
     sampler = HardwareSampler(readers=[], interval_s=settings.telemetry.interval_s)
-    metrics = Metrics(registry.loaded, sampler, lambda: parts.ledger) \
+    metrics = Metrics(registry.loaded, sampler, lambda: parts.ledger, registry.prompt_cache) \
         if settings.telemetry.metrics else None
     governor = Governor(settings, KeyStore(settings.state_dir))
     timeout_ms = settings.runtime.request_timeout_ms

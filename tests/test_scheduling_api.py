@@ -18,6 +18,7 @@ import pytest
 
 from edge_agent.config import load_settings
 from edge_agent.engine.models.catalog import ModelStore
+from edge_agent.names import ModelName
 from tests.conftest import (
     DEFAULT_MODEL,
     NO_EOS,
@@ -97,6 +98,56 @@ def test_a_shared_system_prompt_is_reused_and_reported(live_server: LiveServer) 
         system, {"role": "user", "content": "Is there parking?"}])
     # Ollama counts the whole prompt, reused or not.
     assert r.prompt_eval_count is not None and r.prompt_eval_count > 100
+
+
+def _metric(live: LiveServer, line: str) -> float | None:
+    """A sample's value on the box's /metrics, None where it is not there."""
+    text = httpx.get(f"{live.base_url}/metrics", timeout=10).text
+    for row in text.splitlines():
+        if row.startswith(line + " "):
+            return float(row.rsplit(" ", 1)[1])
+    return None
+
+
+def test_a_system_prompt_two_requests_sent_is_warm_after_a_restart(
+        model_cache: Path, tmp_path: Path) -> None:
+    """The disk tier through the API: the second request with a system prompt keeps its
+    state on disk; after a restart the first request restores it (usage says so), and
+    /metrics counts it as a disk hit. Removing the model removes its states."""
+    state = clone_state(model_cache, tmp_path / "state")
+    system = {"role": "system", "content": "You take orders at the bakery counter of the "
+              "store on Main Street. Rye, spelt and sourdough loaves are baked at six. " * 6}
+
+    def serve() -> LiveServer:
+        return start_server(load_settings(None, state_dir=state, **{
+            "server.port": free_port(), "runtime.context_length": 2048}))
+
+    def ask(live: LiveServer, question: str) -> int:
+        oa = openai.OpenAI(base_url=live.openai_url, api_key="x", max_retries=0)
+        r = oa.chat.completions.create(model=DEFAULT_MODEL, max_tokens=2, messages=[
+            system, {"role": "user", "content": question}])
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        return r.usage.prompt_tokens_details.cached_tokens or 0
+
+    live = serve()
+    try:
+        ask(live, "Do you have rye bread?")
+        assert ask(live, "When is the spelt ready?") > 100  # from the first's sequence
+        assert wait_until(lambda: _metric(
+            live, "edge_agent_prompt_cache_disk_writes_total") == 1, timeout=30)
+    finally:
+        live.stop()
+    [kept] = list((state / "prompt-cache").glob("*/*.kv"))
+    assert oct(kept.stat().st_mode & 0o777) == "0o600"
+    live = serve()
+    try:
+        assert ask(live, "Is there sourdough today?") > 100
+        assert _metric(live, 'edge_agent_prompt_cache_hits_total{tier="disk"}') == 1
+        assert (_metric(live, 'edge_agent_prompt_cache_bytes{tier="ram"}') or 0) > 0
+    finally:
+        live.stop()
+    ModelStore(state).remove(ModelName.parse(DEFAULT_MODEL))
+    assert not kept.parent.exists()
 
 
 @pytest.fixture(scope="module")

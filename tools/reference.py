@@ -397,6 +397,7 @@ def _fake_jetson(root: Path) -> None:
 def box_registry(scratch: Path) -> CollectorRegistry:
     """The box's registry as `/metrics` serves it, with every family present: one loaded
     model, a ledger writer, and hardware readers for psutil, an NVIDIA GPU and a Jetson."""
+    from edge_agent.engine.scheduling.prompt_cache import PromptCache
     from edge_agent.telemetry.hardware import (
         HardwareSampler,
         JetsonReader,
@@ -414,7 +415,8 @@ def box_registry(scratch: Path) -> CollectorRegistry:
                                JetsonReader(scratch)])
     sampler.snapshot = sampler.sample()
     metrics = Metrics(lambda: [model], sampler,  # type: ignore[list-item]
-                      lambda: ns(lag_s=0.0, rows_written=0))  # type: ignore[arg-type,return-value]
+                      lambda: ns(lag_s=0.0, rows_written=0),  # type: ignore[arg-type,return-value]
+                      PromptCache(2**20))
     return metrics.registry
 
 

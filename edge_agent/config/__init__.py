@@ -331,6 +331,18 @@ class RuntimeSettings(_Section):
         "(0: off). The answer is the same; a stream that quotes its prompt gets it faster. "
         "Only a stream decoding alone drafts on a CPU (up to 4 together on a GPU). A request "
         "may set its own (`options.prompt_lookup`, `X-Edge-Prompt-Lookup`).")
+    prompt_cache_mib: int = Field(
+        1024, ge=0,
+        description="Host RAM, in MiB, for the KV state of prompts that left their "
+        "sequence (a conversation another one displaced, a system prompt), restored into a "
+        "free sequence when a new prompt starts the same way; least recently used first, "
+        "one bound for every model (0: off, only what the sequences still hold is reused). "
+        "Not counted in memory_budget.")
+    prompt_cache_disk_mib: int = Field(
+        256, ge=0,
+        description="Disk, in MiB, under the state dir for system prompts that more than "
+        "one request sent, kept across restarts so the first request after one does not "
+        "compute its system prompt again (0: off; needs prompt_cache_mib).")
     structured_close_tokens: int = Field(
         48, ge=0, le=4096,
         description="A JSON-schema or tool-call answer's last tokens of max_tokens, at most "

@@ -34,6 +34,12 @@ class Tokenizer(Protocol):
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
 
 
+# A system part shorter than this is recomputed in a moment: not kept apart. A system
+# message needs at least SYSTEM_MIN_CHARS characters to have that many tokens.
+SYSTEM_MIN_TOKENS = 64
+SYSTEM_MIN_CHARS = 128
+
+
 def tool_mode(req: GenerationRequest) -> bool:
     """Whether the answer is read as tool calls (tools given and not turned off)."""
     return bool(req.tools) and req.tool_choice != "none"
@@ -120,6 +126,37 @@ def prompt_pieces(req: GenerationRequest, model: LoadedModel) -> list[Piece]:
     else:
         messages = [m for m in messages]
     return model.template.render_pieces(messages, find_special=model.special_texts)
+
+
+def system_tokens(req: GenerationRequest, model: LoadedModel, tokens: list[int]) -> int:
+    """How many of the prompt's `tokens` are its system part: the leading system message
+    (Ollama's `system`, a chat's first message, with a tool call's instructions) as the
+    template renders it, up to where the rest of the prompt starts. The prompt cache keeps
+    those cells apart (`GenerationSpec.system_tokens`). 0 where there is none, it is
+    shorter than SYSTEM_MIN_TOKENS, or the template cannot render it alone."""
+    if req.context_tokens or model.template is None or (req.messages is None and req.raw):
+        return 0
+    if req.messages is None:
+        if not req.system or len(req.system) < SYSTEM_MIN_CHARS:
+            return 0
+        alone = dataclasses.replace(req, prompt="")
+    else:
+        first = req.messages[0] if req.messages else {}
+        content = first.get("content")
+        if first.get("role") != "system" or not isinstance(content, str) \
+                or len(content) < SYSTEM_MIN_CHARS:
+            return 0
+        alone = dataclasses.replace(req, messages=[first])
+    try:
+        system = tokenize_pieces(model, prompt_pieces(alone, model), add_special=True)
+    except Exception:  # a template that will not render a system message alone
+        return 0
+    n = 0
+    for a, b in zip(system, tokens, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n if SYSTEM_MIN_TOKENS <= n < len(tokens) else 0
 
 
 def tokenize_pieces(llama: Tokenizer, pieces: list[Piece], *, add_special: bool

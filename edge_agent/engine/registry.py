@@ -43,10 +43,12 @@ from typing import Any
 
 from edge_agent.config import DRAFT_MODEL_TOKENS, Settings
 from edge_agent.engine.models.catalog import InstalledModel, ModelStore
+from edge_agent.engine.models.entries import prompt_cache_dir
 from edge_agent.engine.models.gguf_probe import GGUFInfo, probe
 from edge_agent.engine.request import EmbeddingResult, Event, Generation, GenerationSpec
 from edge_agent.engine.runtime.llama import (
     LlamaModel,
+    build_id,
     default_threads,
     kv_scale,
     resolve_extra_buffers,
@@ -55,6 +57,8 @@ from edge_agent.engine.runtime.llama import (
 )
 from edge_agent.engine.runtime.parallel_plan import auto_parallel
 from edge_agent.engine.scheduling.draftmodel import vocabulary_difference
+from edge_agent.engine.scheduling.prompt_cache import CacheShape, PromptCache
+from edge_agent.engine.scheduling.prompt_disk import PromptDisk
 from edge_agent.engine.scheduling.scheduler import (
     EmbeddingJob,
     GenerationJob,
@@ -65,6 +69,8 @@ from edge_agent.engine.text.templates import ChatTemplate
 from edge_agent.errors import InvalidRequest, MemoryShort, ModelNotFound, ServiceUnavailable
 from edge_agent.names import ModelName, as_given
 from edge_agent.priority import BACKGROUND_NICE, run_niced
+
+MIB = 2**20
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +185,8 @@ class LoadedModel:
                             max_tokens=spec.max_tokens, stops=spec.stops,
                             emit=ThreadEmitter(loop, events), priority=spec.priority,
                             load_ns=spec.load_ns, cache_key=spec.cache_key,
-                            draft=spec.draft, stream=spec.stream, yields=spec.yields)
+                            draft=spec.draft, stream=spec.stream, yields=spec.yields,
+                            system_tokens=spec.system_tokens)
         self.worker.submit(job)
         return Generation(events=events, cancelled=job.cancelled,
                           submitted_ns=job.submitted_ns)
@@ -227,6 +234,11 @@ class ModelRegistry:
         self._install_failed: dict[str, str] = {}  # name -> why its install failed
         self._freed = False  # a model was unloaded since the last reaper pass
         self._displaced = False  # the default model was evicted to make room for another
+        # One prompt cache for every model (its entries are found for their own model's
+        # shape only), outliving their loads: a model loaded again finds its prompts.
+        disk = PromptDisk(prompt_cache_dir(store.state_dir), rt.prompt_cache_disk_mib * MIB) \
+            if rt.prompt_cache_disk_mib > 0 else None
+        self.prompt_cache = PromptCache(rt.prompt_cache_mib * MIB, disk)
 
     def loaded(self) -> list[LoadedModel]:
         return list(self._loaded.values())
@@ -633,7 +645,11 @@ class ModelRegistry:
                 prompt_lookup=lookup, draft_model=draft,
                 close_tokens=rt.structured_close_tokens,
                 yield_idle_s=self.settings.batches.idle_ms / 1000,
-                yield_reserve=self.settings.batches.reserve_slots)
+                yield_reserve=self.settings.batches.reserve_slots,
+                prompt_cache=self.prompt_cache,
+                cache_shape=CacheShape(model=info.digest, build=build_id(),
+                                       n_ctx_seq=n_ctx, kv_type=self._kv_type(info),
+                                       flash_attn=resolve_flash_attn(rt.flash_attn)))
         except BaseException:
             model.close()
             raise

@@ -91,6 +91,9 @@ class GenerationSpec:
     # gives its sequence back when other work needs it, to run again from its start
     # (`scheduling.scheduler`; the caller then gets a RestartEvent).
     yields: bool = False
+    # The prompt's leading system part, in tokens (0: none worth keeping): its cells are
+    # kept apart in the prompt cache, and on disk once a second request sent it.
+    system_tokens: int = 0
 
 
 @dataclass

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from edge_agent.engine.prompt import prompt_tokens
+from edge_agent.engine.prompt import prompt_tokens, system_tokens
 from edge_agent.engine.request import GenerationRequest
 from edge_agent.errors import ContextLengthExceeded, InvalidRequest
 
@@ -29,6 +29,7 @@ class Fit:
     max_tokens: int
     window: int  # the context this request is served with
     truncated_tokens: int = 0  # dropped by `truncate = "oldest_turns"`
+    system_tokens: int = 0  # the prompt's system part (`prompt.system_tokens`)
     clamped: bool = False  # max_tokens lowered to the tenant's ceiling
 
 
@@ -79,7 +80,8 @@ def fit(req: GenerationRequest, model: LoadedModel, policy: TenantPolicy | None,
     else:
         max_tokens = requested
     return Fit(tokens=tokens, max_tokens=max_tokens, window=window,
-               truncated_tokens=truncated, clamped=clamped)
+               truncated_tokens=truncated, clamped=clamped,
+               system_tokens=system_tokens(req, model, tokens))
 
 
 def drop_oldest_turns(req: GenerationRequest, model: LoadedModel, tokens: list[int],

@@ -330,7 +330,8 @@ class GenerationService:
                               max_tokens=fitted.max_tokens, stops=stops_for(req, model),
                               priority=priority, load_ns=load_ns, cache_key=req.cache_key,
                               draft=req.draft if req.draft is not None else controls.draft,
-                              stream=req.stream, yields=controls.batch_line)
+                              stream=req.stream, yields=controls.batch_line,
+                              system_tokens=fitted.system_tokens)
         return spec, fitted
 
     def _govern(self, tenant: TenantContext | None, model: ModelName) -> None:

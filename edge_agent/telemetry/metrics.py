@@ -34,6 +34,7 @@ from edge_agent.telemetry.hardware import HardwareSampler
 if TYPE_CHECKING:
     from edge_agent.engine.registry import LoadedModel
     from edge_agent.engine.request import DoneEvent
+    from edge_agent.engine.scheduling.prompt_cache import PromptCache
     from edge_agent.ledger.writer import LedgerWriter
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -65,7 +66,8 @@ def rejection_reason(exc: EdgeAgentError) -> str:
 class Metrics:
     def __init__(self, loaded: Callable[[], list[LoadedModel]],
                  hardware: HardwareSampler | None = None,
-                 ledger: Callable[[], LedgerWriter | None] | None = None) -> None:
+                 ledger: Callable[[], LedgerWriter | None] | None = None,
+                 prompt_cache: PromptCache | None = None) -> None:
         self.registry = CollectorRegistry()  # no auto-describe: live gauges read at scrape
         # Errors already counted: the metrics' own record, never a mark on the exception.
         self._counted: weakref.WeakSet[EdgeAgentError] = weakref.WeakSet()
@@ -116,6 +118,8 @@ class Metrics:
             "before a request left for an upstream (egress = \"redacted\"), by entity",
             ["upstream", "entity"], registry=r)
         r.register(_LiveCollector(loaded, hardware, ledger or (lambda: None)))
+        if prompt_cache is not None:
+            r.register(_PromptCacheCollector(prompt_cache))
 
     def observe_done(self, model: str, dialect: str, done: DoneEvent, ttft_s: float, *,
                      engine: bool = True) -> None:
@@ -164,6 +168,54 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PromptCacheCollector(Collector):
+    """The prompt cache's counters and sizes (`engine.scheduling.prompt_cache`), read at
+    scrape time. `tier`: `ram`, or `disk` for a hit on a state loaded from the disk tier
+    (a system prompt kept across a restart) and for the disk tier's own size."""
+
+    def __init__(self, cache: PromptCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterable[Metric]:
+        st, cache = self._cache.stats, self._cache
+        lookups = CounterMetricFamily(
+            "edge_agent_prompt_cache_lookups", "Prompts looked up in the prompt cache")
+        lookups.add_metric([], st.lookups)
+        hits = CounterMetricFamily(
+            "edge_agent_prompt_cache_hits", "Prompts started on a state restored from the "
+            "prompt cache, by the tier it came from", labels=["tier"])
+        for tier, n in st.hits.items():
+            hits.add_metric([tier], n)
+        restored = CounterMetricFamily(
+            "edge_agent_prompt_cache_restored_tokens", "Prompt tokens restored from the "
+            "prompt cache instead of computed")
+        restored.add_metric([], st.restored_tokens)
+        seconds = CounterMetricFamily(
+            "edge_agent_prompt_cache_restore_seconds", "Time spent restoring states")
+        seconds.add_metric([], st.restore_s)
+        evictions = CounterMetricFamily(
+            "edge_agent_prompt_cache_evictions", "States dropped from the RAM tier to stay "
+            "within prompt_cache_mib")
+        evictions.add_metric([], st.evictions)
+        written = CounterMetricFamily(
+            "edge_agent_prompt_cache_disk_writes", "System prompts' states written to the "
+            "disk tier")
+        written.add_metric([], st.disk_written)
+        size = GaugeMetricFamily("edge_agent_prompt_cache_bytes", "Bytes each tier holds",
+                                 labels=["tier"])
+        size.add_metric(["ram"], st.ram_bytes)
+        size.add_metric(["disk"], st.disk_bytes)
+        entries = GaugeMetricFamily("edge_agent_prompt_cache_entries", "States each tier "
+                                    "holds", labels=["tier"])
+        entries.add_metric(["ram"], st.ram_entries)
+        entries.add_metric(["disk"], st.disk_entries)
+        limit = GaugeMetricFamily("edge_agent_prompt_cache_limit_bytes", "Each tier's bound",
+                                  labels=["tier"])
+        limit.add_metric(["ram"], cache.limit_bytes)
+        limit.add_metric(["disk"], cache.disk.limit_bytes if cache.disk is not None else 0)
+        yield from (lookups, hits, restored, seconds, evictions, written, size, entries, limit)
 
 
 class _LiveCollector(Collector):

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import importlib.resources
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from edge_agent.engine.models.entries import (
     ManifestExtras,
     PackageSource,
     blobs_dir,
+    prompt_cache_dir,
 )
 from edge_agent.engine.models.gguf_probe import GGUFInfo, open_regular, precheck_open, probe
 from edge_agent.engine.models.staging import (
@@ -171,6 +173,8 @@ class ModelStore:
             for digest in digests:
                 if not tx.referenced(digest):
                     (self.blobs / f"sha256-{digest}").unlink(missing_ok=True)
+                    shutil.rmtree(prompt_cache_dir(self.state_dir) / digest,
+                                  ignore_errors=True)
 
     def _manifest_path(self, name: str) -> Path:
         return manifests.manifest_path(self.manifests, name)

@@ -44,6 +44,12 @@ def blobs_dir(state_dir: Path) -> Path:
     return state_dir / "blobs"
 
 
+def prompt_cache_dir(state_dir: Path) -> Path:
+    """Where the prompt cache keeps shared prefixes' states, a folder per model digest
+    (removed with the model's blob)."""
+    return state_dir / "prompt-cache"
+
+
 class ManifestExtras(BaseModel):
     """What a file's GGUF header does not say and its source does (a catalog entry, a
     rollout's manifest); empty fields fall back to the header's values."""

@@ -10,6 +10,7 @@ llama context is not thread-safe); it never touches asyncio.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import threading
@@ -51,6 +52,14 @@ class _Backend:
                 ll.llama_log_set(_on_llama_log, ctypes.c_void_p(0))
                 ll.llama_backend_init()
                 cls._ready = True
+
+
+def build_id() -> str:
+    """llama.cpp as this process runs it: llama-cpp-python's version (which pins the
+    vendored llama.cpp) and a digest of the backends and CPU features it was built with. A
+    KV state is only reused under the same one (`prompt_cache.CacheShape`)."""
+    info = hashlib.sha256(system_info().encode()).hexdigest()[:12]
+    return f"{ll.__version__}+{info}"
 
 
 def gpu_offload_supported() -> bool:
@@ -371,15 +380,33 @@ class BatchContext:
 
     def copy_prefix(self, src: int, dst: int, n: int) -> bool:
         """Give `dst` the first n cells of `src` (a shared system prompt, say), at once."""
-        size = ll.llama_state_seq_get_size(self.ptr, src)
-        buf = (ctypes.c_uint8 * size)()
-        if ll.llama_state_seq_get_data(self.ptr, buf, size, src) != size:
+        state = self.seq_state(src)
+        return state is not None and self.restore(dst, state, n)
+
+    def seq_state(self, seq: int) -> ctypes.Array[ctypes.c_uint8] | None:
+        """A copy of every cell `seq` holds (llama.cpp's sequence state), or None where
+        llama.cpp could not write it. Uninitialised on allocation: llama.cpp writes all of
+        it (a zeroed buffer would cost a second pass over tens of MB)."""
+        size = ll.llama_state_seq_get_size(self.ptr, seq)
+        if size <= 0:
+            return None
+        buf = (ctypes.c_uint8 * size).from_buffer(bytearray(size))
+        if ll.llama_state_seq_get_data(self.ptr, buf, size, seq) != size:
+            return None
+        return buf
+
+    def restore(self, seq: int, state: ctypes.Array[ctypes.c_uint8], n: int) -> bool:
+        """Replace `seq`'s cells by the first n of `state` (`seq_state`'s, of this model
+        under the same context settings: the caller's to check); False, with `seq`
+        emptied, where llama.cpp refused it or could not cut it at n."""
+        self.clear(seq)
+        if ll.llama_state_seq_set_data(self.ptr, state, len(state), seq) == 0:
+            self.clear(seq)
             return False
-        self.clear(dst)
-        if ll.llama_state_seq_set_data(self.ptr, buf, size, dst) == 0:
-            self.clear(dst)
+        if not self.keep_prefix(seq, n):
+            self.clear(seq)
             return False
-        return self.keep_prefix(dst, n)
+        return True
 
     def close(self) -> None:
         if self.ptr:

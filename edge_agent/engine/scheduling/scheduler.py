@@ -60,6 +60,7 @@ from edge_agent.engine.runtime.llama import (
 )
 from edge_agent.engine.scheduling.admission import AdmissionQueue, Priority
 from edge_agent.engine.scheduling.draftmodel import DraftModel
+from edge_agent.engine.scheduling.prompt_cache import CachedPrompt, CacheShape, PromptCache
 from edge_agent.engine.scheduling.prompt_lookup import PromptLookup
 from edge_agent.engine.scheduling.stepcost import PrefillCost
 from edge_agent.engine.scheduling.steppolicy import (
@@ -81,6 +82,10 @@ from edge_agent.priority import lower_thread_priority
 log = logging.getLogger(__name__)
 
 MAX_PUT_BACKS = 3  # then a yielding job runs to its end whatever arrives
+# A cached prompt state is restored, and a sequence's cells kept before they are dropped,
+# only for at least this many tokens: a restore copies every cell it keeps (~0.2 ms per
+# 100 cells of the default model), a prompt pass of a few tokens costs about as much.
+MIN_RESTORE_TOKENS = 32
 
 
 @dataclass
@@ -101,6 +106,7 @@ class GenerationJob:
     stream: bool = True  # False: only the first text as a TokenEvent (GenerationSpec.stream)
     yields: bool = False  # runs in the pauses of other work (GenerationSpec.yields)
     put_backs: int = 0  # times it gave its sequence back
+    system_tokens: int = 0  # the prompt's system part (GenerationSpec.system_tokens)
 
     @property
     def preemptible(self) -> bool:
@@ -208,8 +214,15 @@ class ModelScheduler:
         close_tokens: int = 0,
         yield_idle_s: float = 0.0,
         yield_reserve: int = 0,
+        prompt_cache: PromptCache | None = None,
+        cache_shape: CacheShape | None = None,
     ) -> None:
         self.model = model
+        # The prompt cache beyond the sequences (`prompt_cache`), shared by every model;
+        # entries found for this model's shape only.
+        self.cache = prompt_cache if prompt_cache is not None and prompt_cache.enabled \
+            and cache_shape is not None and not deterministic else None
+        self.shape = cache_shape
         # Yielding jobs (see the module's docstring): the pause of other work they wait
         # for, and the sequences they leave free (one model sequence is lent while idle,
         # else they would never run there).
@@ -228,6 +241,8 @@ class ModelScheduler:
         self.ctx = BatchContext(model, n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch,
                                 n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self.slots = [_Slot(i) for i in range(parallel)]
+        if self.cache is not None and self.shape is not None:
+            self.cache.load(self.shape)  # the disk tier's prefixes for this model
         # Guesses from a draft model, where one is given (its vocabulary checked by the
         # caller), rather than from the prompt; this scheduler owns and closes it.
         self.drafter: DraftModel | None = None
@@ -530,12 +545,19 @@ class ModelScheduler:
             i, best = copy_source(own, [common_prefix(other.tokens, prompt, limit)
                                         for other in self.slots])
             src = slot if i is None else self.slots[i]
-            if src is not slot:
+            hit, cached = self._cached_prefix(prompt, limit, best)
+            # What this sequence held and the new job does not keep goes to the cache
+            # first (the conversation it held may come back).
+            self._keep_leaving(slot, own if hit is None and src is slot else 0)
+            if hit is not None:
+                reused = self._restore(slot, hit, cached, prompt)
+            elif src is not slot:
                 if self.ctx.copy_prefix(src.seq, slot.seq, best):
                     slot.tokens = prompt[:best]
                     reused = best
             elif self.ctx.keep_prefix(slot.seq, own):
                 reused = own
+            self._system_used(job, reused)
         if reused == 0:
             self.ctx.clear(slot.seq)
         del slot.tokens[reused:]
@@ -564,6 +586,71 @@ class ModelScheduler:
         slot.lookup = PromptLookup(prompt) \
             if slot.draft_max > 0 and self.drafter is None else None
         self._count()
+
+    # -- the prompt cache beyond the sequences ---------------------------------------------
+    def _cached_prefix(self, prompt: list[int], limit: int, best: int
+                       ) -> tuple[CachedPrompt | None, int]:
+        """The cache's entry to restore for `prompt`, and how many of its cells: one that
+        covers at least MIN_RESTORE_TOKENS more than the `best` a sequence holds (a restore
+        copies every cell it keeps; a few tokens are cheaper to compute again)."""
+        if self.cache is None or self.shape is None:
+            return None, 0
+        hit, n = self.cache.find(self.shape, prompt, limit)
+        if hit is None or n < best + MIN_RESTORE_TOKENS:
+            return None, 0
+        return hit, n
+
+    def _keep_leaving(self, slot: _Slot, kept: int) -> None:
+        """Hands the cells `slot` holds to the cache before all but its first `kept` are
+        dropped, where that drops enough to be worth keeping and no entry holds them yet."""
+        if self.cache is None or self.shape is None \
+                or len(slot.tokens) - kept < MIN_RESTORE_TOKENS \
+                or not self.cache.worth_keeping(self.shape, slot.tokens):
+            return
+        state = self.ctx.seq_state(slot.seq)
+        if state is not None:
+            self.cache.keep(self.shape, slot.tokens, state)
+
+    def _restore(self, slot: _Slot, hit: CachedPrompt, n: int, prompt: list[int]) -> int:
+        """Puts `hit`'s first n cells into `slot`'s sequence; the cells reused (0 where
+        llama.cpp refused them: the prompt is then computed whole)."""
+        assert self.cache is not None
+        started = time.perf_counter()
+        if not self.ctx.restore(slot.seq, hit.state, n):
+            log.warning("a cached prompt state could not be restored; computing it")
+            slot.tokens = []
+            return 0
+        self.cache.restored(hit, n, time.perf_counter() - started)
+        slot.tokens = prompt[:n]
+        return n
+
+    def _system_used(self, job: GenerationJob, reused: int) -> None:
+        """A start whose system part came from cells computed before: that system prompt
+        served a second request, and is kept across restarts from now on."""
+        n = job.system_tokens
+        if self.cache is not None and self.shape is not None and n and reused >= n:
+            self.cache.shared_used(self.shape, job.prompt[:n])
+
+    def _system_boundary(self, slot: _Slot) -> int | None:
+        """Where `slot`'s prefill must stop for its system part's cells to be kept alone
+        (`_keep_system`): the system part's end, while the cache has no entry of it."""
+        job = slot.job
+        if self.cache is None or self.shape is None or job is None \
+                or job.system_tokens <= len(slot.tokens):
+            return None
+        if self.cache.has_shared(self.shape, job.prompt[: job.system_tokens]):
+            return None
+        return job.system_tokens
+
+    def _keep_system(self, slot: _Slot) -> None:
+        """Right after a prefill that ended at the job's system part: its cells, alone."""
+        job = slot.job
+        if self.cache is None or self.shape is None or job is None \
+                or len(slot.tokens) != job.system_tokens:
+            return
+        state = self.ctx.seq_state(slot.seq)
+        if state is not None:
+            self.cache.keep_shared(self.shape, slot.tokens, state)
 
     def _count(self) -> None:
         """The sequences held now, by all jobs and by yielding ones, and the cells held."""
@@ -791,7 +878,11 @@ class ModelScheduler:
         batch.clear()
         added = []
         for slot in sorted(slots, key=lambda s: s.seq):
-            take = slot.span = spans[slot.seq]
+            take = spans[slot.seq]
+            boundary = self._system_boundary(slot)
+            if boundary is not None and len(slot.tokens) + take > boundary:
+                take = spans[slot.seq] = boundary - len(slot.tokens)
+            slot.span = take
             try:
                 slot.row = batch.add_span(slot.pending[:take], len(slot.tokens), slot.seq,
                                           last_logits=take == len(slot.pending))
@@ -817,6 +908,7 @@ class ModelScheduler:
             try:
                 slot.tokens.extend(slot.pending[: slot.span])
                 del slot.pending[: slot.span]
+                self._keep_system(slot)
                 if not slot.pending:
                     slot.t_prompt = time.perf_counter_ns()
                     self._sampled(slot)

@@ -67,14 +67,19 @@ def shortest_short(prompts: Iterable[Prompt]) -> int:
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """How many leading tokens `a` and `b` share, at most `limit`. Where the shorter is a
     prefix of the other (a sequence that holds what it is asked for: the common case), a
-    list comparison answers at C speed; only a difference is found token by token."""
+    list comparison answers at C speed; a difference is found by bisection, each step a
+    comparison at C speed too (a 2,000-token prompt against a cached one: 11 of them)."""
     n = max(0, min(len(a), len(b), limit))
     if a[:n] == b[:n]:
         return n
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def copy_source(own: int, shared: Sequence[int]) -> tuple[int | None, int]:

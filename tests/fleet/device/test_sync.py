@@ -22,6 +22,7 @@ import pytest
 from edge_agent.engine.modelops import ModelOps
 from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.engine.request import DoneEvent, Timings, Usage
+from edge_agent.engine.scheduling.prompt_cache import PromptCache
 from edge_agent.errors import RateLimited
 from edge_agent.fleet.device.link.outbox import Outbox
 from edge_agent.fleet.device.reporting import ledger_summary
@@ -592,3 +593,28 @@ def test_no_prompt_text_or_pii_value_reaches_any_payload(model_cache: Path,
     finally:
         box.close()
         live.stop()
+
+
+def test_metrics_carry_the_prompt_caches_hits_restored_tokens_and_tiers(
+        tmp_path: Path, outbox: Outbox) -> None:
+    cache = PromptCache(64 * 2**20)
+    metrics = Metrics(lambda: [], prompt_cache=cache)
+    sync = make_sync(tmp_path, outbox, metrics=metrics.registry)
+    metrics.observe_done("m:1", "openai", done(1000, 600, 5, 4), 0.1)
+    st = cache.stats
+    st.lookups, st.hits, st.restored_tokens, st.restore_s = 5, {"ram": 2, "disk": 1}, 600, 0.25
+    st.evictions, st.ram_bytes, st.ram_entries = 1, 3 * 2**20, 2
+    assert sync.tick_metrics(now=1000.0)
+    body = sent(outbox, "metrics")[0].body["prompt_cache"]
+    assert body == {"lookups": 5, "hits": {"ram": 2, "disk": 1}, "restored_tokens": 600,
+                    "restore_s": 0.25, "evictions": 1, "disk_writes": 0,
+                    "restored_share": 0.6,
+                    "ram": {"bytes": 3 * 2**20, "entries": 2, "limit_bytes": 64 * 2**20},
+                    "disk": {"bytes": 0, "entries": 0, "limit_bytes": 0}}
+    st.lookups += 1
+    assert sync.tick_metrics(now=1060.0)
+    second = sent(outbox, "metrics")[1].body["prompt_cache"]
+    assert second["lookups"] == 1 and second["hits"] == {} and second["restored_share"] is None
+    text = metrics.render().decode()
+    assert 'edge_agent_prompt_cache_hits_total{tier="disk"} 1.0' in text
+    assert 'edge_agent_prompt_cache_bytes{tier="ram"} 3.145728e+06' in text

@@ -28,10 +28,26 @@ CACHED = "edge_agent_cached_prompt_tokens_total"  # prompt tokens reused from th
 PREDICTED = "llamacpp:tokens_predicted_total"
 # labels upstream, reason, status: requests sent to an upstream ([upstreams])
 UPSTREAM = "edge_agent_upstream_requests_total"
-COUNTERS = frozenset({REQUESTS, REJECTIONS, EVALUATED, CACHED, PREDICTED, UPSTREAM})
+# The prompt cache beyond the sequences: lookups, hits by tier, tokens restored, restore
+# seconds, evictions, disk writes; its tiers' bytes, entries and bounds (label tier).
+CACHE_COUNTERS = {
+    "lookups": "edge_agent_prompt_cache_lookups_total",
+    "hits": "edge_agent_prompt_cache_hits_total",
+    "restored_tokens": "edge_agent_prompt_cache_restored_tokens_total",
+    "restore_s": "edge_agent_prompt_cache_restore_seconds_total",
+    "evictions": "edge_agent_prompt_cache_evictions_total",
+    "disk_writes": "edge_agent_prompt_cache_disk_writes_total",
+}
+CACHE_GAUGES = {
+    "bytes": "edge_agent_prompt_cache_bytes",
+    "entries": "edge_agent_prompt_cache_entries",
+    "limit_bytes": "edge_agent_prompt_cache_limit_bytes",
+}
+COUNTERS = frozenset({REQUESTS, REJECTIONS, EVALUATED, CACHED, PREDICTED, UPSTREAM,
+                      *CACHE_COUNTERS.values()})
 WAITING = "llamacpp:requests_deferred"  # label model
 RUNNING = "llamacpp:requests_processing"
-GAUGES = frozenset({WAITING, RUNNING})
+GAUGES = frozenset({WAITING, RUNNING, *CACHE_GAUGES.values()})
 NO_MODEL = "(none)"  # requests refused before a model was chosen (auth, a bad body)
 
 Labels = tuple[tuple[str, str], ...]
@@ -151,6 +167,27 @@ def upstream_share(gained: Series) -> dict[str, Any]:
         reasons[d.get("status", "")] = reasons.get(d.get("status", ""), 0) + int(value)
         sent += int(value)
     return {"requests": sent, "share": round(sent / total, 4) if total else None, "by": by}
+
+
+def prompt_cache(gained: Series, gauges: Series) -> dict[str, Any]:
+    """The prompt cache in the interval (hits by tier, tokens restored, their share of the
+    prompt tokens, restore time, evictions, disk writes) and its tiers now (bytes, entries
+    and bound per tier), so the central team sees where recurring prompts pay."""
+    out: dict[str, Any] = {}
+    for key, name in CACHE_COUNTERS.items():
+        by = {dict(labels).get("tier", ""): v for (n, labels), v in gained.items() if n == name}
+        if key == "hits":
+            out[key] = {tier: int(v) for tier, v in by.items() if tier}
+        else:
+            total = sum(by.values())
+            out[key] = round(total, 3) if key == "restore_s" else int(total)
+    prompt = sum(v for (n, _), v in gained.items() if n in (EVALUATED, CACHED))
+    out["restored_share"] = round(out["restored_tokens"] / prompt, 4) if prompt else None
+    for key, name in CACHE_GAUGES.items():
+        for (n, labels), v in gauges.items():
+            if n == name:
+                out.setdefault(dict(labels).get("tier", ""), {})[key] = int(v)
+    return out
 
 
 def errors(gained: Series) -> list[dict[str, Any]]:

@@ -190,6 +190,7 @@ class Sync:
             "models": summaries.model_metrics(gained, gauges, lat),
             "rejections": summaries.rejections(gained),
             "upstream": summaries.upstream_share(gained),
+            "prompt_cache": summaries.prompt_cache(gained, gauges),
             "hardware": summaries.hardware(self._hardware()) if self._hardware else {},
         }
         st = self._outbox_stats() if self._outbox_stats is not None else None
