@@ -409,7 +409,8 @@ def box_registry(scratch: Path) -> CollectorRegistry:
     ns = types.SimpleNamespace
     stats = ns(running=0, kv_used=0, kv_total=1, last_step_tokens=0, drafted=0,
                draft_accepted=0, put_back=0)
-    model = ns(worker=ns(stats=stats, queued=0), info=ns(name="m"), memory=0, parallel=1)
+    model = ns(worker=ns(stats=stats, queued=0, threads_now=1), info=ns(name="m"), memory=0,
+               parallel=1)
     _fake_jetson(scratch)
     sampler = HardwareSampler([PsutilReader(scratch), NvmlReader(_fake_nvml()),
                                JetsonReader(scratch)])

@@ -81,6 +81,23 @@ TARGETS: tuple[Target, ...] = (
            ">=", 1.0),
     Target("client_side.c8", "{case}: tokens / wall time, edge-agent default / llama-server",
            ">=", 1.05),
+    # The same section, where clients repeat themselves (repeats) and beside other work
+    # (contention).
+    Target("recurring.c1", "{case}: tokens / wall time, edge-agent / llama-server", ">=", 1.0),
+    Target("recurring.c8", "{case}: tokens / wall time, edge-agent default / llama-server",
+           ">=", 1.0),
+    Target("conversations.ttft_p50", "conversations, TTFT p50, edge-agent / llama-server",
+           "<=", 0.8),
+    Target("conversations.ttft_p95", "conversations, TTFT p95, edge-agent / llama-server",
+           "<=", 0.8),
+    Target("conversations.aggregate",
+           "conversations, aggregate tokens/s, edge-agent / llama-server", ">=", 1.0),
+    Target("restart.ttft_ratio",
+           "first request after a restart, system prompt kept on disk / not", "<=", 0.3),
+    Target("contention.kept", "a stream's decode at c=1 beside a hog / quiet, edge-agent",
+           ">=", 0.4),
+    Target("contention.vs_llama",
+           "a stream's decode at c=1 beside a hog, edge-agent / llama-server", ">=", 1.0),
     # `edge-agent bench structured-coverage`: the JSONSchemaBench sample (schema_coverage).
     Target("structured_coverage.edge_invalid",
            "edge-agent answers that finished and do not fit their schema, of {n}", "<=", 0,

@@ -264,10 +264,14 @@ def bench_fleet_scale(devices: int, regions: int, interval: float, duration: flo
 @click.option("--client-side", "client_side", is_flag=True,
               help="Only the section measured as a client sees it (default settings, "
               "whole and streamed answers, c=1 and c=8, with where each request's time "
-              "went).")
+              "went), with the cases below.")
+@click.option("--repeats", "repeats", is_flag=True,
+              help="Only the client-side cases where clients repeat themselves (recurring "
+              "prompts, multi-turn conversations, the first request after a restart) and "
+              "beside other work (a busy core), with llama-bench's ceiling.")
 @json_option("Print the figures as JSON on stdout (the report goes to stderr).")
 def bench_llama_server(binary: Path, model: str | None, rounds: int, client_side: bool,
-                       as_json: bool) -> None:
+                       repeats: bool, as_json: bool) -> None:
     """Only the comparison with llama.cpp's own server (BINARY: a llama-server built from
     the llama.cpp that llama-cpp-python vendors): plain, JSON-schema and tool-call output,
     a long shared prefix, a burst of 8, and the requests as an app sends them, each ratio
@@ -285,7 +289,7 @@ def bench_llama_server(binary: Path, model: str | None, rounds: int, client_side
         settings.state_dir, ModelName.parse(model or settings.default_model), binary,
         threads=settings.runtime.threads or default_threads(),
         context=settings.runtime.context_length, rounds=rounds, echo=echo,
-        client_side_only=client_side)
+        client_side_only=client_side, repeats_only=repeats)
     if as_json:
         echo_json(result)
 

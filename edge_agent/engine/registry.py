@@ -647,6 +647,7 @@ class ModelRegistry:
                 yield_idle_s=self.settings.batches.idle_ms / 1000,
                 yield_reserve=self.settings.batches.reserve_slots,
                 prompt_cache=self.prompt_cache,
+                threads_follow_load=rt.threads_follow_load,
                 cache_shape=CacheShape(model=info.digest, build=build_id(),
                                        n_ctx_seq=n_ctx, kv_type=self._kv_type(info),
                                        flash_attn=resolve_flash_attn(rt.flash_attn)))

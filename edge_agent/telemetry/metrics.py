@@ -236,6 +236,8 @@ class _LiveCollector(Collector):
             ("edge_agent_batch_tokens", "Tokens in the last decode step"),
             ("edge_agent_model_memory_bytes", "Weights + KV cache of a loaded model"),
             ("edge_agent_parallel_sequences", "Sequences a loaded model decodes together"),
+            ("edge_agent_decode_threads", "Threads a loaded model's passes use now (fewer "
+             "while other processes keep cores busy: runtime.threads_follow_load)"),
         )}
         drafted = CounterMetricFamily(
             "edge_agent_draft_tokens", "Prompt-lookup draft tokens decoded (since the model "
@@ -261,6 +263,7 @@ class _LiveCollector(Collector):
             g["edge_agent_batch_tokens"].add_metric([name], st.last_step_tokens)
             g["edge_agent_model_memory_bytes"].add_metric([name], m.memory)
             g["edge_agent_parallel_sequences"].add_metric([name], m.parallel)
+            g["edge_agent_decode_threads"].add_metric([name], m.worker.threads_now)
             drafted.add_metric([name], st.drafted)
             confirmed.add_metric([name], st.draft_accepted)
             put_back.add_metric([name], st.put_back)

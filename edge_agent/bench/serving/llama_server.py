@@ -39,7 +39,10 @@ from typing import Any
 
 import jsonschema
 
-from edge_agent.bench.serving.client_side import bench_client_side
+from edge_agent.bench.serving.client_side import (
+    bench_client_side,
+    bench_repeats_and_contention,
+)
 from edge_agent.bench.serving.lookup import quote_prompt
 from edge_agent.bench.serving.peers import (
     Completion,
@@ -178,6 +181,9 @@ def bench_llama_server(state_dir: Path, path: Path, model: str, binary: Path, *,
                           extra=extra, echo=echo, rounds=rounds, max_tokens=max_tokens)
     out["client_side"] = bench_client_side(state_dir, path, model, binary, threads=threads,
                                            extra=extra, echo=echo, rounds=rounds)
+    out["client_side"]["repeats"] = bench_repeats_and_contention(
+        state_dir, path, model, binary, threads=threads, extra=extra, echo=echo,
+        rounds=rounds)
     return out
 
 

@@ -45,7 +45,7 @@ _PROSE = ["The customer asked where the gluten-free bread is kept.",
 def _fake_model(i: int) -> Any:
     stats = SimpleNamespace(running=1, kv_used=1000, kv_total=16384, last_step_tokens=4,
                             drafted=0, draft_accepted=0, put_back=0)
-    worker = SimpleNamespace(stats=stats, queued=2)
+    worker = SimpleNamespace(stats=stats, queued=2, threads_now=2)
     return SimpleNamespace(info=SimpleNamespace(name=f"model-{i}:q4"), worker=worker,
                            memory=500_000_000, parallel=4)
 

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from edge_agent.bench.serving.client_side import bench_client_side
+from edge_agent.bench.serving.client_side import (
+    bench_client_side,
+    bench_repeats_and_contention,
+)
 from edge_agent.bench.serving.llama_server import bench_llama_server
 from edge_agent.bench.serving.lookup import bench_lookup
 from edge_agent.bench.serving.observability import (
@@ -526,9 +529,11 @@ def bench_correctness(state_dir: Path, model: str, *, threads: int, context: int
 
 def run_llama_server_bench(state_dir: Path, model: ModelName, binary: Path, *, threads: int,
                            context: int, rounds: int, echo: Echo,
-                           client_side_only: bool = False) -> dict[str, Any]:
+                           client_side_only: bool = False, repeats_only: bool = False
+                           ) -> dict[str, Any]:
     """The llama-server comparison alone (`edge-agent bench llama-server BINARY`), or only
-    its client-side section (`--client-side`)."""
+    its client-side section (`--client-side`), or only that section's cases where clients
+    repeat themselves and beside other work (`--repeats`)."""
     store = ModelStore(state_dir)
     if not store.is_installed(model):
         store.pull(model)
@@ -536,11 +541,19 @@ def run_llama_server_bench(state_dir: Path, model: ModelName, binary: Path, *, t
     path = info.blob_path(state_dir)
     echo(f"edge-agent bench llama-server: {info.name} ({info.quantization}, "
          f"sha256:{info.digest[:12]}), {threads} threads")
+    if repeats_only:
+        return {"model": info.name, "threads": threads, "llama_server": {"client_side": {
+            "repeats": bench_repeats_and_contention(state_dir, path, info.name, binary,
+                                                    threads=threads, extra=_no_eos(path),
+                                                    echo=echo, rounds=rounds)}}}
     if client_side_only:
-        return {"model": info.name, "threads": threads, "llama_server": {
-            "client_side": bench_client_side(state_dir, path, info.name, binary,
-                                             threads=threads, extra=_no_eos(path),
-                                             echo=echo, rounds=rounds)}}
+        side = bench_client_side(state_dir, path, info.name, binary, threads=threads,
+                                 extra=_no_eos(path), echo=echo, rounds=rounds)
+        side["repeats"] = bench_repeats_and_contention(
+            state_dir, path, info.name, binary, threads=threads, extra=_no_eos(path),
+            echo=echo, rounds=rounds)
+        return {"model": info.name, "threads": threads,
+                "llama_server": {"client_side": side}}
     return {"model": info.name, "threads": threads, "llama_server": bench_llama_server(
         state_dir, path, info.name, binary, threads=threads, context=context,
         extra=_no_eos(path), echo=echo, rounds=rounds)}

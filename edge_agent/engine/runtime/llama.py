@@ -368,6 +368,10 @@ class BatchContext:
         if rc != 0:
             raise EdgeAgentError(f"llama_decode failed with code {rc}")
 
+    def set_threads(self, n: int) -> None:
+        """The threads the next passes use (`free_cores`): llama.cpp reads them per pass."""
+        ll.llama_set_n_threads(self.ptr, n, n)
+
     def keep_prefix(self, seq: int, n: int) -> bool:
         """Drop a sequence's cells from position n on; False if the cache cannot (then the
         caller must clear the sequence)."""

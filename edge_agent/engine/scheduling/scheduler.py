@@ -52,6 +52,7 @@ from edge_agent.engine.request import (
     TokenEvent,
     Usage,
 )
+from edge_agent.engine.runtime.free_cores import FreeCores
 from edge_agent.engine.runtime.llama import (
     BatchContext,
     EmbeddingContext,
@@ -216,8 +217,13 @@ class ModelScheduler:
         yield_reserve: int = 0,
         prompt_cache: PromptCache | None = None,
         cache_shape: CacheShape | None = None,
+        threads_follow_load: bool = False,
     ) -> None:
         self.model = model
+        # Fewer threads while other processes keep cores busy (`free_cores`).
+        self.free_cores = FreeCores(n_threads) if threads_follow_load and n_threads > 1 \
+            else None
+        self.threads_now = n_threads
         # The prompt cache beyond the sequences (`prompt_cache`), shared by every model;
         # entries found for this model's shape only.
         self.cache = prompt_cache if prompt_cache is not None and prompt_cache.enabled \
@@ -695,6 +701,13 @@ class ModelScheduler:
         active = [s for s in self.slots if s.job is not None]
         if not active:
             return
+        if self.free_cores is not None:
+            threads = self.free_cores.threads()
+            if threads != self.threads_now:
+                log.info("decoding with %d thread(s): other processes keep %.1f core(s) busy",
+                         threads, self.free_cores.others)
+                self.ctx.set_threads(threads)
+                self.threads_now = threads
         started = time.perf_counter()
         decoding = [s for s in active if s.next_token is not None]
         prefilling = [s for s in active if s.next_token is None]

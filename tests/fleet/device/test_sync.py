@@ -101,7 +101,7 @@ def fake_loaded(name: str, waiting: int, running: int) -> SimpleNamespace:
     stats = SimpleNamespace(running=running, kv_used=1, kv_total=2, last_step_tokens=0,
                             drafted=0, draft_accepted=0, put_back=0)
     return SimpleNamespace(info=SimpleNamespace(name=name), memory=1, parallel=4,
-                           worker=SimpleNamespace(stats=stats, queued=waiting))
+                           worker=SimpleNamespace(stats=stats, queued=waiting, threads_now=2))
 
 
 def test_metrics_carry_per_model_deltas_and_percentiles_of_the_interval(
