@@ -6,7 +6,7 @@ STATE  ?= ./var
 # Compile llama.cpp with both cores; pip caches the built wheel afterwards.
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
-.PHONY: run test check docs unit bench clean system-deps
+.PHONY: run test check docs unit bench clean system-deps device-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -103,5 +103,11 @@ $(VENV)/.bench-deps: pyproject.toml $(VENV)/.run-deps
 bench: $(VENV)/.bench-deps
 	$(BIN)/edge-agent bench --state-dir $(STATE)
 
+# On a machine with an NVIDIA GPU: llama.cpp built with CUDA for it, the GPU tests and the
+# client-side bench against a CUDA llama-server (tools/device_check.sh says what); elsewhere
+# it says there is no GPU and succeeds.
+device-check:
+	bash tools/device_check.sh
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .device-build device-check

@@ -176,11 +176,18 @@ def test_a_prompt_displaced_from_its_sequence_is_restored_and_answers_the_same(
     assert [text for text, _ in warm] == [text for text, _ in cold[:2]]
     assert cache.stats.hits["ram"] == 2 and cache.stats.restored_tokens == sum(
         len(p) - 1 for p in chats[:2]) and cache.stats.restore_s > 0
+    # Restored whole but its last token: that token goes in as a row of the rows pass,
+    # with no prompt pass of its own; so again, from the sequence that now holds it.
+    passes = sched.stats.prompt_passes
+    text, cached = _run(sched, chats[2])
+    assert (text, cached) == (cold[2][0], len(chats[2]) - 1)
+    assert _run(sched, chats[2]) == (text, cached)
+    assert sched.stats.prompt_passes == passes and cache.stats.hits["ram"] == 3
     # The same cache seen by a context of another shape (another model's digest here;
     # build, KV type and context are the same key): nothing restored there.
     other = cached_scheduler(cache, digest="e" * 64)
     assert _run(other, chats[0])[1] == 0
-    assert cache.stats.hits["ram"] == 2
+    assert cache.stats.hits["ram"] == 3
 
 
 @pytest.mark.integration

@@ -126,6 +126,8 @@ def _rate(timed: list[Timed]) -> float:
 class Turn:
     ttft_s: float
     tokens: int
+    prompt: int = 0  # prompt tokens, and of them those the server reused
+    cached: int = 0
 
 
 def _stream(client: httpx.Client, body: dict[str, Any]) -> tuple[Turn, str]:
@@ -133,16 +135,22 @@ def _stream(client: httpx.Client, body: dict[str, Any]) -> tuple[Turn, str]:
     first = 0.0
     text: list[str] = []
     tokens = 0
+    prompt = cached = 0
     for chunk in sse_chunks(client, body, _AUTH):
         if chunk.get("usage"):
-            tokens = chunk["usage"].get("completion_tokens") or tokens
+            usage = chunk["usage"]
+            tokens = usage.get("completion_tokens") or tokens
+            prompt = usage.get("prompt_tokens") or prompt
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or cached
+        if chunk.get("timings"):  # llama-server's own count of the cells it reused
+            cached = chunk["timings"].get("cache_n") or cached
         choices = chunk.get("choices") or []
         piece = choices[0].get("delta", {}).get("content") if choices else None
         if piece:
             first = first or time.perf_counter()
             text.append(piece)
     end = time.perf_counter()
-    return Turn((first or end) - start, tokens or len(text)), "".join(text)
+    return Turn((first or end) - start, tokens or len(text), prompt, cached), "".join(text)
 
 
 def _conversation_round(peer: HttpPeer, system: str, r: int, extra: dict[str, Any]
@@ -193,7 +201,7 @@ def bench_conversations(peers: dict[str, HttpPeer], extra: dict[str, Any], echo:
                         rounds: int) -> dict[str, Any]:
     system = store_instructions()
     figures: dict[str, dict[str, list[float]]] = {
-        n: {"p50": [], "p95": [], "aggregate": []} for n in peers}
+        n: {"p50": [], "p95": [], "aggregate": [], "reused": []} for n in peers}
     for peer in peers.values():  # warm-up: one short chat with the system prompt
         _stream(peer.client, {"model": peer.model, "max_tokens": 4, "stream": True,
                               "messages": [{"role": "system", "content": system},
@@ -206,10 +214,21 @@ def bench_conversations(peers: dict[str, HttpPeer], extra: dict[str, Any], echo:
             figures[name]["p50"].append(statistics.median(ttfts))
             figures[name]["p95"].append(_percentile(ttfts, 0.95))
             figures[name]["aggregate"].append(sum(t.tokens for t in turns) / wall)
+            figures[name]["reused"].append(sum(t.cached for t in turns)
+                                           / max(1, sum(t.prompt for t in turns)))
     echo(f"conversations: {CONVERSATIONS} chats of {TURNS} turns over a "
          f"~500-token system prompt, {AT_ONCE} at a time, round-robin, streamed, "
          f"{ANSWER} tokens a turn ({rounds} rounds)")
-    out: dict[str, Any] = {}
+    echo("  prompt tokens reused: edge-agent {:.0%}, llama-server {:.0%} (each server's own "
+         "count: usage's cached_tokens, llama-server's timings.cache_n)".format(
+             *(statistics.median(figures[n]["reused"]) for n in ("edge-agent", "llama-server"))))
+    out: dict[str, Any] = {"rss_mib": {n: resident_mib(p.proc.pid) for n, p in peers.items()}}
+    held = _metric(peers["edge-agent"], 'edge_agent_prompt_cache_bytes{tier="ram"}')
+    bound = _metric(peers["edge-agent"], 'edge_agent_prompt_cache_limit_bytes{tier="ram"}')
+    out["prompt_cache_mib"] = held / 2**20
+    echo(f"  memory after them: edge-agent {out['rss_mib']['edge-agent']:.0f} MiB resident "
+         f"(its prompt cache's RAM tier {held / 2**20:.0f} of {bound / 2**20:.0f} MiB), "
+         f"llama-server {out['rss_mib']['llama-server']:.0f} MiB")
     edge, llama = figures["edge-agent"], figures["llama-server"]
     for key, what in (("p50", "TTFT p50 ms"), ("p95", "TTFT p95 ms"), ("aggregate", "tok/s")):
         ratios = [e / s for e, s in zip(edge[key], llama[key], strict=True)]
@@ -252,11 +271,28 @@ def _first_ttft(peer: HttpPeer, system: str, question: str, extra: dict[str, Any
     return turn.ttft_s
 
 
-def _disk_writes(peer: HttpPeer) -> float:
+def _metric(peer: HttpPeer, sample: str) -> float:
+    """One sample of edge-agent's /metrics (0 where it is not there)."""
     for line in peer.client.get("/metrics").text.splitlines():
-        if line.startswith("edge_agent_prompt_cache_disk_writes_total "):
-            return float(line.split()[1])
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def resident_mib(pid: int) -> float:
+    """A process's resident memory (VmRSS), in MiB; 0 where /proc has none."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _disk_writes(peer: HttpPeer) -> float:
+    return _metric(peer, "edge_agent_prompt_cache_disk_writes_total")
 
 
 def bench_restart(state_dir: Path, model: str, *, threads: int, extra: dict[str, Any],

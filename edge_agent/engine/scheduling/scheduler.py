@@ -84,9 +84,10 @@ log = logging.getLogger(__name__)
 
 MAX_PUT_BACKS = 3  # then a yielding job runs to its end whatever arrives
 # A cached prompt state is restored, and a sequence's cells kept before they are dropped,
-# only for at least this many tokens: a restore copies every cell it keeps (~0.2 ms per
-# 100 cells of the default model), a prompt pass of a few tokens costs about as much.
-MIN_RESTORE_TOKENS = 32
+# only for at least this many tokens (a block of the cache's index): a restore copies every
+# cell it keeps (about 0.3 ms per 100 cells of the default model), where a prompt pass
+# reads every weight once more (8-10 ms on a 2-core box).
+MIN_RESTORE_TOKENS = 16
 
 
 @dataclass
@@ -157,6 +158,7 @@ class SchedulerStats:
     draft_accepted: int = 0  # of them, those the sampler confirmed
     yielding: int = 0  # sequences held by yielding jobs now (a batch's lines)
     put_back: int = 0  # yielding jobs put back for other work, since the load
+    prompt_passes: int = 0  # llama_decode calls that carried prompt tokens
 
 
 class _Slot:
@@ -591,6 +593,13 @@ class ModelScheduler:
         slot.draft = []
         slot.lookup = PromptLookup(prompt) \
             if slot.draft_max > 0 and self.drafter is None else None
+        slot.t_prompt = 0
+        if len(slot.pending) == 1 and reused:
+            # All but the last token cached (the same prompt again, restored or held): the
+            # last goes in as a row of the next rows pass, not in a prompt pass of its own,
+            # which would read every weight once more for one token.
+            slot.next_token = slot.pending.pop()
+            slot.last_token_at = time.perf_counter()
         self._count()
 
     # -- the prompt cache beyond the sequences ---------------------------------------------
@@ -865,6 +874,8 @@ class ModelScheduler:
         written = len(slot.tokens) + 1 + len(draft)
         slot.tokens.append(slot.next_token)
         slot.next_token = None
+        if not slot.t_prompt:  # its prompt's last token was this row (see `_start`)
+            slot.t_prompt = time.perf_counter_ns()
         self._sampled(slot)
         confirmed = 0
         for guess in draft:
@@ -913,6 +924,7 @@ class ModelScheduler:
             self._fail(added, exc, "a prompt pass")
             return
         elapsed = time.perf_counter() - started
+        self.stats.prompt_passes += 1
         self._prompt_s += elapsed
         if batch.n >= MIN_PREFILL_CHUNK:
             self._prefill_cost.observe(batch.n, depth / batch.n, elapsed)
