@@ -51,6 +51,14 @@ def test_a_core_counts_taken_from_four_tenths_and_comes_back_below_a_margin() ->
     assert cores.threads() == 4
     box.run(0.2, others=3.0, own=1.0)  # within the interval: not sampled yet
     assert cores.threads() == 4
+    box.run(1.0, others=3.0, own=1.0)
+    assert cores.threads() == 1
+    # A pause: another program ran flat out while this one decoded nothing; then it
+    # stopped. A fresh, short window sees the box as it is now.
+    box.run(30.0, others=4.0, own=0.0)
+    assert cores.threads() == 1  # the baseline is taken, nothing judged yet
+    box.run(0.25, others=0.1, own=4.0)
+    assert cores.threads() == 4
 
 
 def test_without_proc_stat_the_threads_stay_as_configured(tmp_path: Path) -> None:

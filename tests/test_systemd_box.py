@@ -570,7 +570,8 @@ def agent_wheelhouse(store: Path, where: Path, version: str, *, broken: bool = F
     house = where / f"house-{version}"
     house.mkdir()
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                            "--disable-pip-version-check", str(src), "-w", str(house)],
+                            "--no-build-isolation", "--disable-pip-version-check", str(src),
+                            "-w", str(house)],
                            capture_output=True, text=True, timeout=600, check=False)
     assert built.returncode == 0, built.stdout + built.stderr
     for wheel in store.glob("*.whl"):

@@ -14,7 +14,10 @@ keeps decode in proportion to the CPU left.
 
 So before each pass the scheduler asks `threads`: the configured threads less the cores
 other processes kept busy over the last second or so (all CPU time on the box, from
-/proc/stat, less this process's own), never fewer than one. A core counts as taken from
+/proc/stat, less this process's own), never fewer than one. After a pause in decoding the
+window starts again, a quarter of a second long the first time: what others did while
+this process was idle (a second server answering in turn, a batch job in the night) is no
+measure of what they take from it now. A core counts as taken from
 0.4 of it on (a busy process sharing a core with one of ours gets only about half of it),
 and given back once the others use 0.7 of a core less than was counted taken, so the
 count does not flap around a boundary. Where /proc/stat cannot be read, the threads stay
@@ -34,6 +37,10 @@ from pathlib import Path
 TAKEN_FROM = 0.4
 GIVEN_BACK_BELOW = 0.7
 INTERVAL_S = 1.0
+# After a pause the first sample comes this share of an interval after the baseline, and
+# a pause is a gap of this many intervals between two calls.
+FIRST_SAMPLE = 0.25
+IDLE_AFTER = 2
 
 
 def busy_seconds(stat: Path = Path("/proc/stat")) -> float | None:
@@ -70,11 +77,20 @@ class FreeCores:
         self._interval = interval_s
         self._busy, self._own, self._clock = busy, own, clock
         self._last: tuple[float, float, float] | None = None
+        self._due = 0.0  # when the next sample is taken
 
     def threads(self) -> int:
         now = self._clock()
-        if self._last is None or now - self._last[0] >= self._interval:
+        if self._last is not None and now - self._last[0] > IDLE_AFTER * self._interval:
+            # Back from a pause (no decode asked): what the others did meanwhile, while
+            # this process did not compete, says nothing of now. Measure afresh, briefly.
+            self._last = None
+        if self._last is None:
             self._sample(now)
+            self._due = now + FIRST_SAMPLE * self._interval
+        elif now >= self._due:
+            self._sample(now)
+            self._due = now + self._interval
         return max(1, self.configured - self.taken)
 
     def _sample(self, now: float) -> None:
