@@ -76,9 +76,13 @@ def test_the_ram_tier_stays_within_its_bound_least_recently_used_first() -> None
     assert cache.find(SHAPE, prompts[0], 10_000)[0] is not None
     assert cache.keep(SHAPE, prompts[4], _state(1001)) is None  # larger than the bound
     assert cache.stats.ram_bytes <= 1000
-    # An entry a longer one extends goes: the new one holds every cell it held.
+    # An entry a longer one extends goes, however much longer (a conversation's next
+    # turn): the new one holds every cell it held.
     cache.keep(SHAPE, prompts[0] + [1] * BLOCK, _state(300))
     assert cache.stats.ram_entries == 3 and cache.stats.ram_bytes == 900
+    cache.keep(SHAPE, prompts[0] + [1] * BLOCK + [2] * (5 * BLOCK + 3), _state(300))
+    assert cache.stats.ram_entries == 3 and cache.find(SHAPE, prompts[0] + [1] * BLOCK,
+                                                       10_000)[0].tokens[-1] == 2
     assert PromptCache(0).keep(SHAPE, prompts[5], _state(10)) is None  # off
 
 

@@ -230,16 +230,16 @@ class PromptCache:
         return entry
 
     def _extended_by(self, entry: CachedPrompt) -> list[CachedPrompt]:
-        """Entries whose every token `entry` starts with (not shared prefixes)."""
-        if not entry.hashes:
-            return []
+        """Entries whose every token `entry` starts with (not shared prefixes): the last
+        whole block of each is one of `entry`'s."""
         out = []
-        for i in self._index.get(entry.hashes[-1], set()) | set().union(
-                *(self._index.get(h, set()) for h in entry.hashes[-2:-1])):
-            old = self._entries[i]
-            if not old.shared and len(old.tokens) <= len(entry.tokens) \
-                    and entry.tokens[: len(old.tokens)] == old.tokens:
-                out.append(old)
+        for k, h in enumerate(entry.hashes):
+            for i in self._index.get(h, ()):
+                old = self._entries[i]
+                if not old.shared and len(old.hashes) == k + 1 \
+                        and len(old.tokens) <= len(entry.tokens) \
+                        and entry.tokens[: len(old.tokens)] == old.tokens:
+                    out.append(old)
         return out
 
     def _drop(self, entry: CachedPrompt) -> None:
@@ -322,13 +322,3 @@ class PromptCache:
             self.stats.disk_refused += refused
             self.stats.disk_bytes, self.stats.disk_entries = self.disk.usage()
         return n
-
-    def forget_model(self, digest: str) -> None:
-        """Every entry of the model `digest`, in RAM and on disk (the model was removed)."""
-        with self._lock:
-            for entry in [e for e in self._entries.values() if e.shape.model == digest]:
-                self._drop(entry)
-            self._loaded = {s for s in self._loaded if s.model != digest}
-        if self.disk is not None:
-            self.disk.remove_model(digest)
-            self.stats.disk_bytes, self.stats.disk_entries = self.disk.usage()
