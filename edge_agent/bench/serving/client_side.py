@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -284,35 +283,6 @@ def bench_client_side(state_dir: Path, path: Path, model: str, binary: Path, *,
     _cpu_summary(cpu, out, echo)
     return out
 
-
-def bench_repeats_and_contention(state_dir: Path, path: Path, model: str, binary: Path, *,
-                                 threads: int, extra: dict[str, Any], echo: Echo,
-                                 rounds: int = 5) -> dict[str, Any]:
-    """The section's cases where clients repeat themselves (`repeats`) and beside other
-    work (`contention`), against llama-server on its defaults, and the engine's ceiling;
-    then the first request after a restart, on a copy of the state dir."""
-    from edge_agent.bench.serving import contention, repeats
-
-    peers: dict[str, HttpPeer] = {}
-    out: dict[str, Any] = {}
-    try:
-        peers["edge-agent"] = EdgeAgentPeer(state_dir, model, threads=threads,
-                                            context=4096, parallel="auto")
-        peers["llama-server"] = LlamaServerPeer(binary, path, model, threads=threads,
-                                                context=CONTEXT, parallel=SLOTS)
-        out["recurring"] = repeats.bench_recurring(peers, extra, echo, rounds)
-        out["conversations"] = repeats.bench_conversations(peers, extra, echo, rounds)
-        out["contention"] = contention.bench_contention(peers, extra, echo, rounds)
-    finally:
-        for peer in peers.values():
-            peer.close()
-    out["ceiling"] = contention.bench_ceiling(binary, path, threads,
-                                              out["contention"]["quiet"], echo)
-    with tempfile.TemporaryDirectory(prefix="edge-agent-restart-") as scratch:
-        copy = repeats.state_copy(state_dir, Path(scratch) / "state")
-        out["restart"] = repeats.bench_restart(copy, model, threads=threads, extra=extra,
-                                               echo=echo, rounds=rounds)
-    return out
 
 
 def _aggregates(timed: dict[Case, dict[str, list[Round]]], out: dict[str, Any], echo: Echo

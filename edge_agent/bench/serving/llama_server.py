@@ -39,10 +39,7 @@ from typing import Any
 
 import jsonschema
 
-from edge_agent.bench.serving.client_side import (
-    bench_client_side,
-    bench_repeats_and_contention,
-)
+from edge_agent.bench.serving.client_side import bench_client_side
 from edge_agent.bench.serving.lookup import quote_prompt
 from edge_agent.bench.serving.peers import (
     Completion,
@@ -51,6 +48,7 @@ from edge_agent.bench.serving.peers import (
     LlamaServerPeer,
     Sample,
 )
+from edge_agent.bench.serving.repeats import bench_repeats_and_contention
 from edge_agent.bench.serving.structured import ORDER_SCHEMA, ask_order, schema_body
 from edge_agent.bench.targets import report
 from edge_agent.engine.constrained.tool_calls import tool_call_schema, tool_instructions

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +36,9 @@ from typing import Any
 
 import httpx
 
+from edge_agent.bench.serving import contention
 from edge_agent.bench.serving.client_side import (
+    CONTEXT,
     SLOTS,
     Case,
     Round,
@@ -43,7 +46,12 @@ from edge_agent.bench.serving.client_side import (
     _body,
     ask,
 )
-from edge_agent.bench.serving.peers import EdgeAgentPeer, HttpPeer, sse_chunks
+from edge_agent.bench.serving.peers import (
+    EdgeAgentPeer,
+    HttpPeer,
+    LlamaServerPeer,
+    sse_chunks,
+)
 from edge_agent.bench.targets import report
 
 Echo = Callable[[str], None]
@@ -335,3 +343,31 @@ def bench_restart(state_dir: Path, model: str, *, threads: int, extra: dict[str,
     return {"ratio": statistics.median(ratios), "rounds": ratios,
             "cold_ms": statistics.median(colds), "warm_ms": statistics.median(warms),
             "files": json.dumps(sorted(p.name for p in kept.glob("*/*.kv")))}
+
+
+def bench_repeats_and_contention(state_dir: Path, path: Path, model: str, binary: Path, *,
+                                 threads: int, extra: dict[str, Any], echo: Echo,
+                                 rounds: int = 5) -> dict[str, Any]:
+    """The section's cases where clients repeat themselves (`repeats`) and beside other
+    work (`contention`), against llama-server on its defaults, and the engine's ceiling;
+    then the first request after a restart, on a copy of the state dir."""
+    peers: dict[str, HttpPeer] = {}
+    out: dict[str, Any] = {}
+    try:
+        peers["edge-agent"] = EdgeAgentPeer(state_dir, model, threads=threads,
+                                            context=4096, parallel="auto")
+        peers["llama-server"] = LlamaServerPeer(binary, path, model, threads=threads,
+                                                context=CONTEXT, parallel=SLOTS)
+        out["recurring"] = bench_recurring(peers, extra, echo, rounds)
+        out["conversations"] = bench_conversations(peers, extra, echo, rounds)
+        out["contention"] = contention.bench_contention(peers, extra, echo, rounds)
+    finally:
+        for peer in peers.values():
+            peer.close()
+    out["ceiling"] = contention.bench_ceiling(binary, path, threads,
+                                              out["contention"]["quiet"], echo)
+    with tempfile.TemporaryDirectory(prefix="edge-agent-restart-") as scratch:
+        copy = state_copy(state_dir, Path(scratch) / "state")
+        out["restart"] = bench_restart(copy, model, threads=threads, extra=extra,
+                                               echo=echo, rounds=rounds)
+    return out

@@ -14,10 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from edge_agent.bench.serving.client_side import (
-    bench_client_side,
-    bench_repeats_and_contention,
-)
+from edge_agent.bench.serving.client_side import bench_client_side
 from edge_agent.bench.serving.llama_server import bench_llama_server
 from edge_agent.bench.serving.lookup import bench_lookup
 from edge_agent.bench.serving.observability import (
@@ -31,6 +28,7 @@ from edge_agent.bench.serving.peers import (
     LlamaCppServerPeer,
     Sample,
 )
+from edge_agent.bench.serving.repeats import bench_repeats_and_contention
 from edge_agent.bench.serving.schema_coverage import bench_schema_coverage
 from edge_agent.bench.serving.structured import bench_structured
 from edge_agent.bench.targets import report, target

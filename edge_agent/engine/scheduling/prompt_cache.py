@@ -42,12 +42,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from edge_agent.engine.scheduling.steppolicy import common_prefix
-
-if TYPE_CHECKING:
-    from edge_agent.engine.scheduling.prompt_disk import PromptDisk
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +71,18 @@ class CacheShape:
         """A short stable name of the shape (the disk tier's file names start with it)."""
         text = "|".join(str(v) for v in asdict(self).values())
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class DiskTier(Protocol):
+    """The tier below RAM (`prompt_disk.PromptDisk`)."""
+
+    limit_bytes: int
+
+    def usage(self) -> tuple[int, int]: ...
+
+    def save(self, shape: CacheShape, tokens: list[int], state: bytes) -> bool: ...
+
+    def load(self, shape: CacheShape) -> tuple[list[tuple[list[int], bytes]], int]: ...
 
 
 @dataclass(eq=False)
@@ -126,7 +135,7 @@ class PromptCache:
     """The RAM tier and its index (see the module's docstring); `disk`, where given, is
     the tier below it."""
 
-    def __init__(self, limit_bytes: int, disk: PromptDisk | None = None) -> None:
+    def __init__(self, limit_bytes: int, disk: DiskTier | None = None) -> None:
         self.limit_bytes = limit_bytes
         self.disk = disk
         self.stats = PromptCacheStats()
