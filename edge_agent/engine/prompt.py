@@ -20,6 +20,7 @@ from edge_agent.engine.constrained.tool_calls import (
     with_tool_messages,
 )
 from edge_agent.engine.request import GenerationRequest, SamplingParams
+from edge_agent.engine.scheduling.steppolicy import common_prefix
 from edge_agent.engine.text.templates import Piece
 from edge_agent.errors import ContextLengthExceeded, InvalidRequest
 
@@ -151,11 +152,7 @@ def system_tokens(req: GenerationRequest, model: LoadedModel, tokens: list[int])
         system = tokenize_pieces(model, prompt_pieces(alone, model), add_special=True)
     except Exception:  # a template that will not render a system message alone
         return 0
-    n = 0
-    for a, b in zip(system, tokens, strict=False):
-        if a != b:
-            break
-        n += 1
+    n = common_prefix(system, tokens, len(tokens))
     return n if SYSTEM_MIN_TOKENS <= n < len(tokens) else 0
 
 

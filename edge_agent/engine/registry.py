@@ -634,13 +634,17 @@ class ModelRegistry:
                 draft = None
             else:
                 lookup = override.draft_tokens or DRAFT_MODEL_TOKENS
+        # What the context's cells depend on: the prompt cache's key for them.
+        shape = CacheShape(model=info.digest, build=build_id(), n_ctx_seq=n_ctx,
+                           kv_type=self._kv_type(info),
+                           flash_attn=resolve_flash_attn(rt.flash_attn))
         try:
             worker = ModelScheduler(
                 model, parallel=parallel, n_ctx_seq=n_ctx, n_batch=n_batch, n_threads=threads,
                 embed_ctx=rt.embedding_context, max_queue=rt.max_queue,
                 prefill_chunk=rt.prefill_chunk, max_step_stall=rt.max_step_stall,
                 aging_s=rt.aging_s, deterministic=rt.deterministic,
-                flash_attn=resolve_flash_attn(rt.flash_attn), kv_type=self._kv_type(info),
+                flash_attn=shape.flash_attn, kv_type=shape.kv_type,
                 nice=rt.compute_nice,
                 prompt_lookup=lookup, draft_model=draft,
                 close_tokens=rt.structured_close_tokens,
@@ -648,9 +652,7 @@ class ModelRegistry:
                 yield_reserve=self.settings.batches.reserve_slots,
                 prompt_cache=self.prompt_cache,
                 threads_follow_load=rt.threads_follow_load,
-                cache_shape=CacheShape(model=info.digest, build=build_id(),
-                                       n_ctx_seq=n_ctx, kv_type=self._kv_type(info),
-                                       flash_attn=resolve_flash_attn(rt.flash_attn)))
+                cache_shape=shape)
         except BaseException:
             model.close()
             raise

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edge_agent.bench.serving.peers import EdgeAgentPeer, Sample
-from edge_agent.bench.serving.run import _ask, _pct
+from edge_agent.bench.serving.peers import EdgeAgentPeer, Sample, percentile
+from edge_agent.bench.serving.run import _ask
 from edge_agent.bench.targets import report
 
 Echo = Callable[[str], None]
@@ -113,15 +113,15 @@ def run_batch_bench(state_dir: Path, model: str, *, threads: int, context: int,
         solo_s = time.monotonic() - started
     finally:
         peer.close()
-    ttft_without = _pct([s.ttft_s for s in alone], 0.5)
-    ttft_with = _pct([s.ttft_s for s in beside], 0.5)
+    ttft_without = percentile([s.ttft_s for s in alone], 0.5)
+    ttft_with = percentile([s.ttft_s for s in beside], 0.5)
     ratio = ttft_with / ttft_without
     counts, solo_counts = done["request_counts"], solo["request_counts"]
     echo(f"  interactive TTFT p50: {ttft_without * 1000:.0f} ms without a batch "
          f"({len(alone)} requests), {ttft_with * 1000:.0f} ms with one ({len(beside)} "
          f"requests in {bursts_beside} bursts)")
     report(echo, "batches.ttft_ratio", ratio, streams=streams, lines=lines)
-    tpot = [_pct([s.tpot_s for s in phase], 0.5) * 1000
+    tpot = [percentile([s.tpot_s for s in phase], 0.5) * 1000
             for phase in (alone[:len(alone) - len(after)], beside, after)]
     echo(f"  a stream's TPOT p50 before, beside and after the batch: {tpot[0]:.0f}, "
          f"{tpot[1]:.0f} and {tpot[2]:.0f} ms (far apart: other work loaded the machine "

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,7 @@ def bench_contention(peers: dict[str, HttpPeer], extra: dict[str, Any], echo: Ec
     rates: dict[str, dict[str, list[float]]] = {n: {"quiet": [], "hog": []} for n in peers}
     for r in range(rounds):
         for condition in ("quiet", "hog") if r % 2 == 0 else ("hog", "quiet"):
-            with hog() if condition == "hog" else _nothing():
+            with hog() if condition == "hog" else nullcontext():
                 names = list(peers) if r % 2 == 0 else list(peers)[::-1]
                 for name in names:
                     got = [_decode_rate(peers[name], extra, 100 * r + k)
@@ -79,11 +79,6 @@ def bench_contention(peers: dict[str, HttpPeer], extra: dict[str, Any], echo: Ec
             "vs_llama": statistics.median(versus), "vs_llama_rounds": versus,
             "quiet": {n: statistics.median(by["quiet"]) for n, by in rates.items()},
             "hog": {n: statistics.median(by["hog"]) for n, by in rates.items()}}
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def llama_bench(binary: Path, model_path: Path, threads: int) -> dict[str, float] | None:

@@ -4,8 +4,10 @@ on free loopback ports (spoken to over OpenAI SSE), and llama-cpp-python in proc
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +60,17 @@ class Completion:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank `q` quantile (the median for 0.5) of the values that are numbers;
+    nan where there are none."""
+    values = sorted(v for v in values if not math.isnan(v))
+    if not values:
+        return float("nan")
+    if q == 0.5:
+        return statistics.median(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
 def free_port() -> int:

@@ -50,6 +50,7 @@ from edge_agent.bench.serving.peers import (
     EdgeAgentPeer,
     HttpPeer,
     LlamaServerPeer,
+    percentile,
     sse_chunks,
 )
 from edge_agent.bench.targets import report
@@ -200,11 +201,6 @@ _QUESTIONS = ["Do you have rye bread today?", "How much is the carrot cake?",
               "What time do you close today?", "Add a baguette to my order, please."]
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
-
-
 def bench_conversations(peers: dict[str, HttpPeer], extra: dict[str, Any], echo: Echo,
                         rounds: int) -> dict[str, Any]:
     system = store_instructions()
@@ -220,7 +216,7 @@ def bench_conversations(peers: dict[str, HttpPeer], extra: dict[str, Any], echo:
             turns, wall = _conversation_round(peers[name], system, r, extra)
             ttfts = [t.ttft_s * 1000 for t in turns]
             figures[name]["p50"].append(statistics.median(ttfts))
-            figures[name]["p95"].append(_percentile(ttfts, 0.95))
+            figures[name]["p95"].append(percentile(ttfts, 0.95))
             figures[name]["aggregate"].append(sum(t.tokens for t in turns) / wall)
             figures[name]["reused"].append(sum(t.cached for t in turns)
                                            / max(1, sum(t.prompt for t in turns)))

@@ -27,6 +27,7 @@ from edge_agent.bench.serving.peers import (
     InProcessPeer,
     LlamaCppServerPeer,
     Sample,
+    percentile,
 )
 from edge_agent.bench.serving.repeats import bench_repeats_and_contention
 from edge_agent.bench.serving.schema_coverage import bench_schema_coverage
@@ -58,15 +59,6 @@ def _ask(i: int) -> list[dict[str, str]]:
                                         f"(request {i})."}]
 
 
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(v for v in values if not math.isnan(v))
-    if not values:
-        return float("nan")
-    if q == 0.5:
-        return statistics.median(values)
-    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
-
-
 @dataclass
 class Load:
     peer: str
@@ -80,15 +72,15 @@ class Load:
 
     @property
     def ttft_p50(self) -> float:
-        return _pct([s.ttft_s for s in self.samples], 0.5)
+        return percentile([s.ttft_s for s in self.samples], 0.5)
 
     @property
     def ttft_p95(self) -> float:
-        return _pct([s.ttft_s for s in self.samples], 0.95)
+        return percentile([s.ttft_s for s in self.samples], 0.95)
 
     @property
     def tpot_p50(self) -> float:
-        return _pct([s.tpot_s for s in self.samples], 0.5)
+        return percentile([s.tpot_s for s in self.samples], 0.5)
 
     @property
     def delivered(self) -> str:

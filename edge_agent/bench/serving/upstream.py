@@ -27,8 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from edge_agent.bench.serving.peers import EdgeAgentPeer, HttpPeer, LlamaServerPeer, Sample
-from edge_agent.bench.serving.run import TOPICS, _ask, _pct
+from edge_agent.bench.serving.peers import (
+    EdgeAgentPeer,
+    HttpPeer,
+    LlamaServerPeer,
+    Sample,
+    percentile,
+)
+from edge_agent.bench.serving.run import TOPICS, _ask
 from edge_agent.bench.targets import report
 from edge_agent.engine.models.catalog import ModelStore
 from edge_agent.names import ModelName
@@ -159,8 +165,8 @@ def _figures(echo: Echo, alone: list[Sample], alone_s: float, alone_refused: int
              direct_chunks: list[int], through_chunks: list[int], peer_added: list[float]
              ) -> dict[str, Any]:
     tps_alone, tps_spill = _tokens_per_s(alone, alone_s), _tokens_per_s(spill, spill_s)
-    p95_alone = _pct([s.ttft_s for s in alone], 0.95)
-    p95_spill = _pct([s.ttft_s for s in spill], 0.95)
+    p95_alone = percentile([s.ttft_s for s in alone], 0.95)
+    p95_spill = percentile([s.ttft_s for s in spill], 0.95)
     echo(f"  local only: {tps_alone:.1f} tokens/s, TTFT p95 {p95_alone * 1000:.0f} ms "
          f"({len(alone)} answered, {alone_refused} refused, {alone_s:.1f} s)")
     echo(f"  with spill: {tps_spill:.1f} tokens/s, TTFT p95 {p95_spill * 1000:.0f} ms "

@@ -389,8 +389,8 @@ class BatchContext:
 
     def seq_state(self, seq: int) -> ctypes.Array[ctypes.c_uint8] | None:
         """A copy of every cell `seq` holds (llama.cpp's sequence state), or None where
-        llama.cpp could not write it. Uninitialised on allocation: llama.cpp writes all of
-        it (a zeroed buffer would cost a second pass over tens of MB)."""
+        llama.cpp could not write it. The buffer is a bytearray's, which the state may
+        outlive as a ctypes view of it (the prompt cache keeps it)."""
         size = ll.llama_state_seq_get_size(self.ptr, seq)
         if size <= 0:
             return None

@@ -110,7 +110,6 @@ class PromptCacheStats:
     hits: dict[str, int] = field(default_factory=lambda: {"ram": 0, "disk": 0})
     restored_tokens: int = 0
     restore_s: float = 0.0
-    saved: int = 0  # entries kept in RAM
     evictions: int = 0
     ram_bytes: int = 0
     ram_entries: int = 0
@@ -160,23 +159,29 @@ class PromptCache:
         the caller says whether it used it (`restored`)."""
         if not self.enabled:
             return None, 0
-        hashes = block_hashes(prompt[:limit], shape)
         with self._lock:
             self.stats.lookups += 1
-            ids: set[int] = set()
-            for h in reversed(hashes):  # the deepest block any entry shares
-                ids = self._index.get(h, set())
-                if ids:
-                    break
-            best, n = None, 0
-            for i in ids:
-                entry = self._entries[i]
-                shared = common_prefix(entry.tokens, prompt, limit)
-                if shared > n or (shared == n and best is not None
-                                  and entry.size < best.size):
-                    best, n = entry, shared
+            best, n = self._longest(shape, prompt, limit)
             if best is not None:
                 self._entries.move_to_end(id(best))
+        return best, n
+
+    def _longest(self, shape: CacheShape, tokens: Sequence[int], limit: int
+                 ) -> tuple[CachedPrompt | None, int]:
+        """`find`'s answer, under the lock, without counting or touching the LRU order:
+        among the entries listed under the deepest block `tokens` shares with any, the one
+        sharing the most (the smaller on a tie)."""
+        ids: set[int] = set()
+        for h in reversed(block_hashes(tokens[:limit], shape)):
+            ids = self._index.get(h, set())
+            if ids:
+                break
+        best, n = None, 0
+        for i in ids:
+            entry = self._entries[i]
+            shared = common_prefix(entry.tokens, tokens, limit)
+            if shared > n or (shared == n and best is not None and entry.size < best.size):
+                best, n = entry, shared
         return best, n
 
     def restored(self, entry: CachedPrompt, tokens: int, seconds: float) -> None:
@@ -188,24 +193,9 @@ class PromptCache:
 
     def covers(self, shape: CacheShape, tokens: Sequence[int]) -> bool:
         """Whether an entry already holds every one of `tokens`' cells."""
-        entry, n = self.find_quiet(shape, tokens)
-        return entry is not None and n == len(tokens)
-
-    def find_quiet(self, shape: CacheShape, tokens: Sequence[int]
-                   ) -> tuple[CachedPrompt | None, int]:
-        """`find` without counting a lookup or touching the LRU order."""
-        hashes = block_hashes(tokens, shape)
         with self._lock:
-            best, n = None, 0
-            for h in reversed(hashes):
-                ids = self._index.get(h)
-                if ids:
-                    for i in ids:
-                        shared = common_prefix(self._entries[i].tokens, tokens, len(tokens))
-                        if shared > n:
-                            best, n = self._entries[i], shared
-                    break
-        return best, n
+            entry, n = self._longest(shape, tokens, len(tokens))
+        return entry is not None and n == len(tokens)
 
     # -- keeping ---------------------------------------------------------------------------
     def worth_keeping(self, shape: CacheShape, tokens: Sequence[int]) -> bool:
@@ -231,7 +221,6 @@ class PromptCache:
                 self._index.setdefault(h, set()).add(id(entry))
             self.stats.ram_bytes += entry.size
             self.stats.ram_entries += 1
-            self.stats.saved += 1
             while self.stats.ram_bytes > self.limit_bytes:
                 _, victim = next(iter(self._entries.items()))
                 self._drop(victim)

@@ -36,23 +36,26 @@ class PromptDisk:
         self.root = root
         self.limit_bytes = limit_bytes
 
-    def _files(self) -> list[Path]:
+    def _files(self) -> list[tuple[float, int, Path]]:
+        """Every state file: (when last written or used, size, path)."""
+        out: list[tuple[float, int, Path]] = []
         try:
-            return [p for d in self.root.iterdir() if d.is_dir()
-                    for p in d.iterdir() if p.suffix == SUFFIX]
+            paths = [p for d in self.root.iterdir() if d.is_dir()
+                     for p in d.iterdir() if p.suffix == SUFFIX]
         except OSError:
-            return []
+            return out
+        for p in paths:
+            try:
+                st = p.stat()
+            except OSError:  # removed meanwhile
+                continue
+            out.append((max(st.st_mtime, st.st_atime), st.st_size, p))
+        return out
 
     def usage(self) -> tuple[int, int]:
         """(bytes, files) on disk now."""
-        total = n = 0
-        for p in self._files():
-            try:
-                total += p.stat().st_size
-                n += 1
-            except OSError:
-                continue
-        return total, n
+        files = self._files()
+        return sum(size for _, size, _ in files), len(files)
 
     @staticmethod
     def file_name(shape: CacheShape, tokens: list[int]) -> str:
@@ -80,14 +83,8 @@ class PromptDisk:
         return True
 
     def _make_room(self, size: int) -> None:
-        files = []
-        for p in self._files():
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            files.append((max(st.st_mtime, st.st_atime), st.st_size, p))
-        total = sum(f[1] for f in files)
+        files = self._files()
+        total = sum(n for _, n, _ in files)
         for _, n, p in sorted(files):
             if total + size <= self.limit_bytes:
                 break
