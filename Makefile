@@ -66,6 +66,7 @@ system-deps:
 	command -v objdump >/dev/null 2>&1 || missing="$$missing binutils"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing$$missing (Debian packages)"; \
 		sudo=""; [ "$$(id -u)" = 0 ] || sudo=sudo; \

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 from edge_agent import __version__
-from edge_agent.api import ollama, ollama_models, ops
+from edge_agent.api import feedback, ollama, ollama_models, ops
 from edge_agent.api.errors import install_error_handlers
 from edge_agent.api.openai import batch_routes, routes
 from edge_agent.api.openai.batch_runner import BatchRunner
@@ -162,6 +162,7 @@ def create_app(settings: Settings, *, preload: bool = True) -> FastAPI:
     app.include_router(ollama_models.router)
     app.include_router(routes.router)
     app.include_router(batch_routes.router)
+    app.include_router(feedback.router)
     return app
 
 

@@ -171,7 +171,10 @@ class RequestContext:
     """Pure ASGI middleware: trace id in, trace id out (`X-Request-Id`), and the request
     served in its `request_context`, whose access line and ledger row are written at the
     end of the response (after the last byte of a stream); the response header carries
-    the trace id as stored."""
+    the trace id as stored. A request that gets a ledger row is also told the row's id
+    (`X-Edge-Request-Id`): the trace id is the client's and may name many requests (every
+    request of one W3C trace shares it), the row id names this one, for the app's verdict
+    on the answer (`POST /edge/v1/feedback`)."""
 
     def __init__(self, app: ASGIApp, record: Callable[[dict[str, Any]], None] | None = None,
                  scrub: MetadataScrub | None = None) -> None:
@@ -193,6 +196,9 @@ class RequestContext:
                     message.setdefault("headers", [])
                     message["headers"] = [*message["headers"],
                                           (b"x-request-id", rid.encode())]
+                    if scope["path"] in LEDGER_PATHS:
+                        message["headers"].append(
+                            (b"x-edge-request-id", str(served.access["id"]).encode()))
                 await send(message)
 
             await self.app(scope, receive, send_with_id)

@@ -145,7 +145,8 @@ def sets_deadline(body: Any, headers: dict[str, Any] | None = None) -> bool:
 
 
 def is_openai(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    """OpenAI's error shape: under /v1, and the box's own namespace, /edge/v1."""
+    return path in ("/v1", "/edge/v1") or path.startswith(("/v1/", "/edge/v1/"))
 
 
 def error_shape_problem(path: str, payload: Any) -> str | None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi.routing import APIRoute
 
-from edge_agent.api import ollama, ollama_models
+from edge_agent.api import feedback, ollama, ollama_models
 from edge_agent.api.auth import authenticate
 from edge_agent.api.errors import is_openai_path
 from edge_agent.api.openai import routes as openai_routes
@@ -41,9 +41,11 @@ def governed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveSer
 
 
 def _authenticated_routes() -> list[tuple[str, str]]:
-    """Every route of both dialects' routers (each router requires authentication)."""
+    """Every route of both dialects' routers and the box's own (each router requires
+    authentication)."""
     routes = []
-    for router in (ollama.router, ollama_models.router, openai_routes.router):
+    for router in (ollama.router, ollama_models.router, openai_routes.router,
+                   feedback.router):
         assert any(d.dependency is authenticate for d in router.dependencies)
         for route in router.routes:
             assert isinstance(route, APIRoute)
@@ -76,6 +78,7 @@ def test_two_authorization_headers_are_refused_on_every_authenticated_route(
     live, (key, other) = governed
     routes = _authenticated_routes()
     assert ("POST", "/v1/chat/completions") in routes and ("DELETE", "/api/delete") in routes
+    assert ("POST", "/edge/v1/feedback") in routes
     for method, path in routes:
         _assert_refused(_send(live, method, path, [key, other]), path, method)
         _assert_refused(_send(live, method, path, [key, "not-a-key"]), path, method)

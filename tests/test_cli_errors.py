@@ -34,9 +34,11 @@ COMMANDS = _walk(main)
 LEAVES = [(path, cmd) for path, cmd in COMMANDS if not isinstance(cmd, click.Group)]
 # Commands that read no settings (their own input errors are tested beside them).
 NO_SETTINGS = {("fleet", "broker-config"), ("bench", "fleet-scale"),  # no settings read
-               ("bench", "agent-rollout"),
+               ("bench", "agent-rollout"), ("bench", "fleet-slo"),
                ("fleet", "pki", "init"), ("fleet", "pki", "issue"), ("fleet", "pki", "list"),
-               ("fleet", "pki", "renew")}  # files only, in --dir
+               ("fleet", "pki", "renew"),  # files only, in --dir
+               # what the package ships, printed
+               ("fleet", "observability", "rules"), ("fleet", "observability", "dashboard")}
 
 
 def _required_args(cmd: click.Command, tmp_path: Path) -> list[str]:

@@ -50,8 +50,9 @@ from edge_agent.config import (  # noqa: E402
     TenantPolicy,
     UpstreamSettings,
 )
-from edge_agent.config.controller import ControllerSettings  # noqa: E402
+from edge_agent.config.controller import ControllerSettings, SLOSettings  # noqa: E402
 from edge_agent.fleet.controller.metrics import ControllerMetrics  # noqa: E402
+from edge_agent.fleet.controller.slo_export import SLOExport  # noqa: E402
 from edge_agent.fleet.protocol import command_types as fleet_commands  # noqa: E402
 from edge_agent.fleet.protocol import refusals as fleet_refusals  # noqa: E402
 from edge_agent.fleet.protocol import topics as fleet_topics  # noqa: E402
@@ -457,8 +458,18 @@ def _registries(scratch: Path) -> list[tuple[CollectorRegistry, object]]:
         registrations=lambda: {"d": {}})
     leadership = types.SimpleNamespace(controller_id="c", is_leader=lambda: True)
     controller = ControllerMetrics(store, leadership=leadership)  # type: ignore[arg-type]
+    # One box and model with a fresh interval, and one rollout, for every SLO series.
+    slo = types.SimpleNamespace(totals=lambda: [
+        {"device": "d", "model": "m", "fleet": "f", "ok": 1, "client_errors": 0,
+         "server_errors": 0, "tokens_out": 1, "upstream": 0, "feedback_good": 0,
+         "feedback_bad": 0, "ttft_p50": 1.0, "ttft_p95": 1.0, "tpot_p50": 1.0,
+         "tpot_p95": 1.0, "last_end": 0.0}],
+        releases=lambda: [{"rollout": "r", "name": "m", "version": "1", "kind": "model",
+                           "at": 0.0}])
+    export = SLOExport(slo, SLOSettings.model_validate({}),  # type: ignore[arg-type]
+                       clock=lambda: 0.0)
     return [(box_registry(scratch), Metrics(lambda: [])),
-            (controller.registry, controller)]
+            (controller.registry, controller), (export.registry, export)]
 
 
 def metric_names() -> set[str]:
@@ -471,9 +482,11 @@ def metric_names() -> set[str]:
 
 def metrics_page() -> str:
     with tempfile.TemporaryDirectory() as scratch:
-        (box, box_owner), (controller, controller_owner) = _registries(Path(scratch))
+        (box, box_owner), (controller, controller_owner), (slo, slo_owner) = \
+            _registries(Path(scratch))
         box_rows = _metrics_table(box, box_owner)
         controller_rows = _metrics_table(controller, controller_owner)
+        slo_rows = _metrics_table(slo, slo_owner)
     return "\n".join([
         "# Metrics", "", GENERATED, "",
         "## The box (`GET /metrics`)", "",
@@ -487,7 +500,11 @@ def metrics_page() -> str:
         *box_rows, "",
         "## The controller (`edge-agent fleet serve`, `GET /metrics`)", "",
         "Explained in [Running a fleet](../fleet/controller.md).", "",
-        *controller_rows, ""])
+        *controller_rows, "",
+        "## The fleet's service levels (`edge-agent fleet serve`, `GET /fleet-metrics`)", "",
+        "Per box and model, read from the store at scrape. Explained in [Service levels "
+        "over time](../fleet/service-levels.md).", "",
+        *slo_rows, ""])
 
 
 # -- the Ansible role's variables ------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Renders the exception tree of `edge_agent.errors` in each dialect's error shape.
 
 OpenAI: `{"error": {"message", "type", "param", "code"}}`; Ollama: `{"error": "message"}`.
-The dialect is chosen by path (`/v1/...` is OpenAI). Unknown exceptions become a 500 with
+The dialect is chosen by path (`/v1/...` is OpenAI; so is the box's own namespace,
+`/edge/v1/...`, whose clients are the same apps). Unknown exceptions become a 500 with
 a generic message: the raw text of an internal error never reaches a client.
 """
 
@@ -23,8 +24,11 @@ from edge_agent.telemetry.metrics import Metrics
 log = logging.getLogger(__name__)
 
 
+EDGE_PREFIX = "/edge/v1"  # the box's own routes (`api.feedback`), in OpenAI's error shape
+
+
 def is_openai_path(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    return path in ("/v1", EDGE_PREFIX) or path.startswith(("/v1/", f"{EDGE_PREFIX}/"))
 
 
 def openai_body(exc: EdgeAgentError) -> dict[str, Any]:

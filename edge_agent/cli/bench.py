@@ -255,6 +255,29 @@ def bench_fleet_scale(devices: int, regions: int, interval: float, duration: flo
         echo_json(result)
 
 
+@bench.command("fleet-slo")
+@click.option("--devices", type=click.IntRange(1), default=10_000, show_default=True,
+              help="Simulated boxes in the store.")
+@click.option("--models", type=click.IntRange(1, 16), default=2, show_default=True,
+              help="Models each box serves.")
+@click.option("--minutes", type=click.IntRange(2), default=60, show_default=True,
+              help="The window: one metrics message a minute from each box.")
+@click.option("--repeats", type=click.IntRange(1), default=5, show_default=True,
+              help="Times each read is timed (medians printed).")
+@click.option("--db", default=None, help="postgresql://… (unset: SQLite in a temp dir).")
+@json_option("Print the figures as JSON on stdout (the report goes to stderr).")
+def bench_fleet_slo(devices: int, models: int, minutes: int, repeats: int, db: str | None,
+                    as_json: bool) -> None:
+    """Measure the service levels' cost at a fleet's size: the console's page over the
+    window, the /fleet-metrics scrape and its series, a release's before/after table."""
+    from edge_agent.bench.fleet.slo import run_fleet_slo
+
+    result = run_fleet_slo(devices=devices, models=models, minutes=minutes, repeats=repeats,
+                           db=db, echo=lambda line: click.echo(line, err=as_json))
+    if as_json:
+        echo_json(result)
+
+
 @bench.command("llama-server")
 @common_options
 @click.argument("binary", type=click.Path(exists=True, dir_okay=False, path_type=Path))

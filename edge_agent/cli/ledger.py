@@ -83,7 +83,8 @@ def ledger_tail(count: int, follow: bool, as_json: bool) -> None:
               default="model", show_default=True, help="What to group the rows by.")
 @json_option()
 def ledger_stats(since: float, by: str, as_json: bool) -> None:
-    """Counts, errors and p50/p95 TTFT and TPOT per model or tenant."""
+    """Counts, errors, p50/p95 TTFT and TPOT, and the apps' verdicts (good, bad) per
+    model or tenant."""
     from edge_agent.ledger.report import stats
     from edge_agent.ledger.store import rows_since
 
@@ -96,9 +97,10 @@ def ledger_stats(since: float, by: str, as_json: bool) -> None:
         return "-" if v is None else f"{v:.0f}"
 
     table([(by.upper(), "<24"), ("REQS", ">6"), ("ERRS", ">5"), ("TTFT p50", ">9"),
-           ("p95", ">6"), ("TPOT p50", ">9"), ("p95", ">6")],
+           ("p95", ">6"), ("TPOT p50", ">9"), ("p95", ">6"), ("GOOD", ">5"), ("BAD", ">5")],
           ([r[by], r["requests"], r["errors"], ms(r["ttft_p50_ms"]), ms(r["ttft_p95_ms"]),
-            ms(r["tpot_p50_ms"]), ms(r["tpot_p95_ms"])] for r in result))
+            ms(r["tpot_p50_ms"]), ms(r["tpot_p95_ms"]), r["feedback_good"],
+            r["feedback_bad"]] for r in result))
 
 
 @ledger.command("degraded")

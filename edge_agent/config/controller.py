@@ -23,7 +23,7 @@ from `broker.password_file` when connecting, and a database URL's password is ne
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -38,6 +38,7 @@ from edge_agent.config import (
     parse_broker,
     renamed_key,
 )
+from edge_agent.names import check_fleet_id
 
 # How long a box that answered "busy" waits before the controller sends it the rollout again
 # (the wave policy, `fleet.controller.waves`, reads it from here).
@@ -136,6 +137,21 @@ class RetentionSettings(_Section):
     batch: int = Field(5000, ge=1, description="Messages removed per transaction.")
 
 
+class SLOSettings(_Section):
+    """`[slo]`: the service levels the fleet is held to. The alerting rules
+    (`edge-agent fleet observability rules`) read them from the export
+    (`edge_fleet_slo_target_seconds`, `edge_fleet_slo_target_ratio`), so changing one here
+    moves the alert without editing a rule."""
+
+    ttft_p95_ms: float = Field(2000.0, gt=0, description="Time to first token, p95 of a "
+                               "box's interval, above which its alert fires.")
+    tpot_p95_ms: float = Field(250.0, gt=0, description="Time per output token, p95.")
+    error_rate: float = Field(0.05, gt=0, le=1, description="Share of a fleet's requests "
+                              "that may fail with a server error after a release.")
+    compare_s: float = Field(1800.0, ge=60, description="The window either side of a box's "
+                             "update that a release's before/after table compares.")
+
+
 class IngestSettings(_Section):
     batch_max: int = Field(500, ge=1, description="Messages committed in one transaction.")
     batch_wait_s: float = Field(0.05, gt=0, description="Longest wait to fill a batch.")
@@ -157,6 +173,35 @@ class ClientSettings(_Section):
         return None if path is None else path.expanduser().absolute()
 
 
+# A fleet's ring: the least proven release stage its boxes take (`fleet.protocol.materials`
+# orders the stages; tests/fleet/controller/test_stages.py holds the two lists together).
+Ring = Literal["experiment", "internal", "production"]
+
+
+class StageSettings(_Section):
+    """`[stages]`: which release stages each fleet's boxes take (`fleet.controller.rings`):
+    `fleets = { lab = "experiment", staff = "internal", shops = "production" }` puts each
+    fleet in a ring (experiment: its boxes take every stage; internal: internal and
+    production releases; production: production releases only). A rollout whose devices
+    reach a box its release's stage may not go to is refused."""
+
+    fleets: dict[str, Ring] = Field(
+        default_factory=dict, description="Each fleet's ring, by fleet id: experiment "
+        "(its boxes take every stage), internal (internal and production releases) or "
+        "production (production releases only).")
+    unlisted: Ring = Field(
+        "experiment", description="The ring of a fleet not listed in fleets (experiment: "
+        "every stage, as before stages existed; production: a new fleet takes only "
+        "production releases until it is listed).")
+
+    @field_validator("fleets")
+    @classmethod
+    def _fleet_ids(cls, fleets: dict[str, Ring]) -> dict[str, Ring]:
+        for fleet in fleets:
+            check_fleet_id("fleet", fleet)
+        return fleets
+
+
 class ControllerSettings(LayeredSettings):
     # No environment layer (no env_prefix); keys in the file are spelt as here.
     model_config = SettingsConfigDict(extra="forbid", case_sensitive=True)
@@ -169,8 +214,10 @@ class ControllerSettings(LayeredSettings):
     http: HTTPSettings = Field(default_factory=HTTPSettings)  # type: ignore[arg-type]
     releases: ReleaseServerSettings = Field(
         default_factory=ReleaseServerSettings)  # type: ignore[arg-type]
+    stages: StageSettings = Field(default_factory=StageSettings)  # type: ignore[arg-type]
     ingest: IngestSettings = Field(default_factory=IngestSettings)  # type: ignore[arg-type]
     controller: ClientSettings = Field(default_factory=ClientSettings)  # type: ignore[arg-type]
+    slo: SLOSettings = Field(default_factory=SLOSettings)  # type: ignore[arg-type]
     retention: RetentionSettings = Field(
         default_factory=RetentionSettings)  # type: ignore[arg-type]
     command_signing_key_file: Path | None = Field(

@@ -8,5 +8,6 @@ tenants, the ledger or metrics; the dialects know nothing of policy.
 Where a request runs is decided here too (`routing`): on the box, or on an upstream
 (`upstream`: one OpenAI-compatible server, its breaker and its bounds) within the tenant's
 egress (`egress`: personal data as placeholders and back). An upstream's answer arrives as
-the engine's events, so the dialects write it as they write a local one.
+the engine's events, so the dialects write it as they write a local one. An app's verdict
+on an answer, after it, is kept on the request's ledger row and counted (`feedback`).
 """

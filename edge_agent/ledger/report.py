@@ -47,6 +47,9 @@ def stats(rows: Iterable[dict[str, Any]], by: str) -> list[dict[str, Any]]:
             "completion_tokens": sum(r.get("completion_tokens") or 0 for r in items),
             "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p95_ms": _pct(ttft, 0.95),
             "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p95_ms": _pct(tpot, 0.95),
+            # the apps' verdicts on the answers (`ledger.feedback`), the latest per request
+            "feedback_good": sum(1 for r in items if r.get("feedback") == "good"),
+            "feedback_bad": sum(1 for r in items if r.get("feedback") == "bad"),
         })
     return out
 

@@ -29,6 +29,7 @@ COLUMNS: dict[str, type] = {
     "quota_requests": int, "quota_tokens": int,
     "route": str, "upstream": str, "route_reason": str, "egress": str, "egress_entities": int,
     "egress_bytes": int, "upstream_ms": float,
+    "feedback": str, "feedback_reason": str, "feedback_at": float,
 }
 
 
@@ -158,6 +159,20 @@ def m010_routes(db: Database) -> None:
         if column not in db[REQUESTS].columns_dict:
             db[REQUESTS].add_column(column, COLUMNS[column])  # type: ignore[union-attr]
     db[REQUESTS].create_index(["route", "ts"], if_not_exists=True)  # type: ignore[union-attr]
+
+
+FEEDBACK_COLUMNS = ("feedback", "feedback_reason", "feedback_at")
+
+
+@MIGRATIONS()
+def m011_feedback(db: Database) -> None:
+    """The verdict an app sent back on the answer (`POST /edge/v1/feedback`,
+    `ledger.feedback`): `feedback` good or bad, `feedback_reason` from a closed set (never
+    the app's own words), `feedback_at` when the latest verdict came. NULL: none came. On
+    the request's own row, so an export, a purge and a report treat it as the request's."""
+    for column in FEEDBACK_COLUMNS:
+        if column not in db[REQUESTS].columns_dict:
+            db[REQUESTS].add_column(column, COLUMNS[column])  # type: ignore[union-attr]
 
 
 def quota_usage(db: Database, since: float) -> list[tuple[str, float, int, int]]:

@@ -117,6 +117,10 @@ class Metrics:
             "edge_agent_egress_redacted_entities", "Personal data replaced by placeholders "
             "before a request left for an upstream (egress = \"redacted\"), by entity",
             ["upstream", "entity"], registry=r)
+        self.feedback = Counter(
+            "edge_agent_feedback", "Verdicts apps sent back on answers (POST "
+            "/edge/v1/feedback), by the model that answered and rating (good, bad); a verdict "
+            "that replaces an earlier one counts again", ["model", "rating"], registry=r)
         r.register(_LiveCollector(loaded, hardware, ledger or (lambda: None)))
         if prompt_cache is not None:
             r.register(_PromptCacheCollector(prompt_cache))
@@ -154,6 +158,9 @@ class Metrics:
     def observe_egress(self, upstream: str, entities: dict[str, int]) -> None:
         for entity, count in entities.items():
             self.egress_entities.labels(upstream, entity).inc(count)
+
+    def observe_feedback(self, model: str, rating: str) -> None:
+        self.feedback.labels(model, rating).inc()
 
     def observe_error(self, model: str, dialect: str, exc: EdgeAgentError) -> None:
         """Counts a request that ended in `exc`, once: the request path counts it with its

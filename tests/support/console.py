@@ -10,11 +10,15 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.support.fleetkit import wait_until
+
+if TYPE_CHECKING:
+    from tests.support.brokers import Mosquitto
+    from tests.support.releasekit import Repo
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
@@ -80,3 +84,44 @@ def text(driver: Any, element_id: str) -> str:
         return str(driver.find_element(By.ID, element_id).text)
     except (NoSuchElementException, StaleElementReferenceException):
         return ""  # between two redraws of the live part
+
+
+@contextmanager
+def serving_fleet(broker: Mosquitto, repo: Repo, boxes: tuple[str, ...], tmp_path: Path, *,
+                  settings: str = "", step_s: float = 0.4) -> Iterator[dict[str, Any]]:
+    """`fleet serve` over `repo` (more of its settings in `settings`, TOML after its [http]
+    section), an operator and a viewer, and `boxes` simulated (the agent's own link code),
+    each online: {"url", "tokens" (by role), "fleet", "auth" (the viewer's header)}."""
+    import httpx
+
+    from tests.conftest import free_port
+    from tests.support.rolloutkit import cli, controller_config, serving
+    from tests.support.rolloutsim import LinkFleet
+
+    port = free_port()
+    config = controller_config(tmp_path / "controller.toml", state=tmp_path / "state",
+                               key=repo.keys.private("command"), broker=broker,
+                               http=f"port = {port}\n{settings}")
+    tokens = {role: cli("fleet", "operators", "create", f"{role}-1", "--role", role,
+                        "--config", str(config)).stdout.strip()
+              for role in ("operator", "viewer")}
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {tokens['viewer']}"}
+
+    def healthy() -> bool:
+        try:
+            return bool(httpx.get(f"{url}/healthz", headers=auth, timeout=2)
+                        .json()["broker_connected"])
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+
+    with serving(config, tmp_path / "serve.log"):
+        assert wait_until(healthy, 60, 0.2), (tmp_path / "serve.log").read_text()[-2000:]
+        fleet = LinkFleet(broker, repo.keys.public_file("command"), boxes, tmp_path / "sim",
+                          step_s=step_s).connect()
+        try:
+            assert wait_until(lambda: len(httpx.get(f"{url}/devices", headers=auth).json()[
+                "devices"]) == len(boxes), 60, 0.2)
+            yield {"url": url, "tokens": tokens, "fleet": fleet, "auth": auth}
+        finally:
+            fleet.close()

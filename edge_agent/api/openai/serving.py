@@ -51,7 +51,7 @@ from edge_agent.errors import (
 from edge_agent.gateway.controls import Controls
 from edge_agent.gateway.service import GenerationService, PreparedGeneration
 from edge_agent.governance.tenants import TenantContext
-from edge_agent.logs import note
+from edge_agent.logs import current_request_id, note
 from edge_agent.names import ModelName
 
 log = logging.getLogger(__name__)
@@ -259,6 +259,13 @@ def _tool_calls(done: DoneEvent) -> list[dict[str, Any]]:
             for c in done.tool_calls]
 
 
+def _answer_id() -> str:
+    """The part of an answer's `id` after its prefix: the request's ledger row id, so an
+    app can send its verdict on the answer by the id it already holds (`POST
+    /edge/v1/feedback`); a random one outside a request's context."""
+    return current_request_id() or secrets.token_hex(16)
+
+
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n".encode()
@@ -271,7 +278,7 @@ async def _chat(serving: OpenAIServing, body: ChatBody, controls: Controls,
         prepared = await serving.service.prepare(req, controls, tenant=tenant)
     except Deferrable as exc:
         return await _deferred(serving, tenant, exc, body)
-    ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+    ident, created = f"chatcmpl-{_answer_id()}", int(time.time())
     head = {"id": ident, "created": created, "model": prepared.model_name,
             "system_fingerprint": "fp_" + prepared.model_digest[:12]}
 
@@ -402,7 +409,7 @@ async def _completions(serving: OpenAIServing, body: CompletionBody, controls: C
             with naming_prompt(i):
                 await serving.service.check(req, tenant=tenant)
     first = await prepare(0)  # refuse (scope, a model that is not there) before any head
-    ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+    ident, created = f"cmpl-{_answer_id()}", int(time.time())
     head = {"id": ident, "created": created, "object": "text_completion",
             "model": first.model_name,
             "system_fingerprint": "fp_" + first.model_digest[:12]}

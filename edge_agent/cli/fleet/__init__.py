@@ -21,6 +21,7 @@ import click
 from edge_agent.cli.common import EXIT_CHECK_FAILED, BadUsage, CheckFailed
 from edge_agent.cli.fleet import (  # modules: their names stay theirs
     models,
+    observability,
     operators,
     pki,
     release,
@@ -51,6 +52,7 @@ fleet.add_command(operators.operators)
 fleet.add_command(operators.audit)
 fleet.add_command(models.models)
 fleet.add_command(pki.pki)
+fleet.add_command(observability.observability)
 
 
 @fleet.command("serve")
@@ -311,6 +313,29 @@ def fleet_metrics(device: str | None, all_devices: bool, as_json: bool) -> None:
                    f"{_ago(found['ts'])})")
         for key, value in _flatten(found["body"]):
             click.echo(f"  {key:<40} {value}")
+
+
+@fleet.command("feedback")
+@client_options
+@click.option("--since", default="1d", show_default=True,
+              help="Only verdicts since then: 1h (ago), 2026-12-01T08:00, or Unix seconds.")
+@click.option("--device", help="Only this device's.")
+@json_option()
+def fleet_feedback(since: str, device: str | None, as_json: bool) -> None:
+    """The verdicts apps sent back on the boxes' answers (good, bad), per device and
+    model, as the boxes' metrics messages carried them."""
+    start = operators.since_time(since)
+    with controller_client() as api:
+        found = api.get("/feedback", since=start, device=device)["feedback"]
+    if as_json:
+        echo_json(found)
+        return
+    table([("DEVICE", "<24"), ("FLEET", "<12"), ("MODEL", "<32"), ("GOOD", ">6"),
+           ("BAD", ">6"), ("BAD %", ">6")],
+          ([f["device"], f["fleet"], f["model"], f["good"], f["bad"],
+            f"{100 * f['bad'] / (f['good'] + f['bad']):.0f}"] for f in found))
+    if not found:
+        click.echo("no verdicts in that window")
 
 
 @fleet.command("broker-config")

@@ -209,6 +209,8 @@ def _local_app(settings: ControllerSettings, store: ControllerStore,
     from edge_agent.fleet.controller.audit import local_operator
     from edge_agent.fleet.controller.metrics import ControllerMetrics
     from edge_agent.fleet.controller.operators import HOST, Operator
+    from edge_agent.fleet.controller.rings import Rings
 
     return create_app(store, ControllerMetrics(store), state_dir=settings.state_dir,
-                      commands=commands, local=Operator(local_operator(), HOST, ""))
+                      commands=commands, local=Operator(local_operator(), HOST, ""),
+                      rings=Rings.of(settings.stages), slo=settings.slo)

@@ -82,7 +82,7 @@ def operators_revoke(name: str) -> None:
     click.echo(f"revoked {record['role']} {name} (token {record['prefix']})")
 
 
-def _since(text: str | None) -> float | None:
+def since_time(text: str | None) -> float | None:
     """`1h` (that long ago), an ISO date or time (local unless it says), or Unix seconds."""
     import datetime
 
@@ -120,7 +120,7 @@ def audit(since: str | None, operator_name: str | None, target: str | None, limi
           as_json: bool) -> None:
     """Who did what: each operator action (rollouts, operators), done or refused, oldest
     first."""
-    start = _since(since)
+    start = since_time(since)
     with controller_client() as api:
         actions = api.get("/audit", since=start, operator=operator_name, target=target,
                           limit=limit)["actions"]

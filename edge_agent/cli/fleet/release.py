@@ -5,7 +5,10 @@ its signed release repository (The Update Framework).
     fleet release init [--keys KEYS] [--expires timestamp=1d …]
     fleet release add FILE.gguf --name gemma3:270m --version 2 [--template F]
                       [--parameters F] [--gate F] [--min-agent-version X] [--tier T]
-                      [--license L]
+                      [--license L] [--stage experiment|internal|production]
+                      [--eval-samples F.jsonl] [--eval-results F.json] [--build B]
+                      [--route local|UPSTREAM] [--degradation D] [--rollback-target V]
+                      [--review-by YYYY-MM-DD]
     fleet release push FILE.gguf --name N --version V --keys DESK_KEYS --root root.json
                       --controller https://HOST:PORT --token-file F [the options of add]
     fleet release add-agent VERSION --wheelhouse DIR [--build cpu|cpu:F,F|cuda:CC,CC]
@@ -32,6 +35,7 @@ import json
 import re
 import shlex
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +56,9 @@ if TYPE_CHECKING:
     from edge_agent.fleet.protocol.agent_release import AgentManifest
     from edge_agent.fleet.protocol.manifest import ReleaseManifest
 
+# `protocol.materials.STAGES`, spelt here so that `--help` needs no import of the fleet
+# (tests/fleet/controller/test_stages.py holds the two together)
+STAGE_CHOICES = ("experiment", "internal", "production")
 _DURATION = re.compile(r"(\d+)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -173,30 +180,91 @@ def _manifest_options(fn: F) -> F:
             click.option("--min-agent-version",
                          help="Oldest agent that may install it (N.N.N)."),
             click.option("--tier", help="Tier recorded with the model (default experimental)."),
-            click.option("--license", "license_", help="License recorded with the model."))):
+            click.option("--license", "license_", help="License recorded with the model "
+                         "(an SPDX id, or the licence's name or URL)."),
+            *_material_options())):
         fn = option(fn)
     return fn
 
 
+def _material_options() -> tuple[Callable[[F], F], ...]:
+    """The release's stage and materials (`protocol.materials`), signed in its manifest."""
+    file = click.Path(path_type=Path, dir_okay=False, exists=True)
+    return (
+        click.option("--stage", type=click.Choice(STAGE_CHOICES),
+                     help="Where it may go and what it must carry (default experiment); "
+                          "production needs --license and every option below."),
+        click.option("--eval-samples", type=file,
+                     help="Evaluation samples, JSON Lines, each naming its `kind` (ollama, "
+                          "openai, schema, tools, long_context): their sha256, count and "
+                          "kinds are signed; the file goes nowhere."),
+        click.option("--eval-results", type=file,
+                     help="Evaluation results: a JSON or TOML table of metric = number "
+                          "(signed as it is when small), or any file (its sha256)."),
+        click.option("--build", help="The llama.cpp build and quantization it was measured "
+                                     "on, e.g. 'llama.cpp b4500 Q4_K_M'."),
+        click.option("--route", metavar="local|UPSTREAM",
+                     help="Where it runs: local, or the name of an upstream."),
+        click.option("--degradation", help="What a box falls back to when it cannot serve "
+                                           "it, e.g. 'gemma3:270m@1' or 'upstream cloud'."),
+        click.option("--rollback-target", metavar="VERSION",
+                     help="A published version of the same name to go back to."),
+        click.option("--review-by", metavar="YYYY-MM-DD",
+                     help="When the release is to be reviewed again."))
+
+
 def _manifest(file: Path, name: str, version: str, template: Path | None,
               parameters: Path | None, gate: Path | None, min_agent_version: str | None,
-              tier: str | None, license_: str | None) -> ReleaseManifest:
-    """The manifest `_manifest_options` describe, with a warning for what boxes will miss."""
+              tier: str | None, license_: str | None, staged: dict[str, Any]
+              ) -> ReleaseManifest:
+    """The manifest `_manifest_options` describe (`staged`: `_material_options`' values),
+    with a warning for what boxes will miss."""
     from edge_agent.fleet.controller.releases.repository import manifest_for
     from edge_agent.fleet.protocol.manifest import ManifestError
 
     notes: list[str] = []
+    stage, materials = _materials(**staged)
     try:
         manifest = manifest_for(
             file, name=name, version=version, notes=notes, license=license_, tier=tier,
             chat_template=template.read_text(encoding="utf-8") if template else None,
             parameters=_table(parameters, "--parameters"), gate=_table(gate, "--gate"),
-            min_agent_version=min_agent_version)
+            min_agent_version=min_agent_version, stage=stage, materials=materials)
     except ManifestError as exc:
         raise BadUsage(str(exc)) from None
     for note in notes:
         click.echo(f"warning: {note}", err=True)
     return manifest
+
+
+def _materials(stage: str | None, eval_samples: Path | None, eval_results: Path | None,
+               build: str | None, route: str | None, degradation: str | None,
+               rollback_target: str | None, review_by: str | None
+               ) -> tuple[str | None, dict[str, Any]]:
+    """(stage, materials) from `_material_options`: the eval files hashed and summarised
+    here (`releases.evaluation`), never sent anywhere."""
+    from edge_agent.fleet.controller.releases.evaluation import (
+        results_summary,
+        samples_summary,
+    )
+
+    materials: dict[str, Any] = {
+        "build": build, "route": route, "degradation": degradation,
+        "rollback_target": rollback_target, "review_by": review_by}
+    from edge_agent.errors import InvalidRequest
+
+    try:
+        if eval_samples is not None:
+            materials["eval_samples"] = samples_summary(
+                eval_samples.read_bytes(), source=f"--eval-samples {eval_samples}"
+            ).model_dump()
+        if eval_results is not None:
+            materials["eval_results"] = results_summary(
+                eval_results.read_bytes(), json_file=eval_results.suffix.lower() == ".json",
+                source=f"--eval-results {eval_results}").model_dump()
+    except InvalidRequest as exc:  # a file that does not read as it should: a bad argument
+        raise BadUsage(exc.message) from None
+    return stage, {k: v for k, v in materials.items() if v is not None}
 
 
 @release.command("add")
@@ -207,13 +275,14 @@ def _manifest(file: Path, name: str, version: str, template: Path | None,
 def release_add(keys_dir: Path | None, file: Path, name: str, version: str,
                 template: Path | None, parameters: Path | None, gate: Path | None,
                 min_agent_version: str | None, tier: str | None, license_: str | None,
-                as_json: bool) -> None:
-    """Publish a GGUF as NAME@VERSION: signed targets, snapshot and timestamp."""
+                as_json: bool, **staged: Any) -> None:
+    """Publish a GGUF as NAME@VERSION: signed targets, snapshot and timestamp. A
+    production release is refused without its materials (--license and the rest)."""
     repo = _repo()
     keys = _keys(repo, keys_dir)
     started = time.perf_counter()
     manifest = _manifest(file, name, version, template, parameters, gate, min_agent_version,
-                         tier, license_)
+                         tier, license_, staged)
     entry = repo.add(file, manifest, keys, progress=None if as_json else progress("publishing"))
     if as_json:
         echo_json(entry.to_json())
@@ -299,7 +368,7 @@ def release_add_agent(keys_dir: Path | None, root_file: Path | None, expires: st
 def release_push(file: Path, name: str, version: str, template: Path | None,
                  parameters: Path | None, gate: Path | None, min_agent_version: str | None,
                  tier: str | None, license_: str | None, keys_dir: Path, root_file: Path,
-                 expires: str, as_json: bool) -> None:
+                 expires: str, as_json: bool, **staged: Any) -> None:
     """Publish a GGUF as NAME@VERSION from a desk: signed here with the targets key,
     uploaded through the controller's API, verified from the release root."""
     if not remote():
@@ -307,7 +376,7 @@ def release_push(file: Path, name: str, version: str, template: Path | None,
                        "https://HOST:PORT (on the controller host, with the targets key "
                        "there: fleet release add)")
     manifest = _manifest(file, name, version, template, parameters, gate, min_agent_version,
-                         tier, license_)
+                         tier, license_, staged)
     _push(file, manifest, keys_dir, root_file, expires, as_json)
 
 
@@ -322,7 +391,9 @@ def _push(file: Path, manifest: ReleaseManifest | AgentManifest, keys_dir: Path,
         next_targets,
         trusted_targets,
     )
+    from edge_agent.fleet.controller.releases.readiness import refusal
     from edge_agent.fleet.controller.releases.signing_keys import KeyDir
+    from edge_agent.fleet.protocol.manifest import ReleaseManifest
 
     expires_s = _duration(expires, "--expires")
     signer = KeyDir(keys_dir).signer("targets")
@@ -345,6 +416,10 @@ def _push(file: Path, manifest: ReleaseManifest | AgentManifest, keys_dir: Path,
         if entry.path in before.signed.targets:
             raise CheckFailed(f"release {manifest.ref} exists: a release never changes: "
                               "publish a new version")
+        unready = refusal(manifest, before.signed.targets) \
+            if isinstance(manifest, ReleaseManifest) else None
+        if unready is not None:  # the controller refuses it too: nothing goes up
+            raise CheckFailed(unready)
         uploaded = api.put_file(f"/release-files/{sha256}", file)
         answer = api.post("/releases", {"targets": next_targets(
             before, entry, signer, expires_s=expires_s).to_dict()})
@@ -371,11 +446,11 @@ def release_list(as_json: bool) -> None:
         echo_json([e.to_json() for e in entries])
         return
     table([("NAME", "<24"), ("VERSION", "<8"), ("SIZE", ">9"), ("ARCH", "<10"),
-           ("QUANT", "<8"), ("CONTEXT", ">7"), ("TIER", "<12"), ("MIN AGENT", "<9"),
-           ("SHA256", "")],
+           ("QUANT", "<8"), ("CONTEXT", ">7"), ("TIER", "<12"), ("STAGE", "<10"),
+           ("MIN AGENT", "<9"), ("SHA256", "")],
           ([e.manifest.name, e.manifest.version, f"{e.length / 1e6:.0f}MB",
             e.manifest.architecture, e.manifest.quantization,
-            e.manifest.context_length or "-", e.manifest.tier,
+            e.manifest.context_length or "-", e.manifest.tier, e.manifest.stage,
             e.manifest.min_agent_version or "-", e.sha256[:12]] for e in entries))
 
 
@@ -466,7 +541,7 @@ def _show(entry: ReleaseEntry) -> None:
         ("length", entry.length), ("sha256", entry.sha256),
         ("architecture", m.architecture), ("quantization", m.quantization),
         ("context", m.context_length or "-"), ("parameter size", m.parameter_size or "-"),
-        ("license", m.license or "-"), ("tier", m.tier),
+        ("license", m.license or "-"), ("tier", m.tier), ("stage", m.stage),
         ("min agent", m.min_agent_version or "-"),
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_at))),
         ("parameters", json.dumps(m.parameters) if m.parameters else "-"),
@@ -474,8 +549,25 @@ def _show(entry: ReleaseEntry) -> None:
         ("template", "(the GGUF's own)" if m.chat_template is None else
          f"{len(m.chat_template)} characters, replaces the GGUF's"),
     ]
+    rows += _material_rows(m)
     for key, value in rows:
         click.echo(f"{key:<15} {value}")
+
+
+def _material_rows(m: ReleaseManifest) -> list[tuple[str, Any]]:
+    """`release show`'s lines for the materials (`-` for one not given)."""
+    x = m.materials
+    samples = x.eval_samples
+    results = x.eval_results
+    return [
+        ("eval samples", "-" if samples is None else
+         f"{samples.count} ({', '.join(samples.kinds)}), sha256 {samples.sha256[:12]}"),
+        ("eval results", "-" if results is None else
+         ", ".join([*(f"{k}={v}" for k, v in results.metrics.items()),
+                    f"sha256 {results.sha256[:12]}"])),
+        ("build", x.build or "-"), ("route", x.route or "-"),
+        ("degradation", x.degradation or "-"), ("rollback to", x.rollback_target or "-"),
+        ("review by", x.review_by or "-")]
 
 
 def _table(path: Path | None, flag: str) -> dict[str, Any] | None:

@@ -60,6 +60,10 @@ SCRAPE = "scrape"  # Prometheus and health checks: see `metrics_open`
 RULES: Mapping[tuple[str, str], str] = {
     ("GET", "/metrics"): SCRAPE,
     ("GET", "/healthz"): SCRAPE,
+    ("GET", "/fleet-metrics"): SCRAPE,
+    ("GET", "/slo"): "viewer",
+    ("GET", "/slo/rollouts/{rollout_id}"): "viewer",
+    ("GET", "/console/slo"): "viewer",
     ("GET", "/openapi.json"): "viewer",
     ("HEAD", "/openapi.json"): "viewer",
     ("GET", "/devices"): "viewer",
@@ -71,6 +75,7 @@ RULES: Mapping[tuple[str, str], str] = {
     ("POST", "/devices"): "admin",
     ("POST", "/devices/{device_id}/unregister"): "admin",
     ("GET", "/latest-metrics"): "viewer",
+    ("GET", "/feedback"): "viewer",
     ("GET", "/audit"): "viewer",
     ("POST", "/commands"): "operator",
     ("GET", "/commands/{command_id}"): "viewer",

@@ -9,6 +9,10 @@ boxes.
     GET /controllers              {"controllers": [...]}: each `fleet serve` of the store, its
                                   state (leader, follower, gone) and since when
     GET /latest-metrics           {"devices": [{"device": id, "metrics": latest}, ...]}
+    GET /feedback                 {"since", "until", "feedback": [{"device", "fleet", "model",
+                                  "good", "bad", "messages"}, ...]}: the apps' verdicts per
+                                  box and model (?since=&until= Unix s, default the last
+                                  day; ?device=), `feedback`
     GET /devices/{id}             one device (404 if unknown), with its loss accounting
     GET /devices/{id}/metrics     {"device": id, "metrics": [newest first]} (?limit=1..1000)
     POST /devices/{id}/retire     (admin) out of service: kept, left out of rollouts; /restore
@@ -17,6 +21,8 @@ boxes.
     …/rollouts                    read, start, pause, resume, abort, roll back: `rollouts.api`
     …/commands                    `fleet send`: `command_api`
     …/operators, GET /audit       tokens (admin) and who did what: `operator_api`
+    GET /slo, /slo/rollouts/{id}  service levels over time, a release's before/after: `slo_api`
+    GET /fleet-metrics            every box's service levels in Prometheus text: `slo_export`
     PUT /release-files/, POST /releases   a release signed at a desk: `release_api`
     GET /, /console/…             the web console: `console`
 
@@ -44,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edge_agent import __version__
+from edge_agent.config.controller import SLOSettings
 from edge_agent.errors import EdgeAgentError, InvalidRequest, NotFound
 from edge_agent.fleet.controller import registrations
 from edge_agent.fleet.controller.access import AccessControl, actor
@@ -58,7 +65,9 @@ from edge_agent.fleet.controller.operators import Operator
 from edge_agent.fleet.controller.release_api import release_router
 from edge_agent.fleet.controller.releases.artifacts import artifacts_router
 from edge_agent.fleet.controller.releases.repository import releases_dir
+from edge_agent.fleet.controller.rings import Rings
 from edge_agent.fleet.controller.rollouts.api import rollout_router
+from edge_agent.fleet.controller.slo_api import slo_router
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.protocol.ids import check_id
 
@@ -72,6 +81,9 @@ class DeviceRegister(BaseModel):
     fleet: str = Field("default", max_length=64)
 
 
+FEEDBACK_WINDOW_S = 86400.0  # GET /feedback without ?since: the last day
+
+
 def _problem(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
@@ -82,14 +94,18 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
                metrics_open: bool | None = None,
                commands: CommandSender | None = None,
                local: Operator | None = None,
-               leadership: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
+               leadership: Callable[[], dict[str, Any]] | None = None,
+               rings: Rings | None = None,
+               slo: SLOSettings | None = None) -> FastAPI:
     """`state_dir`: the controller's; its signed release repository is served under
     /releases/ (metadata and model files, with Range, for the boxes' `fleet.artifacts_url`)
     and rollouts are started from it. `loopback`: whether
     the server is bound to a loopback address only (`access` opens reads to the host's
     users while no operator exists, and `/metrics` unless `metrics_open` says). `commands`:
     the controller's key and broker, for `POST /commands` (None: it answers 503). `local`:
-    the CLI's own app on the controller host, every request made as that operator."""
+    the CLI's own app on the controller host, every request made as that operator.
+    `rings`: which fleets each release stage may go to (`[stages]`; None: all of them).
+    `slo`: the service levels the fleet is held to (`[slo]`; None: the defaults)."""
     app = FastAPI(title="edge-agent fleet controller", version=__version__,
                   docs_url=None, redoc_url=None)
     app.add_middleware(AccessControl, store=store, loopback=loopback,
@@ -167,6 +183,19 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
         return {"devices": [{"device": d["device"], "metrics": store.latest_metrics(d["device"])}
                             for d in store.devices()]}
 
+    @app.get("/feedback")
+    def feedback(since: float | None = Query(None, allow_inf_nan=False),
+                 until: float | None = Query(None, allow_inf_nan=False),
+                 device: str | None = Query(None, max_length=64)) -> dict[str, Any]:
+        if device is not None:
+            try:
+                check_id("device", device)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), param="device") from None
+        start = time.time() - FEEDBACK_WINDOW_S if since is None else since
+        return {"since": start, "until": until,
+                "feedback": store.slo.feedback_sums(since=start, until=until, device=device)}
+
     @app.get("/devices/{device_id}", response_model=None)
     def device(device_id: str) -> dict[str, Any] | JSONResponse:
         try:
@@ -210,10 +239,11 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
                 "metrics": store.messages(device_id, kind="metrics", limit=limit,
                                           newest_first=True)}
 
-    app.include_router(rollout_router(store, state_dir))
+    app.include_router(rollout_router(store, state_dir, rings))
     app.include_router(command_router(store, commands))
     app.include_router(operator_router(store))
     app.include_router(release_router(store, state_dir))
-    app.include_router(console_router(store, state_dir))
+    app.include_router(slo_router(store.slo, slo or SLOSettings.model_validate({})))
+    app.include_router(console_router(store, state_dir, rings, slo=slo))
 
     return app

@@ -12,8 +12,10 @@ keeps what status, evidence and loss accounting need.
 
 `RetentionQueries` is what `sql.SQLStore.retention` holds (SQLite and PostgreSQL alike); `Retention`
 is the thread `fleet serve` runs. A batch is one transaction (never one long lock over
-the whole table); a failed pass is logged and tried again at the next. Must never delete a
-message younger than its class's retention, or anything but `messages`.
+the whole table); a failed pass is logged and tried again at the next. The service levels
+over time (`slo_intervals`, `slo_errors`, `slo_minutes`) go with the metrics: those that
+ended before the metrics' cutoff. Must never delete a message younger than its class's
+retention, or anything but `messages` and those three.
 """
 
 from __future__ import annotations
@@ -73,6 +75,27 @@ class RetentionQueries:
                 removed += len(rows)
                 if len(rows) < batch:
                     break
+        if METRICS in before:
+            removed += self._purge_slo(before[METRICS], batch)
+        return removed
+
+    def _purge_slo(self, cutoff: float, batch: int) -> int:
+        """The service levels (`slo`) go with the metrics they came from: intervals, error
+        counts and minutes that ended (the box's time) before the metrics' cutoff."""
+        removed = 0
+        for table in ("slo_intervals", "slo_errors"):
+            while True:
+                with self._tx() as db:
+                    gone = db.run(
+                        f"DELETE FROM {table} WHERE (device, boot_id, seq) IN (SELECT device, "
+                        f"boot_id, seq FROM {table} WHERE end_ts < ? ORDER BY end_ts "
+                        f"LIMIT ?)", [cutoff, batch])
+                removed += gone
+                if gone < batch:
+                    break
+        with self._tx() as db:  # one row per minute, fleet and model: few
+            # Minute m holds the intervals that ended in (60m, 60m + 60].
+            removed += db.run("DELETE FROM slo_minutes WHERE minute * 60 + 60 < ?", [cutoff])
         return removed
 
     def retired(self, device: str, boot_id: str) -> int:

@@ -2,7 +2,8 @@
 `store.SQLiteStore` and `store.PostgresStore` run once each (`fleet_migrations` records
 them). The queries that read and write these tables are `sql.SQLStore` (devices,
 messages, commands), `rollout_queries.RolloutQueries` (rollouts) and
-`retention.RetentionQueries` (what retention removed).
+`retention.RetentionQueries` (what retention removed) and `slo.SLOQueries` (the
+service levels over time).
 
 | table | one row per | written by |
 |---|---|---|
@@ -21,6 +22,10 @@ messages, commands), `rollout_queries.RolloutQueries` (rollouts) and
 | `operator_actions` | operator action: who, role, from where, what, outcome | API, CLI |
 | `device_registrations` | box expected: its fleet, when and by whom | `fleet devices register` |
 | `controllers` | `fleet serve` of the store: leading or not, since when, last seen | itself |
+| `slo_intervals` | metrics message and model: requests, TTFT/TPOT, feedback | ingest (`slo`) |
+| `slo_errors` | errors event, model, status and type: how many failed | ingest (`slo`) |
+| `slo_minutes` | minute, fleet and model: the boxes' figures added up | ingest (`slo`) |
+| `slo_totals` | box and model: running sums, latest percentiles (the export's) | ingest (`slo`) |
 
 Types are the ones both databases understand (SQLite maps BIGINT to INTEGER, DOUBLE
 PRECISION to REAL); bodies are JSON text, so the two stores read back the same thing. A
@@ -28,6 +33,8 @@ step is never edited once released: a change is a new step at the end.
 """
 
 from __future__ import annotations
+
+from edge_agent.fleet.controller.slo import SCHEMA as SLO_SCHEMA
 
 SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("m001_devices_and_messages", (
@@ -151,4 +158,7 @@ SCHEMA: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("m013_capacity_rollouts", (
         "ALTER TABLE rollouts ADD COLUMN config TEXT",
     )),
+    # The service levels over time (`slo`): each metrics message's figures per model, the
+    # errors events' counts, and per box and model the running sums and latest figures.
+    ("m014_slo_series", SLO_SCHEMA),
 )

@@ -43,6 +43,7 @@ from edge_agent.fleet.controller.metrics import ControllerMetrics
 from edge_agent.fleet.controller.releases.artifacts import release_app
 from edge_agent.fleet.controller.releases.repository import releases_dir
 from edge_agent.fleet.controller.retention import Retention
+from edge_agent.fleet.controller.rings import Rings
 from edge_agent.fleet.controller.rollouts.driver import RolloutEngine
 from edge_agent.fleet.controller.store import ControllerStore, open_store
 from edge_agent.fleet.protocol.signing import load_private
@@ -100,7 +101,9 @@ class Controller:
                          state_dir=self.settings.state_dir,
                          loopback=is_loopback(self.settings.http.host),
                          metrics_open=self.settings.http.metrics_open,
-                         commands=self.commands)
+                         commands=self.commands,
+                         rings=Rings.of(self.settings.stages),
+                         slo=self.settings.slo)
         config = uvicorn.Config(
             app, host=http.host, port=http.port, log_level=log_level, lifespan="off",
             access_log=False,

@@ -22,6 +22,7 @@ from edge_agent.fleet.controller.inbound import Acks, Inbound
 from edge_agent.fleet.controller.operators import OperatorQueries
 from edge_agent.fleet.controller.retention import RetentionQueries
 from edge_agent.fleet.controller.rollout_queries import RolloutQueries
+from edge_agent.fleet.controller.slo import MinuteSums, SLOQueries
 from edge_agent.fleet.controller.transaction import Exec
 from edge_agent.fleet.protocol.envelope import (
     Ranges,
@@ -68,13 +69,18 @@ def _text(value: Any, limit: int = 1000) -> str | None:
 class SQLStore:
     """The store's behaviour over `_tx()` (a write transaction) and `_read()`, which a
     subclass gives (its connection): the devices, their messages and commands here, and
-    four narrow query objects that callers reach directly — the rollouts' (`rollouts`), the
+    five narrow query objects that callers reach directly — the rollouts' (`rollouts`), the
+    service levels over time and the apps' verdicts on answers (`slo`), the
     purge's (`retention`), the operators' tokens (`operators`) and the audit trail
     (`audit`), each its own module's, in this store's transactions."""
 
     @cached_property
     def rollouts(self) -> RolloutQueries:
         return RolloutQueries(self._tx, self._read, self._insert_command)
+
+    @cached_property
+    def slo(self) -> SLOQueries:
+        return SLOQueries(self._tx, self._read)
 
     @cached_property
     def retention(self) -> RetentionQueries:
@@ -124,6 +130,7 @@ class SQLStore:
                 [(m.device, m.boot_id, m.seq, m.fleet, m.kind, m.cls, m.ts, m.received,
                   _dumps(m.body)) for m in batch])
             dups: dict[tuple[str, str], int] = defaultdict(int)
+            minutes = MinuteSums()
             for msg, fresh in zip(batch, new, strict=True):
                 if not fresh:
                     acks.duplicates += 1
@@ -131,7 +138,8 @@ class SQLStore:
                     continue
                 acks.stored += 1
                 acks.stored_by_kind[msg.kind] = acks.stored_by_kind.get(msg.kind, 0) + 1
-                self._side_effects(db, msg)
+                self._side_effects(db, msg, minutes)
+            SLOQueries.write_minutes(db, minutes)
             if dups:
                 db.many("INSERT INTO duplicates (device, boot_id, count) VALUES (?, ?, ?) "
                         "ON CONFLICT (device, boot_id) DO UPDATE SET "
@@ -147,7 +155,7 @@ class SQLStore:
                     [(m.device, m.fleet, m.received, m.received) for m in last.values()])
         return acks
 
-    def _side_effects(self, db: Exec, msg: Inbound) -> None:
+    def _side_effects(self, db: Exec, msg: Inbound, minutes: MinuteSums) -> None:
         """What a new message means beyond itself: a dropped-metrics report, a command's
         result, a rollout's report (`rollout_queries`). Bad shapes are logged, never fatal:
         the message itself is stored."""
@@ -165,6 +173,10 @@ class SQLStore:
                 RolloutQueries.rollout_result(db, msg.device, body, msg.ts, msg.received)
             elif msg.kind == "rollout":
                 RolloutQueries.rollout_message(db, msg)
+            elif msg.kind == "metrics":
+                SLOQueries.metrics_message(db, msg, minutes)
+            elif msg.kind == "events" and body.get("event") == "errors":
+                SLOQueries.errors_event(db, msg)
         except (ValueError, TypeError) as exc:
             log.warning("fleet: %s from %s seq %s: %s", msg.kind, msg.device, msg.seq, exc)
 

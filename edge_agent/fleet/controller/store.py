@@ -25,6 +25,7 @@ from edge_agent.fleet.controller.operators import OperatorStore
 from edge_agent.fleet.controller.retention import RetentionQueries
 from edge_agent.fleet.controller.rollout_records import RolloutRecordStore
 from edge_agent.fleet.controller.schema import SCHEMA
+from edge_agent.fleet.controller.slo import SLOQueries
 from edge_agent.fleet.controller.sql import SQLStore
 from edge_agent.fleet.controller.transaction import Exec
 from edge_agent.fleet.protocol.envelope import Ranges
@@ -71,6 +72,9 @@ class ControllerStore(Protocol):
 
     @property
     def retention(self) -> RetentionQueries: ...
+
+    @property
+    def slo(self) -> SLOQueries: ...
 
     def ingest(self, batch: Sequence[Inbound]) -> Acks: ...
 

@@ -17,6 +17,10 @@ that only looks like a number ("0.7" as a stop sequence) alone:
     {"parameters": {"temperature": "0.7", "stop": ["0.7"]},
      "floats": [["parameters", "temperature"]], ...}
 
+A release's stage and its materials (`materials`) travel here too: signed with the file.
+An older device ignores them (the model ignores fields it does not know), so adding them
+needed no new `format`.
+
 This module never touches the network, the disk or keys: data in, data out, errors as
 `ManifestError` (a ValueError) naming the field.
 """
@@ -35,6 +39,7 @@ from edge_agent.engine.models.entries import ManifestExtras
 from edge_agent.engine.request import SamplingParams
 from edge_agent.errors import InvalidRequest
 from edge_agent.fleet.protocol.ids import VERSION, VERSION_RULE
+from edge_agent.fleet.protocol.materials import Materials, Stage
 from edge_agent.names import ModelName
 
 FORMAT = 1  # bumped when a device of this version could not read a newer manifest right
@@ -74,6 +79,10 @@ class ReleaseManifest(BaseModel):
         default_factory=dict, description="The health gate's spec, carried as given; the "
         "device's gate reads it.")
     created_at: int = 0
+    # Where the release may go and what it carries (`materials`); a release published
+    # before stages has neither, and reads as an experiment with no materials.
+    stage: Stage = "experiment"
+    materials: Materials = Field(default_factory=Materials)  # type: ignore[arg-type]
 
     @field_validator("name")
     @classmethod

@@ -2,7 +2,8 @@
 driven by selenium), against a real `fleet serve`, a real Mosquitto and two simulated boxes
 (the agent's own link code, `tests.support.rolloutsim`): an operator signs in with a token,
 sees both boxes online with their versions, starts a rollout from a release and aborts it,
-starts another and watches its waves move to COMPLETED with no reload; a viewer sees the
+starts another and watches its waves move to COMPLETED with no reload, and finds each
+release's stage and materials on the releases page; a viewer sees the
 same pages without a single action button; a POST without the form's CSRF token is
 refused. A screenshot of each page goes to the test's tmp dir (and, with
 EDGE_AGENT_SCREENSHOTS=DIR, to DIR: the manual's pictures).
@@ -17,19 +18,23 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from edge_agent.fleet.controller.releases.evaluation import samples_summary
 from tests.ggufgen import write_tiny_gguf
 from tests.support.brokers import Mosquitto
-from tests.support.console import shot, sign_in, text, windows
+from tests.support.console import serving_fleet, shot, sign_in, text, windows
 from tests.support.fleetkit import wait_until
 from tests.support.releasekit import make_repo
-from tests.support.rolloutkit import cli, controller_config, serving
-from tests.support.rolloutsim import LinkFleet
 
 pytestmark = [pytest.mark.broker]
 
 NAME = "simmodel:1b"
 BOXES = ("sim-000", "sim-001")
+PRODUCTION_MATERIALS = {
+    "eval_samples": samples_summary(b'{"kind": ["openai", "tools"]}\n{"kind": "ollama"}\n'
+                                    ).model_dump(),
+    "eval_results": {"sha256": "0" * 64, "metrics": {"accuracy": 0.93}},
+    "build": "llama.cpp b4500 Q4_K_M", "route": "local", "degradation": "simmodel:1b@2",
+    "rollback_target": "2", "review_by": "2027-03-01"}
 
 
 @pytest.fixture
@@ -45,33 +50,10 @@ def central(mosquitto_factory: Callable[..., Mosquitto], tmp_path: Path
     broker = mosquitto_factory(devices=BOXES, passwd_tool=False).start()
     repo = make_repo(tmp_path)
     repo.add(write_tiny_gguf(tmp_path / "model.gguf"), NAME, "2")
-    port = free_port()
-    config = controller_config(tmp_path / "controller.toml", state=tmp_path / "state",
-                               key=repo.keys.private("command"), broker=broker,
-                               http=f"port = {port}")
-    tokens = {role: cli("fleet", "operators", "create", f"{role}-1", "--role", role,
-                        "--config", str(config)).stdout.strip()
-              for role in ("operator", "viewer")}
-    url = f"http://127.0.0.1:{port}"
-    auth = {"Authorization": f"Bearer {tokens['viewer']}"}
-
-    def healthy() -> bool:
-        try:
-            return bool(httpx.get(f"{url}/healthz", headers=auth, timeout=2)
-                        .json()["broker_connected"])
-        except (httpx.HTTPError, ValueError, KeyError):
-            return False
-
-    with serving(config, tmp_path / "serve.log"):
-        assert wait_until(healthy, 60, 0.2), (tmp_path / "serve.log").readtext()[-2000:]
-        fleet = LinkFleet(broker, repo.keys.public_file("command"), BOXES, tmp_path / "sim",
-                          step_s=0.4).connect()
-        try:
-            assert wait_until(lambda: len(httpx.get(f"{url}/devices", headers=auth).json()[
-                "devices"]) == len(BOXES), 60, 0.2)
-            yield {"url": url, "tokens": tokens, "fleet": fleet, "auth": auth}
-        finally:
-            fleet.close()
+    repo.add(write_tiny_gguf(tmp_path / "model.gguf"), NAME, "3", license="Apache-2.0",
+             stage="production", materials=PRODUCTION_MATERIALS)
+    with serving_fleet(broker, repo, BOXES, tmp_path) as central:
+        yield central
 
 
 def _start(driver: Any, url: str, waves: str, soak: str, tmp_path: Path | None = None) -> str:
@@ -143,6 +125,14 @@ def test_an_operator_and_a_viewer_use_the_console(central: dict[str, Any],
     shot(op, tmp_path, "audit")
     op.get(f"{url}/console/releases")
     assert f"{NAME}@2" in text(op, "releases")
+    rows = {r.get_attribute("data-release"): " ".join(r.text.split())
+            for r in op.find_elements(By.CSS_SELECTOR, "#releases tbody tr")}
+    assert "experiment" in rows[f"{NAME}@2"] and "Review by -" in rows[f"{NAME}@2"], rows
+    production = rows[f"{NAME}@3"]
+    for shown in ("production", "License Apache-2.0", "Eval samples 2 (ollama, openai, tools)",
+                  "accuracy 0.93", "Build llama.cpp b4500 Q4_K_M", "Route local",
+                  f"Degradation {NAME}@2", "Rollback target 2", "Review by 2027-03-01"):
+        assert shown in production, (shown, production)
     shot(op, tmp_path, "releases")
 
     # The same session's cookie without the form's CSRF token: refused, nothing done.

@@ -618,3 +618,27 @@ def test_metrics_carry_the_prompt_caches_hits_restored_tokens_and_tiers(
     text = metrics.render().decode()
     assert 'edge_agent_prompt_cache_hits_total{tier="disk"} 1.0' in text
     assert 'edge_agent_prompt_cache_bytes{tier="ram"} 3.145728e+06' in text
+
+
+def test_metrics_carry_each_models_feedback_of_the_interval(tmp_path: Path,
+                                                            outbox: Outbox) -> None:
+    from edge_agent.fleet.protocol import feedback
+
+    metrics = Metrics(lambda: [])
+    sync = make_sync(tmp_path, outbox, metrics=metrics.registry)
+    metrics.observe_done("m:1", "openai", done(10, 0, 5, 4), 0.1)
+    for model, rating in (("m:1", "good"), ("m:1", "good"), ("m:1", "bad"), ("m:2", "bad")):
+        metrics.observe_feedback(model, rating)
+    assert sync.tick_metrics(now=1000.0)
+    first = sent(outbox, "metrics")[0].body
+    assert first["models"]["m:1"]["feedback"] == {"good": 2, "bad": 1}
+    # A verdict on a model that served nothing in the interval still brings it in.
+    assert first["models"]["m:2"]["feedback"] == {"good": 0, "bad": 1}
+    assert feedback.counts(first) == {"m:1": {"good": 2, "bad": 1}, "m:2": {"good": 0, "bad": 1}}
+    metrics.observe_feedback("m:1", "good")
+    metrics.observe_done("m:2", "openai", done(10, 0, 5, 4), 0.1)
+    assert sync.tick_metrics(now=1060.0)
+    second = sent(outbox, "metrics")[1].body
+    assert second["models"]["m:1"]["feedback"] == {"good": 1, "bad": 0}  # deltas, not totals
+    assert second["models"]["m:2"]["feedback"] == {"good": 0, "bad": 0}
+    assert feedback.counts(second) == {"m:1": {"good": 1, "bad": 0}}

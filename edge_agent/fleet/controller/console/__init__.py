@@ -32,9 +32,11 @@ from starlette.concurrency import run_in_threadpool
 
 from edge_agent import __version__
 from edge_agent.config import ConfigError
+from edge_agent.config.controller import SLOSettings
 from edge_agent.errors import EdgeAgentError, NotFound, PayloadTooLarge
 from edge_agent.fleet.controller import registrations
 from edge_agent.fleet.controller.access import actor
+from edge_agent.fleet.controller.console.charts import service_levels
 from edge_agent.fleet.controller.console.session import (
     close_session,
     csrf_for,
@@ -45,9 +47,12 @@ from edge_agent.fleet.controller.console.session import (
 from edge_agent.fleet.controller.leadership import presence_state
 from edge_agent.fleet.controller.operators import Operator, may
 from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
+from edge_agent.fleet.controller.rings import Rings
 from edge_agent.fleet.controller.rollouts import operations as rollout_ops
 from edge_agent.fleet.controller.rollouts.api import RolloutStart, act_on_rollout, start_rollout
+from edge_agent.fleet.controller.slo_api import window_s
 from edge_agent.fleet.controller.store import ControllerStore
+from edge_agent.fleet.controller.waves import format_duration
 from edge_agent.fleet.protocol.rollout_states import FILE_IN_PLACE
 
 HERE = Path(__file__).resolve().parent
@@ -87,7 +92,10 @@ def _local(target: str | None) -> str:
     return target
 
 
-def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
+def console_router(store: ControllerStore, state_dir: Path | None,
+                   rings: Rings | None = None, *,
+                   slo: SLOSettings | None = None) -> APIRouter:
+    targets = slo or SLOSettings.model_validate({})
     router = APIRouter(include_in_schema=False)
     templates = Jinja2Templates(env=jinja2.Environment(
         loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True))
@@ -197,7 +205,7 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
         try:
             body = RolloutStart.model_validate(fields)
             record = await run_in_threadpool(start_rollout, store, state_dir, body,
-                                             actor(request))
+                                             actor(request), rings)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
@@ -217,7 +225,9 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
                                     store.audit.actions(target=rollout_id))
         evidence = {d["device"]: _evidence(d["device"], rollout_id)
                     for d in report["devices"]}
+        impact = store.slo.release_impact(rollout_id, window_s=targets.compare_s)
         return page(request, "rollout", r=report, evidence=evidence, error=error,
+                    impact=impact, compare=format_duration(targets.compare_s),
                     file_in_place=FILE_IN_PLACE,
                     verbs=[v for v, (_, allowed) in rollout_ops.ACTIONS.items()
                            if report["state"] in allowed])
@@ -247,6 +257,21 @@ def console_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
     @router.get("/console/releases")
     def releases(request: Request) -> Response:
         return page(request, "releases", releases=_releases())
+
+    @router.get("/console/slo")
+    def service_levels_page(request: Request, window: str = "6h", model: str = "",
+                            device: str = "", fleet: str = "") -> Response:
+        form = {"window": window, "model": model, "device": device, "fleet": fleet}
+        try:
+            span = window_s(window)
+        except EdgeAgentError as exc:
+            return page(request, "slo", status=400, error=exc.message, form=form,
+                        charts=[], series=None, targets=targets)
+        until = time.time()
+        series = store.slo.series(since=until - span, until=until, model=model or None,
+                                  device=device or None, fleet=fleet or None).to_json()
+        return page(request, "slo", error=None, form=form, series=series,
+                    charts=service_levels(series), targets=targets)
 
     @router.get("/console/audit")
     def audit(request: Request, operator: str = "") -> Response:

@@ -23,7 +23,8 @@ targets, snapshot and timestamp keys; publishing one signed elsewhere (`publish_
 the API's `POST /releases`) needs only snapshot and timestamp: the targets key may live at
 a desk, never on this host, and the controller still cannot make a release of its own.
 Releases are immutable: `name@version` names one file for good, so a device that saw it
-can trust that it did not change.
+can trust that it did not change. A release that lacks what its stage asks is refused
+before anything is written (`readiness`).
 
 Every write takes `repo.lock` (a cron re-sign and an `add` must not bump the same version
 twice) and goes to a temporary file renamed into place (python-tuf's `to_file` removes,
@@ -75,6 +76,7 @@ from edge_agent.errors import (
     ServiceUnavailable,
 )
 from edge_agent.files import atomic_write, locked
+from edge_agent.fleet.controller.releases.readiness import refusal
 from edge_agent.fleet.controller.releases.signing_keys import KeyDir, root_keys, root_signers
 from edge_agent.fleet.protocol.agent_release import (
     AgentManifest,
@@ -286,6 +288,10 @@ class ReleaseRepository:
                 raise ReleaseExists(f"release {manifest.ref} exists (sha256 "
                                     f"{old.hashes.get('sha256', '?')[:12]}); a release never "
                                     "changes: publish a new version")
+            if isinstance(manifest, ReleaseManifest):
+                unready = refusal(manifest, state.targets.signed.targets)
+                if unready is not None:
+                    raise InvalidRequest(unready, param="stage")
             length, digest = self._store_blob(
                 file, path, progress, check_gguf=isinstance(manifest, ReleaseManifest))
             tf = release_target(manifest, length, digest)
@@ -361,6 +367,10 @@ class ReleaseRepository:
             if manifest.target_path != tf.path:
                 raise InvalidRequest(f"{tf.path}: its manifest names {manifest.ref} "
                                      f"({manifest.target_path})")
+            if isinstance(manifest, ReleaseManifest):
+                unready = refusal(manifest, md.signed.targets)
+                if unready is not None:
+                    raise InvalidRequest(unready, param="stage")
             digest = tf.hashes.get("sha256", "")
             blob = self.incoming / digest
             if not SHA256.fullmatch(digest) or not blob.is_file():
@@ -629,7 +639,8 @@ def manifest_for(gguf: Path, *, name: str, version: str, notes: list[str] | None
                  **fields: Any) -> ReleaseManifest:
     """The manifest of `gguf` as `name@version`: architecture, quantization, context
     length and parameter size from its header (read in the bounded child process), the
-    rest from `fields` (license, tier, chat_template, parameters, min_agent_version, gate).
+    rest from `fields` (license, tier, chat_template, parameters, min_agent_version, gate,
+    stage, materials).
     What the publisher should know before the boxes find out goes into `notes`: a model
     with no chat template anywhere answers no chat, and a box whose previous version did
     rolls it back (its `chat_template` check)."""

@@ -27,6 +27,7 @@ from edge_agent.config import ConfigError
 from edge_agent.errors import InvalidRequest, NotFound, ServiceUnavailable
 from edge_agent.fleet.controller.access import actor
 from edge_agent.fleet.controller.audit import audited
+from edge_agent.fleet.controller.rings import Rings
 from edge_agent.fleet.controller.rollout_records import RolloutRecord
 from edge_agent.fleet.controller.rollouts import operations as rollout_ops
 from edge_agent.fleet.controller.store import ControllerStore
@@ -58,9 +59,9 @@ class RolloutStart(BaseModel):
 
 
 def start_rollout(store: ControllerStore, state_dir: Path | None, body: RolloutStart,
-                  who: Mapping[str, str]) -> RolloutRecord:
+                  who: Mapping[str, str], rings: Rings | None = None) -> RolloutRecord:
     """A rollout started by `who` (`access.actor`) and put on the audit trail, done or
-    refused: the API's and the console's one way."""
+    refused: the API's and the console's one way (`rings`: where each stage may go)."""
     # A model release's trail as before; a capacity or agent release's names them.
     request = body.model_dump(exclude={k for k in ("capacity", "agent", "release")
                                        if getattr(body, k) is None})
@@ -88,7 +89,7 @@ def start_rollout(store: ControllerStore, state_dir: Path | None, body: RolloutS
                 assert body.release is not None
                 record = rollout_ops.start(store, state_dir, body.release, body.devices,
                                            policy, now=time.time(), rollout_id=body.id,
-                                           capacity=capacity)
+                                           capacity=capacity, rings=rings)
         except ConfigError as exc:  # the repository is not there: the controller's to fix
             raise ServiceUnavailable(str(exc)) from exc
         action.target = record.id
@@ -102,9 +103,11 @@ def act_on_rollout(store: ControllerStore, rollout_id: str, verb: str,
         return rollout_ops.act(store, rollout_id, verb, now=time.time(), by=who["operator"])
 
 
-def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
+def rollout_router(store: ControllerStore, state_dir: Path | None,
+                   rings: Rings | None = None) -> APIRouter:
     """`state_dir`: the controller's, where the release repository a rollout must name is
-    (None: every release is unknown)."""
+    (None: every release is unknown); `rings`: which fleets each stage may go to (None:
+    every fleet takes every stage)."""
     router = APIRouter()
 
     @router.get("/rollouts")
@@ -141,7 +144,7 @@ def rollout_router(store: ControllerStore, state_dir: Path | None) -> APIRouter:
 
     @router.post("/rollouts", status_code=201)
     def start(body: RolloutStart, request: Request) -> dict[str, Any]:
-        return start_rollout(store, state_dir, body, actor(request)).to_json()
+        return start_rollout(store, state_dir, body, actor(request), rings).to_json()
 
     def act(verb: str) -> None:
         def acted(rollout_id: str, request: Request) -> dict[str, Any]:

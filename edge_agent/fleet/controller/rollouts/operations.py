@@ -6,6 +6,9 @@ These only write the store: the rollout engine inside the running `fleet serve`
 `fleet rollout …` works the same from any machine that reaches the store, and a rollout
 written while `fleet serve` is down starts when it comes back.
 
+A release's stage limits the selection (`controller.rings`): a rollout that would reach a
+box of a fleet its stage may not go to is refused, naming the boxes, never narrowed.
+
 Selectors (`--devices`), comma-separated, their union; a retired box is never selected:
     all          every device that ever reported to this controller (the default)
     fleet:ID     the devices of fleet ID
@@ -18,13 +21,15 @@ from __future__ import annotations
 import fnmatch
 import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from edge_agent.errors import InvalidRequest
+from edge_agent.errors import Conflict, InvalidRequest
 from edge_agent.fleet.controller.audit import AuditEntry
+from edge_agent.fleet.controller.releases.readiness import refusal
 from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
+from edge_agent.fleet.controller.rings import Rings
 from edge_agent.fleet.controller.rollout_records import DeviceRecord, NewRollout, RolloutRecord
 from edge_agent.fleet.controller.store import ControllerStore
 from edge_agent.fleet.controller.waves import (
@@ -145,18 +150,33 @@ def parse_capacity(text: str) -> dict[str, int | str]:
 
 def start(store: ControllerStore, state_dir: Path, ref: str, selector: str, policy: Policy, *,
           now: float, rollout_id: str | None = None,
-          capacity: Mapping[str, Any] | None = None) -> RolloutRecord:
+          capacity: Mapping[str, Any] | None = None, rings: Rings | None = None
+          ) -> RolloutRecord:
     """A new RUNNING rollout of a published release (ModelNotFound if the controller's
     repository does not list it; RolloutConflict while another of the name is live);
     with `capacity`, a capacity release of those settings, gated by that release's
-    golden set on the boxes that serve it."""
+    golden set on the boxes that serve it. Refused (Conflict, naming what is wrong) when
+    the release lacks what its stage asks (`releases.readiness`: a release published
+    before the rule, or whose rollback target is gone) or the selection reaches a box its
+    stage may not go to (`rings`: `[stages]` of the settings, None: every fleet takes every
+    stage)."""
     name, version = parse_ref(ref)
     if is_agent_name(name):
         raise InvalidRequest(f"{AGENT_NAME.given} is an agent release: --agent {version}",
                              param="release")
-    ReleaseRepository(releases_dir(state_dir)).get(name, version)
+    repo = ReleaseRepository(releases_dir(state_dir))
+    manifest = repo.get(name, version).manifest
+    unready = refusal(manifest, {e.target_path for e in repo.releases()})
+    if unready is not None:
+        raise Conflict(unready)
+
+    def stage_allows(devices: Mapping[str, str]) -> None:
+        outside = (rings or Rings()).refusal(manifest.ref, manifest.stage, selector, devices)
+        if outside is not None:
+            raise Conflict(outside)
+
     return _create(store, name, version, selector, policy, now=now, rollout_id=rollout_id,
-                   capacity=capacity)
+                   capacity=capacity, allowed=stage_allows)
 
 
 def start_agent(store: ControllerStore, state_dir: Path, version: str, selector: str,
@@ -172,11 +192,16 @@ def start_agent(store: ControllerStore, state_dir: Path, version: str, selector:
 
 def _create(store: ControllerStore, name: str, version: str, selector: str, policy: Policy,
             *, now: float, rollout_id: str | None,
-            capacity: Mapping[str, Any] | None = None) -> RolloutRecord:
+            capacity: Mapping[str, Any] | None = None,
+            allowed: Callable[[Mapping[str, str]], None] | None = None) -> RolloutRecord:
+    """`allowed`: raises where the release may not go to a device selected (device ->
+    fleet)."""
     rid = rollout_id or f"ro-{uuid.uuid4().hex[:12]}"
     if not ROLLOUT_ID.fullmatch(rid):
         raise InvalidRequest(f"a rollout id is {ROLLOUT_ID_RULE}", param="id")
     devices = select_devices(store.devices(), selector)
+    if allowed is not None:
+        allowed(devices)
     waves = assign_waves(rid, devices, policy.steps)
     return store.rollouts.create_rollout(NewRollout(
         rid, name, version, selector,

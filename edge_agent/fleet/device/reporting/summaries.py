@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from edge_agent.fleet.protocol import feedback
 from edge_agent.telemetry.hardware import Reading
 
 # Counters (deltas per interval) and gauges (read at the tick), by sample name.
@@ -28,6 +29,7 @@ CACHED = "edge_agent_cached_prompt_tokens_total"  # prompt tokens reused from th
 PREDICTED = "llamacpp:tokens_predicted_total"
 # labels upstream, reason, status: requests sent to an upstream ([upstreams])
 UPSTREAM = "edge_agent_upstream_requests_total"
+FEEDBACK = "edge_agent_feedback_total"  # labels model, rating: apps' verdicts on answers
 # The prompt cache beyond the sequences: lookups, hits by tier, tokens restored, restore
 # seconds, evictions, disk writes; its tiers' bytes, entries and bounds (label tier).
 CACHE_COUNTERS = {
@@ -44,7 +46,7 @@ CACHE_GAUGES = {
     "limit_bytes": "edge_agent_prompt_cache_limit_bytes",
 }
 COUNTERS = frozenset({REQUESTS, REJECTIONS, EVALUATED, CACHED, PREDICTED, UPSTREAM,
-                      *CACHE_COUNTERS.values()})
+                      FEEDBACK, *CACHE_COUNTERS.values()})
 WAITING = "llamacpp:requests_deferred"  # label model
 RUNNING = "llamacpp:requests_processing"
 GAUGES = frozenset({WAITING, RUNNING, *CACHE_GAUGES.values()})
@@ -101,7 +103,8 @@ def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 95)) -> dict[s
 
 def _empty_model() -> dict[str, Any]:
     return {"requests": {}, "tokens": {"in": 0, "out": 0, "cached": 0, "cached_share": None},
-            "ttft_ms": None, "tpot_ms": None, "queue": {"waiting": 0, "running": 0}}
+            "ttft_ms": None, "tpot_ms": None, "queue": {"waiting": 0, "running": 0},
+            "feedback": feedback.empty()}
 
 
 def model_metrics(gained: Series, gauges: Series,
@@ -109,8 +112,9 @@ def model_metrics(gained: Series, gauges: Series,
                   ) -> dict[str, dict[str, Any]]:
     """Per model: requests by HTTP status, tokens in (evaluated + cached) / out / cached and
     the cached share of the tokens in, TTFT and TPOT percentiles (ms, from `latencies`:
-    model → (ttft values, tpot values)), and the queue at the tick. A model appears when it
-    served, failed, is loaded (its gauges) or has latencies."""
+    model → (ttft values, tpot values)), the queue at the tick, and the verdicts apps sent
+    back on its answers (`fleet.protocol.feedback`). A model appears when it served,
+    failed, is loaded (its gauges), has latencies or got a verdict."""
     models: dict[str, dict[str, Any]] = {}
 
     def entry(labels: Labels) -> dict[str, Any]:
@@ -130,6 +134,11 @@ def model_metrics(gained: Series, gauges: Series,
                 tokens["in"] += int(value)
                 if name == CACHED:
                     tokens["cached"] += int(value)
+        elif name == FEEDBACK:
+            rating = dict(labels).get("rating", "")
+            given = entry(labels)["feedback"]
+            if rating in given:
+                given[rating] += int(value)
     for (name, labels), value in gauges.items():
         entry(labels)["queue"]["waiting" if name == WAITING else "running"] = int(value)
     for model, (ttft, tpot) in latencies.items():

@@ -4,9 +4,10 @@ produced on their intervals and handed to the outbox (`emit`, `Outbox.append`'s 
 - `metrics` (class `metrics`, every `fleet.metrics_interval_s`): per model the requests by
   status, tokens in/out/cached and the cached share — deltas of the box's Prometheus
   counters since the last message —, TTFT and TPOT p50/p95 of the interval, the queue at
-  the tick; rejections by reason; the hardware sampler's latest readings; the outbox's
-  depth and oldest age. Counters reset with the process, so the first message after a
-  start covers the time since that start.
+  the tick, the verdicts apps sent back on its answers (`feedback`: good and bad, from
+  `edge_agent_feedback_total`, `fleet.protocol.feedback`); rejections by reason; the
+  hardware sampler's latest readings; the outbox's depth and oldest age. Counters reset
+  with the process, so the first message after a start covers the time since that start.
 - `ledger` (class `audit`, every `fleet.ledger_interval_s`, only when rows were
   committed): `fleet.device.reporting.ledger_summary` — counts, never text, each row exactly once.
 - `events` (class `audit`): model installed / removed / activated / loaded / unloaded
