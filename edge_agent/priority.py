@@ -1,7 +1,8 @@
 """Lowering one thread's CPU priority: the generation threads (`runtime.compute_nice`, so
 the HTTP side keeps a core), and work that must not take the cores from them — a
 rollout's download, verification and precheck (`fleet.rollout_nice`), a load's digest check
-and GGUF probe (`run_niced`).
+and GGUF probe (`run_niced`), a `model.verify`'s hash on the fleet link's command worker
+(`call_niced`).
 
 The generation threads run `compute_nice` (5) steps nicer than the rest of the process, so
 work at the usual priority outranks them about 3 to 1 for the CPU: on two cores the longest
@@ -25,7 +26,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 MAX_NICE = 19
 BACKGROUND_NICE = 10  # checks that may wait: a load's digest and probe
@@ -76,3 +77,26 @@ async def run_niced(increment: int, fn: Callable[..., T], /, *args: Any, **kwarg
     # (a download stops at its next progress report once the runner is stopping).
     threading.Thread(target=work, name="niced", daemon=False).start()
     return await done
+
+
+def call_niced(increment: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """`run_niced` for a caller on a thread of its own that waits anyway (the fleet link's
+    command worker): `fn` on a new thread whose nice value is raised by `increment`, and
+    its result or its exception here once it is done. The caller's thread keeps its own
+    value for the work it does next."""
+    outcome: list[tuple[T | None, BaseException | None]] = []
+
+    def work() -> None:
+        lower_thread_priority(increment)
+        try:
+            outcome.append((fn(*args, **kwargs), None))
+        except BaseException as exc:  # raised again on the caller's thread
+            outcome.append((None, exc))
+
+    thread = threading.Thread(target=work, name="niced", daemon=False)
+    thread.start()
+    thread.join()
+    result, error = outcome[0]
+    if error is not None:
+        raise error
+    return cast(T, result)

@@ -2,7 +2,7 @@
 by its id (as the scheduler does for its worker) — capped at 19, the others untouched; and
 `run_niced`: work on a thread of its own at a raised nice value (and a child process it
 starts, as the GGUF probe does), its result or error back to the awaiting task, the event
-loop's thread keeping its own value."""
+loop's thread keeping its own value; `call_niced`, the same for a thread that waits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from edge_agent.priority import MAX_NICE, lower_thread_priority, run_niced
+from edge_agent.priority import MAX_NICE, call_niced, lower_thread_priority, run_niced
 
 
 def _nice(tid: int | None = None) -> int:
@@ -100,3 +100,24 @@ def test_a_cancelled_wait_leaves_the_work_to_finish_quietly() -> None:
         await asyncio.sleep(0.05)  # its result arrives after the cancel: dropped
 
     asyncio.run(main())
+
+
+def test_a_waiting_thread_gets_the_niced_work_back_and_keeps_its_priority() -> None:
+    """`call_niced`, as the fleet link's command worker hashes a model for model.verify."""
+    before = _nice()
+    if before > 9:
+        pytest.skip(f"this process already runs at nice {before}")
+
+    def work(a: int, *, b: int) -> tuple[int, int, int, str]:
+        child = subprocess.run(["nice"], capture_output=True, text=True, check=True)
+        return a, b, _nice(), threading.current_thread().name + f":{int(child.stdout)}"
+
+    assert call_niced(10, work, 1, b=2) == (1, 2, before + 10, f"niced:{before + 10}")
+    assert _nice() == before
+
+    def fails() -> None:
+        raise ValueError("blob gone")
+
+    with pytest.raises(ValueError, match="blob gone"):
+        call_niced(10, fails)
+    assert _nice() == before

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from edge_agent.config import Settings
 from edge_agent.engine.models.catalog import (
+    BlobCheck,
     CatalogEntry,
     InstalledModel,
     ManifestExtras,
@@ -174,6 +175,16 @@ class ModelOps:
                     checked[v.digest] = exc.message
             results.append(Verified(v.model, v.active, checked[v.digest]))
         return results
+
+    def check(self, name: str, digest: str) -> BlobCheck | None:
+        """Version `digest` (in full, with or without 'sha256:') of `name`, checked without
+        raising: its blob there, its size and sha256, its GGUF header (`ModelStore.check`).
+        None when `name` has no installed version `digest`. Reads the whole blob: call it
+        off the event loop."""
+        key = ModelName.parse(name)
+        want = digest.lower().removeprefix("sha256:")
+        found = [v.model for v in self.store.versions(key) if v.digest == want]
+        return self.store.check(found[0]) if found else None
 
     # -- installing ------------------------------------------------------------------------
     def install_catalog(self, name: str, progress: Progress | None = None, *, by: str,

@@ -1,5 +1,9 @@
 """The end of a generation, into the request's access line / ledger row, the metrics and
-the tenant's token quota. Called once per request, with its last event."""
+the tenant's token quota. Called once per request, with its last event.
+
+A request that reached a model is counted by its task kinds (`telemetry.task_kinds`) beside
+its outcome, whether it was answered or failed on the way: the review that reads them asks
+what a model was given, not how it went."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from edge_agent.gateway.privacy import RequestPrivacy
 from edge_agent.governance.tenants import Governor, TenantContext
 from edge_agent.logs import note
 from edge_agent.telemetry.metrics import Metrics
+from edge_agent.telemetry.task_kinds import kinds_of
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,19 @@ class Served:
     load_ns: int
     constrained: bool  # answered under a grammar (schema or tool call)
     upstream: bool = False  # answered by an upstream: its tokens are not the engine's
+    # What the request's task kinds are read from (`telemetry.task_kinds`): whether it asked
+    # for structured output and carried tools, the prompt as the model took it (after any
+    # truncation; 0 for an upstream, whose answer says), the context of one sequence of the
+    # model that took it (None: an upstream that declares none).
+    schema: bool = False
+    tools: bool = False
+    prompt_tokens: int = 0
+    n_ctx: int | None = None
+
+    def kinds(self, prompt_tokens: int) -> tuple[str, ...]:
+        """Its task kinds, with the prompt's tokens as the end of the request knows them."""
+        return kinds_of(self.dialect, schema=self.schema, tools=self.tools,
+                        prompt_tokens=prompt_tokens, n_ctx=self.n_ctx)
 
 
 class Observer:
@@ -49,6 +67,7 @@ class Observer:
                 note(status=error.status_code, done_reason="shutdown")
             if self.metrics is not None:
                 self.metrics.observe_error(served.model, served.dialect, error)
+                self.metrics.observe_kinds(served.model, served.kinds(served.prompt_tokens))
 
     def _done(self, served: Served, event: DoneEvent, first_token_ns: int,
               failed: bool | None) -> None:
@@ -67,6 +86,9 @@ class Observer:
         if self.metrics is not None:
             self.metrics.observe_done(served.model, served.dialect, event, ttft,
                                       engine=not served.upstream)
+            # The answer's count of the prompt: the same as the fitted one for the box's
+            # own models, and the only one there is for an upstream's.
+            self.metrics.observe_kinds(served.model, served.kinds(u.prompt_tokens))
         self.privacy.keep_answer(event.text)
         if self.governor is not None and served.tenant is not None:
             self.governor.charge(served.tenant, u.prompt_tokens - u.cached_tokens

@@ -241,7 +241,9 @@ class GenerationService:
         served = Served(model=str(name), digest=f"upstream:{upstream.name}",
                         dialect=controls.dialect, tenant=tenant,
                         submitted_ns=call.generation.submitted_ns, load_ns=0,
-                        constrained=req.json_schema is not None, upstream=True)
+                        constrained=req.json_schema is not None, upstream=True,
+                        schema=req.json_schema is not None, tools=bool(req.tools),
+                        n_ctx=upstream.settings.context_length)
         prepared = PreparedGeneration(model=None, request=req, generation=call.generation,
                                       served=served, tool_mode=False, deadline=deadline,
                                       fit=Fit([], req.max_tokens or 0, 0), call=call)
@@ -278,7 +280,9 @@ class GenerationService:
         served = Served(model=model.info.name, digest=model.info.digest,
                         dialect=controls.dialect,
                         tenant=tenant, submitted_ns=generation.submitted_ns, load_ns=load_ns,
-                        constrained=grammar is not None)
+                        constrained=grammar is not None,
+                        schema=req.json_schema is not None, tools=bool(req.tools),
+                        prompt_tokens=len(fitted.tokens), n_ctx=model.n_ctx)
         return PreparedGeneration(model=model, request=req, generation=generation,
                                   served=served, tool_mode=tool_mode(req), deadline=deadline,
                                   fit=fitted)

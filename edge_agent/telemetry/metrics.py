@@ -30,6 +30,7 @@ from edge_agent.errors import (
     Unauthorized,
 )
 from edge_agent.telemetry.hardware import HardwareSampler
+from edge_agent.telemetry.task_kinds import TASK_KINDS
 
 if TYPE_CHECKING:
     from edge_agent.engine.registry import LoadedModel
@@ -121,6 +122,13 @@ class Metrics:
             "edge_agent_feedback", "Verdicts apps sent back on answers (POST "
             "/edge/v1/feedback), by the model that answered and rating (good, bad); a verdict "
             "that replaces an earlier one counts again", ["model", "rating"], registry=r)
+        self.request_kinds = Counter(
+            "edge_agent_request_kinds", "Generation requests that reached a model, by the "
+            "task kinds they are of (ollama, openai: the dialect; schema: structured output "
+            "asked; tools: tools given; long_context: a prompt of at least half the model's "
+            "context per sequence or 8192 tokens, whichever is fewer); a request counts in "
+            "each kind it is of",
+            ["model", "kind"], registry=r)
         r.register(_LiveCollector(loaded, hardware, ledger or (lambda: None)))
         if prompt_cache is not None:
             r.register(_PromptCacheCollector(prompt_cache))
@@ -144,6 +152,13 @@ class Metrics:
         self.requests.labels(model, dialect, "200", "").inc()
         if done.closed:
             self.structured_closed.labels(model).inc()
+
+    def observe_kinds(self, model: str, kinds: Iterable[str]) -> None:
+        """Counts a request that reached `model` once in each of its `kinds`; a word that
+        is not one of `task_kinds.TASK_KINDS` is dropped, so the label set stays fixed."""
+        for kind in kinds:
+            if kind in TASK_KINDS:
+                self.request_kinds.labels(model, kind).inc()
 
     def observe_degradation(self, tier: str, reason: str, action: str) -> None:
         self.degradations.labels(tier, reason, action).inc()

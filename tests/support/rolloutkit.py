@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,13 +83,14 @@ class Repository:
         return repo
 
     def add(self, file: Path, name: str, version: str, *, gate: Mapping[str, Any],
-            template: str | None = None, parameters: Mapping[str, Any] | None = None
-            ) -> None:
+            template: str | None = None, parameters: Mapping[str, Any] | None = None,
+            options: Sequence[str] = ()) -> None:
         """`fleet release add FILE --name NAME --version VERSION` with its gate, and the
         chat template and default parameters when given, each written to a file beside
-        FILE as the central team would."""
+        FILE as the central team would; `options`: more of the command's (its stage and
+        materials)."""
         args = ["fleet", "release", "add", str(file), "--name", name, "--version", version,
-                "--state-dir", str(self.ctl), "--keys", str(self.keys)]
+                "--state-dir", str(self.ctl), "--keys", str(self.keys), *options]
         for flag, text, suffix in (
                 ("gate", json.dumps(gate), "json"), ("template", template, "jinja"),
                 ("parameters", None if parameters is None else json.dumps(parameters), "json")):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,15 @@ from edge_agent.cli.fleet import (  # modules: their names stay theirs
     operators,
     pki,
     release,
+    review,
     rollout,
 )
 from edge_agent.cli.fleet.client import (
     ControllerClient,
     client_options,
     controller_client,
-    remote,
     segment,
+    sending_client,
 )
 from edge_agent.cli.fleet.options import controller_options, controller_settings, files_options
 from edge_agent.cli.output import echo_json, json_option, table
@@ -53,6 +53,7 @@ fleet.add_command(operators.audit)
 fleet.add_command(models.models)
 fleet.add_command(pki.pki)
 fleet.add_command(observability.observability)
+fleet.add_command(review.review)
 
 
 @fleet.command("serve")
@@ -507,7 +508,7 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
     """Sign a command of TYPE, publish it to DEVICE (or --all) and print the results the
     boxes send back (exit 1 unless every awaited box answered ok). Results are stored by the
     running `fleet serve`. The types are listed below."""
-    client = _sending_client(key_file, broker, username, password_file)  # settings first
+    client = sending_client(key_file, broker, username, password_file)  # settings first
     if len(words) != (1 if all_devices else 2):
         raise BadUsage("name one DEVICE (or --all), then the command's TYPE")
     device, type_ = (None, words[0]) if all_devices else (words[0], words[1])
@@ -535,31 +536,6 @@ def fleet_send(ctx: click.Context, words: tuple[str, ...], all_devices: bool,
             click.echo(f"{name:<24} {'no answer' if wait_s else 'not awaited'}")
     if wait_s and (missing or any(r["status"] != "ok" for r in results)):
         ctx.exit(EXIT_CHECK_FAILED)
-
-
-def _sending_client(key_file: Path | None, broker: str | None, username: str | None,
-                    password_file: Path | None) -> AbstractContextManager[ControllerClient]:
-    """Through --controller, the controller signs and publishes; on its host, this command
-    does, with the key and broker its flags or the controller's settings name."""
-    from edge_agent.fleet.controller.commands import CommandSender
-    from edge_agent.fleet.protocol.signing import load_private
-
-    if remote():
-        given = [flag for flag, value in (("--key", key_file), ("--broker", broker),
-                                          ("--username", username),
-                                          ("--password-file", password_file)) if value]
-        if given:
-            raise BadUsage(f"{', '.join(given)}: through --controller, the controller signs "
-                           "and publishes with its own key and broker connection")
-        return controller_client()
-    settings = controller_settings(**{"broker.url": broker, "broker.username": username,
-                                      "broker.password_file": password_file})
-    key_path = key_file or settings.command_signing_key_file
-    if key_path is None:
-        raise BadUsage("no signing key: pass --key or set command_signing_key_file "
-                       "(edge-agent fleet keygen makes one)")
-    return controller_client(settings=settings,
-                             commands=CommandSender(settings, load_private(key_path)))
 
 
 def _results(api: ControllerClient, sent: dict[str, Any], wait_s: float,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -214,3 +214,28 @@ def _local_app(settings: ControllerSettings, store: ControllerStore,
     return create_app(store, ControllerMetrics(store), state_dir=settings.state_dir,
                       commands=commands, local=Operator(local_operator(), HOST, ""),
                       rings=Rings.of(settings.stages), slo=settings.slo)
+
+
+def sending_client(key_file: Path | None, broker: str | None, username: str | None,
+                    password_file: Path | None) -> AbstractContextManager[ControllerClient]:
+    """Through --controller, the controller signs and publishes; on its host, this command
+    does, with the key and broker its flags or the controller's settings name."""
+    from edge_agent.fleet.controller.commands import CommandSender
+    from edge_agent.fleet.protocol.signing import load_private
+
+    if remote():
+        given = [flag for flag, value in (("--key", key_file), ("--broker", broker),
+                                          ("--username", username),
+                                          ("--password-file", password_file)) if value]
+        if given:
+            raise BadUsage(f"{', '.join(given)}: through --controller, the controller signs "
+                           "and publishes with its own key and broker connection")
+        return controller_client()
+    settings = controller_settings(**{"broker.url": broker, "broker.username": username,
+                                      "broker.password_file": password_file})
+    key_path = key_file or settings.command_signing_key_file
+    if key_path is None:
+        raise BadUsage("no signing key: pass --key or set command_signing_key_file "
+                       "(edge-agent fleet keygen makes one)")
+    return controller_client(settings=settings,
+                             commands=CommandSender(settings, load_private(key_path)))

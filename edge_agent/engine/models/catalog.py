@@ -21,6 +21,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.engine.models import manifests
@@ -56,9 +57,21 @@ from edge_agent.names import MAX_NAME_CHARS, ModelName, as_given
 from edge_agent.owner_only import private_dir
 
 # What callers have always imported from here.
-__all__ = ["MAX_NAME_CHARS", "CatalogEntry", "InstalledModel", "ManifestExtras", "ModelStore",
-           "PackageSource", "Progress", "ModelName", "packaged_catalog_dir", "read_catalog",
-           "sha256_file"]
+__all__ = ["MAX_NAME_CHARS", "BlobCheck", "CatalogEntry", "InstalledModel", "ManifestExtras",
+           "ModelStore", "PackageSource", "Progress", "ModelName", "packaged_catalog_dir",
+           "read_catalog", "sha256_file"]
+
+
+@dataclass(frozen=True)
+class BlobCheck:
+    """An installed version's blob, checked (`ModelStore.check`): `problems` says, one
+    short line each, what failed; empty when the blob is sound."""
+
+    model: InstalledModel
+    present: bool  # the blob file is there
+    verified: bool  # its size and sha256 are the version's
+    loads: bool  # its GGUF header reads
+    problems: tuple[str, ...]
 
 
 def read_catalog(catalog_dir: Path) -> dict[str, CatalogEntry]:
@@ -235,6 +248,40 @@ class ModelStore:
         if actual != model.digest:
             raise ModelFileError(f"{model.name}: blob digest {actual[:12]} != {model.digest[:12]}")
         return probe(blob)
+
+    def check(self, model: InstalledModel, progress: Progress | None = None) -> BlobCheck:
+        """`verify`'s checks, each on its own, none raised: whether the blob is there, has
+        the version's size and sha256, and has a GGUF header that reads (in the bounded
+        child). For a caller that reports what is wrong rather than refusing on it."""
+        blob = model.blob_path(self.state_dir)
+        try:
+            size = blob.stat().st_size if blob.is_file() else None
+        except OSError:
+            size = None
+        if size is None:
+            return BlobCheck(model, False, False, False, (f"the blob {blob.name} is missing",))
+        problems: list[str] = []
+        verified = False
+        if size != model.size:
+            problems.append(f"the blob is {size} bytes, {model.size} expected")
+        else:
+            try:
+                actual = sha256_file(blob, progress)
+            except ModelFileError as exc:
+                problems.append(exc.message.replace(str(blob), f"the blob {blob.name}"))
+            else:
+                verified = actual == model.digest
+                if not verified:
+                    problems.append(f"sha256 differs: the blob hashes to {actual[:12]}, not "
+                                    f"{model.digest[:12]}")
+        label = Path(blob.name)
+        try:
+            probe(blob, label=label)
+            loads = True
+        except ModelFileError as exc:
+            loads = False
+            problems.append(f"GGUF header: {exc.message.removeprefix(f'{label}: ')}")
+        return BlobCheck(model, True, verified, loads, tuple(problems))
 
     # -- switching and removing ------------------------------------------------------------
     def activate(self, name: ModelName, digest: str, *, by: str = "local",

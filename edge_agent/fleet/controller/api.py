@@ -23,6 +23,7 @@ boxes.
     …/operators, GET /audit       tokens (admin) and who did what: `operator_api`
     GET /slo, /slo/rollouts/{id}  service levels over time, a release's before/after: `slo_api`
     GET /fleet-metrics            every box's service levels in Prometheus text: `slo_export`
+    GET /review, POST /review/verify   the periodic review of production models: `review_api`
     PUT /release-files/, POST /releases   a release signed at a desk: `release_api`
     GET /, /console/…             the web console: `console`
 
@@ -65,6 +66,7 @@ from edge_agent.fleet.controller.operators import Operator
 from edge_agent.fleet.controller.release_api import release_router
 from edge_agent.fleet.controller.releases.artifacts import artifacts_router
 from edge_agent.fleet.controller.releases.repository import releases_dir
+from edge_agent.fleet.controller.review_api import review_router
 from edge_agent.fleet.controller.rings import Rings
 from edge_agent.fleet.controller.rollouts.api import rollout_router
 from edge_agent.fleet.controller.slo_api import slo_router
@@ -243,7 +245,9 @@ def create_app(store: ControllerStore, metrics: ControllerMetrics, *,
     app.include_router(command_router(store, commands))
     app.include_router(operator_router(store))
     app.include_router(release_router(store, state_dir))
-    app.include_router(slo_router(store.slo, slo or SLOSettings.model_validate({})))
+    targets = slo or SLOSettings.model_validate({})
+    app.include_router(slo_router(store.slo, targets))
+    app.include_router(review_router(store, state_dir, targets, commands))
     app.include_router(console_router(store, state_dir, rings, slo=slo))
 
     return app

@@ -70,7 +70,16 @@ SCHEMA: tuple[str, ...] = (
         ttft_n BIGINT NOT NULL, ttft_worst DOUBLE PRECISION,
         tpot_p50_sum DOUBLE PRECISION NOT NULL, tpot_p95_sum DOUBLE PRECISION NOT NULL,
         tpot_n BIGINT NOT NULL, tpot_worst DOUBLE PRECISION,
+        kind_ollama BIGINT NOT NULL, kind_openai BIGINT NOT NULL,
+        kind_schema BIGINT NOT NULL, kind_tools BIGINT NOT NULL,
+        kind_long_context BIGINT NOT NULL,
         PRIMARY KEY (minute, fleet, model))""",
+    # What the periodic review (`review`) compares a production release against: its
+    # figures once its rollout completed, recorded the first time it is reviewed.
+    """CREATE TABLE slo_baselines (
+        rollout_id TEXT PRIMARY KEY, name TEXT NOT NULL, version TEXT NOT NULL,
+        recorded_at DOUBLE PRECISION NOT NULL, since DOUBLE PRECISION NOT NULL,
+        until DOUBLE PRECISION NOT NULL, figures TEXT NOT NULL)""",
     """CREATE TABLE slo_totals (
         device TEXT NOT NULL, model TEXT NOT NULL, fleet TEXT NOT NULL,
         ok BIGINT NOT NULL, client_errors BIGINT NOT NULL, server_errors BIGINT NOT NULL,
@@ -98,8 +107,12 @@ _TOTALS_UPSERT = (
     + ", ".join(f"{c} = CASE WHEN {_NEWER} THEN excluded.{c} ELSE slo_totals.{c} END"
                 for c in _LATEST)
     + f", last_end = CASE WHEN {_NEWER} THEN excluded.last_end ELSE slo_totals.last_end END")
+# The task kinds of the requests a model served (the box's `kinds`, `telemetry.task_kinds`;
+# the evaluation samples' too), each a column of the minutes: spelt out, as a schema step
+# is never edited once released.
+KINDS = ("ollama", "openai", "schema", "tools", "long_context")
 _MINUTE_SUMS = ("reports", "requests", *_SUMS, "ttft_p50_sum", "ttft_p95_sum", "ttft_n",
-                "tpot_p50_sum", "tpot_p95_sum", "tpot_n")
+                "tpot_p50_sum", "tpot_p95_sum", "tpot_n", *(f"kind_{k}" for k in KINDS))
 _WORST = ("ttft_worst", "tpot_worst")
 _MINUTES_UPSERT = (
     f"INSERT INTO slo_minutes (minute, fleet, model, {', '.join(_MINUTE_SUMS)}, "
@@ -145,6 +158,7 @@ class IntervalRow:
     feedback_bad: int = 0
     ttft: tuple[float | None, float | None, int] = (None, None, 0)
     tpot: tuple[float | None, float | None, int] = (None, None, 0)
+    kinds: tuple[int, ...] = (0,) * len(KINDS)
 
     @property
     def requests(self) -> int:
@@ -186,6 +200,9 @@ def interval_rows(body: Mapping[str, Any], sent: float | None = None
         if isinstance(tokens, Mapping):
             row.tokens_out = _count(tokens.get("out"))
         row.ttft, row.tpot = _percentiles(m.get("ttft_ms")), _percentiles(m.get("tpot_ms"))
+        kinds = m.get("kinds")
+        if isinstance(kinds, Mapping):
+            row.kinds = tuple(_count(kinds.get(k)) for k in KINDS)
         given = verdicts.get(row.model, {})
         row.feedback_good, row.feedback_bad = given.get("good", 0), given.get("bad", 0)
         if row.requests or row.ttft[2] or row.tpot[2] or row.feedback_good or row.feedback_bad:
@@ -218,7 +235,7 @@ class MinuteSums:
         pn = pn if p95 is not None else 0
         values = (1, r.requests, r.ok, r.client_errors, r.server_errors, r.tokens_out,
                   r.upstream, r.feedback_good, r.feedback_bad, (t50 or 0.0) * tn,
-                  (t95 or 0.0) * tn, tn, (p50 or 0.0) * pn, (p95 or 0.0) * pn, pn)
+                  (t95 or 0.0) * tn, tn, (p50 or 0.0) * pn, (p95 or 0.0) * pn, pn, *r.kinds)
         sums = self.sums.setdefault(key, [0] * len(values))
         for i, v in enumerate(values):
             sums[i] += v
@@ -492,6 +509,32 @@ class SLOQueries:
                         "change": _change(before, after)})
         return {"rollout": rollout_id, "name": name, "version": version,
                 "model": params[0] if params else None, "window_s": window_s, "waves": out}
+
+    def window(self, *, model: str | None, since: float, until: float) -> Bucket:
+        """The fleet's figures for `model` (None: every model) over one window, from the
+        per-minute sums (the minutes that ended within it)."""
+        where, params = _scope_where(model, None, None)
+        where += ["minute >= ?", "minute * 60 + 60 <= ?"]
+        params += [math.ceil(since / 60), until]
+        with self._read() as db:
+            rows = db.rows(f"SELECT {_MINUTE_AGGREGATES} FROM slo_minutes "
+                           f"WHERE {' AND '.join(where)}", params)
+        return _fill(Bucket(since), rows[0]) if rows and rows[0][0] is not None \
+            else Bucket(since)
+
+    def kinds(self, *, model: str, since: float, until: float) -> tuple[int, dict[str, int]]:
+        """(requests, requests of each task kind) the boxes served with `model` over the
+        window; a request counts in its dialect (one of the two) and in each of the others
+        it is, so the requests are the two dialects' sum (the box's requests total also
+        counts refusals at the model and its health gate's probes, which have no kind)."""
+        columns = ", ".join(f"SUM(kind_{k})" for k in KINDS)
+        with self._read() as db:
+            rows = db.rows(f"SELECT {columns} FROM slo_minutes WHERE "
+                           f"model = ? AND minute >= ? AND minute * 60 + 60 <= ?",
+                           [model, math.ceil(since / 60), until])
+        kinds = {k: int(v or 0) for k, v in zip(KINDS, rows[0] if rows else (), strict=False)}
+        kinds = {k: kinds.get(k, 0) for k in KINDS}
+        return kinds["ollama"] + kinds["openai"], kinds
 
     def feedback_sums(self, *, since: float, until: float | None = None,
                       device: str | None = None) -> list[dict[str, Any]]:

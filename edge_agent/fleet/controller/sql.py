@@ -21,6 +21,7 @@ from edge_agent.fleet.controller.audit import AuditQueries
 from edge_agent.fleet.controller.inbound import Acks, Inbound
 from edge_agent.fleet.controller.operators import OperatorQueries
 from edge_agent.fleet.controller.retention import RetentionQueries
+from edge_agent.fleet.controller.review import ReviewQueries
 from edge_agent.fleet.controller.rollout_queries import RolloutQueries
 from edge_agent.fleet.controller.slo import MinuteSums, SLOQueries
 from edge_agent.fleet.controller.transaction import Exec
@@ -69,8 +70,9 @@ def _text(value: Any, limit: int = 1000) -> str | None:
 class SQLStore:
     """The store's behaviour over `_tx()` (a write transaction) and `_read()`, which a
     subclass gives (its connection): the devices, their messages and commands here, and
-    five narrow query objects that callers reach directly — the rollouts' (`rollouts`), the
-    service levels over time and the apps' verdicts on answers (`slo`), the
+    six narrow query objects that callers reach directly — the rollouts' (`rollouts`), the
+    service levels over time and the apps' verdicts on answers (`slo`), the periodic
+    review's baselines and verify answers (`review`), the
     purge's (`retention`), the operators' tokens (`operators`) and the audit trail
     (`audit`), each its own module's, in this store's transactions."""
 
@@ -81,6 +83,10 @@ class SQLStore:
     @cached_property
     def slo(self) -> SLOQueries:
         return SLOQueries(self._tx, self._read)
+
+    @cached_property
+    def review(self) -> ReviewQueries:
+        return ReviewQueries(self._tx, self._read)
 
     @cached_property
     def retention(self) -> RetentionQueries:

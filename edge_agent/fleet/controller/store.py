@@ -23,6 +23,7 @@ from edge_agent.fleet.controller.audit import AuditStore
 from edge_agent.fleet.controller.inbound import Acks, Inbound
 from edge_agent.fleet.controller.operators import OperatorStore
 from edge_agent.fleet.controller.retention import RetentionQueries
+from edge_agent.fleet.controller.review import ReviewQueries
 from edge_agent.fleet.controller.rollout_records import RolloutRecordStore
 from edge_agent.fleet.controller.schema import SCHEMA
 from edge_agent.fleet.controller.slo import SLOQueries
@@ -75,6 +76,9 @@ class ControllerStore(Protocol):
 
     @property
     def slo(self) -> SLOQueries: ...
+
+    @property
+    def review(self) -> ReviewQueries: ...
 
     def ingest(self, batch: Sequence[Inbound]) -> Acks: ...
 

@@ -123,6 +123,7 @@ class FleetDevice:
             from edge_agent.fleet.device.link.dispatch import box_dispatch, unhandled
             from edge_agent.fleet.device.link.handlers import box_handlers
             from edge_agent.fleet.device.link.overlay import copy_keys
+            from edge_agent.fleet.device.rollout.model_verify import model_verify_handler
 
             settings = self.settings
             ledger = settings.state_dir / "ledger.db"
@@ -160,10 +161,14 @@ class FleetDevice:
                 ungated_evidence(settings, command.id, before, after, changes,
                                  hardware_summary())
 
+            rollouts = self.rollouts
+            verify = model_verify_handler(
+                self.modelops, recorded=rollouts.release_digest if rollouts else None,
+                nice=lambda: settings.fleet.rollout_nice)
             handlers = box_dispatch(box_handlers(settings, settings.state_dir, purge=purge,
                                                  revoke=revoke, apply_live=apply_live,
                                                  ungated=ungated),
-                                    extra_handlers or {})
+                                    extra_handlers or {}, {"model.verify": verify})
             missing = unhandled(handlers)
             if missing:
                 log.warning("fleet: no handler for %s on this box: refused as unknown_type",

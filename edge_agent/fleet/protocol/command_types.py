@@ -43,7 +43,7 @@ from edge_agent.errors import InvalidRequest
 from edge_agent.fleet.protocol.ids import ROLLOUT_ID, ROLLOUT_ID_RULE, release_version
 from edge_agent.names import ModelName
 
-__all__ = ["CAPACITY_KEYS", "COMMAND_TYPES", "KEY_PREFIX", "MAX_PATCH_KEYS", "ROLES",
+__all__ = ["CAPACITY_KEYS", "COMMAND_TYPES", "DIGEST", "KEY_PREFIX", "MAX_PATCH_KEYS", "ROLES",
            "BadArgs", "CommandType", "UnknownType", "lookup", "shape", "typed_args"]
 
 # The controller's operator roles, least first (`controller.operators.ROLES`, which a test
@@ -51,6 +51,7 @@ __all__ = ["CAPACITY_KEYS", "COMMAND_TYPES", "KEY_PREFIX", "MAX_PATCH_KEYS", "RO
 ROLES = ("viewer", "operator", "admin")
 KEY_PREFIX = re.compile(r"[A-Za-z0-9]{1,64}")  # an API key's public part (`keys list`)
 MAX_PATCH_KEYS = 64  # keys in one config.patch
+DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # a model version's bytes, as a command names them
 # A capacity change: the runtime settings that change a model's speed *and* its answers. A
 # `rollout.start` with `config` ships them as a gated release (`device.rollout.capacity`);
 # a `config.patch` of them is refused unless it says `ungated` (`device.link.overlay`).
@@ -173,6 +174,50 @@ class TargetArgs(_Args):
         return self
 
 
+def _name_and_version_or_digest(schema: dict[str, Any]) -> None:
+    """The schema says what the check says: `name`, and `version` or `digest`."""
+    name = schema.pop("properties")["name"]
+    for key in ("type", "additionalProperties", "required"):
+        schema.pop(key, None)
+    one_of = {"version": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+              "digest": {"type": "string", "pattern": f"^{DIGEST.pattern}$"}}
+    schema["anyOf"] = [{"type": "object", "properties": {"name": name, key: field},
+                        "required": ["name", key], "additionalProperties": False}
+                       for key, field in one_of.items()]
+
+
+class VerifyArgs(_Args):
+    """`{"name": …, "version": …}` (a release's version, as `rollout.start` takes it) or
+    `{"name": …, "digest": "sha256:<64 hex>"}` (the version by its bytes): one of the two,
+    never both."""
+
+    model_config = ConfigDict(json_schema_extra=_name_and_version_or_digest)
+    name: str
+    version: int | str | None = None
+    digest: str | None = None
+
+    _name = field_validator("name", mode="before")(_model_name)
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version(cls, value: Any) -> Any:
+        release_version(value)  # an explicit null too: a version is named or left out
+        return value
+
+    @field_validator("digest", mode="before")
+    @classmethod
+    def _digest(cls, value: Any) -> Any:
+        if not isinstance(value, str) or not DIGEST.fullmatch(value):
+            raise ValueError("sha256:<64 lowercase hex digits>")
+        return value
+
+    @model_validator(mode="after")
+    def _one(self) -> VerifyArgs:
+        if len(self.model_fields_set & {"version", "digest"}) != 1:
+            raise ValueError("give version or digest, one of them")
+        return self
+
+
 # -- the results' shapes -------------------------------------------------------------------
 
 class _Result(BaseModel):
@@ -203,6 +248,19 @@ class Purged(_Result):
 class Revoked(_Result):
     prefix: str
     revoked: bool  # False: unknown or revoked already (the same end state)
+
+
+class ModelVerified(_Result):
+    """One version checked: each flag its own check, `detail` every one that failed."""
+
+    name: str
+    version: str | None = None  # as asked, as text
+    digest: str | None = None  # as asked, or the one the version names here; None: unknown
+    present: bool  # installed, and its blob is in the model store
+    verified: bool  # the blob's size and sha256 are its digest's
+    loads: bool  # its GGUF header reads
+    size_bytes: int | None  # as installed; None: not installed
+    detail: str  # what is wrong, one line ("" when nothing is)
 
 
 class RolloutAnswer(BaseModel):
@@ -257,6 +315,11 @@ _TYPES = (
                 example={"before": 1764500000}),
     CommandType("keys.revoke", "Revokes the API key with that prefix; it stops working at "
                 "once.", RevokeArgs, Revoked, example={"prefix": "1a2b3c4d"}),
+    # Reads only, but hashes a whole model file on the box: an operator's, not a viewer's.
+    CommandType("model.verify", "Checks, changing nothing, that a version of a model (a "
+                "release's version or a digest) is installed, hashes to its digest and has "
+                "a GGUF header that reads.", VerifyArgs, ModelVerified, role="operator",
+                mutating=False, example={"name": "gemma3:270m", "version": 1}),
     CommandType("rollout.start", "Starts a rollout of a signed release: download, verify, "
                 "stage, switch, health gate; with `config`, a capacity release (those "
                 "runtime settings, gated on the version served).", StartArgs, RolloutAnswer,

@@ -35,14 +35,16 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from edge_agent.fleet.protocol.ids import VERSION, VERSION_RULE
+from edge_agent.telemetry.task_kinds import TASK_KINDS, TaskKind
 
 Stage = Literal["experiment", "internal", "production"]
 STAGES: tuple[str, ...] = get_args(Stage)  # from the least proven to the most
 PRODUCTION = "production"
 # The task kinds an evaluation sample may exercise: a dialect, or a feature of the request
-# path that a model can get wrong where another gets it right.
-EvalKind = Literal["ollama", "openai", "schema", "tools", "long_context"]
-EVAL_KINDS: tuple[str, ...] = get_args(EvalKind)
+# path that a model can get wrong where another gets it right. The same words a box counts
+# its requests by (`edge_agent_request_kinds_total`), so they are defined once, with it.
+EvalKind = TaskKind
+EVAL_KINDS: tuple[str, ...] = TASK_KINDS
 # What a production release must carry, in the order a refusal names them.
 PRODUCTION_NEEDS = ("license", "eval_samples", "eval_results", "build", "route",
                     "degradation", "rollback_target", "review_by")

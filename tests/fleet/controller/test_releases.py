@@ -233,8 +233,11 @@ def test_every_fleet_command_takes_the_controllers_config() -> None:
             cmd = cmd.commands[part]
         if "--config" not in {o for p in cmd.params for o in p.opts}:
             missing.append(" ".join(path))
-    # Files only, read no controller: a broker's (broker-config) and the fleet CA's (pki).
-    assert missing == ["pki init", "pki issue", "pki list", "pki renew", "broker-config"]
+    # Files only, read no controller: a broker's (broker-config), the fleet CA's (pki) and
+    # what the package ships for Prometheus and Grafana (observability).
+    assert sorted(missing) == sorted(["pki init", "pki issue", "pki list", "pki renew",
+                                      "broker-config", "observability rules",
+                                      "observability dashboard"])
 
 
 def test_commands_say_what_is_missing(tmp_path: Path) -> None:

@@ -151,3 +151,14 @@ def test_the_bench_fills_a_store_and_reads_it_back() -> None:
     assert figures["series"] == 20 * 2 * 12 + 5  # + store up, 3 targets, 1 release
     assert figures["ttft_change"] == round(180 / 140, 3)
     assert figures["page_ms"] > 0 and figures["impact_ms"] > 0
+
+
+def test_the_minutes_have_a_column_for_each_task_kind_a_box_counts() -> None:
+    from edge_agent.fleet.controller.slo import KINDS
+    from edge_agent.telemetry.task_kinds import TASK_KINDS
+
+    assert KINDS == TASK_KINDS
+    body = metrics_body(T0 + 60)
+    body["models"][MODEL]["kinds"] = {"openai": 7, "tools": 2, "schema": "x"}
+    _, _, rows = interval_rows(body)
+    assert rows[0].kinds == (0, 7, 0, 2, 0)

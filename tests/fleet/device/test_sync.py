@@ -642,3 +642,29 @@ def test_metrics_carry_each_models_feedback_of_the_interval(tmp_path: Path,
     assert second["models"]["m:1"]["feedback"] == {"good": 1, "bad": 0}  # deltas, not totals
     assert second["models"]["m:2"]["feedback"] == {"good": 0, "bad": 0}
     assert feedback.counts(second) == {"m:1": {"good": 1, "bad": 0}}
+
+
+def test_metrics_carry_each_models_task_kinds_of_the_interval(tmp_path: Path,
+                                                              outbox: Outbox) -> None:
+    from edge_agent.errors import QueueFull
+
+    metrics = Metrics(lambda: [fake_loaded("m:3", 0, 0)])  # type: ignore[arg-type, list-item]
+    sync = make_sync(tmp_path, outbox, metrics=metrics.registry)
+    for kinds in (["openai", "schema"], ["openai", "tools", "long_context"], ["ollama"]):
+        metrics.observe_done("m:1", kinds[0], done(10, 0, 5, 4), 0.1)
+        metrics.observe_kinds("m:1", kinds)
+    metrics.observe_error("m:2", "openai", QueueFull("full"))  # refused at its model
+    metrics.observe_error("", "openai", RateLimited("slow down"))  # before any model
+    assert sync.tick_metrics(now=1000.0)
+    models = sent(outbox, "metrics")[0].body["models"]
+    assert models["m:1"]["kinds"] == {"ollama": 1, "openai": 2, "schema": 1, "tools": 1,
+                                      "long_context": 1}
+    assert models["m:2"]["kinds"] == dict.fromkeys(models["m:1"]["kinds"], 0)
+    assert "kinds" not in models["(none)"] and "kinds" not in models["m:3"]  # no request
+    metrics.observe_kinds("m:1", ["ollama", "tools"])
+    metrics.observe_done("m:1", "ollama", done(10, 0, 5, 4), 0.1)
+    assert sync.tick_metrics(now=1060.0)
+    second = sent(outbox, "metrics")[1].body["models"]
+    assert second["m:1"]["kinds"] == {"ollama": 1, "openai": 0, "schema": 0, "tools": 1,
+                                      "long_context": 0}  # deltas, not totals
+    assert "m:2" not in second

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from edge_agent.cli import main
 from edge_agent.config import FleetSettings, Settings, TenantPolicy
+from edge_agent.engine.modelops import ModelOps
 from edge_agent.fleet.controller.access import RULES
 from edge_agent.fleet.controller.api import create_app
 from edge_agent.fleet.controller.metrics import ControllerMetrics
@@ -28,6 +29,7 @@ from edge_agent.fleet.device.link.command_gate import Handler, ping
 from edge_agent.fleet.device.link.core import OWN_TYPES, REBIRTH_AFTER, LinkCore
 from edge_agent.fleet.device.link.dispatch import box_dispatch, unhandled
 from edge_agent.fleet.device.link.handlers import box_handlers
+from edge_agent.fleet.device.rollout.model_verify import model_verify_handler
 from edge_agent.fleet.device.rollout.runner import RolloutManager
 from edge_agent.fleet.protocol import command_types
 from edge_agent.fleet.protocol.command import Command
@@ -70,10 +72,12 @@ def _box(state: Path) -> dict[str, Handler]:
     """The whole box's table, as `FleetDevice` puts it together, over fakes."""
     settings = Settings(state_dir=state, tenants={"shop": TenantPolicy()})
     rollouts = RolloutManager(settings, cast(Any, None), cast(Any, None), cast(Any, None))
+    verify = model_verify_handler(ModelOps.for_settings(settings),
+                                  recorded=rollouts.release_digest)
     return box_dispatch(box_handlers(settings, state, purge=lambda before: 3,
                                      revoke=lambda prefix: prefix == "abcd1234",
                                      apply_live=lambda new, changes: list(changes)),
-                        rollouts.handlers())
+                        rollouts.handlers(), {"model.verify": verify})
 
 
 # -- the registry itself ---------------------------------------------------------------------
@@ -154,6 +158,16 @@ SAMPLES: list[tuple[str, dict[str, Any], bool]] = [
     ("config.patch", {"set": {"telemetry.interval_s": True}}, False),
     ("config.patch", {"set": {f"k{i}": 1 for i in range(65)}}, False),
     ("config.patch", {"set": {"telemetry.interval_s": 10}, "dry_run": True}, False),
+    ("model.verify", {"name": "m:1", "version": 2}, True),
+    ("model.verify", {"name": "m", "version": "2.1-rc1"}, True),
+    ("model.verify", {"name": "m:1", "digest": "sha256:" + "ab" * 32}, True),
+    ("model.verify", {"name": "m:1"}, False),
+    ("model.verify", {"name": "m:1", "version": 2, "digest": "sha256:" + "ab" * 32}, False),
+    ("model.verify", {"name": "m:1", "version": None}, False),
+    ("model.verify", {"name": "m:1", "digest": "ab" * 32}, False),
+    ("model.verify", {"name": "m:1", "digest": "sha256:" + "AB" * 32}, False),
+    ("model.verify", {"name": "Bad Name!", "version": 2}, False),
+    ("model.verify", {"version": 2}, False),
     ("rollout.start", {"rollout_id": "r1", "name": "m:1", "version": 2}, True),
     ("rollout.start", {"rollout_id": "r1", "name": "m", "version": "2.1-rc1"}, True),
     ("rollout.start", {"rollout_id": "r1", "name": "m:1"}, False),

@@ -47,6 +47,7 @@ from edge_agent.fleet.controller.console.session import (
 from edge_agent.fleet.controller.leadership import presence_state
 from edge_agent.fleet.controller.operators import Operator, may
 from edge_agent.fleet.controller.releases.repository import ReleaseRepository, releases_dir
+from edge_agent.fleet.controller.review_api import reviewed
 from edge_agent.fleet.controller.rings import Rings
 from edge_agent.fleet.controller.rollouts import operations as rollout_ops
 from edge_agent.fleet.controller.rollouts.api import RolloutStart, act_on_rollout, start_rollout
@@ -272,6 +273,10 @@ def console_router(store: ControllerStore, state_dir: Path | None,
                                   device=device or None, fleet=fleet or None).to_json()
         return page(request, "slo", error=None, form=form, series=series,
                     charts=service_levels(series), targets=targets)
+
+    @router.get("/console/review")
+    def review_page(request: Request) -> Response:
+        return page(request, "review", **reviewed(store, state_dir, targets))
 
     @router.get("/console/audit")
     def audit(request: Request, operator: str = "") -> Response:

@@ -583,6 +583,12 @@ def classify(exc: BaseException, ref: str) -> ReleaseError:
     return ReleaseFailed(ERROR, f"{ref}: {kind}: {detail}", error=kind)
 
 
+def release_origin(name: str, version: str) -> str:
+    """The origin the model store records for a version a release installed (`install`),
+    by which `model.verify` finds the version a release's number names."""
+    return f"release:{name}@{version}"
+
+
 def install(release: Release, path: Path, modelops: ModelOps, *, by: str) -> InstalledModel:
     """The verified download into the model store as a new version of the release's name,
     NOT active (activation is the rollout's next step). The store takes the file by rename
@@ -593,8 +599,8 @@ def install(release: Release, path: Path, modelops: ModelOps, *, by: str) -> Ins
     try:
         model = modelops.install_verified(
             path, release.name, release.sha256, by=by, expected_size=release.length,
-            extras=release.manifest.extras(), origin=f"release:{release.ref}",
-            activate=False, move=True)
+            extras=release.manifest.extras(),
+            origin=release_origin(release.name, release.version), activate=False, move=True)
     except ModelFileError as exc:
         raise ReleaseFailed(INSTALL_FAILED, f"{release.ref}: {exc.message}") from exc
     path.unlink(missing_ok=True)  # copied from another filesystem

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from edge_agent.fleet.protocol import feedback
+from edge_agent.fleet.protocol.materials import EVAL_KINDS
 from edge_agent.telemetry.hardware import Reading
 
 # Counters (deltas per interval) and gauges (read at the tick), by sample name.
@@ -30,6 +31,8 @@ PREDICTED = "llamacpp:tokens_predicted_total"
 # labels upstream, reason, status: requests sent to an upstream ([upstreams])
 UPSTREAM = "edge_agent_upstream_requests_total"
 FEEDBACK = "edge_agent_feedback_total"  # labels model, rating: apps' verdicts on answers
+# labels model, kind (`materials.EVAL_KINDS`): requests that reached a model, by task kind
+KINDS = "edge_agent_request_kinds_total"
 # The prompt cache beyond the sequences: lookups, hits by tier, tokens restored, restore
 # seconds, evictions, disk writes; its tiers' bytes, entries and bounds (label tier).
 CACHE_COUNTERS = {
@@ -46,7 +49,7 @@ CACHE_GAUGES = {
     "limit_bytes": "edge_agent_prompt_cache_limit_bytes",
 }
 COUNTERS = frozenset({REQUESTS, REJECTIONS, EVALUATED, CACHED, PREDICTED, UPSTREAM,
-                      FEEDBACK, *CACHE_COUNTERS.values()})
+                      FEEDBACK, KINDS, *CACHE_COUNTERS.values()})
 WAITING = "llamacpp:requests_deferred"  # label model
 RUNNING = "llamacpp:requests_processing"
 GAUGES = frozenset({WAITING, RUNNING, *CACHE_GAUGES.values()})
@@ -113,8 +116,12 @@ def model_metrics(gained: Series, gauges: Series,
     """Per model: requests by HTTP status, tokens in (evaluated + cached) / out / cached and
     the cached share of the tokens in, TTFT and TPOT percentiles (ms, from `latencies`:
     model → (ttft values, tpot values)), the queue at the tick, and the verdicts apps sent
-    back on its answers (`fleet.protocol.feedback`). A model appears when it served,
-    failed, is loaded (its gauges), has latencies or got a verdict."""
+    back on its answers (`fleet.protocol.feedback`), and its requests by task kind
+    (`kinds`: every one of `materials.EVAL_KINDS`, zeros included, present only when the
+    model had a request that reached it in the interval: a kind's share of them is what
+    the central team sets against the kinds of the release's evaluation samples). A model
+    appears when it served, failed, is loaded (its gauges), has latencies or got a
+    verdict."""
     models: dict[str, dict[str, Any]] = {}
 
     def entry(labels: Labels) -> dict[str, Any]:
@@ -139,12 +146,19 @@ def model_metrics(gained: Series, gauges: Series,
             given = entry(labels)["feedback"]
             if rating in given:
                 given[rating] += int(value)
+        elif name == KINDS:
+            kind = dict(labels).get("kind", "")
+            if kind in EVAL_KINDS:
+                kinds = entry(labels).setdefault("kinds", dict.fromkeys(EVAL_KINDS, 0))
+                kinds[kind] += int(value)
     for (name, labels), value in gauges.items():
         entry(labels)["queue"]["waiting" if name == WAITING else "running"] = int(value)
     for model, (ttft, tpot) in latencies.items():
         m = models.setdefault(model or NO_MODEL, _empty_model())
         m["ttft_ms"], m["tpot_ms"] = percentiles(ttft), percentiles(tpot)
-    for m in models.values():
+    for model, m in models.items():
+        if m["requests"] and model != NO_MODEL:  # refused at the model, or the gate's: zeros
+            m.setdefault("kinds", dict.fromkeys(EVAL_KINDS, 0))
         tokens = m["tokens"]
         if tokens["in"]:
             tokens["cached_share"] = round(tokens["cached"] / tokens["in"], 4)

@@ -5,7 +5,8 @@ produced on their intervals and handed to the outbox (`emit`, `Outbox.append`'s 
   status, tokens in/out/cached and the cached share — deltas of the box's Prometheus
   counters since the last message —, TTFT and TPOT p50/p95 of the interval, the queue at
   the tick, the verdicts apps sent back on its answers (`feedback`: good and bad, from
-  `edge_agent_feedback_total`, `fleet.protocol.feedback`); rejections by reason; the
+  `edge_agent_feedback_total`, `fleet.protocol.feedback`), its requests by task kind
+  (`kinds`, from `edge_agent_request_kinds_total`); rejections by reason; the
   hardware sampler's latest readings; the outbox's depth and oldest age. Counters reset
   with the process, so the first message after a start covers the time since that start.
 - `ledger` (class `audit`, every `fleet.ledger_interval_s`, only when rows were

@@ -511,6 +511,11 @@ class RolloutManager:
     def _installed(self, name: ModelName, digest: str) -> bool:
         return any(v.digest == digest for v in self.ops.versions(name, missing_ok=True))
 
+    def release_digest(self, name: ModelName, version: str) -> str | None:
+        """The digest of release `name@version` as a rollout of it here recorded it (None:
+        never looked up on this box), for `model.verify`."""
+        return self.store.release_digest(name, version)
+
 
     # -- the `rollout.*` commands, on the link's `fleet-commands` thread ------------------
 

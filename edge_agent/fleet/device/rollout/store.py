@@ -196,6 +196,16 @@ class RolloutStore(DurableStore):
     def for_name(self, name: str) -> list[Rollout]:
         return self._many("name = ? ORDER BY created_at DESC, rowid DESC", [name])
 
+    def release_digest(self, name: str, version: str) -> str | None:
+        """The digest the signed release `name@version` names, as the latest rollout of it
+        here recorded it once it looked the release up (None: none did)."""
+        with self._lock:
+            row = self._db.conn.execute(
+                "SELECT target_digest FROM rollouts WHERE name = ? AND version = ? AND "
+                "target_digest IS NOT NULL ORDER BY created_at DESC, rowid DESC LIMIT 1",
+                [name, version]).fetchone()
+        return str(row[0]) if row else None
+
     def unfinished(self) -> list[Rollout]:
         """Rollouts `resume` must look at: the live ones, and ROLLED_BACK ones whose
         switch back was committed but maybe not done."""
