@@ -1,6 +1,10 @@
 """The end of a generation, into the request's access line / ledger row, the metrics and
 the tenant's token quota. Called once per request, with its last event.
 
+A structured answer that did not complete (`structured_failure` on the row) is counted
+as cut (`edge_agent_structured_cut_total`) by the same test, so the row and the counter
+never disagree; a closed one is whole, and counted as closed instead.
+
 A request that reached a model is counted by its task kinds (`telemetry.task_kinds`) beside
 its outcome, whether it was answered or failed on the way: the review that reads them asks
 what a model was given, not how it went."""
@@ -69,6 +73,12 @@ class Observer:
                 self.metrics.observe_error(served.model, served.dialect, error)
                 self.metrics.observe_kinds(served.model, served.kinds(served.prompt_tokens))
 
+    def structured_refused(self, model: str) -> None:
+        """A request refused for the schema or tools it asked for (`GenerationService`'s
+        grammar step): `model` is the installed model it named."""
+        if self.metrics is not None:
+            self.metrics.observe_structured_refused(model)
+
     def _done(self, served: Served, event: DoneEvent, first_token_ns: int,
               failed: bool | None) -> None:
         u, t = event.usage, event.timings
@@ -84,8 +94,9 @@ class Observer:
              done_reason="closed" if event.closed else event.reason,
              structured_failure=int(failed))
         if self.metrics is not None:
+            # Cut is what the row calls a structured failure: one condition for both.
             self.metrics.observe_done(served.model, served.dialect, event, ttft,
-                                      engine=not served.upstream)
+                                      engine=not served.upstream, cut=failed)
             # The answer's count of the prompt: the same as the fitted one for the box's
             # own models, and the only one there is for an upstream's.
             self.metrics.observe_kinds(served.model, served.kinds(u.prompt_tokens))

@@ -268,8 +268,7 @@ class GenerationService:
         loop = asyncio.get_running_loop()
         model, load_ns = await self.registry.acquire(name, keep_alive)
         try:
-            # A new schema's grammar is checked in a child process (0.1-0.3 s): off the loop.
-            grammar = await asyncio.to_thread(grammar_for, req)
+            grammar = await self._grammar(req, model)
             spec, fitted = self._plan(req, controls, tenant, model, load_ns, grammar)
             if deadline is not None:
                 _check_deadline(model, deadline - loop.time())
@@ -294,7 +293,8 @@ class GenerationService:
         window) — found without queuing it. For a response made of generations run one
         after another (a completion's list of prompts): every part is checked before the
         response starts, so a later part cannot be refused after an earlier one streamed.
-        Nothing is observed, logged or charged here; rate and quota (what running spends),
+        Nothing is observed, logged or charged here but a refused schema's count, as
+        `prepare` counts it (`_grammar`); rate and quota (what running spends),
         the deadline and the queue are `prepare`'s, at each part's turn."""
         name = ModelName.parse(req.model)
         if tenant is not None:
@@ -308,10 +308,26 @@ class GenerationService:
                 raise
             return
         try:
-            grammar = await asyncio.to_thread(grammar_for, req)
+            grammar = await self._grammar(req, model)
             self._plan(req, NO_CONTROLS, tenant, model, load_ns, grammar)
         finally:
             await self.registry.release(model)
+
+    async def _grammar(self, req: GenerationRequest, model: LoadedModel) -> str | None:
+        """The grammar the answer must follow, or None. A new schema's grammar is checked
+        in a child process (0.1-0.3 s): off the loop. A schema, tools or tool_choice the
+        box cannot follow is refused (400) and counted as a structured refusal against
+        the model asked, installed and loaded by now: this is where a request's schema or
+        tools become a grammar, for `prepare` and `check` alike, so the one place such a
+        refusal happens (a request an upstream answers takes no grammar here). A failure
+        that is the box's (503: no child process now) is not the schema's, and is not
+        counted as one."""
+        try:
+            return await asyncio.to_thread(grammar_for, req)
+        except EdgeAgentError as exc:
+            if exc.status_code < 500:
+                self.observer.structured_refused(model.info.name)
+            raise
 
     def _deadline(self, loop: asyncio.AbstractEventLoop, asked: float | None) -> float | None:
         timeout = asked or self.default_timeout_s

@@ -100,6 +100,16 @@ class Metrics:
             "edge_agent_structured_closed", "JSON answers closed within their max_tokens by "
             "the last tokens of the budget (runtime.structured_close_tokens), instead of cut",
             ["model"], registry=r)
+        self.structured_cut = Counter(
+            "edge_agent_structured_cut", "Answers under a grammar (a JSON schema or tools) "
+            "that ended incomplete, not a document (cut by max_tokens, cancelled): "
+            "`structured_failure` on their ledger row",
+            ["model"], registry=r)
+        self.structured_refused = Counter(
+            "edge_agent_structured_refused", "Requests refused (400) because the box cannot "
+            "follow the structured output they asked for: a JSON schema, tools or tool_choice "
+            "no grammar here can enforce or that exceeds a limit; by the installed model asked",
+            ["model"], registry=r)
         self.degradations = Counter(
             "edge_agent_degradations", "Requests a saturated box served otherwise than asked, "
             "by risk tier, cause (queue_full, memory, deadline) and what it did (fallback: another "
@@ -134,9 +144,11 @@ class Metrics:
             r.register(_PromptCacheCollector(prompt_cache))
 
     def observe_done(self, model: str, dialect: str, done: DoneEvent, ttft_s: float, *,
-                     engine: bool = True) -> None:
+                     engine: bool = True, cut: bool = False) -> None:
         """`engine` False: an upstream answered; its latency and outcome count with the
-        box's requests, its tokens not in the engine's own (`llamacpp:*`) counters."""
+        box's requests, its tokens not in the engine's own (`llamacpp:*`) counters. `cut`:
+        a structured answer that did not complete (the request path decides, as it does
+        for the ledger row's `structured_failure`)."""
         u, t = done.usage, done.timings
         if engine:
             self.prompt_tokens.labels(model).inc(u.prompt_tokens - u.cached_tokens)
@@ -152,6 +164,14 @@ class Metrics:
         self.requests.labels(model, dialect, "200", "").inc()
         if done.closed:
             self.structured_closed.labels(model).inc()
+        if cut:
+            self.structured_cut.labels(model).inc()
+
+    def observe_structured_refused(self, model: str) -> None:
+        """A request refused for the schema or tools it asked to follow, beside its count
+        in `edge_agent_requests_total` (400): `model` is an installed model's name, never
+        the client's string, so the label set stays the box's own."""
+        self.structured_refused.labels(model).inc()
 
     def observe_kinds(self, model: str, kinds: Iterable[str]) -> None:
         """Counts a request that reached `model` once in each of its `kinds`; a word that

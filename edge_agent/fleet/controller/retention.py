@@ -13,9 +13,9 @@ keeps what status, evidence and loss accounting need.
 `RetentionQueries` is what `sql.SQLStore.retention` holds (SQLite and PostgreSQL alike); `Retention`
 is the thread `fleet serve` runs. A batch is one transaction (never one long lock over
 the whole table); a failed pass is logged and tried again at the next. The service levels
-over time (`slo_intervals`, `slo_errors`, `slo_minutes`) go with the metrics: those that
-ended before the metrics' cutoff. Must never delete a message younger than its class's
-retention, or anything but `messages` and those three.
+over time (`slo_intervals`, `slo_errors`, `slo_minutes`, `slo_degradations`) go with the
+metrics: those that ended before the metrics' cutoff. Must never delete a message younger
+than its class's retention, or anything but `messages` and those four.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ class RetentionQueries:
                     break
         with self._tx() as db:  # one row per minute, fleet and model: few
             # Minute m holds the intervals that ended in (60m, 60m + 60].
-            removed += db.run("DELETE FROM slo_minutes WHERE minute * 60 + 60 < ?", [cutoff])
+            for table in ("slo_minutes", "slo_degradations"):
+                removed += db.run(f"DELETE FROM {table} WHERE minute * 60 + 60 < ?", [cutoff])
         return removed
 
     def retired(self, device: str, boot_id: str) -> int:

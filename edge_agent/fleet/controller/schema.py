@@ -25,6 +25,7 @@ service levels over time).
 | `slo_intervals` | metrics message and model: requests, TTFT/TPOT, feedback | ingest (`slo`) |
 | `slo_errors` | errors event, model, status and type: how many failed | ingest (`slo`) |
 | `slo_minutes` | minute, fleet and model: the boxes' figures added up | ingest (`slo`) |
+| `slo_degradations` | minute, fleet, tier, cause and action: degraded requests | ingest (`slo`) |
 | `slo_baselines` | production release's rollout: its figures once completed | `review` |
 | `slo_totals` | box and model: running sums, latest percentiles (the export's) | ingest (`slo`) |
 

@@ -12,8 +12,12 @@ are stored or lost together, and a duplicate message (already stored) adds nothi
 
 What a row holds is what the box measured over its interval: requests by status class,
 tokens out, TTFT and TPOT p50/p95 with the count behind each (nearest-rank, from the box's
-ledger), upstream requests, and the answers people sent back (`fleet.protocol.feedback`:
-also summed per box and model over a window, `feedback_sums`). `slo_totals` keeps, per box
+ledger), upstream requests, structured answers closed or cut and requests refused for what
+they asked, the task kinds of the requests (`review`), and the answers people sent back
+(`fleet.protocol.feedback`: also summed per box and model over a window,
+`feedback_sums`). A box's degradations (a saturated box serving otherwise than asked, by
+risk tier) are the box's, not a model's: `slo_degradations` per minute and fleet, drawn
+for the fleet or a fleet whatever the model. `slo_totals` keeps, per box
 and model, the running sums and the latest interval's percentiles: what the Prometheus
 export (`slo_export`) reads at a scrape without touching the intervals. Error types come
 from the box's `errors` events (`slo_errors`).
@@ -38,6 +42,7 @@ from typing import Any
 from edge_agent.fleet.controller.inbound import Inbound
 from edge_agent.fleet.controller.transaction import Exec
 from edge_agent.fleet.protocol import feedback
+from edge_agent.fleet.protocol.agent_release import is_agent_name
 
 SCHEMA: tuple[str, ...] = (
     """CREATE TABLE slo_intervals (
@@ -49,7 +54,8 @@ SCHEMA: tuple[str, ...] = (
         ttft_p50 DOUBLE PRECISION, ttft_p95 DOUBLE PRECISION, ttft_n BIGINT NOT NULL,
         tpot_p50 DOUBLE PRECISION, tpot_p95 DOUBLE PRECISION, tpot_n BIGINT NOT NULL,
         upstream BIGINT NOT NULL, feedback_good BIGINT NOT NULL,
-        feedback_bad BIGINT NOT NULL,
+        feedback_bad BIGINT NOT NULL, structured_closed BIGINT NOT NULL,
+        structured_cut BIGINT NOT NULL, structured_refused BIGINT NOT NULL,
         PRIMARY KEY (device, boot_id, seq, model))""",
     "CREATE INDEX slo_intervals_by_end ON slo_intervals (end_ts)",
     "CREATE INDEX slo_intervals_by_model ON slo_intervals (model, end_ts)",
@@ -72,8 +78,15 @@ SCHEMA: tuple[str, ...] = (
         tpot_n BIGINT NOT NULL, tpot_worst DOUBLE PRECISION,
         kind_ollama BIGINT NOT NULL, kind_openai BIGINT NOT NULL,
         kind_schema BIGINT NOT NULL, kind_tools BIGINT NOT NULL,
-        kind_long_context BIGINT NOT NULL,
+        kind_long_context BIGINT NOT NULL, structured_closed BIGINT NOT NULL,
+        structured_cut BIGINT NOT NULL, structured_refused BIGINT NOT NULL,
         PRIMARY KEY (minute, fleet, model))""",
+    # The boxes' degradations (a saturated box serving otherwise than asked) are theirs,
+    # not a model's: per minute, fleet, risk tier, cause and what the box did.
+    """CREATE TABLE slo_degradations (
+        minute BIGINT NOT NULL, fleet TEXT NOT NULL, tier TEXT NOT NULL,
+        reason TEXT NOT NULL, action TEXT NOT NULL, count BIGINT NOT NULL,
+        PRIMARY KEY (minute, fleet, tier, reason, action))""",
     # What the periodic review (`review`) compares a production release against: its
     # figures once its rollout completed, recorded the first time it is reviewed.
     """CREATE TABLE slo_baselines (
@@ -111,8 +124,13 @@ _TOTALS_UPSERT = (
 # the evaluation samples' too), each a column of the minutes: spelt out, as a schema step
 # is never edited once released.
 KINDS = ("ollama", "openai", "schema", "tools", "long_context")
+# Structured output (a schema or tools): answers closed within their budget, cut short,
+# and requests refused for what they asked (the box's `structured`).
+STRUCTURED = ("closed", "cut", "refused")
+_STRUCTURED = tuple(f"structured_{o}" for o in STRUCTURED)
 _MINUTE_SUMS = ("reports", "requests", *_SUMS, "ttft_p50_sum", "ttft_p95_sum", "ttft_n",
-                "tpot_p50_sum", "tpot_p95_sum", "tpot_n", *(f"kind_{k}" for k in KINDS))
+                "tpot_p50_sum", "tpot_p95_sum", "tpot_n", *(f"kind_{k}" for k in KINDS),
+                *_STRUCTURED)
 _WORST = ("ttft_worst", "tpot_worst")
 _MINUTES_UPSERT = (
     f"INSERT INTO slo_minutes (minute, fleet, model, {', '.join(_MINUTE_SUMS)}, "
@@ -121,6 +139,10 @@ _MINUTES_UPSERT = (
     + ", ".join(f"{c} = slo_minutes.{c} + excluded.{c}" for c in _MINUTE_SUMS) + ", "
     + ", ".join(f"{c} = CASE WHEN slo_minutes.{c} IS NULL OR excluded.{c} > slo_minutes.{c} "
                 f"THEN excluded.{c} ELSE slo_minutes.{c} END" for c in _WORST))
+_DEGRADATIONS_UPSERT = (
+    "INSERT INTO slo_degradations (minute, fleet, tier, reason, action, count) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (minute, fleet, tier, reason, action) "
+    "DO UPDATE SET count = slo_degradations.count + excluded.count")
 # A box's interval is at most this long to count (one that claims a week is a clock jump).
 MAX_INTERVAL_S = 86400.0
 # Chart buckets: at most this many in a window (the step grows with the window).
@@ -159,6 +181,7 @@ class IntervalRow:
     ttft: tuple[float | None, float | None, int] = (None, None, 0)
     tpot: tuple[float | None, float | None, int] = (None, None, 0)
     kinds: tuple[int, ...] = (0,) * len(KINDS)
+    structured: tuple[int, ...] = (0,) * len(STRUCTURED)
 
     @property
     def requests(self) -> int:
@@ -203,9 +226,13 @@ def interval_rows(body: Mapping[str, Any], sent: float | None = None
         kinds = m.get("kinds")
         if isinstance(kinds, Mapping):
             row.kinds = tuple(_count(kinds.get(k)) for k in KINDS)
+        structured = m.get("structured")
+        if isinstance(structured, Mapping):
+            row.structured = tuple(_count(structured.get(o)) for o in STRUCTURED)
         given = verdicts.get(row.model, {})
         row.feedback_good, row.feedback_bad = given.get("good", 0), given.get("bad", 0)
-        if row.requests or row.ttft[2] or row.tpot[2] or row.feedback_good or row.feedback_bad:
+        if row.requests or row.ttft[2] or row.tpot[2] or row.feedback_good \
+                or row.feedback_bad or any(row.structured):
             rows.append(row)
     upstream = body.get("upstream")
     sent = _count(upstream.get("requests")) if isinstance(upstream, Mapping) else 0
@@ -226,6 +253,21 @@ class MinuteSums:
     def __init__(self) -> None:
         self.sums: dict[tuple[int, str, str], list[float]] = {}
         self.worst: dict[tuple[int, str, str], list[float | None]] = {}
+        self.degraded: dict[tuple[int, str, str, str, str], int] = {}
+
+    def add_degradations(self, minute: int, fleet: str, body: Mapping[str, Any]) -> None:
+        """A body's `degradations` (`[{"tier", "reason", "action", "count"}]`); what is
+        not of that shape counts as nothing."""
+        given = body.get("degradations")
+        for d in given if isinstance(given, list) else ():
+            if not isinstance(d, Mapping):
+                continue
+            n = _count(d.get("count"))
+            tier, reason, action = (str(d.get(k) or "")[:64] for k in ("tier", "reason",
+                                                                        "action"))
+            if n and tier and reason and action:
+                key = (minute, fleet, tier, reason, action)
+                self.degraded[key] = self.degraded.get(key, 0) + n
 
     def add(self, minute: int, fleet: str, r: IntervalRow) -> None:
         key = (minute, fleet, r.model)
@@ -235,7 +277,8 @@ class MinuteSums:
         pn = pn if p95 is not None else 0
         values = (1, r.requests, r.ok, r.client_errors, r.server_errors, r.tokens_out,
                   r.upstream, r.feedback_good, r.feedback_bad, (t50 or 0.0) * tn,
-                  (t95 or 0.0) * tn, tn, (p50 or 0.0) * pn, (p95 or 0.0) * pn, pn, *r.kinds)
+                  (t95 or 0.0) * tn, tn, (p50 or 0.0) * pn, (p95 or 0.0) * pn, pn, *r.kinds,
+                  *r.structured)
         sums = self.sums.setdefault(key, [0] * len(values))
         for i, v in enumerate(values):
             sums[i] += v
@@ -260,6 +303,9 @@ class Bucket:
     upstream: int = 0
     feedback_good: int = 0
     feedback_bad: int = 0
+    structured_closed: int = 0
+    structured_cut: int = 0
+    structured_refused: int = 0
     reports: int = 0  # box intervals behind the bucket
     ttft_p50: float | None = None
     ttft_p95: float | None = None
@@ -267,6 +313,8 @@ class Bucket:
     tpot_p50: float | None = None
     tpot_p95: float | None = None
     tpot_worst: float | None = None
+    # Degradations by risk tier (the boxes', whatever the model: a fleet's or the fleet's).
+    degraded: dict[str, int] = field(default_factory=dict)
 
     def error_rate(self) -> float | None:
         return self.server_errors / self.requests if self.requests else None
@@ -314,7 +362,8 @@ def _aggregates(prefix: str = "") -> str:
             f"MAX({p}ttft_p95), "
             f"SUM({p}tpot_p50 * {p}tpot_n), SUM({p}tpot_p95 * {p}tpot_n), "
             f"SUM(CASE WHEN {p}tpot_p95 IS NULL THEN 0 ELSE {p}tpot_n END), "
-            f"MAX({p}tpot_p95)")
+            f"MAX({p}tpot_p95), "
+            + ", ".join(f"SUM({p}{c})" for c in _STRUCTURED))
 
 
 # `_aggregates`' columns, in its order, from the per-minute sums.
@@ -322,7 +371,8 @@ _MINUTE_AGGREGATES = (
     "SUM(requests), SUM(ok), SUM(client_errors), SUM(server_errors), SUM(tokens_out), "
     "SUM(upstream), SUM(feedback_good), SUM(feedback_bad), SUM(reports), "
     "SUM(ttft_p50_sum), SUM(ttft_p95_sum), SUM(ttft_n), MAX(ttft_worst), "
-    "SUM(tpot_p50_sum), SUM(tpot_p95_sum), SUM(tpot_n), MAX(tpot_worst)")
+    "SUM(tpot_p50_sum), SUM(tpot_p95_sum), SUM(tpot_n), MAX(tpot_worst), "
+    + ", ".join(f"SUM({c})" for c in _STRUCTURED))
 
 
 def _fill(bucket: Bucket, values: Sequence[Any]) -> Bucket:
@@ -338,6 +388,8 @@ def _fill(bucket: Bucket, values: Sequence[Any]) -> Bucket:
         bucket.tpot_p50 = round(float(p50) / float(pn), 3)
         bucket.tpot_p95 = round(float(p95) / float(pn), 3)
     bucket.tpot_worst = None if pworst is None else float(pworst)
+    bucket.structured_closed, bucket.structured_cut, bucket.structured_refused = (
+        int(v or 0) for v in values[17:20])
     return bucket
 
 
@@ -369,23 +421,27 @@ class SLOQueries:
         """The message's rows; its figures also added to `minutes` (per minute, fleet and
         model), which the ingest writes once its batch is read (`write_minutes`)."""
         start, end, rows = interval_rows(msg.body, msg.ts)
-        if end is None or not rows:
+        if end is None:
             return
         assert start is not None
         if minutes is not None:
+            # The minute (m, m + 60] it ended in, as the intervals' buckets count.
+            minute = (math.ceil(end) - 1) // 60
+            minutes.add_degradations(minute, msg.fleet, msg.body)
             for r in rows:
-                # The minute (m, m + 60] it ended in, as the intervals' buckets count.
-                minutes.add((math.ceil(end) - 1) // 60, msg.fleet, r)
+                minutes.add(minute, msg.fleet, r)
+        if not rows:
+            return
         db.many(
             "INSERT INTO slo_intervals (device, boot_id, seq, model, fleet, start_ts, end_ts, "
             "requests, ok, client_errors, server_errors, tokens_out, ttft_p50, ttft_p95, "
-            "ttft_n, tpot_p50, tpot_p95, tpot_n, upstream, feedback_good, feedback_bad) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ttft_n, tpot_p50, tpot_p95, tpot_n, upstream, feedback_good, feedback_bad, "
+            f"{', '.join(_STRUCTURED)}) VALUES ({', '.join('?' * (21 + len(_STRUCTURED)))}) "
             "ON CONFLICT DO NOTHING",
             [(msg.device, msg.boot_id, msg.seq, r.model, msg.fleet, start, end, r.requests,
               r.ok, r.client_errors, r.server_errors, r.tokens_out, r.ttft[0], r.ttft[1],
               r.ttft[2], r.tpot[0], r.tpot[1], r.tpot[2], r.upstream, r.feedback_good,
-              r.feedback_bad) for r in rows])
+              r.feedback_bad, *r.structured) for r in rows])
         db.many(_TOTALS_UPSERT, [
             (msg.device, r.model, msg.fleet, r.ok, r.client_errors, r.server_errors,
              r.tokens_out, r.upstream, r.feedback_good, r.feedback_bad, r.ttft[0], r.ttft[1],
@@ -399,6 +455,9 @@ class SLOQueries:
         if minutes.sums:
             db.many(_MINUTES_UPSERT, [(*key, *values, *minutes.worst[key])
                                       for key, values in sorted(minutes.sums.items())])
+        if minutes.degraded:
+            db.many(_DEGRADATIONS_UPSERT, [(*key, n) for key, n in
+                                           sorted(minutes.degraded.items())])
 
     @staticmethod
     def errors_event(db: Exec, msg: Inbound) -> None:
@@ -460,10 +519,20 @@ class SLOQueries:
                 f"SELECT model, status, type, SUM(count) FROM slo_errors "
                 f"WHERE {' AND '.join(ewhere)} GROUP BY 1, 2, 3 ORDER BY 4 DESC LIMIT 50",
                 [*eparams, since, until])
+            dwhere, dparams = _scope_where(None, None, fleet)
+            dwhere += ["minute >= ?", "minute < ?"]
+            degraded = db.rows(
+                f"SELECT (minute * 60 - ?) / ?, tier, SUM(count) FROM slo_degradations "
+                f"WHERE {' AND '.join(dwhere)} GROUP BY 1, 2",
+                [int(since), int(step), *dparams, int(since // 60), math.ceil(until / 60)]) \
+                if device is None else []
         by_index = {max(0, int(r[0])): r[1:] for r in rows}
         n = max(1, math.ceil((until - since) / step))
         buckets = [_fill(Bucket(since + i * step), by_index[i]) if i in by_index
                    else Bucket(since + i * step) for i in range(n)]
+        for index, tier, count in degraded:
+            if 0 <= int(index) < n:
+                buckets[int(index)].degraded[str(tier)] = int(count)
         return Series(since, until, step, {"model": model, "device": device, "fleet": fleet},
                       buckets, markers,
                       [{"model": m, "status": int(s), "type": t, "count": int(c)}
@@ -577,7 +646,8 @@ def _markers(db: Exec, since: float, until: float, limit: int = 500) -> list[dic
                    "WHERE created_at >= ? AND created_at < ? ORDER BY created_at DESC LIMIT ?",
                    [since, until if math.isfinite(until) else 1e18, limit])
     return [{"rollout": r[0], "name": r[1], "version": r[2], "state": r[3], "at": float(r[4]),
-             "kind": "capacity" if r[5] is not None else "model"} for r in reversed(rows)]
+             "kind": "capacity" if r[5] is not None else "agent" if is_agent_name(r[1])
+             else "model"} for r in reversed(rows)]
 
 
 def _change(before: Bucket, after: Bucket) -> dict[str, float | None]:

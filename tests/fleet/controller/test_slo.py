@@ -162,3 +162,30 @@ def test_the_minutes_have_a_column_for_each_task_kind_a_box_counts() -> None:
     body["models"][MODEL]["kinds"] = {"openai": 7, "tools": 2, "schema": "x"}
     _, _, rows = interval_rows(body)
     assert rows[0].kinds == (0, 7, 0, 2, 0)
+
+
+def test_structured_outcomes_per_model_and_degradations_per_tier(store: ControllerStore
+                                                                 ) -> None:
+    """A model's structured answers closed, cut and refused; the boxes' degradations by
+    risk tier, whatever the model (and never for one box: they are the fleet's)."""
+    bodies = []
+    for i in range(3):
+        body = metrics_body(T0 + 60 * (i + 1))
+        body["models"][MODEL]["structured"] = {"closed": 1, "cut": i, "refused": 2}
+        body["degradations"] = [{"tier": "low", "reason": "queue_full", "action": "refused",
+                                 "count": 2},
+                                {"tier": "high", "reason": "memory", "action": "fallback",
+                                 "count": 1},
+                                {"tier": "", "reason": "x", "action": "y", "count": 5}]
+        bodies.append(body)
+    store.ingest([msg("d1", i + 1, b) for i, b in enumerate(bodies)])
+    store.ingest([msg("d2", 1, {"interval": {"start": T0, "end": T0 + 60}, "models": {},
+                                "degradations": [{"tier": "low", "reason": "deadline",
+                                                  "action": "queued", "count": 4}]})])
+    series = store.slo.series(since=T0, until=T0 + 180, step=60)
+    assert [(b.structured_closed, b.structured_cut, b.structured_refused)
+            for b in series.buckets] == [(1, 0, 2), (1, 1, 2), (1, 2, 2)]
+    assert [b.degraded for b in series.buckets] == [
+        {"low": 6, "high": 1}, {"low": 2, "high": 1}, {"low": 2, "high": 1}]
+    one = store.slo.series(since=T0, until=T0 + 180, step=60, device="d1")
+    assert one.buckets[2].structured_cut == 2 and one.buckets[0].degraded == {}

@@ -139,5 +139,9 @@ def test_a_slower_wave_shows_in_the_table_the_chart_and_the_alert(
         assert marker.find_element(By.CSS_SELECTOR, "text.marker-label").text == f"{NAME}@2"
         assert marker.get_dom_attribute("href").endswith(f"/console/rollouts/{rid}")
         assert len(chart.find_elements(By.TAG_NAME, "polyline")) >= 2
+        assert {c.get_attribute("id") for c in driver.find_elements(
+            By.CSS_SELECTOR, "svg.chart")} == {"chart-ttft", "chart-tpot", "chart-requests",
+                                               "chart-tokens", "chart-structured",
+                                               "chart-degradations", "chart-feedback"}
         assert driver.find_element(By.ID, "slo-releases").text.count(f"{NAME}@2") == 1
         shot(driver, tmp_path, "service-levels")

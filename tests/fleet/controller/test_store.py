@@ -358,4 +358,4 @@ def test_every_table_the_controller_stores_is_listed_in_one_place() -> None:
                for m in re.findall(r"CREATE TABLE (\w+)", s)}
     listed = set(re.findall(r"^\| `(\w+)` \|", schema.__doc__ or "", re.M))
     assert created == listed
-    assert len(created) == 20
+    assert len(created) == 21

@@ -8,6 +8,7 @@ that no prompt text or PII value reaches any payload."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import sqlite3
@@ -668,3 +669,178 @@ def test_metrics_carry_each_models_task_kinds_of_the_interval(tmp_path: Path,
     assert second["m:1"]["kinds"] == {"ollama": 1, "openai": 0, "schema": 0, "tools": 1,
                                       "long_context": 0}  # deltas, not totals
     assert "m:2" not in second
+
+
+def test_metrics_carry_structured_outcomes_and_degradations_of_the_interval(
+        tmp_path: Path, outbox: Outbox) -> None:
+    """Each model's structured outputs closed / cut / refused and the box's degradations
+    by tier, cause and action: deltas of their counters, all three structured keys once
+    any moved and none otherwise, degradations sorted and an empty list without any."""
+    import dataclasses
+
+    metrics = Metrics(lambda: [])
+    sync = make_sync(tmp_path, outbox, metrics=metrics.registry)
+    closed = dataclasses.replace(done(10, 0, 5, 4), closed=True)
+    metrics.observe_done("m:1", "openai", closed, 0.1)
+    metrics.observe_done("m:1", "openai", done(10, 0, 5, 4), 0.1, cut=True)
+    metrics.observe_done("m:1", "openai", done(10, 0, 5, 4), 0.1, cut=True)
+    metrics.observe_structured_refused("m:2")  # refused before it ran: no other figure
+    metrics.observe_done("m:3", "openai", done(10, 0, 5, 4), 0.1)  # plain: no structured
+    for tier, reason, action in (("normal", "queue_full", "fallback"), ("high", "memory",
+                                 "refused"), ("normal", "queue_full", "fallback")):
+        metrics.observe_degradation(tier, reason, action)
+    assert sync.tick_metrics(now=1000.0)
+    first = sent(outbox, "metrics")[0].body
+    assert first["models"]["m:1"]["structured"] == {"closed": 1, "cut": 2, "refused": 0}
+    assert first["models"]["m:2"]["structured"] == {"closed": 0, "cut": 0, "refused": 1}
+    assert "structured" not in first["models"]["m:3"]
+    assert first["degradations"] == [
+        {"tier": "high", "reason": "memory", "action": "refused", "count": 1},
+        {"tier": "normal", "reason": "queue_full", "action": "fallback", "count": 2}]
+
+    metrics.observe_done("m:1", "openai", done(10, 0, 5, 4), 0.1, cut=True)
+    metrics.observe_done("m:2", "openai", done(10, 0, 5, 4), 0.1)
+    metrics.observe_degradation("low", "deadline", "queued")
+    assert sync.tick_metrics(now=1060.0)
+    second = sent(outbox, "metrics")[1].body
+    assert second["models"]["m:1"]["structured"] == {"closed": 0, "cut": 1, "refused": 0}
+    assert "structured" not in second["models"]["m:2"]  # deltas: nothing moved for it
+    assert second["degradations"] == [  # deltas: the earlier ones are not repeated
+        {"tier": "low", "reason": "deadline", "action": "queued", "count": 1}]
+    assert sync.tick_metrics(now=1120.0)
+    assert sent(outbox, "metrics")[2].body["degradations"] == []
+
+
+# -- end to end: structured outcomes and a degradation, from a live box to the message -------
+
+STORY = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+ASK_STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight. "
+                                         "Answer as JSON."}]
+# A keyword no grammar here enforces: refused by name, 400 (docs/api/tools-and-schemas.md).
+UNFOLLOWABLE = {"type": "object", "properties": {"a": {"type": "string"}},
+                "dependentSchemas": {"a": {"required": ["b"]}}}
+
+
+def _structured_counts(live: Any, model: str) -> dict[str, float]:
+    """`/metrics` as a client scrapes it: the three structured counters of `model`."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{live.base_url}/metrics").text
+    out = dict.fromkeys(("closed", "cut", "refused"), 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            kind = s.name.removeprefix("edge_agent_structured_").removesuffix("_total")
+            if kind in out and s.name.endswith("_total") and s.labels.get("model") == model:
+                out[kind] = s.value
+    return out
+
+
+@pytest.mark.integration
+def test_structured_outcomes_and_a_degradation_reach_metrics_and_the_message(
+        model_cache: Path, tmp_path: Path) -> None:
+    """A live box with one sequence and one waiting place, asked through the official
+    clients: a schema answer closed within its budget, one cut (its required property
+    cannot fit in 2 tokens, so closing cannot end it), a schema refused in each dialect,
+    and a request refused on a full queue (normal tier, no fallback). `/metrics` and the
+    next metrics message say exactly that, per model; the message's degradations too."""
+    import threading
+
+    import httpx
+    import jsonschema
+    import ollama
+    import openai
+
+    from edge_agent.config import load_settings
+    from tests.conftest import DEFAULT_MODEL, NO_EOS, clone_state, free_port, start_server
+    from tests.support.fleetkit import wait_until
+
+    state = clone_state(model_cache, tmp_path / "state")
+    live = start_server(load_settings(None, state_dir=state, **{
+        "server.port": free_port(), "runtime.context_length": 1024, "runtime.parallel": 1,
+        "runtime.max_queue": 1, "runtime.structured_close_tokens": 48}))
+    box = Outbox(tmp_path / "outbox.db", device=DEVICE, boot_id=uuid.uuid4().hex,
+                 max_bytes=1 << 24)
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    try:
+        parts = live.app.state.parts
+        sync = Sync(emit=box.append, ledger_path=state / "ledger.db",
+                    state_path=state / "fleet-sync.json", metrics=parts.metrics.registry,
+                    outbox_stats=box.stats, models=parts.ops)
+        assert sync.tick_metrics()  # the baseline: what the start did is not this test's
+        before = _structured_counts(live, DEFAULT_MODEL)
+        oa = openai.OpenAI(base_url=live.openai_url, api_key="unused", max_retries=0)
+
+        closed = oa.chat.completions.with_raw_response.create(
+            model=DEFAULT_MODEL, messages=ASK_STORY, max_tokens=14,  # type: ignore[arg-type]
+            temperature=0, response_format={"type": "json_schema", "json_schema": {
+                "name": "story", "schema": STORY}})
+        assert closed.headers["x-edge-closed"] == "max_tokens"
+        jsonschema.validate(json.loads(closed.parse().choices[0].message.content or ""),
+                            STORY)
+
+        ol = ollama.Client(host=live.base_url, headers={"X-Request-Id": "structured-cut"})
+        cut = ol.chat(model=DEFAULT_MODEL, messages=ASK_STORY, format=STORY,
+                      options={"num_predict": 2, "temperature": 0})
+        assert cut.done_reason == "length"
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(cut.message.content or "")
+        assert live.ledger_row("structured-cut")["structured_failure"] == 1
+
+        with pytest.raises(openai.BadRequestError) as refused:
+            oa.chat.completions.create(
+                model=DEFAULT_MODEL, messages=ASK_STORY, max_tokens=8,  # type: ignore[arg-type]
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "x", "schema": UNFOLLOWABLE}})
+        assert refused.value.body["param"] == (  # type: ignore[index]
+            "response_format.json_schema.schema.dependentSchemas")
+        with pytest.raises(ollama.ResponseError) as refused_ollama:
+            ol.chat(model=DEFAULT_MODEL, messages=ASK_STORY, format=UNFOLLOWABLE)
+        assert refused_ollama.value.status_code == 400
+        assert "dependentSchemas" in refused_ollama.value.error
+
+        gained = {k: v - before[k] for k, v in _structured_counts(live, DEFAULT_MODEL).items()}
+        assert gained == {"closed": 1, "cut": 1, "refused": 2}
+
+        # Saturated: one stream decodes, one waits, so the queue is full; a normal-tier
+        # request with no fallback model set is refused, and counted as a degradation.
+        worker = next(m.worker for m in parts.registry.loaded()
+                      if m.info.name == DEFAULT_MODEL)
+
+        def stream(i: int) -> None:
+            body = {"model": DEFAULT_MODEL, "stream": True, "max_tokens": 900,
+                    "temperature": 1.0, "logit_bias": NO_EOS,
+                    "messages": [{"role": "user", "content": f"Write a long story, part {i}."}]}
+            with httpx.stream("POST", f"{live.openai_url}/chat/completions", json=body,
+                              timeout=300) as r:
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        return
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        threads[0].start()
+        assert wait_until(lambda: worker.running == 1, 60)
+        threads[1].start()
+        assert wait_until(lambda: worker.queued == 1, 60)
+        with pytest.raises(openai.APIStatusError) as saturated:
+            oa.chat.completions.create(model=DEFAULT_MODEL, max_tokens=4,
+                                       messages=[{"role": "user", "content": "Hi"}])
+        assert saturated.value.status_code == 503
+        assert saturated.value.code == "risk_not_degraded"
+        assert worker.running == 1 and worker.queued == 1  # still so: it saw a full queue
+
+        assert sync.tick_metrics()
+        body = sent(box, "metrics")[-1].body
+        assert body["models"][DEFAULT_MODEL]["structured"] == {"closed": 1, "cut": 1,
+                                                               "refused": 2}
+        # The refusals count with every refusal before a model runs, as a 400.
+        assert body["models"]["(none)"]["requests"]["400"] == 2
+        assert body["degradations"] == [
+            {"tier": "normal", "reason": "queue_full", "action": "refused", "count": 1}]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        box.close()
+        live.stop()

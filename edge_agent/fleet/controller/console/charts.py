@@ -118,7 +118,8 @@ def line_chart(chart_id: str, title: str, unit: str, starts: Sequence[float], st
 
 def service_levels(series: dict[str, Any]) -> list[Markup]:
     """The SLO page's charts from `SLOQueries.series(…).to_json()`: latency, requests and
-    their outcome, throughput, and the answers people sent back."""
+    their outcome, throughput, structured output, degradations, and the answers people
+    sent back."""
     buckets = series["buckets"]
     starts = [b["start"] for b in buckets]
     step = float(series["step"])
@@ -144,7 +145,24 @@ def service_levels(series: dict[str, Any]) -> list[Markup]:
         line_chart("chart-tokens", "Tokens generated per second", "", starts, step,
                    [Line("tokens/s", [b["tokens_per_s"] if b["requests"] else None
                                       for b in buckets])], markers),
+        line_chart("chart-structured", "Structured output: closed, cut, refused", "", starts,
+                   step, [Line("closed", counted("structured_closed")),
+                          Line("cut", counted("structured_cut")),
+                          Line("refused", counted("structured_refused"))], markers),
+        line_chart("chart-degradations", "Degraded requests by risk tier (the boxes')", "",
+                   starts, step, [Line(tier, [b["degraded"].get(tier) for b in buckets])
+                                  for tier in _busiest_tiers(buckets)], markers),
         line_chart("chart-feedback", "Answers rated by people", "", starts, step,
                    [Line("good", counted("feedback_good")),
                     Line("bad", counted("feedback_bad"))], markers),
     ]
+
+
+def _busiest_tiers(buckets: Sequence[dict[str, Any]], most: int = len(COLOURS)) -> list[str]:
+    """The risk tiers with the most degraded requests in the window, at most one per
+    colour."""
+    totals: dict[str, int] = {}
+    for b in buckets:
+        for tier, n in b["degraded"].items():
+            totals[tier] = totals.get(tier, 0) + n
+    return sorted(totals, key=lambda t: (-totals[t], t))[:most]

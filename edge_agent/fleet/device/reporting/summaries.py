@@ -48,8 +48,19 @@ CACHE_GAUGES = {
     "entries": "edge_agent_prompt_cache_entries",
     "limit_bytes": "edge_agent_prompt_cache_limit_bytes",
 }
+# label model: structured answers closed within their budget, cut (not a document), and
+# requests refused for a schema or tools the box cannot follow
+STRUCTURED = {
+    "closed": "edge_agent_structured_closed_total",
+    "cut": "edge_agent_structured_cut_total",
+    "refused": "edge_agent_structured_refused_total",
+}
+# labels tier, reason, action: requests a saturated box served otherwise than asked
+DEGRADATIONS = "edge_agent_degradations_total"
 COUNTERS = frozenset({REQUESTS, REJECTIONS, EVALUATED, CACHED, PREDICTED, UPSTREAM,
-                      FEEDBACK, KINDS, *CACHE_COUNTERS.values()})
+                      FEEDBACK, KINDS, DEGRADATIONS, *STRUCTURED.values(),
+                      *CACHE_COUNTERS.values()})
+_STRUCTURED_KEYS = {name: key for key, name in STRUCTURED.items()}
 WAITING = "llamacpp:requests_deferred"  # label model
 RUNNING = "llamacpp:requests_processing"
 GAUGES = frozenset({WAITING, RUNNING, *CACHE_GAUGES.values()})
@@ -119,9 +130,11 @@ def model_metrics(gained: Series, gauges: Series,
     back on its answers (`fleet.protocol.feedback`), and its requests by task kind
     (`kinds`: every one of `materials.EVAL_KINDS`, zeros included, present only when the
     model had a request that reached it in the interval: a kind's share of them is what
-    the central team sets against the kinds of the release's evaluation samples). A model
-    appears when it served, failed, is loaded (its gauges), has latencies or got a
-    verdict."""
+    the central team sets against the kinds of the release's evaluation samples), and its
+    structured outputs (`structured`: closed, cut and refused, all three present when
+    any moved in the interval, absent otherwise: the central team charts each model's
+    failure share over time). A model appears when it served, failed, is loaded (its
+    gauges), has latencies, got a verdict or had a structured outcome."""
     models: dict[str, dict[str, Any]] = {}
 
     def entry(labels: Labels) -> dict[str, Any]:
@@ -151,6 +164,9 @@ def model_metrics(gained: Series, gauges: Series,
             if kind in EVAL_KINDS:
                 kinds = entry(labels).setdefault("kinds", dict.fromkeys(EVAL_KINDS, 0))
                 kinds[kind] += int(value)
+        elif name in _STRUCTURED_KEYS:  # only gains are here: a zero adds no key
+            structured = entry(labels).setdefault("structured", dict.fromkeys(STRUCTURED, 0))
+            structured[_STRUCTURED_KEYS[name]] += int(value)
     for (name, labels), value in gauges.items():
         entry(labels)["queue"]["waiting" if name == WAITING else "running"] = int(value)
     for model, (ttft, tpot) in latencies.items():
@@ -173,6 +189,21 @@ def rejections(gained: Series) -> dict[str, int]:
             reason = dict(labels).get("reason", "")
             out[reason] = out.get(reason, 0) + int(value)
     return out
+
+
+def degradations(gained: Series) -> list[dict[str, Any]]:
+    """Requests a saturated box served otherwise than asked in the interval, by risk tier,
+    cause (queue_full, memory, deadline) and what it did (fallback, queued, refused),
+    sorted, those that did not move left out; empty when none. A list of rows rather than
+    nested objects: the central team charts each combination as one series."""
+    rows: dict[tuple[str, str, str], int] = {}
+    for (name, labels), value in gained.items():
+        if name == DEGRADATIONS:
+            d = dict(labels)
+            key = (d.get("tier", ""), d.get("reason", ""), d.get("action", ""))
+            rows[key] = rows.get(key, 0) + int(value)
+    return [{"tier": t, "reason": r, "action": a, "count": n}
+            for (t, r, a), n in sorted(rows.items()) if n]
 
 
 def upstream_share(gained: Series) -> dict[str, Any]:

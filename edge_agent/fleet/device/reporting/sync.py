@@ -6,9 +6,12 @@ produced on their intervals and handed to the outbox (`emit`, `Outbox.append`'s 
   counters since the last message —, TTFT and TPOT p50/p95 of the interval, the queue at
   the tick, the verdicts apps sent back on its answers (`feedback`: good and bad, from
   `edge_agent_feedback_total`, `fleet.protocol.feedback`), its requests by task kind
-  (`kinds`, from `edge_agent_request_kinds_total`); rejections by reason; the
-  hardware sampler's latest readings; the outbox's depth and oldest age. Counters reset
-  with the process, so the first message after a start covers the time since that start.
+  (`kinds`, from `edge_agent_request_kinds_total`), its structured outputs closed, cut
+  and refused (`structured`, from `edge_agent_structured_{closed,cut,refused}_total`);
+  rejections by reason; degradations by risk tier, cause and action (`degradations`,
+  from `edge_agent_degradations_total`); the hardware sampler's latest readings; the
+  outbox's depth and oldest age. Counters reset with the process, so the first message
+  after a start covers the time since that start.
 - `ledger` (class `audit`, every `fleet.ledger_interval_s`, only when rows were
   committed): `fleet.device.reporting.ledger_summary` — counts, never text, each row exactly once.
 - `events` (class `audit`): model installed / removed / activated / loaded / unloaded
@@ -191,6 +194,7 @@ class Sync:
             "interval": interval,
             "models": summaries.model_metrics(gained, gauges, lat),
             "rejections": summaries.rejections(gained),
+            "degradations": summaries.degradations(gained),
             "upstream": summaries.upstream_share(gained),
             "prompt_cache": summaries.prompt_cache(gained, gauges),
             "hardware": summaries.hardware(self._hardware()) if self._hardware else {},
