@@ -30,7 +30,7 @@ import httpx
 from fastapi import FastAPI
 
 from edge_agent import __version__
-from edge_agent.api import ollama, ollama_models, ops
+from edge_agent.api import feedback, ollama, ollama_models, ops
 from edge_agent.api.openai import batch_routes, routes
 from edge_agent.config import load_settings
 from edge_agent.engine.registry import FOREVER, parse_keep_alive
@@ -62,7 +62,7 @@ def own_openapi_document() -> dict[str, Any]:
     live server serves the same)."""
     app = FastAPI(title="edge-agent", version=__version__)
     for router in (ops.router, ollama.router, ollama_models.router, routes.router,
-                   batch_routes.router):
+                   batch_routes.router, feedback.router):
         app.include_router(router)
     return app.openapi()
 
