@@ -15,6 +15,7 @@ script on the loop thread.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,17 +51,27 @@ def default_facts(device: SimDevice) -> dict[str, Any]:
 
 
 def default_metrics(device: SimDevice, n: int) -> dict[str, Any]:
-    """A metrics body shaped like `fleet.device.reporting.sync`'s (about 450 bytes)."""
+    """A metrics body shaped as `fleet.device.reporting.sync` sends it (about 700 bytes),
+    so that the controller keeps a simulated fleet's service levels as a real one's."""
     stats = device.outbox.stats()
-    return {"interval_s": device.sim_interval_s, "tick": n,
+    now = time.time()
+    served = 12 + n % 5
+    return {"interval": {"start": now - device.sim_interval_s, "end": now},
             "models": {"smollm2:135m": {
-                "requests": {"ok": 12 + n % 5, "error": n % 2}, "tokens_in": 1200 + n,
-                "tokens_out": 2400 + n, "tokens_cached": 300, "cached_share": 0.25,
-                "ttft_ms": {"p50": 81.5, "p95": 152.0}, "tpot_ms": {"p50": 21.0, "p95": 26.5},
-                "queue": n % 3}},
-            "rejections": {"rate_limited": n % 4},
-            "hardware": {"cpu_percent": 12.5, "ram_used_bytes": 3 << 30,
-                         "disk_free_bytes": 40 << 30},
+                "requests": {"200": served, **({"500": 1} if n % 2 else {})},
+                "tokens": {"in": 1500 + n, "out": 2400 + n, "cached": 300,
+                           "cached_share": round(300 / (1500 + n), 4)},
+                "ttft_ms": {"p50": 81.5, "p95": 152.0, "n": served},
+                "tpot_ms": {"p50": 21.0, "p95": 26.5, "n": served},
+                "queue": {"waiting": n % 3, "running": 1},
+                "feedback": {"good": n % 2, "bad": 0},
+                "kinds": {"ollama": 6, "openai": served - 6 + n % 2, "schema": 3, "tools": 1,
+                          "long_context": 0}}},
+            "rejections": {"queue_full": n % 4},
+            "upstream": {"requests": 0, "share": 0.0, "by": {}},
+            "degradations": [],
+            "hardware": {"cpu_utilization_ratio": 0.125, "memory_used_bytes": 3 << 30,
+                         "state_disk_free_bytes": 40 << 30},
             "outbox": {"depth": stats.depth, "oldest_age_s": round(stats.oldest_age_s, 3)}}
 
 
