@@ -9,6 +9,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -221,3 +222,50 @@ def test_a_system_prompt_two_requests_sent_is_warm_after_a_restart(
     other = PromptCache(256 * 2**20, PromptDisk(disk_dir, 64 * 2**20))
     cached_scheduler(other, digest="f" * 64)
     assert other.stats.disk_loaded == 0
+
+
+def _answer(sched: ModelScheduler, tokens: list[int], **kw: Any) -> tuple[str, int, int]:
+    """(text, draft tokens decoded, steps) of one greedy job of 32 tokens."""
+    job, out = _job(sched, tokens, max_tokens=32)
+    for key, value in kw.items():
+        setattr(job, key, value)
+    drafted, steps = sched.stats.drafted, sched.stats.steps
+    sched.submit(job)
+    text = out.result().text
+    return text, sched.stats.drafted - drafted, sched.stats.steps - steps
+
+
+@pytest.mark.integration
+def test_the_same_prompt_again_is_decoded_from_its_earlier_answer_and_answers_the_same(
+        cached_scheduler: Callable[..., ModelScheduler]) -> None:
+    """A greedy prompt sent again (from the sequence that holds it and its answer, and
+    restored from the RAM tier after another displaced it) has its earlier answer decoded
+    as draft rows: the same text in fewer steps. A sampled job, one whose request turned
+    speculation off, and one whose answer goes another way get their own answers."""
+    cache = PromptCache(256 * 2**20)
+    sched = cached_scheduler(cache, parallel=1, answer_drafts=8)
+    plain = cached_scheduler(PromptCache(0), parallel=1)  # no cache, no drafts
+    chats = _chats(sched.model, 2)
+    first, drafted, steps = _answer(sched, chats[0])
+    assert drafted == 0 and steps >= 32  # nothing to guess from: a step a token
+    assert _answer(plain, chats[0])[0] == first
+    again, drafted, steps = _answer(sched, chats[0])  # held by the sequence
+    assert again == first and drafted >= 24 and steps <= 12
+    assert sched.stats.draft_accepted >= 24
+    _answer(sched, chats[1])  # displaces it: its cells and answer go to the RAM tier
+    restored, drafted, steps = _answer(sched, chats[0])
+    assert cache.stats.hits["ram"] >= 1
+    assert restored == first and drafted >= 24 and steps <= 12
+    # Not for a sampled job, nor one whose request asked for no speculation.
+    assert _answer(sched, chats[0], params=SamplingParams(temperature=0.7, seed=3))[1] == 0
+    _, drafted, steps = _answer(sched, chats[0], draft=0)
+    assert drafted == 0 and steps >= 32
+    # An answer that goes another way from its first token (banned here, as another
+    # schema or bias would): no guess is decoded, and the text is its own.
+    job, out = _job(plain, chats[0], max_tokens=1)
+    plain.submit(job)
+    banned = out.result().context[-1]
+    params = SamplingParams(temperature=0.0, seed=1, logit_bias=((banned, -100.0),))
+    other, drafted, _ = _answer(sched, chats[0], params=params)
+    assert other != first and drafted == 0
+    assert other == _answer(plain, chats[0], params=params)[0]

@@ -14,7 +14,7 @@ import jsonschema
 import llama_cpp as ll
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from edge_agent.engine.constrained import sampler as sampler_module
@@ -496,3 +496,42 @@ def test_greedy_takes_the_first_highest_logit_and_a_nan_as_llama_cpp_does() -> N
     assert greedy(np.array([np.nan, 5, 3], f32)) == 0
     assert greedy(np.array([-np.inf, -np.inf], f32)) == 0
     assert greedy(np.array([1, np.inf, np.inf], f32)) == 1
+
+
+_LOGIT = st.one_of(st.sampled_from([0.0, -0.0, np.inf, -np.inf, np.nan, 3.0, -3.0]),
+                   st.floats(-30, 30, width=32))
+
+
+@settings(max_examples=400, deadline=None)
+@given(logits=st.lists(_LOGIT, min_size=2, max_size=12),
+       window=st.lists(st.integers(0, 11), max_size=8),
+       repeat=st.sampled_from([1.0, 1.1, 1.3, 0.8, 5e-324, 1e39]),
+       frequency=st.sampled_from([0.0, 0.5, -0.4, 3e38]),
+       presence=st.sampled_from([0.0, 0.3, -1.0]),
+       bias=st.lists(st.tuples(st.integers(0, 11), st.sampled_from([-100.0, 2.5, 100.0])),
+                     max_size=3))
+@example(logits=[0.0, 1.0], window=[0], repeat=1e39, frequency=0.0, presence=0.0, bias=[])
+def test_a_greedy_choice_skips_the_penalties_only_where_they_cannot_change_it(
+        logits: list[float], window: list[int], repeat: float, frequency: float,
+        presence: float, bias: list[tuple[int, float]]) -> None:
+    """`Sampler.sample`'s greedy path writes the penalties only when `may_change` says they
+    can change the choice: whatever the logits (NaN, inf, ties, 0), the window and the
+    penalties (lowering, raising, absurdly large), the token is the one the whole edit
+    gives."""
+    row = np.array(logits, dtype=np.float32)
+    bias = [(t % len(row), b) for t, b in bias]
+    edits = LogitEdits(SamplingParams(temperature=0.0, repeat_penalty=repeat,
+                                      frequency_penalty=frequency, presence_penalty=presence,
+                                      repeat_last_n=4, logit_bias=tuple(bias)))
+    for token in window:
+        edits.accept(token % len(row))
+    whole = row.copy()
+    edits.apply(whole)
+    expected = greedy(whole)
+    fast = row.copy()
+    edits.apply_bias(fast)
+    token = greedy(fast)
+    if edits.may_change(token):
+        edits.apply_penalties(fast)
+        token = greedy(fast)
+    assert token == expected

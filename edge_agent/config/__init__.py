@@ -337,6 +337,13 @@ class RuntimeSettings(_Section):
         "(0: off). The answer is the same; a stream that quotes its prompt gets it faster. "
         "Only a stream decoding alone drafts on a CPU (up to 4 together on a GPU). A request "
         "may set its own (`options.prompt_lookup`, `X-Edge-Prompt-Lookup`).")
+    answer_drafts: int = Field(
+        8, ge=0, le=MAX_DRAFT,
+        description="Speculative decoding from an earlier answer: a greedy request "
+        "(temperature 0) whose whole prompt a sequence or the prompt cache holds with an "
+        "answer after it decodes up to this many tokens of that answer as draft rows a step, "
+        "for as long as they come true (0: off). The answer is the request's own; the same "
+        "order sent again is answered faster. Only a stream decoding alone drafts on a CPU.")
     prompt_cache_mib: int = Field(
         1024, ge=0,
         description="Host RAM, in MiB, for the KV state of prompts that left their "

@@ -646,7 +646,7 @@ class ModelRegistry:
                 aging_s=rt.aging_s, deterministic=rt.deterministic,
                 flash_attn=shape.flash_attn, kv_type=shape.kv_type,
                 nice=rt.compute_nice,
-                prompt_lookup=lookup, draft_model=draft,
+                prompt_lookup=lookup, answer_drafts=rt.answer_drafts, draft_model=draft,
                 close_tokens=rt.structured_close_tokens,
                 yield_idle_s=self.settings.batches.idle_ms / 1000,
                 yield_reserve=self.settings.batches.reserve_slots,

@@ -245,8 +245,12 @@ class Sampler:
                 # llama.cpp's greedy sampler, without its copy of the vocabulary: the first
                 # of the highest logits, as numpy's argmax takes it.
                 logits = ctx.row_logits(row)
-                edits.apply(logits)
+                if edits.bias:
+                    edits.apply_bias(logits)
                 token = greedy(logits)
+                if edits.may_change(token):
+                    edits.apply_penalties(logits)
+                    token = greedy(logits)
             elif self.top_k:
                 logits = ctx.row_logits(row)
                 if edits.active:

@@ -126,6 +126,7 @@ class LlamaModel:
         self.bos = int(ll.llama_vocab_bos(self.vocab))
         self.eos = int(ll.llama_vocab_eos(self.vocab))
         self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
         self._special_starts = self._forgeable_starts()
         # The BOS's text where the tokenizer adds a BOS (add_special): "" where it adds none.
         self._bos_text = self.token_text(self.bos) \
@@ -209,7 +210,12 @@ class LlamaModel:
             size = -n
 
     def is_eog(self, token: int) -> bool:
-        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+        """Asked of llama.cpp once per token id: a ctypes call every step costs ~10 us
+        right after a decode, a dict lookup next to nothing."""
+        known = self._eog.get(token)
+        if known is None:
+            known = self._eog[token] = bool(ll.llama_vocab_is_eog(self.vocab, token))
+        return known
 
     def close(self) -> None:
         if self.ptr:

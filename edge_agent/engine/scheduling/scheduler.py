@@ -154,7 +154,7 @@ class SchedulerStats:
     embedding_jobs: int = 0  # embedding requests waiting or under way
     embedded_inputs: int = 0  # inputs embedded since the model was loaded
     embedded_tokens: int = 0
-    drafted: int = 0  # prompt-lookup draft tokens decoded
+    drafted: int = 0  # draft tokens decoded (an earlier answer's, prompt lookup's, a draft model's)
     draft_accepted: int = 0  # of them, those the sampler confirmed
     yielding: int = 0  # sequences held by yielding jobs now (a batch's lines)
     put_back: int = 0  # yielding jobs put back for other work, since the load
@@ -186,6 +186,9 @@ class _Slot:
         self.draft_max = 0  # the job's bound on draft tokens a step
         self.draft_len = 0  # this step's bound, adapted to how many were confirmed before
         self.draft: list[int] = []  # the guesses decoded after next_token in this step
+        # Earlier answers to the same prompt (`_earlier_answers`): token i of each is a guess
+        # for the job's completion token i, for as long as every one before it came true.
+        self.answers: list[list[int]] = []
 
 
 def _prompt(slot: _Slot) -> Prompt:
@@ -213,6 +216,7 @@ class ModelScheduler:
         kv_type: str = "f16",
         nice: int = 0,
         prompt_lookup: int = 0,
+        answer_drafts: int = 0,
         draft_model: LlamaModel | None = None,
         close_tokens: int = 0,
         yield_idle_s: float = 0.0,
@@ -241,6 +245,7 @@ class ModelScheduler:
         # (`constrained.closing`; `_close_reserve`). 0: never.
         self.close_tokens = close_tokens
         self.prompt_lookup = prompt_lookup  # draft tokens a step, for jobs that set none
+        self.answer_drafts = answer_drafts  # draft tokens a step from an earlier answer
         # Sequences a pass may hold for their drafts to be decoded. On a CPU every row
         # costs ~0.4 of a one-row pass (smollm2, 2 cores): beside other rows, guesses
         # confirmed 2 times in 3 still lower the aggregate, so only a lone stream drafts.
@@ -554,6 +559,7 @@ class ModelScheduler:
                                         for other in self.slots])
             src = slot if i is None else self.slots[i]
             hit, cached = self._cached_prefix(prompt, limit, best)
+            slot.answers = self._earlier_answers(job, hit)
             # What this sequence held and the new job does not keep goes to the cache
             # first (the conversation it held may come back).
             self._keep_leaving(slot, own if hit is None and src is slot else 0)
@@ -589,10 +595,13 @@ class ModelScheduler:
         # batch-invariant mode, whose output must not depend on the batch's shape.
         slot.draft_max = 0 if self.deterministic else min(
             MAX_DRAFT, self.prompt_lookup if job.draft is None else job.draft)
-        slot.draft_len = min(slot.draft_max, 4)
-        slot.draft = []
         slot.lookup = PromptLookup(prompt) \
             if slot.draft_max > 0 and self.drafter is None else None
+        if slot.answers:  # a request's own bound (0: none) holds here too
+            slot.draft_max = max(slot.draft_max, self.answer_drafts if job.draft is None
+                                 else min(job.draft, self.answer_drafts))
+        slot.draft_len = min(slot.draft_max, 4)
+        slot.draft = []
         slot.t_prompt = 0
         if len(slot.pending) == 1 and reused:
             # All but the last token cached (the same prompt again, restored or held): the
@@ -601,6 +610,32 @@ class ModelScheduler:
             slot.next_token = slot.pending.pop()
             slot.last_token_at = time.perf_counter()
         self._count()
+
+    def _earlier_answers(self, job: GenerationJob, hit: CachedPrompt | None
+                         ) -> list[list[int]]:
+        """The tokens that followed `job`'s whole prompt in the sequences' cells and in the
+        cache entry about to be restored: answers given to the same prompt before, one of
+        which a greedy job (a store's app sending the same order again) is likely to give
+        again. They are guesses like prompt lookup's: decoded as draft rows once the first
+        token confirmed one of them, kept only where the sampler confirms them, so the
+        answer is the job's own. Only greedy jobs use them: a sampled answer follows an
+        earlier one for a few tokens at most, and on a CPU every guess costs ~0.4 of a
+        pass."""
+        if self.answer_drafts <= 0 or self.deterministic or job.params.temperature > 0 \
+                or job.draft == 0:
+            return []
+        prompt = job.prompt
+        n = len(prompt)
+        sources = [s.tokens for s in self.slots]
+        if hit is not None:
+            sources.append(hit.tokens)
+        answers: list[list[int]] = []
+        for tokens in sources:
+            if len(tokens) > n + 1 and tokens[:n] == prompt:
+                answer = tokens[n:]
+                if answer not in answers:
+                    answers.append(answer)
+        return answers
 
     # -- the prompt cache beyond the sequences ---------------------------------------------
     def _cached_prefix(self, prompt: list[int], limit: int, best: int
@@ -842,20 +877,35 @@ class ModelScheduler:
         return elapsed
 
     def _draft(self, slot: _Slot, room: int) -> list[int]:
-        """The prompt-lookup guesses to decode after `slot`'s next token this step, within
+        """The guesses to decode after `slot`'s next token this step (an earlier answer's
+        while it comes true, else prompt lookup's or the draft model's), within
         `room` batch rows (those of the sequences after it are kept free), its context and
         what is left of its max_tokens."""
         job = slot.job
-        if slot.draft_len <= 0 or job is None or (slot.lookup is None and self.drafter is None):
+        if slot.draft_len <= 0 or job is None or (
+                slot.lookup is None and self.drafter is None and not slot.answers):
             return []
         limit = min(slot.draft_len, room,
                     self.ctx.n_ctx_seq - len(slot.tokens) - 1,
                     job.max_tokens - len(slot.completion) - 1)
         if limit <= 0:
             return []
+        if slot.answers:
+            # Guesses only once the answer's first token came true: the same prompt answered
+            # under another schema, bias or penalty starts otherwise, and a pass of wrong
+            # guesses costs more than the one step without any.
+            done = len(slot.completion)  # next_token is its last: the guesses follow it
+            if done == 0:
+                return []
+            guess = slot.answers[0][done : done + limit]
+            if guess:
+                return guess
+            slot.answers = []  # all of it came true: the answer goes on past it
         if slot.lookup is not None:
             return slot.lookup.draft(limit)
-        assert self.drafter is not None and slot.next_token is not None
+        if self.drafter is None:
+            return []
+        assert slot.next_token is not None
         try:
             return self.drafter.draft(slot.seq, [*slot.tokens, slot.next_token], limit)
         except Exception:  # no guess this step; the stream goes on as without a draft
@@ -952,6 +1002,9 @@ class ModelScheduler:
         if self.model.is_eog(token):
             self._finish(slot, "stop")
             return
+        if slot.answers:  # those that went another way give no more guesses
+            done = len(slot.completion)
+            slot.answers = [a for a in slot.answers if len(a) > done and a[done] == token]
         slot.completion.append(token)
         if slot.lookup is not None:
             slot.lookup.append(token)
@@ -1011,7 +1064,7 @@ class ModelScheduler:
         slot.job = None
         slot.pending = []
         slot.next_token = None
-        slot.lookup, slot.draft = None, []
+        slot.lookup, slot.draft, slot.answers = None, [], []
         if drop:
             slot.tokens = []
         self._count()
