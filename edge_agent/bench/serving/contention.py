@@ -62,7 +62,10 @@ def bench_contention(peers: dict[str, HttpPeer], extra: dict[str, Any], echo: Ec
             with hog() if condition == "hog" else nullcontext():
                 names = list(peers) if r % 2 == 0 else list(peers)[::-1]
                 for name in names:
-                    got = [_decode_rate(peers[name], extra, 100 * r + k)
+                    # Prompts of their own per condition: the second would otherwise be
+                    # answered from the first's answer (`answer_drafts`), not decoded.
+                    got = [_decode_rate(peers[name], extra,
+                                        100 * r + k + (50 if condition == "hog" else 0))
                            for k in range(STREAMS)]
                     rates[name][condition].append(statistics.median(got))
     edge, llama = rates["edge-agent"], rates["llama-server"]

@@ -53,7 +53,10 @@ def free_prompt(i: int) -> list[dict[str, str]]:
 def bench_lookup(state_dir: Path, model: str, *, threads: int, context: int, rounds: int = 6,
                  max_tokens: int = 96, draft: int = 8, extra: dict[str, Any],
                  echo: Echo) -> dict[str, Any]:
-    peer = EdgeAgentPeer(state_dir, model, threads=threads, context=context, parallel=1)
+    # Prompt lookup alone: the second of each pair would otherwise also guess from the
+    # first's answer to the same prompt (`answer_drafts`).
+    peer = EdgeAgentPeer(state_dir, model, threads=threads, context=context, parallel=1,
+                         answer_drafts=0)
     kinds: dict[str, Callable[[int], list[dict[str, str]]]] = {
         "quoting": quote_prompt, "free": free_prompt}
     ratios: dict[str, list[float]] = {k: [] for k in kinds}

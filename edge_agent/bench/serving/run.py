@@ -498,8 +498,9 @@ def bench_correctness(state_dir: Path, model: str, *, threads: int, context: int
     echo("batched vs solo at temperature 0 (8 requests, 48 tokens)")
     out = {}
     for deterministic in (False, True):
+        # Without guesses from the solo answers (`answer_drafts`): the burst's own text.
         peer = EdgeAgentPeer(state_dir, model, threads=threads, context=context, parallel=8,
-                             deterministic=deterministic)
+                             deterministic=deterministic, answer_drafts=0)
         try:
             # The same 8 prompts as the burst below, one at a time first.
             solo = [peer.chat(_ask(_numbered(8, 0, i)), 48).text for i in range(8)]
