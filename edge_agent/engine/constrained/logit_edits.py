@@ -16,6 +16,7 @@ greedy and seeded).
 from __future__ import annotations
 
 from collections import deque
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -60,13 +61,9 @@ class LogitEdits:
         """As C's float arithmetic: a sum past float32's range is inf, not an error. A bias
         that cannot make one of a model's logits overflow (any the API lets through) is
         added without numpy's error state, whose context costs more than the sums."""
-        if self._bias_unbounded:
-            with np.errstate(all="ignore"):
-                for token, bias in self.bias:
-                    logits[token] += bias
-            return
-        for token, bias in self.bias:  # one by one: a token named twice gets both
-            logits[token] += bias
+        with np.errstate(all="ignore") if self._bias_unbounded else nullcontext():
+            for token, bias in self.bias:  # one by one: a token named twice gets both
+                logits[token] += bias
 
     @np.errstate(all="ignore")
     def apply_penalties(self, logits: np.ndarray) -> None:
